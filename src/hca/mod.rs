@@ -1,4 +1,58 @@
-//! The soft-HCA: a software RDMA device speaking RoCEv2.
+//! The soft-HCA: a software RDMA device speaking RoCEv2, as a sans-I/O core (`device`, `qp`,
+//! `mr`, `cq`, `wire`) that the tokio driver and the simulator both drive.
 
+pub mod cq;
+pub mod device;
+pub mod mr;
+pub mod qp;
+pub mod rc;
+pub mod sim;
 pub mod types;
 pub mod wire;
+
+pub use cq::{CqId, WcOpcode, WcStatus, WorkCompletion};
+pub use device::{Device, DeviceConfig, DeviceIdentity, IcrcCheck, Lifecycle, VerbsError};
+pub use mr::{Access, HostMem, MrInfo, PdId};
+pub use qp::{AttrMask, Mtu, QpAttr, QpCaps, QpState, RecvWr, SendOp, SendWr, Sge, Sgl};
+pub use types::{Guid, Instant, MemKey, PciAddr, Psn, Qpn};
+
+/// Asynchronous events (ibv_event_type), delivered in order through `Device::poll_event`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AsyncEvent {
+    PortActive,
+    PortError,
+    DeviceFatal,
+    /// The device left the system (hot-remove); it will not come back under this context.
+    DeviceRemoved,
+    QpFatal(Qpn),
+    /// A remote peer broke the rules of a memory region (IBA 11.6.3.1).
+    QpAccessError(Qpn),
+    CqError(CqId),
+}
+
+/// Counters of one context. The driver publishes them through `metrics`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub tx_packets: u64,
+    pub tx_bytes: u64,
+    pub rx_packets: u64,
+    pub rx_bytes: u64,
+    pub rx_malformed: u64,
+    pub rx_icrc_errors: u64,
+    pub rx_unknown_qp: u64,
+    pub rx_dropped: u64,
+    pub rx_ghost: u64,
+    pub rx_duplicates: u64,
+    pub retransmits: u64,
+    pub timeouts: u64,
+    pub acks_tx: u64,
+    pub seq_naks_tx: u64,
+    pub seq_naks_rx: u64,
+    pub rnr_naks_tx: u64,
+    pub rnr_naks_rx: u64,
+    pub naks_tx: u64,
+    pub naks_rx: u64,
+    pub access_errors: u64,
+    pub flushed: u64,
+    pub cq_overflows: u64,
+}

@@ -19,7 +19,7 @@ pub use deth::{Deth, DethRepr, GSI_QKEY};
 pub use icrc::{icrc, IcrcContext};
 pub use imm::{Ieth, ImmDt};
 pub use opcode::{HdrMask, MsgPos, OpClass, Opcode, OpcodeInfo, OPCODE_TABLE};
-pub use packet::{emit_packet, PacketHeaders, ParsedPacket, RethRepr as PacketRethRepr};
+pub use packet::{emit_packet, finish_packet, PacketHeaders, ParsedPacket};
 pub use reth::{Reth, RethRepr};
 
 /// The UDP destination port IANA assigned to RoCEv2.

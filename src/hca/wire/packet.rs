@@ -7,7 +7,7 @@ use super::{
 };
 use crate::hca::types::MemKey;
 
-pub use super::reth::RethRepr;
+use super::reth::RethRepr;
 
 /// The largest payload a packet may carry (path MTU 4096) plus the largest header stack.
 const MAX_PACKET: usize = 4096 + 80 + ICRC_LEN;

@@ -1,0 +1,645 @@
+//! One open soft-HCA context: the verbs objects (PDs, MRs, CQs, QPs) and the sans-I/O packet
+//! pump. Inputs are `handle_datagram(now, …)`, `handle_timeout(now)` and verbs calls; outputs
+//! are `poll_transmit`, `poll_timeout` and `poll_event`. It owns no socket and reads no clock.
+//!
+//! Lifecycle follows the "RDMA reset flows" zombie model: after `fatal()` or `remove()` the
+//! context stays usable for teardown only. Pending WQEs complete with WR_FLUSH_ERR, posts fail
+//! at once, release calls succeed and free software state, and anything that would allocate
+//! or change device state fails with [`VerbsError::DeviceGone`].
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::SocketAddr;
+
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+
+use super::cq::{Cq, CqId, WorkCompletion};
+use super::mr::{Access, HostMem, MrInfo, MrTable, PdId};
+use super::qp::state::{self, AttrMask, QpState};
+use super::qp::{Ctx, Qp, QpAttr, QpCaps, RecvWr, SendWr};
+use super::types::{Guid, Instant, MemKey, PciAddr, Qpn};
+use super::wire::{IcrcContext, OpClass, ParsedPacket, WireError};
+use super::{AsyncEvent, Stats};
+
+/// Who a device is: what survives a reset and what a re-plug may change.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DeviceIdentity {
+    pub name: String,
+    pub guid: Guid,
+    pub pci: PciAddr,
+}
+
+impl DeviceIdentity {
+    /// An identity whose GUID is the EUI-64 of `mac`.
+    pub fn from_mac(name: &str, mac: [u8; 6], pci: PciAddr) -> DeviceIdentity {
+        DeviceIdentity {
+            name: name.to_string(),
+            guid: Guid::from_mac(mac),
+            pci,
+        }
+    }
+}
+
+/// How received ICRCs are treated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IcrcCheck {
+    /// Verify, assuming the sender used IP identification 0 and DF, as Linux does for an
+    /// unconnected UDP socket (our soft-HCA always does).
+    Verify,
+    /// Skip: the sender's IP identification is not visible through a UDP socket, so peers
+    /// such as rxe that number their datagrams cannot be checked without a raw socket.
+    Skip,
+}
+
+#[derive(Debug, Clone)]
+pub struct DeviceConfig {
+    pub identity: DeviceIdentity,
+    /// The address this device's UDP socket is bound to; source of every packet.
+    pub addr: SocketAddr,
+    pub icrc: IcrcCheck,
+    /// Seed for memory keys; a simulator run fixes it to replay exactly.
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lifecycle {
+    Live,
+    /// DEVICE_FATAL seen: a zombie until every object is released.
+    Fatal,
+    /// Hot-removed: a zombie whose device will not come back under this context.
+    Removed,
+}
+
+/// Errors from verbs calls. `DeviceGone` is permanent for this context (open the device
+/// again once it is back); the others are the caller's mistakes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VerbsError {
+    #[error("device is gone (fatal error or removed); only release calls are allowed")]
+    DeviceGone,
+    #[error("no such {0}")]
+    InvalidHandle(&'static str),
+    #[error("{0} is still in use")]
+    Busy(&'static str),
+    #[error(transparent)]
+    Modify(#[from] state::ModifyError),
+    #[error("cannot post to a QP in state {}", .0.name())]
+    InvalidQpState(QpState),
+    #[error("{0} queue is full")]
+    QueueFull(&'static str),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(&'static str),
+}
+
+/// Capacity bounds of one context.
+pub const MAX_CQE: usize = 1 << 16;
+pub const MAX_QP_WR: u32 = 1 << 14;
+
+pub struct Device {
+    config: DeviceConfig,
+    lifecycle: Lifecycle,
+    pds: BTreeMap<u32, ()>,
+    next_pd: u32,
+    mrs: MrTable,
+    cqs: HashMap<CqId, Cq>,
+    next_cq: u32,
+    qps: HashMap<Qpn, Qp>,
+    next_qpn: u32,
+    rng: SmallRng,
+    stats: Stats,
+    events: VecDeque<AsyncEvent>,
+    schedule: VecDeque<Qpn>,
+    /// CQs that received completions since the driver last asked.
+    cq_dirty: Vec<CqId>,
+}
+
+impl Device {
+    pub fn new(config: DeviceConfig) -> Device {
+        let rng = SmallRng::seed_from_u64(config.seed);
+        let mut d = Device {
+            config,
+            lifecycle: Lifecycle::Live,
+            pds: BTreeMap::new(),
+            next_pd: 1,
+            mrs: MrTable::default(),
+            cqs: HashMap::new(),
+            next_cq: 1,
+            qps: HashMap::new(),
+            // QP0 and QP1 are special; rxe starts regular QPs at 17.
+            next_qpn: 17,
+            rng,
+            stats: Stats::default(),
+            events: VecDeque::new(),
+            schedule: VecDeque::new(),
+            cq_dirty: Vec::new(),
+        };
+        d.events.push_back(AsyncEvent::PortActive);
+        d
+    }
+
+    pub fn identity(&self) -> &DeviceIdentity {
+        &self.config.identity
+    }
+    pub fn addr(&self) -> SocketAddr {
+        self.config.addr
+    }
+    pub fn lifecycle(&self) -> Lifecycle {
+        self.lifecycle
+    }
+    pub fn is_live(&self) -> bool {
+        self.lifecycle == Lifecycle::Live
+    }
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    fn live(&self) -> Result<(), VerbsError> {
+        if self.is_live() {
+            Ok(())
+        } else {
+            Err(VerbsError::DeviceGone)
+        }
+    }
+
+    /// Count of live objects: (PDs, MRs, CQs, QPs). Zero everywhere after a clean teardown.
+    pub fn object_counts(&self) -> (usize, usize, usize, usize) {
+        (
+            self.pds.len(),
+            self.mrs.len(),
+            self.cqs.len(),
+            self.qps.len(),
+        )
+    }
+
+    // ---- lifecycle --------------------------------------------------------------------
+
+    /// The device hit a fatal error (or was reset): every QP is flushed, the context turns
+    /// into a zombie and DEVICE_FATAL is raised.
+    pub fn fatal(&mut self) {
+        if self.lifecycle != Lifecycle::Live {
+            return;
+        }
+        self.lifecycle = Lifecycle::Fatal;
+        self.flush_everything();
+        self.events.push_back(AsyncEvent::PortError);
+        self.events.push_back(AsyncEvent::DeviceFatal);
+    }
+
+    /// The device was hot-removed: as fatal, then DEVICE_REMOVED.
+    pub fn remove(&mut self) {
+        if self.lifecycle == Lifecycle::Live {
+            self.fatal();
+        }
+        if self.lifecycle != Lifecycle::Removed {
+            self.lifecycle = Lifecycle::Removed;
+            self.events.push_back(AsyncEvent::DeviceRemoved);
+        }
+    }
+
+    fn flush_everything(&mut self) {
+        let mut qpns: Vec<Qpn> = self.qps.keys().copied().collect();
+        qpns.sort();
+        for qpn in qpns {
+            let Some(qp) = self.qps.get_mut(&qpn) else {
+                continue;
+            };
+            let mut ctx = Ctx {
+                mrs: &mut self.mrs,
+                cqs: &mut self.cqs,
+                stats: &mut self.stats,
+                events: &mut self.events,
+                local: self.config.addr,
+                now: Instant::ZERO,
+            };
+            qp.attr.state = QpState::Err;
+            qp.flush_all(&mut ctx);
+            qp.resp.nak = None;
+        }
+        self.schedule.clear();
+        for q in self.qps.values_mut() {
+            q.scheduled = false;
+        }
+        self.mark_all_cqs_dirty();
+    }
+
+    fn mark_all_cqs_dirty(&mut self) {
+        self.cq_dirty.extend(self.cqs.keys().copied());
+    }
+
+    // ---- verbs: allocation (fail on a zombie) -------------------------------------------
+
+    pub fn alloc_pd(&mut self) -> Result<PdId, VerbsError> {
+        self.live()?;
+        let id = self.next_pd;
+        self.next_pd += 1;
+        self.pds.insert(id, ());
+        Ok(PdId(id))
+    }
+
+    /// Register `len` bytes of `mem` starting at `offset`.
+    pub fn reg_mr(
+        &mut self,
+        pd: PdId,
+        mem: &HostMem,
+        offset: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<MrInfo, VerbsError> {
+        self.live()?;
+        if !self.pds.contains_key(&pd.0) {
+            return Err(VerbsError::InvalidHandle("protection domain"));
+        }
+        if offset.checked_add(len).is_none_or(|end| end > mem.len()) {
+            return Err(VerbsError::InvalidArgument(
+                "memory region exceeds its buffer",
+            ));
+        }
+        // IBA 10.6.3.1: remote write needs local write.
+        if access.contains(Access::REMOTE_WRITE) && !access.contains(Access::LOCAL_WRITE) {
+            return Err(VerbsError::InvalidArgument(
+                "REMOTE_WRITE requires LOCAL_WRITE",
+            ));
+        }
+        Ok(self
+            .mrs
+            .insert(&mut self.rng, pd, mem.clone(), offset, len, access))
+    }
+
+    pub fn create_cq(&mut self, cqe: usize) -> Result<CqId, VerbsError> {
+        self.live()?;
+        if cqe == 0 || cqe > MAX_CQE {
+            return Err(VerbsError::InvalidArgument("CQ size out of range"));
+        }
+        let id = CqId(self.next_cq);
+        self.next_cq += 1;
+        self.cqs.insert(id, Cq::new(cqe));
+        Ok(id)
+    }
+
+    pub fn create_qp(
+        &mut self,
+        pd: PdId,
+        send_cq: CqId,
+        recv_cq: CqId,
+        caps: QpCaps,
+    ) -> Result<Qpn, VerbsError> {
+        self.live()?;
+        if !self.pds.contains_key(&pd.0) {
+            return Err(VerbsError::InvalidHandle("protection domain"));
+        }
+        if !self.cqs.contains_key(&send_cq) || !self.cqs.contains_key(&recv_cq) {
+            return Err(VerbsError::InvalidHandle("completion queue"));
+        }
+        if caps.max_send_wr == 0 || caps.max_send_wr > MAX_QP_WR || caps.max_recv_wr > MAX_QP_WR {
+            return Err(VerbsError::InvalidArgument("QP queue size out of range"));
+        }
+        let qpn = loop {
+            let q = Qpn::new(self.next_qpn);
+            self.next_qpn = if self.next_qpn >= Qpn::MASK {
+                17
+            } else {
+                self.next_qpn + 1
+            };
+            if !self.qps.contains_key(&q) {
+                break q;
+            }
+        };
+        self.qps
+            .insert(qpn, Qp::new(qpn, pd, send_cq, recv_cq, caps));
+        Ok(qpn)
+    }
+
+    /// ibv_modify_qp: checked against the transition table before anything changes.
+    pub fn modify_qp(&mut self, qpn: Qpn, attr: &QpAttr, mask: AttrMask) -> Result<(), VerbsError> {
+        self.live()?;
+        let qp = self
+            .qps
+            .get_mut(&qpn)
+            .ok_or(VerbsError::InvalidHandle("queue pair"))?;
+        let cur = qp.attr.state;
+        let next = if mask.contains(AttrMask::STATE) {
+            attr.state
+        } else {
+            cur
+        };
+        state::check(cur, next, mask)?;
+        if mask.contains(AttrMask::AV) && attr.dest.is_none() {
+            return Err(VerbsError::InvalidArgument(
+                "address vector without a destination",
+            ));
+        }
+        if mask.contains(AttrMask::RETRY_CNT) && attr.retry_cnt > 7
+            || mask.contains(AttrMask::RNR_RETRY) && attr.rnr_retry > 7
+            || mask.contains(AttrMask::MIN_RNR_TIMER) && attr.min_rnr_timer > 31
+            || mask.contains(AttrMask::TIMEOUT) && attr.timeout > 31
+        {
+            return Err(VerbsError::InvalidArgument(
+                "retry or timer field out of range",
+            ));
+        }
+        let mut ctx = Ctx {
+            mrs: &mut self.mrs,
+            cqs: &mut self.cqs,
+            stats: &mut self.stats,
+            events: &mut self.events,
+            local: self.config.addr,
+            now: Instant::ZERO,
+        };
+        qp.apply(&mut ctx, attr, mask);
+        let qpn = qp.qpn;
+        self.after_qp_change(qpn, Instant::ZERO);
+        Ok(())
+    }
+
+    pub fn query_qp(&self, qpn: Qpn) -> Result<QpAttr, VerbsError> {
+        self.qps
+            .get(&qpn)
+            .map(|q| q.attr)
+            .ok_or(VerbsError::InvalidHandle("queue pair"))
+    }
+
+    // ---- verbs: release (always succeed on a zombie) ------------------------------------
+
+    pub fn destroy_qp(&mut self, qpn: Qpn) -> Result<(), VerbsError> {
+        let gone = self.qps.remove(&qpn).is_some();
+        self.schedule.retain(|q| *q != qpn);
+        if gone || !self.is_live() {
+            Ok(())
+        } else {
+            Err(VerbsError::InvalidHandle("queue pair"))
+        }
+    }
+
+    pub fn destroy_cq(&mut self, cq: CqId) -> Result<(), VerbsError> {
+        if self.is_live() {
+            if !self.cqs.contains_key(&cq) {
+                return Err(VerbsError::InvalidHandle("completion queue"));
+            }
+            if self
+                .qps
+                .values()
+                .any(|q| q.send_cq == cq || q.recv_cq == cq)
+            {
+                return Err(VerbsError::Busy("completion queue"));
+            }
+        }
+        self.cqs.remove(&cq);
+        Ok(())
+    }
+
+    pub fn dereg_mr(&mut self, key: MemKey) -> Result<(), VerbsError> {
+        if self.mrs.remove(key) || !self.is_live() {
+            Ok(())
+        } else {
+            Err(VerbsError::InvalidHandle("memory region"))
+        }
+    }
+
+    pub fn dealloc_pd(&mut self, pd: PdId) -> Result<(), VerbsError> {
+        if self.is_live() {
+            if !self.pds.contains_key(&pd.0) {
+                return Err(VerbsError::InvalidHandle("protection domain"));
+            }
+            if self.mrs.any_in_pd(pd) || self.qps.values().any(|q| q.pd == pd) {
+                return Err(VerbsError::Busy("protection domain"));
+            }
+        }
+        self.pds.remove(&pd.0);
+        Ok(())
+    }
+
+    /// Release everything at once, whatever state it is in: the recovery path's first step.
+    pub fn release_all(&mut self) {
+        self.qps.clear();
+        self.schedule.clear();
+        self.cqs.clear();
+        self.mrs.clear();
+        self.pds.clear();
+        self.cq_dirty.clear();
+    }
+
+    // ---- verbs: data path ---------------------------------------------------------------
+
+    pub fn post_send(&mut self, now: Instant, qpn: Qpn, wr: SendWr) -> Result<(), VerbsError> {
+        self.live()?;
+        let qp = self
+            .qps
+            .get_mut(&qpn)
+            .ok_or(VerbsError::InvalidHandle("queue pair"))?;
+        match qp.attr.state {
+            QpState::Reset | QpState::Init | QpState::Rtr => {
+                return Err(VerbsError::InvalidQpState(qp.attr.state))
+            }
+            _ => {}
+        }
+        if qp.sq.len() >= qp.caps.max_send_wr as usize {
+            return Err(VerbsError::QueueFull("send"));
+        }
+        if wr.sgl.total_len() > u32::MAX as u64 >> 1 {
+            return Err(VerbsError::InvalidArgument("message longer than 2 GiB"));
+        }
+        let mut ctx = Ctx {
+            mrs: &mut self.mrs,
+            cqs: &mut self.cqs,
+            stats: &mut self.stats,
+            events: &mut self.events,
+            local: self.config.addr,
+            now,
+        };
+        qp.post_send(&mut ctx, wr);
+        self.after_qp_change(qpn, now);
+        Ok(())
+    }
+
+    pub fn post_recv(&mut self, qpn: Qpn, wr: RecvWr) -> Result<(), VerbsError> {
+        self.live()?;
+        let qp = self
+            .qps
+            .get_mut(&qpn)
+            .ok_or(VerbsError::InvalidHandle("queue pair"))?;
+        if qp.attr.state == QpState::Reset {
+            return Err(VerbsError::InvalidQpState(QpState::Reset));
+        }
+        if qp.rq.len() >= qp.caps.max_recv_wr as usize {
+            return Err(VerbsError::QueueFull("receive"));
+        }
+        let mut ctx = Ctx {
+            mrs: &mut self.mrs,
+            cqs: &mut self.cqs,
+            stats: &mut self.stats,
+            events: &mut self.events,
+            local: self.config.addr,
+            now: Instant::ZERO,
+        };
+        qp.post_recv(&mut ctx, wr);
+        self.after_qp_change(qpn, Instant::ZERO);
+        Ok(())
+    }
+
+    /// Move up to `max` completions into `out`. Works on a zombie, so flushed completions
+    /// can be reaped.
+    pub fn poll_cq(&mut self, cq: CqId, max: usize, out: &mut Vec<WorkCompletion>) -> usize {
+        let Some(q) = self.cqs.get_mut(&cq) else {
+            return 0;
+        };
+        let n = max.min(q.entries.len());
+        out.extend(q.entries.drain(..n));
+        n
+    }
+
+    /// CQs that gained completions since the last call (for the driver's wakeups).
+    pub fn take_dirty_cqs(&mut self, out: &mut Vec<CqId>) {
+        out.append(&mut self.cq_dirty);
+    }
+
+    // ---- packet pump ---------------------------------------------------------------------
+
+    /// A UDP datagram arrived from `src`. Malformed or unexpected input is dropped and
+    /// counted; it never panics and never disturbs another QP.
+    pub fn handle_datagram(&mut self, now: Instant, src: SocketAddr, data: &[u8]) {
+        if !self.is_live() {
+            return;
+        }
+        self.stats.rx_packets += 1;
+        self.stats.rx_bytes += data.len() as u64;
+        let icrc = IcrcContext::new(src, self.config.addr);
+        let ctx_ref = match self.config.icrc {
+            IcrcCheck::Verify => Some(&icrc),
+            IcrcCheck::Skip => None,
+        };
+        let pkt = match ParsedPacket::parse(data, ctx_ref) {
+            Ok(p) => p,
+            Err(WireError::IcrcMismatch { .. }) => {
+                self.stats.rx_icrc_errors += 1;
+                return;
+            }
+            Err(_) => {
+                self.stats.rx_malformed += 1;
+                return;
+            }
+        };
+        let qpn = pkt.hdrs.bth.dest_qp;
+        let Some(qp) = self.qps.get_mut(&qpn) else {
+            self.stats.rx_unknown_qp += 1;
+            return;
+        };
+        // rxe's check_addr: the packet must come from the peer the QP is connected to.
+        if !qp.attr.state.can_receive() || qp.attr.dest.is_none_or(|d| d.ip() != src.ip()) {
+            self.stats.rx_dropped += 1;
+            return;
+        }
+        let info = pkt.hdrs.bth.opcode.info();
+        if matches!(info.class, OpClass::UdSend) {
+            self.stats.rx_dropped += 1;
+            return;
+        }
+        let mut ctx = Ctx {
+            mrs: &mut self.mrs,
+            cqs: &mut self.cqs,
+            stats: &mut self.stats,
+            events: &mut self.events,
+            local: self.config.addr,
+            now,
+        };
+        if info.is_request() {
+            qp.on_request(&mut ctx, &pkt);
+        } else {
+            qp.on_response(&mut ctx, &pkt);
+        }
+        let (sc, rc) = (qp.send_cq, qp.recv_cq);
+        self.mark_cq_if_nonempty(sc);
+        self.mark_cq_if_nonempty(rc);
+        self.after_qp_change(qpn, now);
+    }
+
+    fn mark_cq_if_nonempty(&mut self, cq: CqId) {
+        if self.cqs.get(&cq).is_some_and(|q| !q.entries.is_empty()) && !self.cq_dirty.contains(&cq)
+        {
+            self.cq_dirty.push(cq);
+        }
+    }
+
+    fn after_qp_change(&mut self, qpn: Qpn, now: Instant) {
+        let Some(qp) = self.qps.get_mut(&qpn) else {
+            return;
+        };
+        let (sc, rc) = (qp.send_cq, qp.recv_cq);
+        if !qp.scheduled && qp.wants_transmit(now) {
+            qp.scheduled = true;
+            self.schedule.push_back(qpn);
+        }
+        self.mark_cq_if_nonempty(sc);
+        self.mark_cq_if_nonempty(rc);
+    }
+
+    /// Write the next packet into `buf` (cleared first) and say where it goes.
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<SocketAddr> {
+        if !self.is_live() {
+            return None;
+        }
+        while let Some(qpn) = self.schedule.pop_front() {
+            let Some(qp) = self.qps.get_mut(&qpn) else {
+                continue;
+            };
+            qp.scheduled = false;
+            buf.clear();
+            let mut ctx = Ctx {
+                mrs: &mut self.mrs,
+                cqs: &mut self.cqs,
+                stats: &mut self.stats,
+                events: &mut self.events,
+                local: self.config.addr,
+                now,
+            };
+            let dst = qp.poll_transmit(&mut ctx, buf);
+            if qp.wants_transmit(now) {
+                qp.scheduled = true;
+                self.schedule.push_back(qpn);
+            }
+            let (sc, rc) = (qp.send_cq, qp.recv_cq);
+            self.mark_cq_if_nonempty(sc);
+            self.mark_cq_if_nonempty(rc);
+            if dst.is_some() {
+                return dst;
+            }
+        }
+        None
+    }
+
+    /// The earliest time `handle_timeout` should be called.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if !self.is_live() {
+            return None;
+        }
+        self.qps.values().filter_map(|q| q.poll_timeout()).min()
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if !self.is_live() {
+            return;
+        }
+        let due: Vec<Qpn> = self
+            .qps
+            .values()
+            .filter(|q| q.poll_timeout().is_some_and(|t| t <= now))
+            .map(|q| q.qpn)
+            .collect();
+        for qpn in due {
+            if let Some(qp) = self.qps.get_mut(&qpn) {
+                let mut ctx = Ctx {
+                    mrs: &mut self.mrs,
+                    cqs: &mut self.cqs,
+                    stats: &mut self.stats,
+                    events: &mut self.events,
+                    local: self.config.addr,
+                    now,
+                };
+                qp.handle_timeout(&mut ctx);
+            }
+            self.after_qp_change(qpn, now);
+        }
+    }
+
+    pub fn poll_event(&mut self) -> Option<AsyncEvent> {
+        self.events.pop_front()
+    }
+}

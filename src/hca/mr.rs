@@ -1,0 +1,359 @@
+//! Protection domains and memory regions: the table the responder consults for every remote
+//! access and the requester for every local gather/scatter.
+//!
+//! Keys are random 32-bit values (an rkey must not be guessable by a peer) and unique within
+//! the device. Every access is checked for key, protection domain, bounds and access flags
+//! before a byte moves.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bitflags::bitflags;
+use rand::Rng;
+
+use super::types::MemKey;
+
+bitflags! {
+    /// Access rights of a memory region (ibv_access_flags).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct Access: u32 {
+        const LOCAL_WRITE = 1 << 0;
+        const REMOTE_WRITE = 1 << 1;
+        const REMOTE_READ = 1 << 2;
+        const REMOTE_ATOMIC = 1 << 3;
+    }
+}
+
+/// Host memory that an HCA may read and write, the soft-HCA's stand-in for pinned pages.
+///
+/// It is shared between the application and the device. As with real DMA, the consumer owns
+/// the bytes of a buffer only while no work request that names them is outstanding; the lock
+/// only makes each copy atomic, it does not order them.
+#[derive(Clone)]
+pub struct HostMem {
+    inner: Arc<MemInner>,
+}
+
+struct MemInner {
+    bytes: Mutex<Box<[u8]>>,
+    base: u64,
+}
+
+impl HostMem {
+    pub fn new(len: usize) -> HostMem {
+        let bytes = vec![0u8; len].into_boxed_slice();
+        // The address of the allocation never changes, so it serves as the I/O virtual
+        // address of the buffer, as a process virtual address does for real verbs.
+        let base = bytes.as_ptr() as u64;
+        HostMem {
+            inner: Arc::new(MemInner {
+                bytes: Mutex::new(bytes),
+                base,
+            }),
+        }
+    }
+
+    pub fn from_vec(v: Vec<u8>) -> HostMem {
+        let bytes = v.into_boxed_slice();
+        let base = bytes.as_ptr() as u64;
+        HostMem {
+            inner: Arc::new(MemInner {
+                bytes: Mutex::new(bytes),
+                base,
+            }),
+        }
+    }
+
+    /// The address of byte 0, as used in SGEs and RETHs.
+    pub fn addr(&self) -> u64 {
+        self.inner.base
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Lock the bytes. A panic in another holder cannot leave them half-copied in a way that
+    /// matters more than a torn DMA would, so a poisoned lock is used as is.
+    pub fn lock(&self) -> MutexGuard<'_, Box<[u8]>> {
+        self.inner.bytes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn read(&self, offset: usize, out: &mut [u8]) {
+        let g = self.lock();
+        out.copy_from_slice(&g[offset..offset + out.len()]);
+    }
+
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        let mut g = self.lock();
+        g[offset..offset + data.len()].copy_from_slice(data);
+    }
+
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.lock().to_vec()
+    }
+
+    pub fn same(&self, other: &HostMem) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl std::fmt::Debug for HostMem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostMem({:#x}+{})", self.addr(), self.len())
+    }
+}
+
+/// A protection domain handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PdId(pub u32);
+
+/// What the consumer learns about a registered region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MrInfo {
+    pub lkey: MemKey,
+    /// Zero when the region allows no remote access, as with rxe.
+    pub rkey: MemKey,
+    pub addr: u64,
+    pub len: u64,
+    pub access: Access,
+}
+
+pub(crate) struct Mr {
+    pub pd: PdId,
+    pub mem: HostMem,
+    /// Offset of the region's first byte within `mem`.
+    pub offset: usize,
+    pub info: MrInfo,
+    /// Cleared by a SEND with Invalidate naming the rkey.
+    pub valid: bool,
+}
+
+/// Why an access to a region was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AccessError {
+    /// No such key, or the region was invalidated.
+    BadKey,
+    /// The region belongs to another protection domain.
+    WrongPd,
+    /// The range leaves the region.
+    OutOfBounds,
+    /// The region does not grant the operation.
+    NotPermitted,
+}
+
+/// A resolved access: which memory and where in it.
+pub(crate) struct Resolved<'a> {
+    pub mem: &'a HostMem,
+    pub offset: usize,
+}
+
+#[derive(Default)]
+pub(crate) struct MrTable {
+    by_key: HashMap<u32, Mr>,
+}
+
+impl MrTable {
+    pub fn insert(
+        &mut self,
+        rng: &mut impl Rng,
+        pd: PdId,
+        mem: HostMem,
+        offset: usize,
+        len: usize,
+        access: Access,
+    ) -> MrInfo {
+        let key = loop {
+            let k: u32 = rng.random();
+            if k != 0 && !self.by_key.contains_key(&k) {
+                break k;
+            }
+        };
+        let remote =
+            access.intersects(Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC);
+        let info = MrInfo {
+            lkey: MemKey(key),
+            rkey: if remote { MemKey(key) } else { MemKey(0) },
+            addr: mem.addr() + offset as u64,
+            len: len as u64,
+            access,
+        };
+        self.by_key.insert(
+            key,
+            Mr {
+                pd,
+                mem,
+                offset,
+                info,
+                valid: true,
+            },
+        );
+        info
+    }
+
+    pub fn remove(&mut self, key: MemKey) -> bool {
+        self.by_key.remove(&key.0).is_some()
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    pub fn clear(&mut self) {
+        self.by_key.clear();
+    }
+
+    pub fn any_in_pd(&self, pd: PdId) -> bool {
+        self.by_key.values().any(|m| m.pd == pd)
+    }
+
+    /// Check an access of `len` bytes at `addr` under `key` from a QP in `pd`.
+    /// Zero-length accesses need no valid key (IBA 9.4.1.1, 9.4.4).
+    pub fn resolve(
+        &self,
+        pd: PdId,
+        key: MemKey,
+        addr: u64,
+        len: u64,
+        need: Access,
+        remote: bool,
+    ) -> Result<Option<Resolved<'_>>, AccessError> {
+        if len == 0 {
+            return Ok(None);
+        }
+        let mr = self.by_key.get(&key.0).ok_or(AccessError::BadKey)?;
+        if !mr.valid || (remote && mr.info.rkey != key) {
+            return Err(AccessError::BadKey);
+        }
+        if mr.pd != pd {
+            return Err(AccessError::WrongPd);
+        }
+        let end = addr.checked_add(len).ok_or(AccessError::OutOfBounds)?;
+        if addr < mr.info.addr || end > mr.info.addr + mr.info.len {
+            return Err(AccessError::OutOfBounds);
+        }
+        if !mr.info.access.contains(need) {
+            return Err(AccessError::NotPermitted);
+        }
+        Ok(Some(Resolved {
+            mem: &mr.mem,
+            offset: mr.offset + (addr - mr.info.addr) as usize,
+        }))
+    }
+
+    /// SEND with Invalidate: only remotely accessible regions of the QP's PD may be invalidated.
+    pub fn invalidate(&mut self, pd: PdId, rkey: MemKey) -> Result<(), AccessError> {
+        let mr = self.by_key.get_mut(&rkey.0).ok_or(AccessError::BadKey)?;
+        if mr.info.rkey != rkey || !mr.valid {
+            return Err(AccessError::BadKey);
+        }
+        if mr.pd != pd {
+            return Err(AccessError::WrongPd);
+        }
+        mr.valid = false;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[test]
+    fn checks_key_pd_bounds_and_access() {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
+        let mut t = MrTable::default();
+        let mem = HostMem::new(4096);
+        let info = t.insert(
+            &mut rng,
+            PdId(1),
+            mem.clone(),
+            1024,
+            2048,
+            Access::REMOTE_WRITE | Access::LOCAL_WRITE,
+        );
+        assert_eq!(info.addr, mem.addr() + 1024);
+        assert_eq!(info.lkey, info.rkey);
+        let a = info.addr;
+        let ok = t
+            .resolve(PdId(1), info.rkey, a + 10, 100, Access::REMOTE_WRITE, true)
+            .unwrap()
+            .unwrap();
+        assert_eq!(ok.offset, 1034);
+        assert_eq!(
+            t.resolve(
+                PdId(1),
+                MemKey(info.rkey.0 ^ 1),
+                a,
+                1,
+                Access::REMOTE_WRITE,
+                true
+            )
+            .err(),
+            Some(AccessError::BadKey)
+        );
+        assert_eq!(
+            t.resolve(PdId(2), info.rkey, a, 1, Access::REMOTE_WRITE, true)
+                .err(),
+            Some(AccessError::WrongPd)
+        );
+        assert_eq!(
+            t.resolve(PdId(1), info.rkey, a + 2000, 49, Access::REMOTE_WRITE, true)
+                .err(),
+            Some(AccessError::OutOfBounds)
+        );
+        assert_eq!(
+            t.resolve(PdId(1), info.rkey, a - 1, 2, Access::REMOTE_WRITE, true)
+                .err(),
+            Some(AccessError::OutOfBounds)
+        );
+        assert_eq!(
+            t.resolve(PdId(1), info.rkey, u64::MAX, 2, Access::REMOTE_WRITE, true)
+                .err(),
+            Some(AccessError::OutOfBounds)
+        );
+        assert_eq!(
+            t.resolve(PdId(1), info.rkey, a, 1, Access::REMOTE_READ, true)
+                .err(),
+            Some(AccessError::NotPermitted)
+        );
+        assert!(t
+            .resolve(PdId(1), MemKey(0), 0, 0, Access::REMOTE_READ, true)
+            .unwrap()
+            .is_none());
+        t.invalidate(PdId(1), info.rkey).unwrap();
+        assert_eq!(
+            t.resolve(PdId(1), info.rkey, a, 1, Access::REMOTE_WRITE, true)
+                .err(),
+            Some(AccessError::BadKey)
+        );
+    }
+
+    #[test]
+    fn local_only_region_has_no_rkey() {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(2);
+        let mut t = MrTable::default();
+        let info = t.insert(
+            &mut rng,
+            PdId(1),
+            HostMem::new(64),
+            0,
+            64,
+            Access::LOCAL_WRITE,
+        );
+        assert_eq!(info.rkey, MemKey(0));
+        assert!(t
+            .resolve(PdId(1), info.lkey, info.addr, 8, Access::LOCAL_WRITE, false)
+            .is_ok());
+        assert_eq!(
+            t.resolve(PdId(1), info.lkey, info.addr, 8, Access::empty(), true)
+                .err(),
+            Some(AccessError::BadKey)
+        );
+    }
+}

@@ -1,0 +1,559 @@
+//! RC queue pairs. The QP is split the way rxe splits it: the requester turns send WQEs into
+//! packets (`requester.rs`), the completer consumes ACKs, NAKs and read responses and retires
+//! WQEs (`completer.rs`), and the responder executes inbound requests (`responder.rs`). This
+//! file holds the shared state, work request types and error/flush handling.
+
+mod completer;
+mod requester;
+mod responder;
+pub mod state;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+
+use super::cq::{Cq, CqId, WcOpcode, WcStatus, WorkCompletion};
+use super::mr::{Access, MrTable, PdId};
+use super::types::{Instant, MemKey, Psn, Qpn};
+use super::{AsyncEvent, Stats};
+pub use state::{AttrMask, ModifyError, QpState};
+
+/// Scatter/gather entries per work request. Fixed so a work request never allocates.
+pub const MAX_SGE: usize = 4;
+
+/// Request packets between AckReq bits inside a long message (rxe uses 64).
+const ACK_EVERY: u32 = 16;
+
+/// One scatter/gather element: `len` bytes at `addr` under local key `lkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Sge {
+    pub addr: u64,
+    pub len: u32,
+    pub lkey: MemKey,
+}
+
+/// A scatter/gather list of up to [`MAX_SGE`] entries, stored inline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Sgl {
+    n: u8,
+    sges: [Sge; MAX_SGE],
+}
+
+impl Sgl {
+    pub fn new(sges: &[Sge]) -> Option<Sgl> {
+        if sges.len() > MAX_SGE {
+            return None;
+        }
+        let mut s = Sgl::default();
+        s.sges[..sges.len()].copy_from_slice(sges);
+        s.n = sges.len() as u8;
+        Some(s)
+    }
+    pub fn one(addr: u64, len: u32, lkey: MemKey) -> Sgl {
+        let mut s = Sgl::default();
+        s.sges[0] = Sge { addr, len, lkey };
+        s.n = 1;
+        s
+    }
+    pub fn empty() -> Sgl {
+        Sgl::default()
+    }
+    pub fn entries(&self) -> &[Sge] {
+        &self.sges[..self.n as usize]
+    }
+    pub fn total_len(&self) -> u64 {
+        self.entries().iter().map(|s| s.len as u64).sum()
+    }
+}
+
+/// The operation of a send work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendOp {
+    Send,
+    SendWithImm(u32),
+    SendWithInv(MemKey),
+    Write {
+        remote_addr: u64,
+        rkey: MemKey,
+    },
+    WriteWithImm {
+        remote_addr: u64,
+        rkey: MemKey,
+        imm: u32,
+    },
+    Read {
+        remote_addr: u64,
+        rkey: MemKey,
+    },
+}
+
+impl SendOp {
+    fn wc_opcode(self) -> WcOpcode {
+        match self {
+            SendOp::Send | SendOp::SendWithImm(_) | SendOp::SendWithInv(_) => WcOpcode::Send,
+            SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
+            SendOp::Read { .. } => WcOpcode::RdmaRead,
+        }
+    }
+    fn is_read(self) -> bool {
+        matches!(self, SendOp::Read { .. })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendWr {
+    pub wr_id: u64,
+    pub op: SendOp,
+    pub sgl: Sgl,
+    /// Produce a completion on success (errors always complete).
+    pub signaled: bool,
+    pub solicited: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvWr {
+    pub wr_id: u64,
+    pub sgl: Sgl,
+}
+
+/// IB path MTU: the payload bytes of a full packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Mtu {
+    Mtu256,
+    Mtu512,
+    Mtu1024,
+    Mtu2048,
+    Mtu4096,
+}
+
+impl Mtu {
+    pub fn bytes(self) -> u32 {
+        match self {
+            Mtu::Mtu256 => 256,
+            Mtu::Mtu512 => 512,
+            Mtu::Mtu1024 => 1024,
+            Mtu::Mtu2048 => 2048,
+            Mtu::Mtu4096 => 4096,
+        }
+    }
+    pub fn from_bytes(b: u32) -> Option<Mtu> {
+        Some(match b {
+            256 => Mtu::Mtu256,
+            512 => Mtu::Mtu512,
+            1024 => Mtu::Mtu1024,
+            2048 => Mtu::Mtu2048,
+            4096 => Mtu::Mtu4096,
+            _ => return None,
+        })
+    }
+    /// The IBA enum value (1 = 256 … 5 = 4096), as carried in CM messages.
+    pub fn ib_enum(self) -> u8 {
+        self as u8 + 1
+    }
+}
+
+/// QP capacities fixed at creation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCaps {
+    pub max_send_wr: u32,
+    pub max_recv_wr: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        QpCaps {
+            max_send_wr: 256,
+            max_recv_wr: 256,
+        }
+    }
+}
+
+/// QP attributes (ibv_qp_attr). A modify names the ones it sets with an [`AttrMask`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpAttr {
+    pub state: QpState,
+    pub access: Access,
+    pub port: u8,
+    pub pkey_index: u16,
+    /// The address vector: where the peer's soft-HCA (or RoCEv2 NIC) listens.
+    pub dest: Option<SocketAddr>,
+    pub path_mtu: Mtu,
+    pub dest_qpn: Qpn,
+    pub rq_psn: Psn,
+    pub sq_psn: Psn,
+    pub max_rd_atomic: u8,
+    pub max_dest_rd_atomic: u8,
+    /// RNR NAK timer code we advertise (IBA table 45; 0 = 655.36 ms, 1 = 10 µs …).
+    pub min_rnr_timer: u8,
+    /// Local ACK timeout exponent: 4.096 µs × 2^timeout; 0 waits forever.
+    pub timeout: u8,
+    /// Transport retries, 0..=7 (7 means seven, as on hardware; rxe reads it as forever).
+    pub retry_cnt: u8,
+    /// RNR retries, 0..=7 (7 means forever, IBA 9.7.5.2.8).
+    pub rnr_retry: u8,
+    /// Most unacknowledged request packets in flight (rxe: 128).
+    pub max_unacked: u32,
+}
+
+impl Default for QpAttr {
+    fn default() -> Self {
+        QpAttr {
+            state: QpState::Reset,
+            access: Access::empty(),
+            port: 1,
+            pkey_index: 0,
+            dest: None,
+            path_mtu: Mtu::Mtu1024,
+            dest_qpn: Qpn::new(0),
+            rq_psn: Psn::new(0),
+            sq_psn: Psn::new(0),
+            max_rd_atomic: 16,
+            max_dest_rd_atomic: 16,
+            min_rnr_timer: 1,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            max_unacked: 128,
+        }
+    }
+}
+
+/// Local ACK timeout in nanoseconds, or None for "wait forever".
+pub fn ack_timeout_ns(code: u8) -> Option<u64> {
+    if code == 0 {
+        return None;
+    }
+    Some(4096u64 << code.min(31))
+}
+
+/// RNR NAK timer values in microseconds (IBA table 45).
+pub fn rnr_timer_us(code: u8) -> u64 {
+    const T: [u64; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560,
+        3_840, 5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880,
+        163_840, 245_760, 327_680, 491_520,
+    ];
+    T[(code & 31) as usize]
+}
+
+pub(crate) struct SendWqe {
+    pub wr: SendWr,
+    pub len: u32,
+    /// PSN of the first packet; valid once `started`.
+    pub first_psn: Psn,
+    /// Packets (or, for a READ, response packets) the WQE spans.
+    pub npkts: u32,
+    pub started: bool,
+}
+
+impl SendWqe {
+    fn last_psn(&self) -> Psn {
+        self.first_psn.add(self.npkts - 1)
+    }
+    fn contains(&self, psn: Psn) -> bool {
+        self.started && !psn.before(self.first_psn) && !psn.after(self.last_psn())
+    }
+}
+
+/// Requester progress: which WQE and packet goes out next, under which PSN.
+#[derive(Default)]
+pub(crate) struct ReqState {
+    pub next: usize,
+    pub pkt: u32,
+    pub psn: Psn,
+    /// One past the highest PSN ever sent; ACKs beyond it are ghosts.
+    pub max_psn: Psn,
+    pub since_ack_req: u32,
+}
+
+/// Completer state: the oldest unacknowledged PSN and the retry machinery.
+#[derive(Default)]
+pub(crate) struct CompState {
+    pub psn: Psn,
+    pub retry_left: u8,
+    pub rnr_left: u8,
+    pub timer: Option<Instant>,
+    pub rnr_until: Option<Instant>,
+    /// The PSN of the last rewind, so one loss is not retried once per late packet.
+    pub rewound_at: Option<Psn>,
+}
+
+pub(crate) enum RespMsg {
+    Send {
+        wqe: RecvWr,
+        offset: u32,
+    },
+    Write {
+        va: u64,
+        rkey: MemKey,
+        len: u32,
+        offset: u32,
+    },
+}
+
+pub(crate) struct ReadCtx {
+    pub va: u64,
+    pub rkey: MemKey,
+    pub len: u32,
+    pub first_psn: Psn,
+    pub npkts: u32,
+    pub next: u32,
+}
+
+#[derive(Default)]
+pub(crate) struct RespState {
+    pub epsn: Psn,
+    pub msn: u32,
+    pub cur: Option<RespMsg>,
+    /// A NAK was sent for the current gap; send no more until the expected PSN arrives.
+    pub nak_sent: bool,
+    pub ack: Option<Psn>,
+    pub nak: Option<(Psn, crate::hca::wire::AethSyndrome)>,
+    pub reads: VecDeque<ReadCtx>,
+}
+
+/// Everything a QP may touch outside itself while handling an input.
+pub(crate) struct Ctx<'a> {
+    pub mrs: &'a mut MrTable,
+    pub cqs: &'a mut HashMap<CqId, Cq>,
+    pub stats: &'a mut Stats,
+    pub events: &'a mut VecDeque<AsyncEvent>,
+    pub local: SocketAddr,
+    pub now: Instant,
+}
+
+impl Ctx<'_> {
+    pub fn complete(&mut self, cq: CqId, wc: WorkCompletion) {
+        if wc.status == WcStatus::WrFlushErr {
+            self.stats.flushed += 1;
+        }
+        if let Some(q) = self.cqs.get_mut(&cq) {
+            if !q.push(wc) {
+                self.stats.cq_overflows += 1;
+                self.events.push_back(AsyncEvent::CqError(cq));
+            }
+        }
+    }
+}
+
+pub(crate) struct Qp {
+    pub qpn: Qpn,
+    pub pd: PdId,
+    pub send_cq: CqId,
+    pub recv_cq: CqId,
+    pub caps: QpCaps,
+    pub attr: QpAttr,
+    pub sq: VecDeque<SendWqe>,
+    pub rq: VecDeque<RecvWr>,
+    pub req: ReqState,
+    pub comp: CompState,
+    pub resp: RespState,
+    /// In the device's transmit schedule.
+    pub scheduled: bool,
+}
+
+impl Qp {
+    pub fn new(qpn: Qpn, pd: PdId, send_cq: CqId, recv_cq: CqId, caps: QpCaps) -> Qp {
+        Qp {
+            qpn,
+            pd,
+            send_cq,
+            recv_cq,
+            caps,
+            attr: QpAttr::default(),
+            sq: VecDeque::with_capacity(caps.max_send_wr as usize),
+            rq: VecDeque::with_capacity(caps.max_recv_wr as usize),
+            req: ReqState::default(),
+            comp: CompState::default(),
+            resp: RespState::default(),
+            scheduled: false,
+        }
+    }
+
+    /// Apply a modify that `state::check` accepted.
+    pub fn apply(&mut self, ctx: &mut Ctx<'_>, attr: &QpAttr, mask: AttrMask) {
+        let old = self.attr.state;
+        let a = &mut self.attr;
+        macro_rules! take {
+            ($flag:ident, $field:ident) => {
+                if mask.contains(AttrMask::$flag) {
+                    a.$field = attr.$field;
+                }
+            };
+        }
+        take!(ACCESS_FLAGS, access);
+        take!(PORT, port);
+        take!(PKEY_INDEX, pkey_index);
+        take!(AV, dest);
+        take!(PATH_MTU, path_mtu);
+        take!(DEST_QPN, dest_qpn);
+        take!(MAX_QP_RD_ATOMIC, max_rd_atomic);
+        take!(MAX_DEST_RD_ATOMIC, max_dest_rd_atomic);
+        take!(MIN_RNR_TIMER, min_rnr_timer);
+        take!(TIMEOUT, timeout);
+        take!(RETRY_CNT, retry_cnt);
+        take!(RNR_RETRY, rnr_retry);
+        // Not an IBA attribute; carried along with the AV.
+        if mask.contains(AttrMask::AV) {
+            a.max_unacked = attr.max_unacked.max(1);
+        }
+        if mask.contains(AttrMask::RQ_PSN) {
+            a.rq_psn = attr.rq_psn;
+            self.resp.epsn = attr.rq_psn;
+        }
+        if mask.contains(AttrMask::SQ_PSN) {
+            a.sq_psn = attr.sq_psn;
+            self.req.psn = attr.sq_psn;
+            self.req.max_psn = attr.sq_psn;
+            self.comp.psn = attr.sq_psn;
+        }
+        if mask.contains(AttrMask::RETRY_CNT) {
+            self.comp.retry_left = a.retry_cnt.min(7);
+        }
+        if mask.contains(AttrMask::RNR_RETRY) {
+            self.comp.rnr_left = a.rnr_retry.min(7);
+        }
+        if mask.contains(AttrMask::STATE) {
+            let new = attr.state;
+            self.attr.state = new;
+            match new {
+                QpState::Reset => self.reset(),
+                QpState::Err if old != QpState::Err => self.flush_all(ctx),
+                _ => {}
+            }
+        }
+    }
+
+    /// Back to RESET: all queues emptied without completions (IBA 10.3.1.1).
+    fn reset(&mut self) {
+        let (qpn, pd, scq, rcq, caps) = (self.qpn, self.pd, self.send_cq, self.recv_cq, self.caps);
+        let scheduled = self.scheduled;
+        *self = Qp::new(qpn, pd, scq, rcq, caps);
+        self.scheduled = scheduled;
+    }
+
+    /// Complete every outstanding WQE with WR_FLUSH_ERR, whether or not it was signaled:
+    /// error completions are always generated.
+    pub fn flush_all(&mut self, ctx: &mut Ctx<'_>) {
+        while let Some(w) = self.sq.pop_front() {
+            ctx.complete(
+                self.send_cq,
+                WorkCompletion {
+                    wr_id: w.wr.wr_id,
+                    status: WcStatus::WrFlushErr,
+                    opcode: w.wr.op.wc_opcode(),
+                    qpn: self.qpn,
+                    byte_len: 0,
+                    imm: None,
+                    invalidated: None,
+                },
+            );
+        }
+        if let Some(RespMsg::Send { wqe, .. }) = self.resp.cur.take() {
+            self.rq.push_front(wqe);
+        }
+        while let Some(w) = self.rq.pop_front() {
+            ctx.complete(
+                self.recv_cq,
+                WorkCompletion {
+                    wr_id: w.wr_id,
+                    status: WcStatus::WrFlushErr,
+                    opcode: WcOpcode::Recv,
+                    qpn: self.qpn,
+                    byte_len: 0,
+                    imm: None,
+                    invalidated: None,
+                },
+            );
+        }
+        self.req = ReqState::default();
+        self.comp.timer = None;
+        self.comp.rnr_until = None;
+        self.resp.reads.clear();
+        self.resp.ack = None;
+    }
+
+    /// Move to ERR after a failed WQE or a fatal responder error.
+    pub fn enter_error(&mut self, ctx: &mut Ctx<'_>) {
+        if self.attr.state != QpState::Err {
+            self.attr.state = QpState::Err;
+            self.flush_all(ctx);
+        }
+    }
+
+    pub fn post_send(&mut self, ctx: &mut Ctx<'_>, wr: SendWr) {
+        let len = wr.sgl.total_len() as u32;
+        self.sq.push_back(SendWqe {
+            wr,
+            len,
+            first_psn: Psn::new(0),
+            npkts: 0,
+            started: false,
+        });
+        if self.attr.state == QpState::Err {
+            self.flush_all(ctx);
+        }
+    }
+
+    pub fn post_recv(&mut self, ctx: &mut Ctx<'_>, wr: RecvWr) {
+        self.rq.push_back(wr);
+        if self.attr.state == QpState::Err {
+            self.flush_all(ctx);
+        }
+    }
+
+    /// Earliest instant at which `handle_timeout` has work.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match (self.comp.timer, self.comp.rnr_until) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// True if `poll_transmit` would produce a packet now.
+    pub fn wants_transmit(&self, now: Instant) -> bool {
+        self.responder_wants_transmit() || self.requester_can_send(now)
+    }
+
+    fn icrc_ctx(&self, local: SocketAddr) -> Option<crate::hca::wire::IcrcContext> {
+        self.attr
+            .dest
+            .map(|d| crate::hca::wire::IcrcContext::new(local, d))
+    }
+
+    /// Produce one packet into `out`, returning where it goes.
+    pub fn poll_transmit(&mut self, ctx: &mut Ctx<'_>, out: &mut Vec<u8>) -> Option<SocketAddr> {
+        let dest = self.attr.dest?;
+        let icrc = self.icrc_ctx(ctx.local)?;
+        if self.responder_poll(ctx, &icrc, out) || self.requester_poll(ctx, &icrc, out) {
+            ctx.stats.tx_packets += 1;
+            ctx.stats.tx_bytes += out.len() as u64;
+            return Some(dest);
+        }
+        None
+    }
+
+    pub fn handle_timeout(&mut self, ctx: &mut Ctx<'_>) {
+        let now = ctx.now;
+        if self.comp.rnr_until.is_some_and(|t| t <= now) {
+            self.comp.rnr_until = None;
+        }
+        if self.comp.timer.is_some_and(|t| t <= now) {
+            self.comp.timer = None;
+            if self.outstanding() {
+                ctx.stats.timeouts += 1;
+                self.retry(ctx, self.comp.psn);
+            }
+        }
+    }
+
+    /// Any sent-but-unacknowledged work?
+    fn outstanding(&self) -> bool {
+        self.sq.front().is_some_and(|w| w.started)
+    }
+
+    fn arm_timer(&mut self, now: Instant) {
+        if let Some(ns) = ack_timeout_ns(self.attr.timeout) {
+            self.comp.timer = Some(Instant(now.0 + ns));
+        }
+    }
+}
