@@ -6,6 +6,7 @@ pub mod device;
 pub mod mr;
 pub mod qp;
 pub mod rc;
+pub mod registry;
 pub mod sim;
 pub mod types;
 pub mod wire;
@@ -14,6 +15,7 @@ pub use cq::{CqId, WcOpcode, WcStatus, WorkCompletion};
 pub use device::{Device, DeviceConfig, DeviceIdentity, IcrcCheck, Lifecycle, VerbsError};
 pub use mr::{Access, HostMem, MrInfo, PdId};
 pub use qp::{AttrMask, Mtu, QpAttr, QpCaps, QpState, RecvWr, SendOp, SendWr, Sge, Sgl};
+pub use registry::{DeviceInfo, DeviceList, RegistryError};
 pub use types::{Guid, Instant, MemKey, PciAddr, Psn, Qpn};
 
 /// Asynchronous events (ibv_event_type), delivered in order through `Device::poll_event`.
