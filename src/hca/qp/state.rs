@@ -113,15 +113,23 @@ const RTS_OPT: AttrMask = m(A::CUR_STATE.bits()
     | A::ACCESS_FLAGS.bits()
     | A::MIN_RNR_TIMER.bits()
     | A::PATH_MIG_STATE.bits());
-const SQD_OPT: AttrMask = m(RTS_OPT.bits()
-    | A::PKEY_INDEX.bits()
+/// SQD→SQD (Linux `qp_state_table`, RC column): PORT may change while drained, and unlike
+/// the RTS-bound rows there is no CUR_STATE.
+const SQD_OPT: AttrMask = m(A::PORT.bits()
     | A::AV.bits()
     | A::TIMEOUT.bits()
     | A::RETRY_CNT.bits()
     | A::RNR_RETRY.bits()
     | A::MAX_QP_RD_ATOMIC.bits()
-    | A::MAX_DEST_RD_ATOMIC.bits());
-const SQE_OPT: AttrMask = m(A::CUR_STATE.bits() | A::ACCESS_FLAGS.bits());
+    | A::MAX_DEST_RD_ATOMIC.bits()
+    | A::ALT_PATH.bits()
+    | A::ACCESS_FLAGS.bits()
+    | A::PKEY_INDEX.bits()
+    | A::MIN_RNR_TIMER.bits()
+    | A::PATH_MIG_STATE.bits());
+/// SQE→RTS: Linux lists optional attributes only for UD/UC (which can reach SQE); the RC
+/// column is empty.
+const SQE_OPT: AttrMask = NONE;
 
 /// The table. Rows are the current state, columns the next, in `QpState::ALL` order.
 /// Every state may go to RESET and ERR (IBA 10.3.1.2). RTS→SQD drains the send queue;
