@@ -571,7 +571,7 @@ impl Device {
         self.mark_cq_if_nonempty(rc);
     }
 
-    /// Write the next packet into `buf` (cleared first) and say where it goes.
+    /// Append the next packet to `buf` and say where it goes (`buf` is untouched if none).
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<SocketAddr> {
         if !self.is_live() {
             return None;
@@ -581,7 +581,6 @@ impl Device {
                 continue;
             };
             qp.scheduled = false;
-            buf.clear();
             let mut ctx = Ctx {
                 mrs: &mut self.mrs,
                 cqs: &mut self.cqs,
@@ -637,6 +636,10 @@ impl Device {
             }
             self.after_qp_change(qpn, now);
         }
+    }
+
+    pub fn has_events(&self) -> bool {
+        !self.events.is_empty()
     }
 
     pub fn poll_event(&mut self) -> Option<AsyncEvent> {

@@ -165,6 +165,7 @@ impl Sim {
     fn pump_transmit(&mut self) {
         for i in 0..self.devices.len() {
             loop {
+                self.buf.clear();
                 let Some(dst) = self.devices[i].poll_transmit(self.now, &mut self.buf) else {
                     break;
                 };

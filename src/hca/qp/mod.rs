@@ -524,9 +524,10 @@ impl Qp {
     pub fn poll_transmit(&mut self, ctx: &mut Ctx<'_>, out: &mut Vec<u8>) -> Option<SocketAddr> {
         let dest = self.attr.dest?;
         let icrc = self.icrc_ctx(ctx.local)?;
+        let start = out.len();
         if self.responder_poll(ctx, &icrc, out) || self.requester_poll(ctx, &icrc, out) {
             ctx.stats.tx_packets += 1;
-            ctx.stats.tx_bytes += out.len() as u64;
+            ctx.stats.tx_bytes += (out.len() - start) as u64;
             return Some(dest);
         }
         None

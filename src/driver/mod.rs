@@ -1,0 +1,224 @@
+//! The tokio driver: one task per open soft-HCA context owns its UDP socket and its timer,
+//! feeds the sans-I/O [`Device`] with datagrams and `now`, and sends what it produces.
+//! Applications reach the device through a [`SoftHca`] handle; completions wake them through
+//! a [`tokio::sync::Notify`].
+
+mod metrics_pub;
+mod socket;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::hca::cq::CqId;
+use crate::hca::device::{Device, DeviceConfig, Lifecycle};
+use crate::hca::types::Instant;
+use crate::hca::{AsyncEvent, WorkCompletion};
+
+pub use socket::{bind_roce_socket, RxBatch, TxBatch};
+
+/// Shared between the handle(s) and the driver task.
+struct Shared {
+    dev: Mutex<Device>,
+    /// The driver has new work (a post, a modify, a lifecycle change).
+    kick: Notify,
+    /// Completions or async events are available.
+    wake: Notify,
+    /// Zero of the device's virtual clock.
+    epoch: std::time::Instant,
+}
+
+/// A handle to a running soft-HCA context. Cheap to clone.
+#[derive(Clone)]
+pub struct SoftHca {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+}
+
+impl std::fmt::Debug for SoftHca {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SoftHca({})", self.addr)
+    }
+}
+
+impl SoftHca {
+    /// Bind the device's UDP socket (port 0 picks one) and start its driver task on the
+    /// current tokio runtime.
+    pub async fn start(config: DeviceConfig) -> std::io::Result<SoftHca> {
+        Self::start_with(config, true).await
+    }
+
+    /// As [`SoftHca::start`], choosing whether UDP segmentation offload (GSO/GRO) is used.
+    /// Offload is for soft-HCA peers; turn it off towards rxe or a NIC (see `socket`).
+    pub async fn start_with(mut config: DeviceConfig, offload: bool) -> std::io::Result<SoftHca> {
+        let (sock, gro) = bind_roce_socket(config.addr, offload)?;
+        config.addr = sock.local_addr()?;
+        let addr = config.addr;
+        let shared = Arc::new(Shared {
+            dev: Mutex::new(Device::new(config)),
+            kick: Notify::new(),
+            wake: Notify::new(),
+            epoch: std::time::Instant::now(),
+        });
+        let task_shared = shared.clone();
+        tokio::spawn(async move {
+            if let Err(e) = drive(task_shared, sock, gro).await {
+                tracing::error!(error = %e, "soft-HCA driver stopped");
+            }
+        });
+        Ok(SoftHca { shared, addr })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The device's virtual "now".
+    pub fn now(&self) -> Instant {
+        Instant(self.shared.epoch.elapsed().as_nanos() as u64)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Device> {
+        self.shared.dev.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Run `f` on the device (verbs calls), then wake the driver to send what it queued.
+    pub fn with<R>(&self, f: impl FnOnce(&mut Device, Instant) -> R) -> R {
+        let now = self.now();
+        let r = f(&mut self.lock(), now);
+        self.shared.kick.notify_one();
+        r
+    }
+
+    /// Wait until `cq` has completions, then move up to `max` of them into `out`.
+    /// Returns 0 only if the device died with nothing left to reap.
+    pub async fn wait_cq(&self, cq: CqId, max: usize, out: &mut Vec<WorkCompletion>) -> usize {
+        loop {
+            let notified = self.shared.wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let (n, live) = {
+                let mut d = self.lock();
+                (d.poll_cq(cq, max, out), d.is_live())
+            };
+            if n > 0 || !live {
+                return n;
+            }
+            notified.await;
+        }
+    }
+
+    /// Next asynchronous event, waiting for one.
+    pub async fn next_event(&self) -> AsyncEvent {
+        loop {
+            let notified = self.shared.wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(e) = self.lock().poll_event() {
+                return e;
+            }
+            notified.await;
+        }
+    }
+
+    pub fn lifecycle(&self) -> Lifecycle {
+        self.lock().lifecycle()
+    }
+
+    /// Inflict a fatal error (a reset): the context becomes a zombie, the driver task ends
+    /// and releases the UDP port so the device can come back on it.
+    pub fn fatal(&self) {
+        self.lock().fatal();
+        self.shared.kick.notify_one();
+        self.shared.wake.notify_waiters();
+    }
+
+    /// Hot-remove the device behind this context.
+    pub fn remove(&self) {
+        self.lock().remove();
+        self.shared.kick.notify_one();
+        self.shared.wake.notify_waiters();
+    }
+}
+
+/// The driver loop: receive a batch, advance timers, transmit everything ready, publish
+/// metrics, wake waiters; sleep until the next datagram, deadline or kick.
+async fn drive(
+    shared: Arc<Shared>,
+    sock: tokio::net::UdpSocket,
+    offload: bool,
+) -> std::io::Result<()> {
+    let mut rx = RxBatch::new();
+    let mut tx = TxBatch::new(offload);
+    let mut dirty = Vec::new();
+    let name = shared
+        .dev
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .identity()
+        .name
+        .clone();
+    let mut metrics = metrics_pub::Publisher::new(&name);
+    loop {
+        let deadline = {
+            let d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
+            if !d.is_live() {
+                metrics.publish(d.stats());
+                return Ok(());
+            }
+            d.poll_timeout()
+        };
+        let sleep_for = deadline.map(|t| {
+            let now = shared.epoch.elapsed().as_nanos() as u64;
+            Duration::from_nanos(t.0.saturating_sub(now))
+        });
+        tokio::select! {
+            r = sock.readable() => { r?; }
+            _ = shared.kick.notified() => {}
+            _ = async {
+                match sleep_for {
+                    Some(d) => tokio::time::sleep(d).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
+        // Receive whatever is queued (bounded), then let the core react all at once: that
+        // is where ACK coalescing comes from.
+        let n = rx.recv(&sock)?;
+        let mut d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant(shared.epoch.elapsed().as_nanos() as u64);
+        for i in 0..n {
+            let (src, data) = rx.get(i);
+            d.handle_datagram(now, src, data);
+        }
+        if d.poll_timeout().is_some_and(|t| t <= now) {
+            d.handle_timeout(now);
+        }
+        // Collect a bounded batch under the lock, send it after releasing the lock.
+        loop {
+            let start = tx.buf.len();
+            let Some(dst) = d.poll_transmit(now, &mut tx.buf) else {
+                break;
+            };
+            tx.push(dst, start);
+            if tx.len() >= 256 {
+                break;
+            }
+        }
+        let more = tx.len() >= 256;
+        d.take_dirty_cqs(&mut dirty);
+        let events = d.has_events();
+        metrics.publish(d.stats());
+        drop(d);
+        tx.flush(&sock);
+        if more {
+            shared.kick.notify_one();
+        }
+        if !dirty.is_empty() || events {
+            dirty.clear();
+            shared.wake.notify_waiters();
+        }
+    }
+}

@@ -1,0 +1,336 @@
+//! Loopback workloads shared by the demo, the `bench` subcommand and `cargo bench`: two
+//! soft-HCAs on 127.0.0.1, each driven by its own single-threaded runtime on its own OS
+//! thread (one core per side), moving real bytes through real UDP sockets.
+
+use std::net::SocketAddr;
+use std::sync::mpsc;
+use std::time::{Duration, Instant as StdInstant};
+
+use crate::driver::SoftHca;
+use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use crate::hca::rc::{connect_end, create_end, RcEnd, RcOptions};
+use crate::hca::types::{PciAddr, Psn};
+use crate::hca::{Mtu, RecvWr, SendOp, SendWr, Sgl, WcStatus, WorkCompletion};
+
+/// Which operation a run measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Write,
+    Read,
+    Send,
+}
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Write => "RDMA WRITE",
+            Op::Read => "RDMA READ",
+            Op::Send => "SEND",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Workload {
+    pub op: Op,
+    pub msg_size: usize,
+    /// Work requests kept in flight.
+    pub depth: usize,
+    pub duration: Duration,
+    pub mtu: Mtu,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Report {
+    pub workload: Workload,
+    pub messages: u64,
+    pub bytes: u64,
+    pub elapsed: Duration,
+    pub retransmits: u64,
+}
+
+impl Report {
+    pub fn gbytes_per_sec(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64() / 1e9
+    }
+    pub fn msgs_per_sec(&self) -> f64 {
+        self.messages as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+fn config(name: &str, i: u8) -> DeviceConfig {
+    DeviceConfig {
+        identity: DeviceIdentity::from_mac(
+            name,
+            [0x52, 0x54, 0, 0, 0x10, i],
+            PciAddr::new(0, 0x10, i, 0),
+        ),
+        addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+        icrc: IcrcCheck::Verify,
+        seed: 0x1234_5678 + i as u64,
+    }
+}
+
+/// Start a soft-HCA on a dedicated thread with its own current-thread runtime. The runtime
+/// lives until `stop` is dropped.
+fn start_on_thread(
+    cfg: DeviceConfig,
+) -> std::io::Result<(
+    SoftHca,
+    tokio::runtime::Handle,
+    std::thread::JoinHandle<()>,
+    tokio::sync::oneshot::Sender<()>,
+)> {
+    let (tx, rx) = mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let join = std::thread::spawn(move || {
+        let rt = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                let _ = tx.send(Err(e));
+                return;
+            }
+        };
+        rt.block_on(async move {
+            match SoftHca::start(cfg).await {
+                Ok(h) => {
+                    let _ = tx.send(Ok((h, tokio::runtime::Handle::current())));
+                    let _ = stop_rx.await;
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                }
+            }
+        });
+    });
+    let (h, rt) = rx
+        .recv()
+        .map_err(|_| std::io::Error::other("driver thread died"))??;
+    Ok((h, rt, join, stop_tx))
+}
+
+/// A connected pair of soft-HCAs on loopback, each on its own thread.
+pub struct LoopbackPair {
+    pub a: SoftHca,
+    pub b: SoftHca,
+    pub ea: RcEnd,
+    pub eb: RcEnd,
+    rt_a: tokio::runtime::Handle,
+    threads: Vec<(
+        std::thread::JoinHandle<()>,
+        tokio::sync::oneshot::Sender<()>,
+    )>,
+}
+
+impl LoopbackPair {
+    pub fn new(opts: &RcOptions) -> anyhow::Result<LoopbackPair> {
+        let (a, rt_a, ja, sa) = start_on_thread(config("srxe0", 0))?;
+        let (b, _rt_b, jb, sb) = start_on_thread(config("srxe1", 1))?;
+        let ea = a.with(|d, _| create_end(d, opts, Psn::new(0x10_0000)))?;
+        let eb = b.with(|d, _| create_end(d, opts, Psn::new(0x20_0000)))?;
+        a.with(|d, _| connect_end(d, &ea, b.addr(), eb.qpn, eb.psn, opts))?;
+        b.with(|d, _| connect_end(d, &eb, a.addr(), ea.qpn, ea.psn, opts))?;
+        Ok(LoopbackPair {
+            a,
+            b,
+            ea,
+            eb,
+            rt_a,
+            threads: vec![(ja, sa), (jb, sb)],
+        })
+    }
+
+    /// Run an async closure on side A's runtime thread and wait for its result.
+    pub fn on_a<F, R>(&self, f: F) -> R
+    where
+        F: std::future::Future<Output = R> + Send + 'static,
+        R: Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel();
+        self.rt_a.spawn(async move {
+            let _ = tx.send(f.await);
+        });
+        rx.recv().expect("side A runtime alive")
+    }
+}
+
+impl Drop for LoopbackPair {
+    fn drop(&mut self) {
+        self.a.fatal();
+        self.b.fatal();
+        for (j, s) in self.threads.drain(..) {
+            let _ = s.send(());
+            let _ = j.join();
+        }
+    }
+}
+
+/// Run one workload from A towards B and report throughput.
+pub fn run(w: Workload) -> anyhow::Result<Report> {
+    let slots = w.depth.max(1);
+    let opts = RcOptions {
+        mtu: w.mtu,
+        buf_len: w.msg_size * slots,
+        timeout: 14,
+        caps: crate::hca::QpCaps {
+            max_send_wr: 1024,
+            max_recv_wr: 1024,
+        },
+        cqe: 4096,
+        max_unacked: 256,
+        ..RcOptions::default()
+    };
+    let p = LoopbackPair::new(&opts)?;
+    let (a, b, ea, eb) = (p.a.clone(), p.b.clone(), p.ea.clone(), p.eb.clone());
+    let report = p.on_a(async move { drive_load(w, a, b, ea, eb).await });
+    report
+}
+
+async fn drive_load(
+    w: Workload,
+    a: SoftHca,
+    b: SoftHca,
+    ea: RcEnd,
+    eb: RcEnd,
+) -> anyhow::Result<Report> {
+    let size = w.msg_size;
+    let slots = w.depth.max(1);
+    let wr = |i: usize| -> SendWr {
+        let sgl = Sgl::one(ea.mr.addr + (i * size) as u64, size as u32, ea.mr.lkey);
+        let remote_addr = eb.mr.addr + (i * size) as u64;
+        let op = match w.op {
+            Op::Write => SendOp::Write {
+                remote_addr,
+                rkey: eb.mr.rkey,
+            },
+            Op::Read => SendOp::Read {
+                remote_addr,
+                rkey: eb.mr.rkey,
+            },
+            Op::Send => SendOp::Send,
+        };
+        SendWr {
+            wr_id: i as u64,
+            op,
+            sgl,
+            signaled: true,
+            solicited: false,
+        }
+    };
+    let post_recv = |i: usize| {
+        let r = RecvWr {
+            wr_id: i as u64,
+            sgl: Sgl::one(eb.mr.addr + (i * size) as u64, size as u32, eb.mr.lkey),
+        };
+        b.with(|d, _| d.post_recv(eb.qpn, r))
+    };
+    if w.op == Op::Send {
+        for i in 0..slots.max(512) {
+            post_recv(i % slots)?;
+        }
+    }
+    let start = StdInstant::now();
+    a.with(|d, now| -> anyhow::Result<()> {
+        for i in 0..slots {
+            d.post_send(now, ea.qpn, wr(i))?;
+        }
+        Ok(())
+    })?;
+    let mut done = 0u64;
+    let mut wcs: Vec<WorkCompletion> = Vec::with_capacity(256);
+    let mut recv_wcs: Vec<WorkCompletion> = Vec::with_capacity(256);
+    let mut posting = true;
+    let mut in_flight = slots;
+    while in_flight > 0 {
+        wcs.clear();
+        if a.wait_cq(ea.cq, 256, &mut wcs).await == 0 {
+            anyhow::bail!("device died during the run");
+        }
+        if start.elapsed() >= w.duration {
+            posting = false;
+        }
+        if w.op == Op::Send {
+            recv_wcs.clear();
+            b.with(|d, _| d.poll_cq(eb.cq, usize::MAX, &mut recv_wcs));
+            for r in &recv_wcs {
+                post_recv(r.wr_id as usize)?;
+            }
+        }
+        a.with(|d, now| -> anyhow::Result<()> {
+            for wc in &wcs {
+                if wc.status != WcStatus::Success {
+                    anyhow::bail!("work request {} failed: {}", wc.wr_id, wc.status.as_str());
+                }
+                done += 1;
+                in_flight -= 1;
+                if posting {
+                    d.post_send(now, ea.qpn, wr(wc.wr_id as usize))?;
+                    in_flight += 1;
+                }
+            }
+            Ok(())
+        })?;
+    }
+    let elapsed = start.elapsed();
+    let retransmits = a.with(|d, _| d.stats().retransmits);
+    Ok(Report {
+        workload: w,
+        messages: done,
+        bytes: done * size as u64,
+        elapsed,
+        retransmits,
+    })
+}
+
+/// The benchmark table the README records.
+pub fn standard_table(duration: Duration) -> anyhow::Result<Vec<Report>> {
+    let mut out = Vec::new();
+    for (op, size, depth) in [
+        (Op::Write, 4096, 64),
+        (Op::Write, 128 << 10, 16),
+        (Op::Read, 4096, 16),
+        (Op::Read, 128 << 10, 16),
+        (Op::Send, 64, 128),
+        (Op::Send, 4096, 64),
+    ] {
+        out.push(run(Workload {
+            op,
+            msg_size: size,
+            depth,
+            duration,
+            mtu: Mtu::Mtu4096,
+        })?);
+    }
+    Ok(out)
+}
+
+pub fn print_table(rows: &[Report]) {
+    println!(
+        "{:<11} {:>9} {:>6} {:>10} {:>12} {:>8}",
+        "op", "msg size", "depth", "GB/s", "msgs/s", "retrans"
+    );
+    for r in rows {
+        println!(
+            "{:<11} {:>9} {:>6} {:>10.3} {:>12.0} {:>8}",
+            r.workload.op.name(),
+            human(r.workload.msg_size),
+            r.workload.depth,
+            r.gbytes_per_sec(),
+            r.msgs_per_sec(),
+            r.retransmits
+        );
+    }
+}
+
+pub fn human(n: usize) -> String {
+    if n >= 1 << 20 && n % (1 << 20) == 0 {
+        format!("{} MiB", n >> 20)
+    } else if n >= 1024 && n % 1024 == 0 {
+        format!("{} KiB", n >> 10)
+    } else {
+        format!("{n} B")
+    }
+}

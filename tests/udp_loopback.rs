@@ -1,0 +1,232 @@
+//! The same SEND / RDMA WRITE / RDMA READ checks as the simulator tests, through the tokio
+//! driver over real UDP sockets on 127.0.0.1, with and without segmentation offload.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use nvmf_rdma::hca::rc::{connect_end, create_end, RcEnd, RcOptions};
+use nvmf_rdma::hca::*;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+fn cfg(i: u8) -> DeviceConfig {
+    DeviceConfig {
+        identity: DeviceIdentity::from_mac(
+            &format!("lo{i}"),
+            [2, 0, 0, 0, 0, i],
+            PciAddr::new(0, 1, i, 0),
+        ),
+        addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+        icrc: IcrcCheck::Verify,
+        seed: i as u64,
+    }
+}
+
+async fn pair(offload: bool, mtu: Mtu) -> (SoftHca, SoftHca, RcEnd, RcEnd) {
+    let a = SoftHca::start_with(cfg(1), offload).await.unwrap();
+    let b = SoftHca::start_with(cfg(2), offload).await.unwrap();
+    let o = RcOptions {
+        mtu,
+        buf_len: 8 << 20,
+        timeout: 14,
+        ..RcOptions::default()
+    };
+    let ea = a.with(|d, _| create_end(d, &o, Psn::new(100))).unwrap();
+    let eb = b
+        .with(|d, _| create_end(d, &o, Psn::new(0xFF_FFF0)))
+        .unwrap();
+    a.with(|d, _| connect_end(d, &ea, b.addr(), eb.qpn, eb.psn, &o))
+        .unwrap();
+    b.with(|d, _| connect_end(d, &eb, a.addr(), ea.qpn, ea.psn, &o))
+        .unwrap();
+    (a, b, ea, eb)
+}
+
+async fn one_wc(h: &SoftHca, cq: CqId) -> WorkCompletion {
+    let mut v = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), h.wait_cq(cq, 1, &mut v))
+        .await
+        .expect("completion within 20 s");
+    v[0]
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    SmallRng::seed_from_u64(seed).fill(&mut v[..]);
+    v
+}
+
+fn snapshot(mem: &HostMem, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    mem.read(0, &mut v);
+    v
+}
+
+const SIZES: [usize; 8] = [1, 255, 1024, 4097, 65_536, 300_001, 1 << 20, 8 << 20];
+
+async fn all_ops(offload: bool, mtu: Mtu) {
+    let (a, b, ea, eb) = pair(offload, mtu).await;
+    for (i, &len) in SIZES.iter().enumerate() {
+        let sgl = Sgl::one(ea.mr.addr, len as u32, ea.mr.lkey);
+        // SEND
+        let data = pattern(len, i as u64);
+        ea.mem.write(0, &data);
+        b.with(|d, _| {
+            d.post_recv(
+                eb.qpn,
+                RecvWr {
+                    wr_id: 1,
+                    sgl: Sgl::one(eb.mr.addr, 8 << 20, eb.mr.lkey),
+                },
+            )
+        })
+        .unwrap();
+        a.with(|d, now| {
+            d.post_send(
+                now,
+                ea.qpn,
+                SendWr {
+                    wr_id: 1,
+                    op: SendOp::Send,
+                    sgl,
+                    signaled: true,
+                    solicited: false,
+                },
+            )
+        })
+        .unwrap();
+        assert_eq!(one_wc(&a, ea.cq).await.status, WcStatus::Success);
+        let r = one_wc(&b, eb.cq).await;
+        assert_eq!((r.status, r.byte_len as usize), (WcStatus::Success, len));
+        assert!(snapshot(&eb.mem, len) == data, "SEND {len} B");
+        // WRITE
+        let data = pattern(len, 100 + i as u64);
+        ea.mem.write(0, &data);
+        let op = SendOp::Write {
+            remote_addr: eb.mr.addr,
+            rkey: eb.mr.rkey,
+        };
+        a.with(|d, now| {
+            d.post_send(
+                now,
+                ea.qpn,
+                SendWr {
+                    wr_id: 2,
+                    op,
+                    sgl,
+                    signaled: true,
+                    solicited: false,
+                },
+            )
+        })
+        .unwrap();
+        assert_eq!(one_wc(&a, ea.cq).await.status, WcStatus::Success);
+        assert!(snapshot(&eb.mem, len) == data, "WRITE {len} B");
+        // READ
+        let data = pattern(len, 200 + i as u64);
+        eb.mem.write(0, &data);
+        let op = SendOp::Read {
+            remote_addr: eb.mr.addr,
+            rkey: eb.mr.rkey,
+        };
+        a.with(|d, now| {
+            d.post_send(
+                now,
+                ea.qpn,
+                SendWr {
+                    wr_id: 3,
+                    op,
+                    sgl,
+                    signaled: true,
+                    solicited: false,
+                },
+            )
+        })
+        .unwrap();
+        let w = one_wc(&a, ea.cq).await;
+        assert_eq!((w.status, w.byte_len as usize), (WcStatus::Success, len));
+        assert!(snapshot(&ea.mem, len) == data, "READ {len} B");
+    }
+    let s = a.with(|d, _| d.stats().clone());
+    assert_eq!(s.rx_icrc_errors + s.rx_malformed, 0, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_write_read_over_udp_with_offload() {
+    all_ops(true, Mtu::Mtu4096).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_write_read_over_udp_without_offload() {
+    all_ops(false, Mtu::Mtu1024).await;
+}
+
+/// A fatal reset through the driver: outstanding work flushes, the waiter wakes, the port is
+/// released and a new context can bind the same address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fatal_flushes_and_frees_the_port() {
+    let (a, _b, ea, eb) = pair(true, Mtu::Mtu1024).await;
+    a.with(|d, _| {
+        for i in 0..8 {
+            d.post_recv(
+                ea.qpn,
+                RecvWr {
+                    wr_id: 100 + i,
+                    sgl: Sgl::one(ea.mr.addr, 64, ea.mr.lkey),
+                },
+            )
+            .unwrap();
+        }
+    });
+    let waiter = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            let mut v = Vec::new();
+            while v.len() < 8 {
+                if a.wait_cq(ea.cq, 64, &mut v).await == 0 {
+                    break;
+                }
+            }
+            v
+        })
+    };
+    let _ = eb;
+    a.fatal();
+    let wcs = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(wcs.len(), 8);
+    assert!(wcs.iter().all(|w| w.status == WcStatus::WrFlushErr));
+    assert!(matches!(
+        a.with(|d, now| d.post_send(
+            now,
+            ea.qpn,
+            SendWr {
+                wr_id: 1,
+                op: SendOp::Send,
+                sgl: Sgl::empty(),
+                signaled: true,
+                solicited: false
+            }
+        )),
+        Err(VerbsError::DeviceGone)
+    ));
+    // The driver lets go of the socket; the same address can be bound again.
+    let addr = a.addr();
+    let mut rebound = None;
+    for _ in 0..100 {
+        let mut c = cfg(9);
+        c.addr = addr;
+        match SoftHca::start(c).await {
+            Ok(h) => {
+                rebound = Some(h);
+                break;
+            }
+            Err(_) => tokio::task::yield_now().await,
+        }
+    }
+    assert!(rebound.is_some(), "address {addr} not released after fatal");
+}
