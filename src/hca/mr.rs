@@ -41,7 +41,13 @@ struct MemInner {
 
 impl HostMem {
     pub fn new(len: usize) -> HostMem {
-        let bytes = vec![0u8; len].into_boxed_slice();
+        let mut bytes = vec![0u8; len].into_boxed_slice();
+        // Fault every page in now, as registration pins pages on a real HCA, so the data
+        // path never takes a first-touch page fault.
+        for page in bytes.chunks_mut(4096) {
+            // SAFETY: a volatile store of zero into memory we own; it only forces the page in.
+            unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
+        }
         // The address of the allocation never changes, so it serves as the I/O virtual
         // address of the buffer, as a process virtual address does for real verbs.
         let base = bytes.as_ptr() as u64;
