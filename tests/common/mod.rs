@@ -82,3 +82,49 @@ pub fn recv_wr(wr_id: u64, end: &RcEnd, offset: usize, len: usize) -> RecvWr {
         sgl: Sgl::one(end.mr.addr + offset as u64, len as u32, end.mr.lkey),
     }
 }
+
+/// Everything on `cq` right now, without moving time.
+pub fn drain(sim: &mut Sim, dev: usize, cq: CqId) -> Vec<WorkCompletion> {
+    let mut got = Vec::new();
+    sim.devices[dev].poll_cq(cq, usize::MAX, &mut got);
+    got
+}
+
+/// Run until nothing is in flight and no timer is armed, or `limit` of virtual time passes.
+/// Returns whether the world went quiet.
+pub fn run_quiet(sim: &mut Sim, limit: Duration) -> bool {
+    let end = sim.now + limit;
+    while sim.now < end {
+        if !sim.step() {
+            return true;
+        }
+    }
+    false
+}
+
+/// Every async event device `dev` has queued.
+pub fn events(sim: &mut Sim, dev: usize) -> Vec<AsyncEvent> {
+    std::iter::from_fn(|| sim.devices[dev].poll_event()).collect()
+}
+
+pub fn qp_state(sim: &Sim, dev: usize, qpn: Qpn) -> QpState {
+    sim.devices[dev].query_qp(qpn).expect("qp").state
+}
+
+/// (wr_id, status) of each completion, for readable assertions.
+pub fn ids(wcs: &[WorkCompletion]) -> Vec<(u64, WcStatus)> {
+    wcs.iter().map(|w| (w.wr_id, w.status)).collect()
+}
+
+pub fn post_send(sim: &mut Sim, dev: usize, qpn: Qpn, wr: SendWr) {
+    let now = sim.now;
+    sim.devices[dev]
+        .post_send(now, qpn, wr)
+        .unwrap_or_else(|e| panic!("seed {}: post_send on device {dev}: {e}", sim.seed));
+}
+
+pub fn post_recv(sim: &mut Sim, dev: usize, qpn: Qpn, wr: RecvWr) {
+    sim.devices[dev]
+        .post_recv(qpn, wr)
+        .unwrap_or_else(|e| panic!("seed {}: post_recv on device {dev}: {e}", sim.seed));
+}
