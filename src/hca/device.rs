@@ -17,8 +17,17 @@ use super::cq::{Cq, CqId, WorkCompletion};
 use super::mr::{Access, HostMem, MrInfo, MrTable, PdId};
 use super::qp::state::{self, AttrMask, QpState};
 use super::qp::{Ctx, Qp, QpAttr, QpCaps, RecvWr, SendWr};
+use super::types::Psn;
 use super::types::{Guid, Instant, MemKey, PciAddr, Qpn};
-use super::wire::{IcrcContext, OpClass, ParsedPacket, WireError};
+use super::wire::{
+    emit_packet, BthRepr, DethRepr, IcrcContext, OpClass, Opcode, PacketHeaders, ParsedPacket,
+    WireError, GSI_QKEY,
+};
+
+/// A management datagram is always 256 bytes (IBA 13.4.2).
+pub const MAD_LEN: usize = 256;
+/// MADs queued per direction before new ones are refused.
+const GSI_QUEUE: usize = 256;
 use super::{AsyncEvent, Stats};
 
 /// Who a device is: what survives a reset and what a re-plug may change.
@@ -108,6 +117,10 @@ pub struct Device {
     stats: Stats,
     events: VecDeque<AsyncEvent>,
     schedule: VecDeque<Qpn>,
+    /// QP1 (GSI): CM MADs in and out, bounded so a flood cannot grow memory.
+    gsi_rx: VecDeque<(SocketAddr, [u8; MAD_LEN])>,
+    gsi_tx: VecDeque<(SocketAddr, [u8; MAD_LEN])>,
+    gsi_psn: u32,
     /// CQs that received completions since the driver last asked.
     cq_dirty: Vec<CqId>,
 }
@@ -131,6 +144,9 @@ impl Device {
             events: VecDeque::new(),
             schedule: VecDeque::new(),
             cq_dirty: Vec::new(),
+            gsi_rx: VecDeque::with_capacity(GSI_QUEUE),
+            gsi_tx: VecDeque::with_capacity(GSI_QUEUE),
+            gsi_psn: 0,
         };
         d.events.push_back(AsyncEvent::PortActive);
         d
@@ -215,6 +231,7 @@ impl Device {
             qp.resp.nak = None;
         }
         self.schedule.clear();
+        self.gsi_tx.clear();
         for q in self.qps.values_mut() {
             q.scheduled = false;
         }
@@ -518,6 +535,10 @@ impl Device {
             }
         };
         let qpn = pkt.hdrs.bth.dest_qp;
+        if qpn == Qpn::GSI {
+            self.on_gsi(src, &pkt);
+            return;
+        }
         let Some(qp) = self.qps.get_mut(&qpn) else {
             self.stats.rx_unknown_qp += 1;
             return;
@@ -571,10 +592,65 @@ impl Device {
         self.mark_cq_if_nonempty(rc);
     }
 
+    /// A UD packet for QP1: keep it if it is a well-formed GSI datagram carrying one MAD.
+    fn on_gsi(&mut self, src: SocketAddr, pkt: &ParsedPacket<'_>) {
+        let ok = pkt.hdrs.bth.opcode == Opcode::UD_SEND_ONLY
+            && pkt.hdrs.deth.is_some_and(|d| d.qkey == GSI_QKEY)
+            && pkt.payload.len() == MAD_LEN;
+        if !ok {
+            self.stats.rx_dropped += 1;
+            return;
+        }
+        if self.gsi_rx.len() >= GSI_QUEUE {
+            self.stats.gsi_overflows += 1;
+            return;
+        }
+        let mut mad = [0u8; MAD_LEN];
+        mad.copy_from_slice(pkt.payload);
+        self.gsi_rx.push_back((src, mad));
+    }
+
+    /// Queue a MAD for the GSI QP of the device at `dst` (what CM sends on QP1).
+    pub fn post_gsi(&mut self, dst: SocketAddr, mad: &[u8; MAD_LEN]) -> Result<(), VerbsError> {
+        self.live()?;
+        if self.gsi_tx.len() >= GSI_QUEUE {
+            return Err(VerbsError::QueueFull("GSI send"));
+        }
+        self.gsi_tx.push_back((dst, *mad));
+        Ok(())
+    }
+
+    /// Next MAD received on QP1, with the address it came from.
+    pub fn poll_gsi(&mut self) -> Option<(SocketAddr, [u8; MAD_LEN])> {
+        self.gsi_rx.pop_front()
+    }
+
+    fn gsi_transmit(&mut self, buf: &mut Vec<u8>) -> Option<SocketAddr> {
+        let (dst, mad) = self.gsi_tx.pop_front()?;
+        let mut h = PacketHeaders::new(BthRepr::new(
+            Opcode::UD_SEND_ONLY,
+            Qpn::GSI,
+            Psn::new(self.gsi_psn),
+        ));
+        self.gsi_psn = self.gsi_psn.wrapping_add(1);
+        h.deth = Some(DethRepr {
+            qkey: GSI_QKEY,
+            src_qp: Qpn::GSI,
+        });
+        let start = buf.len();
+        emit_packet(&h, &mad, &IcrcContext::new(self.config.addr, dst), buf);
+        self.stats.tx_packets += 1;
+        self.stats.tx_bytes += (buf.len() - start) as u64;
+        Some(dst)
+    }
+
     /// Append the next packet to `buf` and say where it goes (`buf` is untouched if none).
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<SocketAddr> {
         if !self.is_live() {
             return None;
+        }
+        if let Some(dst) = self.gsi_transmit(buf) {
+            return Some(dst);
         }
         while let Some(qpn) = self.schedule.pop_front() {
             let Some(qp) = self.qps.get_mut(&qpn) else {
@@ -638,8 +714,9 @@ impl Device {
         }
     }
 
+    /// Anything for the consumer besides completions: async events or received MADs.
     pub fn has_events(&self) -> bool {
-        !self.events.is_empty()
+        !self.events.is_empty() || !self.gsi_rx.is_empty()
     }
 
     pub fn poll_event(&mut self) -> Option<AsyncEvent> {

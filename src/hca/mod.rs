@@ -57,4 +57,5 @@ pub struct Stats {
     pub access_errors: u64,
     pub flushed: u64,
     pub cq_overflows: u64,
+    pub gsi_overflows: u64,
 }
