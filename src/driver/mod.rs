@@ -3,6 +3,7 @@
 //! Applications reach the device through a [`SoftHca`] handle; completions wake them through
 //! a [`tokio::sync::Notify`].
 
+pub mod manager;
 mod metrics_pub;
 mod socket;
 
@@ -17,6 +18,7 @@ use crate::hca::device::{Device, DeviceConfig, Lifecycle};
 use crate::hca::types::Instant;
 use crate::hca::{AsyncEvent, WorkCompletion};
 
+pub use manager::{DeviceManager, ManagerError};
 pub use socket::{bind_roce_socket, RxBatch, TxBatch};
 
 /// Shared between the handle(s) and the driver task.
@@ -28,6 +30,8 @@ struct Shared {
     wake: Notify,
     /// Zero of the device's virtual clock.
     epoch: std::time::Instant,
+    /// Set when the driver task has ended and closed the socket.
+    stopped: tokio::sync::watch::Sender<bool>,
 }
 
 /// A handle to a running soft-HCA context. Cheap to clone.
@@ -61,12 +65,19 @@ impl SoftHca {
             kick: Notify::new(),
             wake: Notify::new(),
             epoch: std::time::Instant::now(),
+            stopped: tokio::sync::watch::channel(false).0,
         });
         let task_shared = shared.clone();
         tokio::spawn(async move {
+            let done = task_shared.clone();
             if let Err(e) = drive(task_shared, sock, gro).await {
                 tracing::error!(error = %e, "soft-HCA driver stopped");
+                // A dead socket is a dead device.
+                done.dev.lock().unwrap_or_else(|e| e.into_inner()).fatal();
+                done.wake.notify_waiters();
             }
+            // `drive` returned, so the socket is closed.
+            done.stopped.send_replace(true);
         });
         Ok(SoftHca { shared, addr })
     }
@@ -121,6 +132,12 @@ impl SoftHca {
             }
             notified.await;
         }
+    }
+
+    /// Wait until the driver task has ended and its UDP port is free again.
+    pub async fn stopped(&self) {
+        let mut rx = self.shared.stopped.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
     }
 
     pub fn lifecycle(&self) -> Lifecycle {
