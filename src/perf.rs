@@ -348,12 +348,18 @@ pub struct DemoReport {
 /// The demo: fill `total` bytes with a pattern on A, RDMA WRITE them to B in `chunk`-sized
 /// messages, RDMA READ them back from B into a second buffer on A, and compare.
 pub fn demo(total: usize, chunk: usize) -> anyhow::Result<DemoReport> {
-    anyhow::ensure!(chunk > 0 && total % chunk == 0, "size must be a multiple of the chunk size");
+    anyhow::ensure!(
+        chunk > 0 && total % chunk == 0,
+        "size must be a multiple of the chunk size"
+    );
     let opts = RcOptions {
         mtu: Mtu::Mtu4096,
         buf_len: total * 2,
         timeout: 14,
-        caps: crate::hca::QpCaps { max_send_wr: 1024, max_recv_wr: 16 },
+        caps: crate::hca::QpCaps {
+            max_send_wr: 1024,
+            max_recv_wr: 16,
+        },
         max_unacked: 256,
         ..RcOptions::default()
     };
@@ -379,13 +385,27 @@ pub fn demo(total: usize, chunk: usize) -> anyhow::Result<DemoReport> {
     p.ea.mem.read(total, &mut back);
     let mut on_b = vec![0u8; total];
     p.eb.mem.read(0, &mut on_b);
-    let retransmits = p.a.with(|d, _| d.stats().retransmits) + p.b.with(|d, _| d.stats().retransmits);
-    Ok(DemoReport { bytes: total, write, read, verified: back == pattern && on_b == pattern, retransmits })
+    let retransmits =
+        p.a.with(|d, _| d.stats().retransmits) + p.b.with(|d, _| d.stats().retransmits);
+    Ok(DemoReport {
+        bytes: total,
+        write,
+        read,
+        verified: back == pattern && on_b == pattern,
+        retransmits,
+    })
 }
 
 /// WRITE A[0..total] to B[0..total], or READ B[0..total] into A[total..2*total], keeping up
 /// to 32 messages in flight.
-async fn transfer_all(a: &SoftHca, ea: &RcEnd, eb: &RcEnd, total: usize, chunk: usize, read: bool) -> anyhow::Result<()> {
+async fn transfer_all(
+    a: &SoftHca,
+    ea: &RcEnd,
+    eb: &RcEnd,
+    total: usize,
+    chunk: usize,
+    read: bool,
+) -> anyhow::Result<()> {
     let n = total / chunk;
     let mut next = 0usize;
     let mut done = 0usize;
@@ -394,12 +414,34 @@ async fn transfer_all(a: &SoftHca, ea: &RcEnd, eb: &RcEnd, total: usize, chunk: 
         let off = (i * chunk) as u64;
         let remote_addr = eb.mr.addr + off;
         let (op, local) = if read {
-            (SendOp::Read { remote_addr, rkey: eb.mr.rkey }, ea.mr.addr + total as u64 + off)
+            (
+                SendOp::Read {
+                    remote_addr,
+                    rkey: eb.mr.rkey,
+                },
+                ea.mr.addr + total as u64 + off,
+            )
         } else {
-            (SendOp::Write { remote_addr, rkey: eb.mr.rkey }, ea.mr.addr + off)
+            (
+                SendOp::Write {
+                    remote_addr,
+                    rkey: eb.mr.rkey,
+                },
+                ea.mr.addr + off,
+            )
         };
         let sgl = Sgl::one(local, chunk as u32, ea.mr.lkey);
-        d.post_send(now, ea.qpn, SendWr { wr_id: i as u64, op, sgl, signaled: true, solicited: false })
+        d.post_send(
+            now,
+            ea.qpn,
+            SendWr {
+                wr_id: i as u64,
+                op,
+                sgl,
+                signaled: true,
+                solicited: false,
+            },
+        )
     };
     while done < n {
         a.with(|d, now| -> anyhow::Result<()> {
@@ -414,7 +456,12 @@ async fn transfer_all(a: &SoftHca, ea: &RcEnd, eb: &RcEnd, total: usize, chunk: 
             anyhow::bail!("device died during the transfer");
         }
         for wc in &wcs {
-            anyhow::ensure!(wc.status == WcStatus::Success, "chunk {} failed: {}", wc.wr_id, wc.status.as_str());
+            anyhow::ensure!(
+                wc.status == WcStatus::Success,
+                "chunk {} failed: {}",
+                wc.wr_id,
+                wc.status.as_str()
+            );
             done += 1;
         }
     }

@@ -7,7 +7,11 @@ use clap::{Parser, Subcommand};
 use nvmf_rdma::perf;
 
 #[derive(Parser)]
-#[command(name = "nvmf-rdma", version, about = "User-space NVMe-over-RDMA initiator with its own soft RoCEv2 HCA")]
+#[command(
+    name = "nvmf-rdma",
+    version,
+    about = "User-space NVMe-over-RDMA initiator with its own soft RoCEv2 HCA"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -43,7 +47,9 @@ fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: usize = num.parse().map_err(|_| format!("'{s}' is not a size (try 4096, 128K, 64M)"))?;
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (try 4096, 128K, 64M)"))?;
     let mult = match unit.to_ascii_uppercase().as_str() {
         "" | "B" => 1,
         "K" | "KB" | "KIB" => 1 << 10,
@@ -51,7 +57,9 @@ fn parse_size(s: &str) -> Result<usize, String> {
         "G" | "GB" | "GIB" => 1 << 30,
         _ => return Err(format!("unknown size unit '{unit}' in '{s}'")),
     };
-    n.checked_mul(mult).filter(|&v| v > 0).ok_or_else(|| format!("size '{s}' out of range"))
+    n.checked_mul(mult)
+        .filter(|&v| v > 0)
+        .ok_or_else(|| format!("size '{s}' out of range"))
 }
 
 fn main() -> Result<()> {
@@ -65,11 +73,25 @@ fn main() -> Result<()> {
             if chunk > 1 << 30 || size > 8 << 30 {
                 bail!("--size at most 8G and --chunk at most 1G");
             }
-            println!("soft-HCA demo: two RoCEv2 devices on 127.0.0.1, RC QP, {} in {} messages", perf::human(size), perf::human(chunk));
+            println!(
+                "soft-HCA demo: two RoCEv2 devices on 127.0.0.1, RC QP, {} in {} messages",
+                perf::human(size),
+                perf::human(chunk)
+            );
             let r = perf::demo(size, chunk).context("demo failed")?;
             let gbs = |d: Duration| r.bytes as f64 / d.as_secs_f64() / 1e9;
-            println!("RDMA WRITE {:>10}  {:8.3} s  {:6.3} GB/s", perf::human(r.bytes), r.write.as_secs_f64(), gbs(r.write));
-            println!("RDMA READ  {:>10}  {:8.3} s  {:6.3} GB/s", perf::human(r.bytes), r.read.as_secs_f64(), gbs(r.read));
+            println!(
+                "RDMA WRITE {:>10}  {:8.3} s  {:6.3} GB/s",
+                perf::human(r.bytes),
+                r.write.as_secs_f64(),
+                gbs(r.write)
+            );
+            println!(
+                "RDMA READ  {:>10}  {:8.3} s  {:6.3} GB/s",
+                perf::human(r.bytes),
+                r.read.as_secs_f64(),
+                gbs(r.read)
+            );
             println!("retransmits: {}", r.retransmits);
             if !r.verified {
                 bail!("data read back does not match what was written");
