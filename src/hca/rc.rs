@@ -89,47 +89,12 @@ pub fn connect_end(
     remote_psn: Psn,
     o: &RcOptions,
 ) -> Result<(), VerbsError> {
-    let attr = QpAttr {
-        state: QpState::Rtr,
-        dest: Some(remote_addr),
-        path_mtu: o.mtu,
-        dest_qpn: remote_qpn,
-        rq_psn: remote_psn,
-        max_dest_rd_atomic: o.max_rd_atomic,
-        min_rnr_timer: o.min_rnr_timer,
-        max_unacked: o.max_unacked,
-        ..QpAttr::default()
+    let peer = PeerInfo {
+        addr: remote_addr,
+        qpn: remote_qpn,
+        psn: remote_psn,
     };
-    dev.modify_qp(
-        end.qpn,
-        &attr,
-        AttrMask::STATE
-            | AttrMask::AV
-            | AttrMask::PATH_MTU
-            | AttrMask::DEST_QPN
-            | AttrMask::RQ_PSN
-            | AttrMask::MAX_DEST_RD_ATOMIC
-            | AttrMask::MIN_RNR_TIMER,
-    )?;
-    let attr = QpAttr {
-        state: QpState::Rts,
-        timeout: o.timeout,
-        retry_cnt: o.retry_cnt,
-        rnr_retry: o.rnr_retry,
-        sq_psn: end.psn,
-        max_rd_atomic: o.max_rd_atomic,
-        ..QpAttr::default()
-    };
-    dev.modify_qp(
-        end.qpn,
-        &attr,
-        AttrMask::STATE
-            | AttrMask::TIMEOUT
-            | AttrMask::RETRY_CNT
-            | AttrMask::RNR_RETRY
-            | AttrMask::SQ_PSN
-            | AttrMask::MAX_QP_RD_ATOMIC,
-    )
+    qp_to_rts(dev, end.qpn, peer, end.psn, o)
 }
 
 /// Create and connect a QP on each of two devices.
@@ -145,4 +110,89 @@ pub fn connect_pair(
     connect_end(a, &ea, b.addr(), eb.qpn, eb.psn, o)?;
     connect_end(b, &eb, a.addr(), ea.qpn, ea.psn, o)?;
     Ok((ea, eb))
+}
+
+/// What one side learns about the other when a connection is made (by CM or by hand).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerInfo {
+    pub addr: SocketAddr,
+    pub qpn: Qpn,
+    /// The peer's first send PSN: our expected receive PSN.
+    pub psn: Psn,
+}
+
+/// Create an RC QP in INIT with `access` for remote peers.
+pub fn create_qp_init(
+    dev: &mut Device,
+    pd: PdId,
+    cq: CqId,
+    caps: QpCaps,
+    access: Access,
+) -> Result<Qpn, VerbsError> {
+    let qpn = dev.create_qp(pd, cq, cq, caps)?;
+    let attr = QpAttr {
+        state: QpState::Init,
+        access,
+        ..QpAttr::default()
+    };
+    if let Err(e) = dev.modify_qp(
+        qpn,
+        &attr,
+        AttrMask::STATE | AttrMask::PKEY_INDEX | AttrMask::PORT | AttrMask::ACCESS_FLAGS,
+    ) {
+        let _ = dev.destroy_qp(qpn);
+        return Err(e);
+    }
+    Ok(qpn)
+}
+
+/// INIT → RTR → RTS towards `peer`, sending from `local_psn`.
+pub fn qp_to_rts(
+    dev: &mut Device,
+    qpn: Qpn,
+    peer: PeerInfo,
+    local_psn: Psn,
+    o: &RcOptions,
+) -> Result<(), VerbsError> {
+    let attr = QpAttr {
+        state: QpState::Rtr,
+        dest: Some(peer.addr),
+        path_mtu: o.mtu,
+        dest_qpn: peer.qpn,
+        rq_psn: peer.psn,
+        max_dest_rd_atomic: o.max_rd_atomic,
+        min_rnr_timer: o.min_rnr_timer,
+        max_unacked: o.max_unacked,
+        ..QpAttr::default()
+    };
+    dev.modify_qp(
+        qpn,
+        &attr,
+        AttrMask::STATE
+            | AttrMask::AV
+            | AttrMask::PATH_MTU
+            | AttrMask::DEST_QPN
+            | AttrMask::RQ_PSN
+            | AttrMask::MAX_DEST_RD_ATOMIC
+            | AttrMask::MIN_RNR_TIMER,
+    )?;
+    let attr = QpAttr {
+        state: QpState::Rts,
+        timeout: o.timeout,
+        retry_cnt: o.retry_cnt,
+        rnr_retry: o.rnr_retry,
+        sq_psn: local_psn,
+        max_rd_atomic: o.max_rd_atomic,
+        ..QpAttr::default()
+    };
+    dev.modify_qp(
+        qpn,
+        &attr,
+        AttrMask::STATE
+            | AttrMask::TIMEOUT
+            | AttrMask::RETRY_CNT
+            | AttrMask::RNR_RETRY
+            | AttrMask::SQ_PSN
+            | AttrMask::MAX_QP_RD_ATOMIC,
+    )
 }

@@ -1,0 +1,1114 @@
+//! The target's command engine: queues, controllers, and the capsule → data → execute →
+//! response pipeline. All of it runs under the device lock, driven by completions.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::driver::SoftHca;
+use crate::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
+use crate::hca::{
+    Access, CqId, Device, HostMem, MrInfo, Mtu, PdId, Psn, QpCaps, Qpn, RecvWr, SendOp, SendWr,
+    Sgl, VerbsError, WcOpcode, WcStatus, WorkCompletion,
+};
+use crate::nvme::admin::{cns, feature, opcode};
+use crate::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
+use crate::nvme::{
+    Cap, Cc, ConnectData, Cqe, Csts, DiscoveryLogEntry, DiscoveryLogHeader, DsmRange, FabricsCmd,
+    FixedStr, IdentifyController, IdentifyNamespace, SglDescriptor, Sqe, Status, Vs,
+};
+
+use super::{Subsystem, TargetConfig};
+
+const SQE_LEN: usize = 64;
+const CQE_LEN: usize = 16;
+/// Admin queues carry no in-capsule data (as Linux sets up).
+const ADMIN_CAPSULE: usize = SQE_LEN;
+/// Connect data is 1024 bytes; Identify and log pages are 4096.
+const ADMIN_STAGING: usize = 8192;
+/// Outstanding Async Event Requests we hold per controller (AERL + 1).
+const AER_LIMIT: usize = 4;
+
+const WR_RECV: u64 = 1;
+const WR_RDMA_READ: u64 = 2;
+const WR_RDMA_WRITE: u64 = 3;
+const WR_SEND: u64 = 4;
+
+fn wr_id(kind: u64, slot: usize) -> u64 {
+    (kind << 32) | slot as u64
+}
+
+/// Parameters of an incoming queue connection (from the CM REQ and its private data).
+#[derive(Debug, Clone, Copy)]
+pub struct ConnParams {
+    pub peer: PeerInfo,
+    pub qid: u16,
+    /// Host receive queue size (responses it can take).
+    pub hrqsize: u16,
+    /// Host send queue size, 0's based.
+    pub hsqsize: u16,
+}
+
+/// Why a queue connection was refused (the NVMe-oF RDMA CM reject status).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ConnReject {
+    #[error("invalid HSQSIZE")]
+    InvalidHsqsize,
+    #[error("invalid HRQSIZE")]
+    InvalidHrqsize,
+    #[error("invalid QID")]
+    InvalidQid,
+    #[error("no resources")]
+    NoResources,
+}
+
+impl ConnReject {
+    /// The `sts` value of `struct nvme_rdma_cm_rej`.
+    pub fn status(self) -> u16 {
+        match self {
+            ConnReject::InvalidQid => 3,
+            ConnReject::InvalidHsqsize => 4,
+            ConnReject::InvalidHrqsize => 5,
+            ConnReject::NoResources => 6,
+        }
+    }
+}
+
+/// Counters a person (or a test) can read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TargetStats {
+    pub commands: u64,
+    pub errors: u64,
+    pub malformed_capsules: u64,
+    pub queue_overruns: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub queues_connected: u64,
+    pub queues_dropped: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Free,
+    /// Waiting for RDMA READ of the host's data.
+    Fetching,
+    /// Response (and data) posted; waiting for the SEND completion.
+    Responding,
+    /// An Async Event Request, held until there is an event (or the queue goes).
+    Parked,
+}
+
+struct Cmd {
+    stage: Stage,
+    sqe: Sqe,
+    capsule: Vec<u8>,
+    capsule_len: usize,
+}
+
+struct TQueue {
+    qid: u16,
+    size: usize,
+    cntlid: Option<u16>,
+    capsule_len: usize,
+    staging_len: usize,
+    recv: (HostMem, MrInfo),
+    rsp: (HostMem, MrInfo),
+    data: (HostMem, MrInfo),
+    cmds: Vec<Cmd>,
+    free: Vec<usize>,
+    dead: bool,
+}
+
+struct Ctrl {
+    subsys: usize,
+    hostnqn: String,
+    hostid: [u8; 16],
+    cc: Cc,
+    csts: Csts,
+    kato_ms: u32,
+    io_queues: u16,
+    queues: Vec<Qpn>,
+    aers: usize,
+}
+
+struct Engine {
+    cfg: Arc<TargetConfig>,
+    pd: PdId,
+    cq: CqId,
+    queues: HashMap<Qpn, TQueue>,
+    ctrls: HashMap<u16, Ctrl>,
+    next_cntlid: u16,
+    stats: TargetStats,
+    wcs: Vec<WorkCompletion>,
+    psn_seed: u32,
+}
+
+/// A running target on one soft-HCA.
+#[derive(Clone)]
+pub struct Target {
+    hca: SoftHca,
+    engine: Arc<Mutex<Engine>>,
+}
+
+impl Target {
+    /// Set up the target's PD and CQ on `hca` and start the task that serves completions.
+    pub fn start(hca: SoftHca, cfg: TargetConfig) -> Result<Target, VerbsError> {
+        let (pd, cq) = hca.with(|d, _| -> Result<_, VerbsError> {
+            let pd = d.alloc_pd()?;
+            let cq = d.create_cq(crate::hca::device::MAX_CQE)?;
+            Ok((pd, cq))
+        })?;
+        let engine = Arc::new(Mutex::new(Engine {
+            cfg: Arc::new(cfg),
+            pd,
+            cq,
+            queues: HashMap::new(),
+            ctrls: HashMap::new(),
+            next_cntlid: 1,
+            stats: TargetStats::default(),
+            wcs: Vec::with_capacity(256),
+            psn_seed: 0x5A5A5,
+        }));
+        let t = Target { hca, engine };
+        let task = t.clone();
+        tokio::spawn(async move { task.serve().await });
+        Ok(t)
+    }
+
+    pub fn hca(&self) -> &SoftHca {
+        &self.hca
+    }
+
+    pub fn config(&self) -> Arc<TargetConfig> {
+        self.lock().cfg.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Engine> {
+        self.engine.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn stats(&self) -> TargetStats {
+        self.lock().stats.clone()
+    }
+
+    /// Accept a queue connection: create its QP and rings, bring the QP to RTS, post the
+    /// receive ring. Returns our QPN, our starting PSN and the receive queue size (crqsize).
+    pub fn accept(&self, p: ConnParams) -> Result<(Qpn, Psn, u16), ConnReject> {
+        let mut e = self.lock();
+        self.hca.with(|d, _| e.add_queue(d, p))
+    }
+
+    /// The host went away (CM disconnect, transport error): drop the queue and, for an
+    /// admin queue, its controller and every queue of it.
+    pub fn drop_queue(&self, qpn: Qpn) {
+        let mut e = self.lock();
+        self.hca.with(|d, _| e.remove_queue(d, qpn));
+    }
+
+    /// Number of live queues.
+    pub fn queue_count(&self) -> usize {
+        self.lock().queues.len()
+    }
+
+    async fn serve(self) {
+        loop {
+            let cq = self.lock().cq;
+            let mut batch = Vec::with_capacity(256);
+            if self.hca.wait_cq(cq, 256, &mut batch).await == 0 {
+                return; // the device died
+            }
+            let mut e = self.lock();
+            self.hca.with(|d, _| {
+                e.wcs = batch;
+                let wcs = std::mem::take(&mut e.wcs);
+                for wc in &wcs {
+                    e.on_completion(d, wc);
+                }
+            });
+        }
+    }
+}
+
+fn rdma_opts(mtu: Mtu) -> RcOptions {
+    RcOptions {
+        mtu,
+        timeout: 14,
+        retry_cnt: 7,
+        rnr_retry: 7,
+        max_unacked: 256,
+        ..RcOptions::default()
+    }
+}
+
+impl Engine {
+    fn add_queue(&mut self, d: &mut Device, p: ConnParams) -> Result<(Qpn, Psn, u16), ConnReject> {
+        let size = p.hsqsize as usize + 1;
+        if p.qid == 0 && !(fabrics::MIN_ADMIN_SQ_ENTRIES as usize..=4096).contains(&size) {
+            return Err(ConnReject::InvalidHsqsize);
+        }
+        if size < 2 || size > self.cfg.max_queue_size as usize {
+            return Err(ConnReject::InvalidHsqsize);
+        }
+        if (p.hrqsize as usize) < size {
+            return Err(ConnReject::InvalidHrqsize);
+        }
+        let admin = p.qid == 0;
+        let capsule_len = if admin {
+            ADMIN_CAPSULE
+        } else {
+            SQE_LEN + self.cfg.inline_data as usize
+        };
+        let staging_len = if admin {
+            ADMIN_STAGING
+        } else {
+            self.cfg.max_transfer as usize
+        };
+        let no_res = |_| ConnReject::NoResources;
+        let recv = HostMem::new(size * capsule_len);
+        let rsp = HostMem::new(size * CQE_LEN);
+        let data = HostMem::new(size * staging_len);
+        let recv_mr = d
+            .reg_mr(self.pd, &recv, 0, recv.len(), Access::LOCAL_WRITE)
+            .map_err(no_res)?;
+        let rsp_mr = d
+            .reg_mr(self.pd, &rsp, 0, rsp.len(), Access::empty())
+            .map_err(no_res)?;
+        let data_mr = d
+            .reg_mr(self.pd, &data, 0, data.len(), Access::LOCAL_WRITE)
+            .map_err(no_res)?;
+        let caps = QpCaps {
+            max_send_wr: (size * 3) as u32,
+            max_recv_wr: size as u32,
+        };
+        let cleanup = |d: &mut Device| {
+            let _ = d.dereg_mr(recv_mr.lkey);
+            let _ = d.dereg_mr(rsp_mr.lkey);
+            let _ = d.dereg_mr(data_mr.lkey);
+        };
+        let qpn = match create_qp_init(d, self.pd, self.cq, caps, Access::empty()) {
+            Ok(q) => q,
+            Err(_) => {
+                cleanup(d);
+                return Err(ConnReject::NoResources);
+            }
+        };
+        self.psn_seed = self
+            .psn_seed
+            .wrapping_mul(1_103_515_245)
+            .wrapping_add(12_345);
+        let psn = Psn::new(self.psn_seed >> 4);
+        let ok = qp_to_rts(d, qpn, p.peer, psn, &rdma_opts(Mtu::Mtu4096)).is_ok()
+            && (0..size).all(|i| {
+                let sgl = Sgl::one(
+                    recv_mr.addr + (i * capsule_len) as u64,
+                    capsule_len as u32,
+                    recv_mr.lkey,
+                );
+                d.post_recv(
+                    qpn,
+                    RecvWr {
+                        wr_id: wr_id(WR_RECV, i),
+                        sgl,
+                    },
+                )
+                .is_ok()
+            });
+        if !ok {
+            let _ = d.destroy_qp(qpn);
+            cleanup(d);
+            return Err(ConnReject::NoResources);
+        }
+        let cmds = (0..size)
+            .map(|_| Cmd {
+                stage: Stage::Free,
+                sqe: Sqe::new(0, 0),
+                capsule: vec![0u8; capsule_len],
+                capsule_len: 0,
+            })
+            .collect();
+        self.queues.insert(
+            qpn,
+            TQueue {
+                qid: p.qid,
+                size,
+                cntlid: None,
+                capsule_len,
+                staging_len,
+                recv: (recv, recv_mr),
+                rsp: (rsp, rsp_mr),
+                data: (data, data_mr),
+                cmds,
+                free: (0..size).rev().collect(),
+                dead: false,
+            },
+        );
+        self.stats.queues_connected += 1;
+        Ok((qpn, psn, size as u16))
+    }
+
+    fn remove_queue(&mut self, d: &mut Device, qpn: Qpn) {
+        let Some(q) = self.queues.remove(&qpn) else {
+            return;
+        };
+        let _ = d.destroy_qp(qpn);
+        for mr in [q.recv.1, q.rsp.1, q.data.1] {
+            let _ = d.dereg_mr(mr.lkey);
+        }
+        self.stats.queues_dropped += 1;
+        if let Some(c) = q.cntlid {
+            if q.qid == 0 {
+                if let Some(ctrl) = self.ctrls.remove(&c) {
+                    for other in ctrl.queues {
+                        if other != qpn {
+                            self.remove_queue(d, other);
+                        }
+                    }
+                }
+            } else if let Some(ctrl) = self.ctrls.get_mut(&c) {
+                ctrl.queues.retain(|x| *x != qpn);
+            }
+        }
+    }
+
+    fn on_completion(&mut self, d: &mut Device, wc: &WorkCompletion) {
+        let kind = wc.wr_id >> 32;
+        let slot = (wc.wr_id & 0xFFFF_FFFF) as usize;
+        if wc.status != WcStatus::Success {
+            // A transport error ends the queue (and, for an admin queue, its controller);
+            // the host's recovery reconnects.
+            if let Some(q) = self.queues.get_mut(&wc.qpn) {
+                if !q.dead {
+                    q.dead = true;
+                    self.remove_queue(d, wc.qpn);
+                }
+            }
+            return;
+        }
+        match (kind, wc.opcode) {
+            (WR_RECV, WcOpcode::Recv) => self.on_capsule(d, wc.qpn, slot, wc.byte_len as usize),
+            (WR_RDMA_READ, _) => self.execute(d, wc.qpn, slot),
+            (WR_SEND, _) => {
+                if let Some(q) = self.queues.get_mut(&wc.qpn) {
+                    if let Some(c) = q.cmds.get_mut(slot) {
+                        if c.stage == Stage::Responding {
+                            c.stage = Stage::Free;
+                            q.free.push(slot);
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_capsule(&mut self, d: &mut Device, qpn: Qpn, r: usize, len: usize) {
+        let Some(q) = self.queues.get_mut(&qpn) else {
+            return;
+        };
+        if r >= q.size {
+            return;
+        }
+        let at = r * q.capsule_len;
+        let len = len.min(q.capsule_len);
+        let Some(c) = q.free.pop() else {
+            // More commands than the queue holds: the host broke flow control.
+            self.stats.queue_overruns += 1;
+            repost(d, qpn, q, r);
+            return;
+        };
+        {
+            let g = q.recv.0.lock();
+            let cmd = &mut q.cmds[c];
+            cmd.capsule[..len].copy_from_slice(&g[at..at + len]);
+            cmd.capsule_len = len;
+        }
+        repost(d, qpn, q, r);
+        self.stats.commands += 1;
+        let parsed = Sqe::parse(&q.cmds[c].capsule[..len]);
+        match parsed {
+            Ok(sqe) => {
+                q.cmds[c].sqe = sqe;
+                self.start(d, qpn, c);
+            }
+            Err(_) => {
+                self.stats.malformed_capsules += 1;
+                let cid = Sqe::peek_cid(&q.cmds[c].capsule[..len]).unwrap_or(0);
+                q.cmds[c].sqe = Sqe::new(0, cid);
+                self.respond(d, qpn, c, Status::INVALID_FIELD.with_dnr(), 0, 0);
+            }
+        }
+    }
+
+    /// Begin a command: fetch host data if it brings any, else execute now.
+    fn start(&mut self, d: &mut Device, qpn: Qpn, c: usize) {
+        let Some(q) = self.queues.get(&qpn) else {
+            return;
+        };
+        let sqe = q.cmds[c].sqe;
+        let want = match self.data_in_len(qpn, &sqe) {
+            Ok(Some(w)) => w,
+            Ok(None) => return self.execute(d, qpn, c),
+            Err(st) => return self.respond(d, qpn, c, st, 0, 0),
+        };
+        let Some(q) = self.queues.get_mut(&qpn) else {
+            return;
+        };
+        let sgl = match SglDescriptor::parse(&sqe.dptr) {
+            Ok(s) => s,
+            Err(_) => {
+                return self.respond(
+                    d,
+                    qpn,
+                    c,
+                    Status::SGL_DESCRIPTOR_TYPE_INVALID.with_dnr(),
+                    0,
+                    0,
+                )
+            }
+        };
+        let len = sgl.data_len() as usize;
+        if len < want || want > q.staging_len {
+            return self.respond(d, qpn, c, Status::SGL_DATA_LENGTH_INVALID.with_dnr(), 0, 0);
+        }
+        match sgl {
+            SglDescriptor::InCapsule { offset, .. } => {
+                let end = SQE_LEN as u64 + offset + want as u64;
+                if offset != 0 || end > q.cmds[c].capsule_len as u64 {
+                    return self.respond(d, qpn, c, Status::SGL_OFFSET_INVALID.with_dnr(), 0, 0);
+                }
+                // Stage in-capsule data like fetched data, so execution has one source.
+                let base = c * q.staging_len;
+                q.data
+                    .0
+                    .write(base, &q.cmds[c].capsule[SQE_LEN..end as usize]);
+                self.execute(d, qpn, c);
+            }
+            SglDescriptor::Keyed { addr, key, .. } => {
+                let local = Sgl::one(
+                    q.data.1.addr + (c * q.staging_len) as u64,
+                    want as u32,
+                    q.data.1.lkey,
+                );
+                let wr = SendWr {
+                    wr_id: wr_id(WR_RDMA_READ, c),
+                    op: SendOp::Read {
+                        remote_addr: addr,
+                        rkey: crate::hca::MemKey(key),
+                    },
+                    sgl: local,
+                    signaled: true,
+                    solicited: false,
+                };
+                q.cmds[c].stage = Stage::Fetching;
+                if d.post_send(crate::hca::Instant::ZERO, qpn, wr).is_err() {
+                    q.cmds[c].stage = Stage::Free;
+                    q.free.push(c);
+                }
+            }
+        }
+    }
+
+    /// Run the command whose data (if any) sits in its staging slot.
+    fn execute(&mut self, d: &mut Device, qpn: Qpn, c: usize) {
+        let Some(q) = self.queues.get(&qpn) else {
+            return;
+        };
+        let sqe = q.cmds[c].sqe;
+        let qid = q.qid;
+        let r = if sqe.opcode == opcode::FABRICS {
+            self.exec_fabrics(qpn, c, &sqe)
+        } else if q.cntlid.is_none() {
+            Err(Status::COMMAND_SEQUENCE_ERROR.with_dnr())
+        } else if qid == 0 {
+            self.exec_admin(qpn, c, &sqe)
+        } else {
+            self.exec_io(qpn, c, &sqe)
+        };
+        match r {
+            Ok(Done::Respond { result, data_out }) => {
+                self.respond(d, qpn, c, Status::SUCCESS, result, data_out)
+            }
+            Ok(Done::Park) => {
+                if let Some(q) = self.queues.get_mut(&qpn) {
+                    q.cmds[c].stage = Stage::Parked;
+                }
+            }
+            Err(st) => {
+                self.stats.errors += 1;
+                self.respond(d, qpn, c, st, 0, 0)
+            }
+        }
+    }
+
+    /// RDMA WRITE `data_out` staged bytes to the host (if any), then SEND the response.
+    fn respond(
+        &mut self,
+        d: &mut Device,
+        qpn: Qpn,
+        c: usize,
+        mut status: Status,
+        result: u64,
+        data_out: usize,
+    ) {
+        let Some(q) = self.queues.get_mut(&qpn) else {
+            return;
+        };
+        let sqe = q.cmds[c].sqe;
+        let now = crate::hca::Instant::ZERO;
+        if data_out > 0 && status.is_success() {
+            match SglDescriptor::parse(&sqe.dptr) {
+                Ok(SglDescriptor::Keyed { addr, len, key, .. })
+                    if len as usize >= data_out.min(len as usize) =>
+                {
+                    let n = data_out.min(len as usize) as u32;
+                    let wr = SendWr {
+                        wr_id: wr_id(WR_RDMA_WRITE, c),
+                        op: SendOp::Write {
+                            remote_addr: addr,
+                            rkey: crate::hca::MemKey(key),
+                        },
+                        sgl: Sgl::one(q.data.1.addr + (c * q.staging_len) as u64, n, q.data.1.lkey),
+                        signaled: false,
+                        solicited: false,
+                    };
+                    if d.post_send(now, qpn, wr).is_err() {
+                        status = Status::DATA_TRANSFER_ERROR;
+                    } else {
+                        self.stats.bytes_read += n as u64;
+                    }
+                }
+                _ => status = Status::SGL_DESCRIPTOR_TYPE_INVALID.with_dnr(),
+            }
+        }
+        let cqe = Cqe::new(sqe.cid, status, result);
+        let mut c16 = [0u8; CQE_LEN];
+        cqe.emit(&mut c16);
+        // sq_head is advisory with SQ flow control on; we consume in order, so report the slot.
+        q.rsp.0.write(c * CQE_LEN, &c16);
+        let wr = SendWr {
+            wr_id: wr_id(WR_SEND, c),
+            op: SendOp::Send,
+            sgl: Sgl::one(
+                q.rsp.1.addr + (c * CQE_LEN) as u64,
+                CQE_LEN as u32,
+                q.rsp.1.lkey,
+            ),
+            signaled: true,
+            solicited: false,
+        };
+        q.cmds[c].stage = Stage::Responding;
+        if d.post_send(now, qpn, wr).is_err() {
+            q.cmds[c].stage = Stage::Free;
+            q.free.push(c);
+        }
+    }
+
+    fn staged(&self, qpn: Qpn, c: usize, len: usize) -> Vec<u8> {
+        let q = &self.queues[&qpn];
+        let mut v = vec![0u8; len];
+        q.data.0.read(c * q.staging_len, &mut v);
+        v
+    }
+
+    fn stage_out(&self, qpn: Qpn, c: usize, bytes: &[u8]) {
+        let q = &self.queues[&qpn];
+        q.data.0.write(c * q.staging_len, bytes);
+    }
+
+    fn exec_fabrics(&mut self, qpn: Qpn, c: usize, sqe: &Sqe) -> Result<Done, Status> {
+        let cmd = FabricsCmd::from_sqe(sqe).map_err(|_| Status::INVALID_FIELD.with_dnr())?;
+        match cmd {
+            FabricsCmd::Connect {
+                recfmt,
+                qid,
+                sqsize,
+                kato_ms,
+                ..
+            } => self.exec_connect(qpn, c, recfmt, qid, sqsize, kato_ms),
+            FabricsCmd::PropertyGet { size8, offset } => {
+                let ctrl = self.ctrl_of(qpn, true)?;
+                let v = match (offset, size8) {
+                    (fabrics::reg::CAP, true) => self.cap().0,
+                    (fabrics::reg::VS, false) => Vs::new(1, 3, 0).0 as u64,
+                    (fabrics::reg::CC, false) => ctrl.cc.0 as u64,
+                    (fabrics::reg::CSTS, false) => ctrl.csts.0 as u64,
+                    _ => return Err(Status::INVALID_FIELD.with_dnr()),
+                };
+                Ok(Done::Respond {
+                    result: v,
+                    data_out: 0,
+                })
+            }
+            FabricsCmd::PropertySet {
+                size8,
+                offset,
+                value,
+            } => {
+                if offset != fabrics::reg::CC || size8 {
+                    return Err(Status::INVALID_FIELD.with_dnr());
+                }
+                let cntlid = self.queues[&qpn]
+                    .cntlid
+                    .ok_or(Status::COMMAND_SEQUENCE_ERROR.with_dnr())?;
+                let ctrl = self
+                    .ctrls
+                    .get_mut(&cntlid)
+                    .ok_or(Status::COMMAND_SEQUENCE_ERROR.with_dnr())?;
+                let cc = Cc(value as u32);
+                let mut csts = Csts(0);
+                if cc.en() {
+                    csts = csts.with_rdy(true);
+                }
+                if cc.shn() != 0 {
+                    csts = csts.with_shst(2);
+                }
+                ctrl.cc = cc;
+                ctrl.csts = csts;
+                Ok(Done::Respond {
+                    result: 0,
+                    data_out: 0,
+                })
+            }
+        }
+    }
+
+    /// How many bytes of host data a command brings, if any.
+    fn data_in_len(&self, qpn: Qpn, sqe: &Sqe) -> Result<Option<usize>, Status> {
+        let q = &self.queues[&qpn];
+        if sqe.opcode == opcode::FABRICS {
+            return Ok(
+                matches!(FabricsCmd::from_sqe(sqe), Ok(FabricsCmd::Connect { .. })).then_some(1024),
+            );
+        }
+        if q.qid == 0 {
+            return Ok(None);
+        }
+        match sqe.opcode {
+            opcode::io::WRITE => {
+                let ctrl = q.cntlid.and_then(|c| self.ctrls.get(&c));
+                let ns = ctrl
+                    .and_then(|c| self.subsystem(c))
+                    .and_then(|s| s.namespaces.iter().find(|n| n.nsid == sqe.nsid))
+                    .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())?;
+                let nlb = (sqe.cdw12 & 0xFFFF) as usize + 1;
+                Ok(Some(nlb << ns.lbads))
+            }
+            opcode::io::DATASET_MANAGEMENT => Ok(Some(((sqe.cdw10 & 0xFF) as usize + 1) * 16)),
+            _ => Ok(None),
+        }
+    }
+
+    fn cap(&self) -> Cap {
+        Cap(0)
+            .with_mqes(self.cfg.max_queue_size - 1)
+            .with_cqr(true)
+            .with_to(10)
+            .with_css(1)
+    }
+
+    fn ctrl_of(&self, qpn: Qpn, admin_only: bool) -> Result<&Ctrl, Status> {
+        let q = &self.queues[&qpn];
+        if admin_only && q.qid != 0 {
+            return Err(Status::INVALID_FIELD.with_dnr());
+        }
+        q.cntlid
+            .and_then(|c| self.ctrls.get(&c))
+            .ok_or(Status::COMMAND_SEQUENCE_ERROR.with_dnr())
+    }
+
+    fn exec_connect(
+        &mut self,
+        qpn: Qpn,
+        c: usize,
+        recfmt: u16,
+        qid: u16,
+        sqsize: u16,
+        kato_ms: u32,
+    ) -> Result<Done, Status> {
+        let q = &self.queues[&qpn];
+        if recfmt != fabrics::RECFMT_0 {
+            return Err(Status::CONNECT_INCOMPATIBLE_FORMAT.with_dnr());
+        }
+        if q.cntlid.is_some() {
+            return Err(Status::COMMAND_SEQUENCE_ERROR.with_dnr());
+        }
+        if qid != q.qid || sqsize as usize + 1 != q.size {
+            return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
+        }
+        let data = self.staged(qpn, c, 1024);
+        let cd =
+            ConnectData::parse(&data).map_err(|_| Status::CONNECT_INVALID_PARAMETERS.with_dnr())?;
+        let subsys = self
+            .cfg
+            .subsystems
+            .iter()
+            .position(|s| s.nqn == cd.subnqn)
+            .or_else(|| cd.subnqn.is_discovery().then_some(usize::MAX))
+            .ok_or(Status::CONNECT_INVALID_PARAMETERS.with_dnr())?;
+        if subsys != usize::MAX && !self.cfg.subsystems[subsys].allows(cd.hostnqn.as_str()) {
+            return Err(Status::new(1, 0x84).with_dnr()); // Connect Invalid Host
+        }
+        let cntlid = if qid == 0 {
+            if cd.cntlid != CNTLID_DYNAMIC {
+                return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
+            }
+            let id = self.next_cntlid;
+            self.next_cntlid = if id >= 0xFFEF { 1 } else { id + 1 };
+            self.ctrls.insert(
+                id,
+                Ctrl {
+                    subsys,
+                    hostnqn: cd.hostnqn.as_str().to_string(),
+                    hostid: cd.hostid,
+                    cc: Cc(0),
+                    csts: Csts(0),
+                    kato_ms,
+                    io_queues: 0,
+                    queues: vec![qpn],
+                    aers: 0,
+                },
+            );
+            id
+        } else {
+            let ctrl = self
+                .ctrls
+                .get_mut(&cd.cntlid)
+                .ok_or(Status::CONNECT_INVALID_PARAMETERS.with_dnr())?;
+            if ctrl.hostnqn != cd.hostnqn.as_str()
+                || ctrl.hostid != cd.hostid
+                || ctrl.subsys != subsys
+            {
+                return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
+            }
+            if !ctrl.csts.rdy() {
+                return Err(Status::COMMAND_SEQUENCE_ERROR.with_dnr());
+            }
+            if qid > ctrl.io_queues.max(1) {
+                return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
+            }
+            ctrl.queues.push(qpn);
+            cd.cntlid
+        };
+        if let Some(q) = self.queues.get_mut(&qpn) {
+            q.cntlid = Some(cntlid);
+        }
+        let r = ConnectResult::Ok { cntlid, authreq: 0 };
+        Ok(Done::Respond {
+            result: r.to_result(),
+            data_out: 0,
+        })
+    }
+
+    fn subsystem(&self, ctrl: &Ctrl) -> Option<&Subsystem> {
+        self.cfg.subsystems.get(ctrl.subsys)
+    }
+
+    fn exec_admin(&mut self, qpn: Qpn, c: usize, sqe: &Sqe) -> Result<Done, Status> {
+        let cntlid = self.queues[&qpn].cntlid.unwrap_or(0);
+        match sqe.opcode {
+            opcode::admin::IDENTIFY => {
+                let ctrl = self.ctrl_of(qpn, true)?;
+                let mut page = [0u8; 4096];
+                match (sqe.cdw10 & 0xFF) as u8 {
+                    cns::CONTROLLER => {
+                        let id = self.identify_controller(ctrl, cntlid);
+                        id.emit(&mut page);
+                    }
+                    cns::NAMESPACE => {
+                        let ns = self
+                            .subsystem(ctrl)
+                            .and_then(|s| s.namespaces.iter().find(|n| n.nsid == sqe.nsid))
+                            .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())?;
+                        IdentifyNamespace::simple(ns.blocks, ns.lbads).emit(&mut page);
+                    }
+                    cns::ACTIVE_NAMESPACE_LIST => {
+                        let ids: Vec<u32> = self
+                            .subsystem(ctrl)
+                            .map(|s| {
+                                s.namespaces
+                                    .iter()
+                                    .map(|n| n.nsid)
+                                    .filter(|&n| n > sqe.nsid)
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                        crate::nvme::identify::emit_active_namespace_ids(&ids, &mut page);
+                    }
+                    _ => return Err(Status::INVALID_FIELD.with_dnr()),
+                }
+                self.stage_out(qpn, c, &page);
+                Ok(Done::Respond {
+                    result: 0,
+                    data_out: 4096,
+                })
+            }
+            opcode::admin::SET_FEATURES => {
+                let fid = (sqe.cdw10 & 0xFF) as u8;
+                let max = self.cfg.max_io_queues as u32;
+                let ctrl_id = self.queues[&qpn]
+                    .cntlid
+                    .ok_or(Status::COMMAND_SEQUENCE_ERROR)?;
+                let ctrl = self
+                    .ctrls
+                    .get_mut(&ctrl_id)
+                    .ok_or(Status::COMMAND_SEQUENCE_ERROR)?;
+                match fid {
+                    feature::NUMBER_OF_QUEUES => {
+                        let nsqr = (sqe.cdw11 & 0xFFFF) + 1;
+                        let ncqr = (sqe.cdw11 >> 16) + 1;
+                        if nsqr == 0x10000 || ncqr == 0x10000 {
+                            return Err(Status::INVALID_FIELD.with_dnr());
+                        }
+                        let n = nsqr.min(ncqr).min(max);
+                        ctrl.io_queues = n as u16;
+                        let r = (n - 1) | ((n - 1) << 16);
+                        Ok(Done::Respond {
+                            result: r as u64,
+                            data_out: 0,
+                        })
+                    }
+                    feature::KEEP_ALIVE_TIMER => {
+                        ctrl.kato_ms = sqe.cdw11;
+                        Ok(Done::Respond {
+                            result: 0,
+                            data_out: 0,
+                        })
+                    }
+                    feature::ASYNC_EVENT_CONFIG | feature::VOLATILE_WRITE_CACHE => {
+                        Ok(Done::Respond {
+                            result: 0,
+                            data_out: 0,
+                        })
+                    }
+                    _ => Err(Status::INVALID_FIELD.with_dnr()),
+                }
+            }
+            opcode::admin::GET_FEATURES => {
+                let ctrl = self.ctrl_of(qpn, true)?;
+                let fid = (sqe.cdw10 & 0xFF) as u8;
+                let v = match fid {
+                    feature::NUMBER_OF_QUEUES => {
+                        let n = ctrl.io_queues.max(1) as u32 - 1;
+                        n | (n << 16)
+                    }
+                    feature::KEEP_ALIVE_TIMER => ctrl.kato_ms,
+                    feature::ASYNC_EVENT_CONFIG | feature::VOLATILE_WRITE_CACHE => 0,
+                    _ => return Err(Status::INVALID_FIELD.with_dnr()),
+                };
+                Ok(Done::Respond {
+                    result: v as u64,
+                    data_out: 0,
+                })
+            }
+            opcode::admin::KEEP_ALIVE => Ok(Done::Respond {
+                result: 0,
+                data_out: 0,
+            }),
+            opcode::admin::ASYNC_EVENT_REQUEST => {
+                let ctrl_id = self.queues[&qpn]
+                    .cntlid
+                    .ok_or(Status::COMMAND_SEQUENCE_ERROR)?;
+                let ctrl = self
+                    .ctrls
+                    .get_mut(&ctrl_id)
+                    .ok_or(Status::COMMAND_SEQUENCE_ERROR)?;
+                if ctrl.aers >= AER_LIMIT {
+                    return Err(Status::ASYNC_EVENT_LIMIT_EXCEEDED.with_dnr());
+                }
+                ctrl.aers += 1;
+                Ok(Done::Park)
+            }
+            opcode::admin::GET_LOG_PAGE => {
+                let lid = (sqe.cdw10 & 0xFF) as u8;
+                let numd =
+                    (((sqe.cdw10 >> 16) & 0xFFFF) | ((sqe.cdw11 & 0xFFFF) << 16)) as usize + 1;
+                let offset = sqe.cdw12 as u64 | ((sqe.cdw13 as u64) << 32);
+                let len = numd * 4;
+                let page = match lid {
+                    0x70 => self.discovery_log(),
+                    // Error information, SMART / health, firmware slot: all zeroes here.
+                    0x01..=0x03 => vec![0u8; 4096],
+                    _ => return Err(Status::INVALID_LOG_PAGE.with_dnr()),
+                };
+                let staging = self.queues[&qpn].staging_len;
+                if len > staging {
+                    return Err(Status::SGL_DATA_LENGTH_INVALID.with_dnr());
+                }
+                let mut out = vec![0u8; len];
+                let off = (offset as usize).min(page.len());
+                let n = (page.len() - off).min(len);
+                out[..n].copy_from_slice(&page[off..off + n]);
+                self.stage_out(qpn, c, &out);
+                Ok(Done::Respond {
+                    result: 0,
+                    data_out: len,
+                })
+            }
+            _ => Err(Status::INVALID_OPCODE.with_dnr()),
+        }
+    }
+
+    fn identify_controller(&self, ctrl: &Ctrl, cntlid: u16) -> IdentifyController {
+        let s = self.subsystem(ctrl);
+        let mut id = IdentifyController::default();
+        id.vid = 0x1de5;
+        id.ssvid = 0x1de5;
+        id.sn = FixedStr::new_spaced(s.map(|s| s.serial.as_str()).unwrap_or("DISCOVERY"))
+            .unwrap_or_else(|_| FixedStr::zeroed());
+        id.mn = FixedStr::new_spaced(s.map(|s| s.model.as_str()).unwrap_or("nvmf-rdma discovery"))
+            .unwrap_or_else(|_| FixedStr::zeroed());
+        id.fr =
+            FixedStr::new_spaced(env!("CARGO_PKG_VERSION")).unwrap_or_else(|_| FixedStr::zeroed());
+        // MDTS in units of the minimum page size (4 KiB), as a power of two.
+        id.mdts = (self.cfg.max_transfer / 4096).max(1).ilog2() as u8;
+        id.cntlid = cntlid;
+        id.ver = Vs::new(1, 3, 0).0;
+        id.kas = 1; // 100 ms granularity
+        id.sqes = 0x66;
+        id.cqes = 0x44;
+        id.maxcmd = self.cfg.max_queue_size;
+        id.nn = s
+            .map(|s| s.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0))
+            .unwrap_or(0);
+        id.oncs = (1 << 2) | (1 << 3); // DSM, Write Zeroes
+        id.vwc = 0;
+        // SGLs supported, keyed SGL data block, offset addressing for in-capsule data.
+        id.sgls = 1 | (1 << 2) | (1 << 20);
+        let nqn = s.map(|s| s.nqn.as_str()).unwrap_or(fabrics::DISCOVERY_NQN);
+        id.subnqn = FixedStr::new(nqn).unwrap_or_else(|_| FixedStr::zeroed());
+        id.ioccsz = ((SQE_LEN as u32) + self.cfg.inline_data) / 16;
+        id.iorcsz = 1;
+        id.icdoff = 0;
+        id.msdbd = 1;
+        id
+    }
+
+    fn discovery_log(&self) -> Vec<u8> {
+        let recs = self.cfg.subsystems.len();
+        let mut page = vec![0u8; 1024 * (recs + 1)];
+        let hdr = DiscoveryLogHeader {
+            genctr: 1,
+            numrec: recs as u64,
+            recfmt: 0,
+        };
+        let mut h = [0u8; 1024];
+        hdr.emit(&mut h);
+        page[..1024].copy_from_slice(&h);
+        let addr = self
+            .cfg
+            .advertise
+            .map(|a| a.ip().to_string())
+            .unwrap_or_else(|| "127.0.0.1".into());
+        for (i, s) in self.cfg.subsystems.iter().enumerate() {
+            let port = self.cfg.port.to_string();
+            let ipv6 = self.cfg.advertise.is_some_and(|a| a.is_ipv6());
+            if let Ok(e) = DiscoveryLogEntry::rdma(&s.nqn, &addr, &port, ipv6, 1) {
+                page[1024 * (i + 1)..1024 * (i + 2)].copy_from_slice(&e.to_bytes());
+            }
+        }
+        page
+    }
+
+    fn exec_io(&mut self, qpn: Qpn, c: usize, sqe: &Sqe) -> Result<Done, Status> {
+        let ctrl = self.ctrl_of(qpn, false)?;
+        let subsys = self
+            .subsystem(ctrl)
+            .ok_or(Status::INVALID_OPCODE.with_dnr())?;
+        let ns = subsys
+            .namespaces
+            .iter()
+            .find(|n| n.nsid == sqe.nsid)
+            .cloned()
+            .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())?;
+        let slba = sqe.cdw10 as u64 | ((sqe.cdw11 as u64) << 32);
+        let nlb = (sqe.cdw12 & 0xFFFF) as u64 + 1;
+        let staging = self.queues[&qpn].staging_len;
+        match sqe.opcode {
+            opcode::io::READ => {
+                let (off, len) = ns.range(slba, nlb)?;
+                if len > staging {
+                    return Err(Status::INVALID_FIELD.with_dnr());
+                }
+                let q = &self.queues[&qpn];
+                {
+                    let mut g = q.data.0.lock();
+                    ns.read(off, &mut g[c * staging..c * staging + len])?;
+                }
+                Ok(Done::Respond {
+                    result: 0,
+                    data_out: len,
+                })
+            }
+            opcode::io::WRITE => {
+                let (off, len) = ns.range(slba, nlb)?;
+                if len > staging {
+                    return Err(Status::INVALID_FIELD.with_dnr());
+                }
+                let q = &self.queues[&qpn];
+                {
+                    let g = q.data.0.lock();
+                    ns.write(off, &g[c * staging..c * staging + len])?;
+                }
+                self.stats.bytes_written += len as u64;
+                Ok(Done::Respond {
+                    result: 0,
+                    data_out: 0,
+                })
+            }
+            opcode::io::FLUSH => {
+                ns.flush()?;
+                Ok(Done::Respond {
+                    result: 0,
+                    data_out: 0,
+                })
+            }
+            opcode::io::WRITE_ZEROES => {
+                let (off, len) = ns.range(slba, nlb)?;
+                ns.zero(off, len)?;
+                Ok(Done::Respond {
+                    result: 0,
+                    data_out: 0,
+                })
+            }
+            opcode::io::DATASET_MANAGEMENT => {
+                let nr = (sqe.cdw10 & 0xFF) as usize + 1;
+                let deallocate = sqe.cdw11 & (1 << 2) != 0;
+                let raw = self.staged(qpn, c, nr * 16);
+                let ranges: Vec<DsmRange> = DsmRange::parse_all(&raw).collect();
+                if ranges.len() != nr {
+                    return Err(Status::INVALID_FIELD.with_dnr());
+                }
+                if deallocate {
+                    for r in &ranges {
+                        let (off, len) = ns.range(r.slba, r.nlb as u64)?;
+                        ns.zero(off, len)?;
+                    }
+                }
+                Ok(Done::Respond {
+                    result: 0,
+                    data_out: 0,
+                })
+            }
+            _ => Err(Status::INVALID_OPCODE.with_dnr()),
+        }
+    }
+}
+
+enum Done {
+    Respond { result: u64, data_out: usize },
+    Park,
+}
+
+fn repost(d: &mut Device, qpn: Qpn, q: &TQueue, r: usize) {
+    let sgl = Sgl::one(
+        q.recv.1.addr + (r * q.capsule_len) as u64,
+        q.capsule_len as u32,
+        q.recv.1.lkey,
+    );
+    let _ = d.post_recv(
+        qpn,
+        RecvWr {
+            wr_id: wr_id(WR_RECV, r),
+            sgl,
+        },
+    );
+}

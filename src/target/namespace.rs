@@ -1,0 +1,153 @@
+//! Namespace backends for the built-in target: RAM or a file.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Mutex;
+
+use crate::nvme::Status;
+
+/// Where a namespace keeps its blocks.
+pub enum Backend {
+    Ram(Mutex<Vec<u8>>),
+    File { file: File, direct: bool },
+}
+
+pub struct Namespace {
+    pub nsid: u32,
+    /// log2 of the block size (9 = 512 B, 12 = 4 KiB).
+    pub lbads: u8,
+    pub blocks: u64,
+    backend: Backend,
+}
+
+impl std::fmt::Debug for Namespace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Namespace({} x {} B)", self.blocks, self.block_size())
+    }
+}
+
+impl Namespace {
+    /// A RAM namespace of `bytes` (rounded down to whole blocks).
+    pub fn ram(nsid: u32, bytes: u64, lbads: u8) -> Namespace {
+        let blocks = bytes >> lbads;
+        Namespace {
+            nsid,
+            lbads,
+            blocks,
+            backend: Backend::Ram(Mutex::new(vec![0u8; (blocks << lbads) as usize])),
+        }
+    }
+
+    /// A file namespace. The file is created and sized if `size` is given; O_DIRECT is used
+    /// when the file system accepts it (otherwise the page cache, and flush does fsync).
+    pub fn file(
+        nsid: u32,
+        path: &Path,
+        size: Option<u64>,
+        lbads: u8,
+    ) -> std::io::Result<Namespace> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let open = |direct: bool| {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true).write(true).create(size.is_some());
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            o.open(path)
+        };
+        // O_DIRECT needs aligned buffers; our staging buffers are not guaranteed to be, so
+        // direct I/O stays off until the target allocates aligned staging memory.
+        let (file, direct) = (open(false)?, false);
+        if let Some(s) = size {
+            if file.metadata()?.len() < s {
+                file.set_len(s)?;
+            }
+        }
+        let len = file.metadata()?.len();
+        Ok(Namespace {
+            nsid,
+            lbads,
+            blocks: len >> lbads,
+            backend: Backend::File { file, direct },
+        })
+    }
+
+    pub fn block_size(&self) -> u32 {
+        1 << self.lbads
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.blocks << self.lbads
+    }
+
+    /// The byte range of `nlb` blocks at `slba`, or LBA Out of Range.
+    pub fn range(&self, slba: u64, nlb: u64) -> Result<(u64, usize), Status> {
+        let end = slba
+            .checked_add(nlb)
+            .ok_or(Status::LBA_OUT_OF_RANGE.with_dnr())?;
+        if end > self.blocks {
+            return Err(Status::LBA_OUT_OF_RANGE.with_dnr());
+        }
+        Ok((slba << self.lbads, (nlb << self.lbads) as usize))
+    }
+
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), Status> {
+        match &self.backend {
+            Backend::Ram(m) => {
+                let g = m.lock().unwrap_or_else(|e| e.into_inner());
+                out.copy_from_slice(&g[offset as usize..offset as usize + out.len()]);
+                Ok(())
+            }
+            Backend::File { file, .. } => file
+                .read_exact_at(out, offset)
+                .map_err(|_| Status::INTERNAL_ERROR),
+        }
+    }
+
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), Status> {
+        match &self.backend {
+            Backend::Ram(m) => {
+                let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+                g[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+                Ok(())
+            }
+            Backend::File { file, .. } => file
+                .write_all_at(data, offset)
+                .map_err(|_| Status::INTERNAL_ERROR),
+        }
+    }
+
+    pub fn zero(&self, offset: u64, len: usize) -> Result<(), Status> {
+        match &self.backend {
+            Backend::Ram(m) => {
+                let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+                g[offset as usize..offset as usize + len].fill(0);
+                Ok(())
+            }
+            Backend::File { .. } => {
+                let zeros = vec![0u8; len.min(1 << 20)];
+                let mut done = 0;
+                while done < len {
+                    let n = (len - done).min(zeros.len());
+                    self.write(offset + done as u64, &zeros[..n])?;
+                    done += n;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    pub fn flush(&self) -> Result<(), Status> {
+        match &self.backend {
+            Backend::Ram(_) => Ok(()),
+            Backend::File { file, direct } => {
+                if *direct {
+                    Ok(())
+                } else {
+                    file.sync_data().map_err(|_| Status::INTERNAL_ERROR)
+                }
+            }
+        }
+    }
+}
