@@ -5,10 +5,10 @@
 //! {genctr le64, numrec le64, recfmt le16} and `struct nvmf_disc_rsp_page_entry` (transcribed
 //! and its `offsetof`s printed by a C compiler), and SPDK `struct
 //! spdk_nvmf_discovery_log_page_entry`: trtype 0, adrfam 1, subtype 2, treq 3, portid le16 @4,
-//! cntlid le16 @6, asqsz le16 @8, trsvcid[32] @32, subnqn[256] @256, traddr[256] @512,
-//! tsas[256] @768. Note SUBNQN comes before TRADDR. RDMA TSAS: `struct rdma` in the same
+//! cntlid le16 @6, asqsz le16 @8, `trsvcid[32]` @32, `subnqn[256]` @256, `traddr[256]` @512,
+//! `tsas[256]` @768. Note SUBNQN comes before TRADDR. RDMA TSAS: `struct rdma` in the same
 //! Linux union / SPDK `spdk_nvmf_rdma_transport_specific_address_subtype` {qptype, prtype,
-//! cms, resv[5], pkey le16}.
+//! cms, `resv[5]`, pkey le16}.
 
 use super::fabrics::{FixedStr, Nqn};
 use super::{array, check_len, le16, le64, put16, put64, NvmeWireError};

@@ -9,8 +9,8 @@
 //!   kato le32 @48.
 //! - `struct nvmf_property_set_command` / `spdk_nvmf_fabric_prop_set_cmd`: attrib u8 @40,
 //!   offset le32 @44, value le64 @48. `nvmf_property_get_command`: attrib @40, offset @44.
-//! - `struct nvmf_connect_data` / `spdk_nvmf_fabric_connect_data` (1024 B): hostid[16] @0,
-//!   cntlid le16 @16, subsysnqn[256] @256, hostnqn[256] @512.
+//! - `struct nvmf_connect_data` / `spdk_nvmf_fabric_connect_data` (1024 B): `hostid[16]` @0,
+//!   cntlid le16 @16, `subsysnqn[256]` @256, `hostnqn[256]` @512.
 //! - Register offsets: Linux `NVME_REG_CAP` 0x00, `NVME_REG_VS` 0x08, `NVME_REG_CC` 0x14,
 //!   `NVME_REG_CSTS` 0x1C; bit fields as Linux `NVME_CAP_*` macros and `NVME_CC_*` /
 //!   `NVME_CSTS_*` enums.

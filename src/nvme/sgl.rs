@@ -1,7 +1,7 @@
 //! SGL descriptors as the NVMe-oF RDMA binding uses them, 16 bytes in SQE bytes 24..40 (DPTR).
 //!
-//! Layouts: Linux `include/linux/nvme.h` `struct nvme_keyed_sgl_desc` {addr le64, length[3],
-//! key[4], type} and `struct nvme_sgl_desc` {addr le64, length le32, rsvd[3], type}; SPDK
+//! Layouts: Linux `include/linux/nvme.h` `struct nvme_keyed_sgl_desc` {addr le64, `length[3]`,
+//! `key[4]`, type} and `struct nvme_sgl_desc` {addr le64, length le32, `rsvd[3]`, type}; SPDK
 //! `struct spdk_nvme_sgl_descriptor`. The identifier byte (15) carries the descriptor type in
 //! bits 7:4 and the subtype in bits 3:0: Linux `NVME_KEY_SGL_FMT_DATA_DESC` (4),
 //! `NVME_SGL_FMT_DATA_DESC` (0), `NVME_SGL_FMT_ADDRESS` (0), `NVME_SGL_FMT_OFFSET` (1),

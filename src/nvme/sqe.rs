@@ -2,7 +2,7 @@
 //! of every NVMe-oF command capsule.
 //!
 //! Layout: Linux `include/linux/nvme.h` `struct nvme_common_command` {opcode, flags,
-//! command_id, nsid le32, cdw2[2], metadata le64, dptr (16), cdw10..cdw15 le32}; SPDK
+//! command_id, nsid le32, `cdw2[2]`, metadata le64, dptr (16), cdw10..cdw15 le32}; SPDK
 //! `struct spdk_nvme_cmd`. Fabrics commands overlay the same 64 bytes (fctype in byte 4,
 //! see `fabrics.rs`).
 
