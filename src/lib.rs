@@ -9,3 +9,4 @@ pub mod hca;
 pub mod nvme;
 pub mod perf;
 pub mod target;
+pub mod transport;

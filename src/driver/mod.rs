@@ -26,8 +26,8 @@ struct Shared {
     dev: Mutex<Device>,
     /// The driver has new work (a post, a modify, a lifecycle change).
     kick: Notify,
-    /// Completions or async events are available.
-    wake: Notify,
+    /// Completions, async events or MADs are available.
+    wake: Arc<Notify>,
     /// Zero of the device's virtual clock.
     epoch: std::time::Instant,
     /// Set when the driver task has ended and closed the socket.
@@ -63,7 +63,7 @@ impl SoftHca {
         let shared = Arc::new(Shared {
             dev: Mutex::new(Device::new(config)),
             kick: Notify::new(),
-            wake: Notify::new(),
+            wake: Arc::new(Notify::new()),
             epoch: std::time::Instant::now(),
             stopped: tokio::sync::watch::channel(false).0,
         });
@@ -132,6 +132,12 @@ impl SoftHca {
             }
             notified.await;
         }
+    }
+
+    /// The notifier the driver pings when completions, events or MADs arrive. Consumers
+    /// `enable()` a `notified()` before checking, so no wakeup is lost.
+    pub fn wake_handle(&self) -> Arc<Notify> {
+        self.shared.wake.clone()
     }
 
     /// Wait until the driver task has ended and its UDP port is free again.

@@ -949,37 +949,35 @@ impl Engine {
 
     fn identify_controller(&self, ctrl: &Ctrl, cntlid: u16) -> IdentifyController {
         let s = self.subsystem(ctrl);
-        let mut id = IdentifyController::default();
-        id.vid = 0x1de5;
-        id.ssvid = 0x1de5;
-        id.sn = FixedStr::new_spaced(s.map(|s| s.serial.as_str()).unwrap_or("DISCOVERY"))
-            .unwrap_or_else(|_| FixedStr::zeroed());
-        id.mn = FixedStr::new_spaced(s.map(|s| s.model.as_str()).unwrap_or("nvmf-rdma discovery"))
-            .unwrap_or_else(|_| FixedStr::zeroed());
-        id.fr =
-            FixedStr::new_spaced(env!("CARGO_PKG_VERSION")).unwrap_or_else(|_| FixedStr::zeroed());
-        // MDTS in units of the minimum page size (4 KiB), as a power of two.
-        id.mdts = (self.cfg.max_transfer / 4096).max(1).ilog2() as u8;
-        id.cntlid = cntlid;
-        id.ver = Vs::new(1, 3, 0).0;
-        id.kas = 1; // 100 ms granularity
-        id.sqes = 0x66;
-        id.cqes = 0x44;
-        id.maxcmd = self.cfg.max_queue_size;
-        id.nn = s
-            .map(|s| s.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0))
-            .unwrap_or(0);
-        id.oncs = (1 << 2) | (1 << 3); // DSM, Write Zeroes
-        id.vwc = 0;
-        // SGLs supported, keyed SGL data block, offset addressing for in-capsule data.
-        id.sgls = 1 | (1 << 2) | (1 << 20);
         let nqn = s.map(|s| s.nqn.as_str()).unwrap_or(fabrics::DISCOVERY_NQN);
-        id.subnqn = FixedStr::new(nqn).unwrap_or_else(|_| FixedStr::zeroed());
-        id.ioccsz = ((SQE_LEN as u32) + self.cfg.inline_data) / 16;
-        id.iorcsz = 1;
-        id.icdoff = 0;
-        id.msdbd = 1;
-        id
+        IdentifyController {
+            vid: 0x1de5,
+            ssvid: 0x1de5,
+            sn: spaced(s.map(|s| s.serial.as_str()).unwrap_or("DISCOVERY")),
+            mn: spaced(s.map(|s| s.model.as_str()).unwrap_or("nvmf-rdma discovery")),
+            fr: spaced(env!("CARGO_PKG_VERSION")),
+            // MDTS in units of the minimum page size (4 KiB), as a power of two.
+            mdts: (self.cfg.max_transfer / 4096).max(1).ilog2() as u8,
+            cntlid,
+            ver: Vs::new(1, 3, 0).0,
+            kas: 1, // 100 ms granularity
+            sqes: 0x66,
+            cqes: 0x44,
+            maxcmd: self.cfg.max_queue_size,
+            nn: s
+                .map(|s| s.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0))
+                .unwrap_or(0),
+            oncs: (1 << 2) | (1 << 3), // DSM, Write Zeroes
+            vwc: 0,
+            // SGLs supported, keyed SGL data block, offset addressing for in-capsule data.
+            sgls: 1 | (1 << 2) | (1 << 20),
+            subnqn: FixedStr::new(nqn).unwrap_or_else(|_| FixedStr::zeroed()),
+            ioccsz: ((SQE_LEN as u32) + self.cfg.inline_data) / 16,
+            iorcsz: 1,
+            icdoff: 0,
+            msdbd: 1,
+            ..IdentifyController::default()
+        }
     }
 
     fn discovery_log(&self) -> Vec<u8> {
@@ -1096,6 +1094,12 @@ impl Engine {
 enum Done {
     Respond { result: u64, data_out: usize },
     Park,
+}
+
+/// An ASCII identify field, space padded; text that does not fit is cut.
+fn spaced<const N: usize>(v: &str) -> FixedStr<N> {
+    let cut = &v[..v.len().min(N)];
+    FixedStr::new_spaced(cut).unwrap_or_else(|_| FixedStr::zeroed())
 }
 
 fn repost(d: &mut Device, qpn: Qpn, q: &TQueue, r: usize) {

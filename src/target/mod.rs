@@ -8,12 +8,14 @@
 //! data if any → execute → push data if any → SEND the response.
 
 pub mod engine;
+pub mod listen;
 pub mod namespace;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 pub use engine::{ConnParams, ConnReject, Target, TargetStats};
+pub use listen::serve_cm;
 pub use namespace::Namespace;
 
 use crate::nvme::Nqn;

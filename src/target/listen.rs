@@ -1,0 +1,73 @@
+//! The target's side of RDMA CM: answer connection requests on the NVMe-oF service port
+//! with a queue (REP + NVMe accept) or an NVMe reject, and drop queues whose connection
+//! goes away.
+
+use std::collections::HashMap;
+
+use tokio::sync::mpsc;
+
+use crate::cm::{AcceptParams, ConnId, NvmeCmAccept, NvmeCmReject, NvmeRejectStatus};
+use crate::hca::rc::PeerInfo;
+use crate::hca::Qpn;
+use crate::transport::fabric::CmService;
+
+use super::{ConnParams, ConnReject, Target};
+
+/// Serve CM for `target` until the device dies.
+pub fn serve_cm(target: Target, cm: CmService) {
+    let port = target.config().port;
+    let mut requests = cm.listen(port);
+    tokio::spawn(async move {
+        let (gone_tx, mut gone_rx) = mpsc::unbounded_channel::<ConnId>();
+        let mut by_conn: HashMap<ConnId, Qpn> = HashMap::new();
+        loop {
+            tokio::select! {
+                req = requests.recv() => {
+                    let Some(req) = req else { return };
+                    let nvme = match req.nvme {
+                        Ok(n) => n,
+                        Err(e) => {
+                            cm.reject(req.id, &NvmeCmReject::new(e.nvme_status()).emit());
+                            continue;
+                        }
+                    };
+                    let p = ConnParams {
+                        peer: PeerInfo { addr: req.peer, qpn: req.remote_qpn, psn: req.remote_psn },
+                        qid: nvme.qid,
+                        hrqsize: nvme.hrqsize,
+                        hsqsize: nvme.hsqsize,
+                    };
+                    match target.accept(p) {
+                        Ok((qpn, psn, crqsize)) => {
+                            let mut ap = AcceptParams::new(qpn);
+                            ap.starting_psn = Some(psn);
+                            let private = NvmeCmAccept { crqsize }.emit();
+                            if cm.accept(req.id, ap, &private).is_ok() {
+                                cm.watch(req.id, gone_tx.clone());
+                                by_conn.insert(req.id, qpn);
+                            } else {
+                                target.drop_queue(qpn);
+                            }
+                        }
+                        Err(r) => {
+                            let st = match r {
+                                ConnReject::InvalidQid => NvmeRejectStatus::from_u16(3),
+                                ConnReject::InvalidHsqsize => NvmeRejectStatus::from_u16(4),
+                                ConnReject::InvalidHrqsize => NvmeRejectStatus::from_u16(5),
+                                ConnReject::NoResources => NvmeRejectStatus::from_u16(6),
+                            };
+                            cm.reject(req.id, &NvmeCmReject::new(st).emit());
+                        }
+                    }
+                }
+                id = gone_rx.recv() => {
+                    if let Some(id) = id {
+                        if let Some(qpn) = by_conn.remove(&id) {
+                            target.drop_queue(qpn);
+                        }
+                    }
+                }
+            }
+        }
+    });
+}

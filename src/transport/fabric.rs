@@ -1,0 +1,257 @@
+//! RDMA CM for a soft-HCA: a pump task that moves MADs between the device's QP1 and the
+//! sans-I/O [`CmEndpoint`], runs its timers, and hands its events to whoever waits for them:
+//! the host's `connect` calls, the target's listener, and disconnect watchers.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::SeedableRng;
+use tokio::sync::{mpsc, oneshot, Notify};
+
+use crate::cm::{
+    service_id, AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnId, ConnectParams, ConnectRequest,
+    Established, RejectReason,
+};
+use crate::driver::SoftHca;
+
+use super::HostError;
+
+struct Shared {
+    hca: SoftHca,
+    cm: Mutex<CmEndpoint>,
+    waiters: Mutex<HashMap<ConnId, oneshot::Sender<CmEvent>>>,
+    listener: Mutex<Option<mpsc::UnboundedSender<ConnectRequest>>>,
+    /// Connections whose teardown someone wants to hear about.
+    watchers: Mutex<HashMap<ConnId, mpsc::UnboundedSender<ConnId>>>,
+    kick: Notify,
+}
+
+/// CM on one device. Clone freely.
+#[derive(Clone)]
+pub struct CmService {
+    sh: Arc<Shared>,
+}
+
+impl CmService {
+    pub fn start(hca: SoftHca, seed: u64) -> CmService {
+        let id = hca.with(|d, _| d.identity().clone());
+        let cfg = CmConfig::new(hca.addr().ip(), id.guid);
+        let cm = CmEndpoint::new(cfg, rand::rngs::SmallRng::seed_from_u64(seed));
+        let sh = Arc::new(Shared {
+            hca,
+            cm: Mutex::new(cm),
+            waiters: Mutex::new(HashMap::new()),
+            listener: Mutex::new(None),
+            watchers: Mutex::new(HashMap::new()),
+            kick: Notify::new(),
+        });
+        tokio::spawn(pump(sh.clone()));
+        CmService { sh }
+    }
+
+    fn cm(&self) -> std::sync::MutexGuard<'_, CmEndpoint> {
+        self.sh.cm.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Active side: REQ → REP → RTU. `peer` is the target device's UDP address.
+    pub async fn connect(
+        &self,
+        peer: SocketAddr,
+        params: ConnectParams,
+        private: &[u8],
+        timeout: Duration,
+    ) -> Result<Established, HostError> {
+        let (tx, rx) = oneshot::channel();
+        let id = {
+            let now = self.sh.hca.now();
+            let mut cm = self.cm();
+            let id = cm
+                .connect(now, peer, &params, private)
+                .map_err(|e| HostError::Connect(e.to_string()))?;
+            self.sh
+                .waiters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, tx);
+            id
+        };
+        self.sh.kick.notify_one();
+        let ev = match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(ev)) => ev,
+            Ok(Err(_)) => return Err(HostError::Connect("CM stopped".into())),
+            Err(_) => {
+                self.abort(id);
+                return Err(HostError::Connect(format!(
+                    "no answer from {peer} within {timeout:?}"
+                )));
+            }
+        };
+        match ev {
+            CmEvent::Established(e) => Ok(e),
+            CmEvent::Rejected(r) => Err(HostError::Connect(match r.nvme_status {
+                Some(s) => format!("rejected by {peer}: {}", s.message()),
+                None => format!("rejected by {peer}: {:?}", r.reason),
+            })),
+            CmEvent::Unreachable { .. } => Err(HostError::Connect(format!(
+                "{peer} is unreachable (no CM answer)"
+            ))),
+            other => Err(HostError::Connect(format!("unexpected CM event {other:?}"))),
+        }
+    }
+
+    /// Be told (once) when connection `id` is torn down by the peer or the transport.
+    pub fn watch(&self, id: ConnId, tx: mpsc::UnboundedSender<ConnId>) {
+        self.sh
+            .watchers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, tx);
+    }
+
+    /// Passive side: connection requests for `port` arrive on the returned channel.
+    pub fn listen(&self, port: u16) -> mpsc::UnboundedReceiver<ConnectRequest> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.cm().listen(service_id(port));
+        *self.sh.listener.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+        rx
+    }
+
+    pub fn accept(
+        &self,
+        id: ConnId,
+        params: AcceptParams,
+        private: &[u8],
+    ) -> Result<(), HostError> {
+        let now = self.sh.hca.now();
+        self.cm()
+            .accept(now, id, &params, private)
+            .map_err(|e| HostError::Connect(e.to_string()))?;
+        self.sh.kick.notify_one();
+        Ok(())
+    }
+
+    pub fn reject(&self, id: ConnId, private: &[u8]) {
+        let _ = self
+            .cm()
+            .reject(id, RejectReason::CONSUMER_DEFINED, private);
+        self.sh.kick.notify_one();
+    }
+
+    /// Orderly teardown (DREQ).
+    pub fn disconnect(&self, id: ConnId) {
+        let now = self.sh.hca.now();
+        let _ = self.cm().disconnect(now, id, &[]);
+        self.sh
+            .watchers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        self.sh.kick.notify_one();
+    }
+
+    /// Forget a connection whatever its state (the recovery path).
+    pub fn abort(&self, id: ConnId) {
+        let _ = self.cm().abort(id);
+        self.sh
+            .waiters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        self.sh
+            .watchers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        self.sh.kick.notify_one();
+    }
+}
+
+async fn pump(sh: Arc<Shared>) {
+    let wake = sh.hca.wake_handle();
+    loop {
+        let notified = wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let now = sh.hca.now();
+        let mut events = Vec::new();
+        let deadline;
+        {
+            let mut cm = sh.cm.lock().unwrap_or_else(|e| e.into_inner());
+            let alive = sh.hca.with(|d, _| {
+                while let Some((from, mad)) = d.poll_gsi() {
+                    cm.handle_mad(now, from, &mad);
+                }
+                d.is_live()
+            });
+            if !alive {
+                return;
+            }
+            if cm.poll_timeout().is_some_and(|t| t <= now) {
+                cm.handle_timeout(now);
+            }
+            sh.hca.with(|d, _| {
+                while let Some((to, mad)) = cm.poll_transmit() {
+                    if d.post_gsi(to, &mad).is_err() {
+                        break; // the CM retransmits
+                    }
+                }
+            });
+            while let Some(ev) = cm.poll_event() {
+                events.push(ev);
+            }
+            deadline = cm.poll_timeout();
+        }
+        for ev in events {
+            dispatch(&sh, ev);
+        }
+        let sleep = deadline.map(|t| Duration::from_nanos(t.0.saturating_sub(sh.hca.now().0)));
+        tokio::select! {
+            _ = &mut notified => {}
+            _ = sh.kick.notified() => {}
+            _ = async {
+                match sleep {
+                    Some(d) => tokio::time::sleep(d).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
+    }
+}
+
+fn dispatch(sh: &Shared, ev: CmEvent) {
+    match ev {
+        CmEvent::ConnectRequest(req) => {
+            let l = sh.listener.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(tx) = l.as_ref() {
+                let _ = tx.send(req);
+            }
+        }
+        CmEvent::Disconnected { id } => {
+            if let Some(tx) = sh
+                .watchers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id)
+            {
+                let _ = tx.send(id);
+            }
+        }
+        CmEvent::TimewaitExit { .. } => {}
+        ev => {
+            let id = ev.id();
+            if let Some(tx) = sh
+                .waiters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id)
+            {
+                let _ = tx.send(ev);
+            } else if let CmEvent::Established(e) = &ev {
+                // Passive side: the RTU arrived; nothing waits on it.
+                let _ = e;
+            }
+        }
+    }
+}
