@@ -55,8 +55,10 @@ impl Qp {
     pub(super) fn requester_can_send(&self, now: crate::hca::types::Instant) -> bool {
         let sending_ok = match self.attr.state {
             QpState::Rts => true,
-            // SQD finishes the message in progress and starts no new one (IBA 10.3.1.7).
-            QpState::Sqd => self.req.pkt > 0,
+            // SQD finishes the messages already started and starts no new one (IBA
+            // 10.3.1.7). "Finishes" includes retransmitting them: a rewind into a started
+            // WQE lands on its first packet (pkt 0) as often as not.
+            QpState::Sqd => self.sq.get(self.req.next).is_some_and(|w| w.started),
             _ => false,
         };
         if !sending_ok || self.req.next >= self.sq.len() {
