@@ -39,7 +39,7 @@ use super::state::{lookup, ConnState, Input};
 use crate::hca::qp::Mtu;
 use crate::hca::types::{Guid, Instant, Psn, Qpn};
 use rand::rngs::SmallRng;
-use rand::Rng;
+use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
@@ -409,6 +409,11 @@ impl CmEndpoint {
             events: VecDeque::new(),
             stats: CmStats::default(),
         }
+    }
+
+    /// [`new`](Self::new) with `SmallRng::seed_from_u64(seed)`.
+    pub fn from_seed(config: CmConfig, seed: u64) -> CmEndpoint {
+        CmEndpoint::new(config, SmallRng::seed_from_u64(seed))
     }
 
     pub fn config(&self) -> &CmConfig {

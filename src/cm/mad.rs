@@ -7,7 +7,7 @@
 //! bytes so every constant is an absolute offset into the MAD. Sub-byte fields are written
 //! `[hi:lo]` with bit 7 the most significant, i.e. the GENMASK that the Linux `IBA_FIELD*_LOC`
 //! macros (include/rdma/iba.h) derive from the IBA tables' `Byte[Bit]` offsets, which count
-//! from the most significant bit: REQ "43[7:3]" is the top five bits of byte 43. Cross-checked
+//! from the most significant bit: REQ `43[7:3]` is the top five bits of byte 43. Cross-checked
 //! against the older accessor form in drivers/infiniband/core/cm_msgs.h (`cm_req_get_*`).
 //!
 //! Everything is big-endian. A [`Mad`] view is only constructed over exactly 256 bytes, so no
@@ -239,7 +239,7 @@ impl MsgRef {
     }
 }
 
-/// REQ transport service type, byte 43 bits [2:1] (cm_msgs.h `cm_req_get_qp_type`): 3 means
+/// REQ transport service type, byte 43 bits `[2:1]` (cm_msgs.h `cm_req_get_qp_type`): 3 means
 /// "see the extended transport type" (XRC).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TransportType {
@@ -552,7 +552,7 @@ impl ReqRepr {
         out[f::PRIMARY_HOP_LIMIT] = self.hop_limit;
         out[f::B94] = ((self.sl & 0x0F) << 4) | ((self.subnet_local as u8) << 3);
         out[f::B95] = (self.local_ack_timeout & 0x1F) << 3;
-        debug_assert!(f::ALTERNATE + 44 == f::PRIVATE_DATA);
+        const { assert!(f::ALTERNATE + 44 == f::PRIVATE_DATA) };
         out[f::PRIVATE_DATA..f::PRIVATE_DATA + Self::PRIVATE_LEN]
             .copy_from_slice(&self.private_data);
     }
@@ -1107,7 +1107,7 @@ mod tests {
         d[16..24].copy_from_slice(&[0x50, 0x54, 0x00, 0xFF, 0xFE, 0x12, 0x34, 0x56]);
         d[32..36].copy_from_slice(&[0x00, 0x00, 0x11, 16]); // QPN | responder resources
         d[39] = 8; // initiator depth
-        d[43] = (20 << 3) | (0 << 1) | 1; // remote CM timeout | RC | flow control
+        d[43] = (20 << 3) | 1; // remote CM timeout | RC (0) | flow control
         d[44..48].copy_from_slice(&[0xAB, 0xCD, 0xEF, (20 << 3) | 7]);
         d[48..50].copy_from_slice(&[0xFF, 0xFF]);
         d[50] = (3 << 4) | 7; // MTU 1024 | RNR retry

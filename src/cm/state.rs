@@ -132,7 +132,7 @@ pub const TRANSITIONS: &[Transition] = &[
       "send REP; retry on the REQ's local CM response timeout, the REQ's max CM retries times (ib_send_cm_rep, cm_req_handler)"),
     t(ReqRcvd, Reject, Idle, "send REJ (local comm ID 0, message REQ), forget (ib_send_cm_rej, cm_format_rej: REQ_RCVD)"),
     t(ReqRcvd, RecvRej, Idle, "the active side gave up: report Rejected, forget (cm_rej_handler: REQ_RCVD)"),
-    t(ReqRcvd, RecvRejStale, Idle, "the active side gave up: report Rejected, forget (cm_rej_handler: REQ_RCVD)"),
+    t(ReqRcvd, RecvRejStale, TimeWait, "the active side gave up: report Rejected, linger (cm_rej_handler: REQ_RCVD, STALE_CONN)"),
     t(ReqRcvd, Abort, Idle, "send REJ consumer-defined, forget (cm_destroy_id: REQ_RCVD)"),
     t(RepSent, RecvDupReq, RepSent,
       "resend REP at once (departs from cm_dup_req_handler, which drops it and waits for the REP retry)"),
