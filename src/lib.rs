@@ -3,10 +3,13 @@
 //! Layers, bottom up: [`hca`] (sans-I/O soft-HCA speaking RoCEv2), [`driver`] (tokio: sockets,
 //! timers, metrics).
 
+pub mod cli_support;
 pub mod cm;
 pub mod driver;
 pub mod hca;
 pub mod nvme;
+pub mod nvmf_perf;
 pub mod perf;
 pub mod target;
 pub mod transport;
+pub mod wire_json;

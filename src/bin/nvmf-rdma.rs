@@ -1,10 +1,22 @@
-//! nvmf-rdma command line.
+//! nvmf-rdma command line, following nvme-cli where it has a name for a thing.
 
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use nvmf_rdma::cli_support::{local_ip_for, parse_traddr, run_dir, CtrlInfo};
+use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use nvmf_rdma::hca::PciAddr;
+use nvmf_rdma::nvme::Nqn;
+use nvmf_rdma::nvmf_perf::{self, Job, LocalTarget, Pattern, DEMO_NQN};
 use nvmf_rdma::perf;
+use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::transport::{discover, CmService, ConnectOptions, Controller};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 #[derive(Parser)]
 #[command(
@@ -17,29 +29,180 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// Where the target is (nvme-cli's fabrics arguments).
+#[derive(Args, Debug, Clone)]
+struct Fabric {
+    /// Transport type; only rdma.
+    #[arg(short = 't', long = "transport", default_value = "rdma")]
+    transport: String,
+    /// Target address: IP (RoCEv2 UDP port 4791) or IP:PORT for a soft-HCA bound elsewhere.
+    #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
+    traddr: SocketAddr,
+    /// NVMe-oF service port.
+    #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
+    trsvcid: u16,
+    /// Host NQN (default: from the host ID).
+    #[arg(short = 'q', long = "hostnqn")]
+    hostnqn: Option<String>,
+}
+
+#[derive(Args, Debug, Clone)]
+struct Subsys {
+    #[command(flatten)]
+    fabric: Fabric,
+    /// Subsystem NQN.
+    #[arg(short = 'n', long = "nqn")]
+    nqn: String,
+    /// I/O queues.
+    #[arg(short = 'i', long = "nr-io-queues", default_value_t = 1)]
+    nr_io_queues: usize,
+    /// Entries per I/O queue (16..=1024).
+    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
+    queue_size: usize,
+    /// Keep-alive timeout in seconds (0 = off).
+    #[arg(short = 'k', long = "keep-alive-tmo", default_value_t = 5)]
+    keep_alive_tmo: u64,
+    /// Seconds between reconnect attempts.
+    #[arg(short = 'c', long = "reconnect-delay", default_value_t = 10)]
+    reconnect_delay: u64,
+    /// Seconds before a lost controller is given up (-1 = never).
+    #[arg(
+        short = 'l',
+        long = "ctrl-loss-tmo",
+        default_value_t = 600,
+        allow_hyphen_values = true
+    )]
+    ctrl_loss_tmo: i64,
+    /// Seconds before I/O fails while reconnecting (-1 = off).
+    #[arg(long = "fast_io_fail_tmo", alias = "fast-io-fail-tmo", default_value_t = -1, allow_hyphen_values = true)]
+    fast_io_fail_tmo: i64,
+    /// Namespace to use for read/write/verify.
+    #[arg(long, default_value_t = 1)]
+    nsid: u32,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
-    /// Start two soft-HCAs on loopback, RDMA WRITE a pattern, READ it back, verify, and
-    /// print throughput.
+    /// Start the built-in target in-process, connect to it, write and verify a pattern, and
+    /// print IOPS and latency.
     Demo {
-        /// Bytes to move, e.g. 64M, 1G.
+        /// Bytes to write and verify, e.g. 64M.
         #[arg(long, default_value = "64M", value_parser = parse_size)]
         size: usize,
-        /// Message size, e.g. 128K.
+        /// Seconds of 4 KiB random reads at QD32 after the verify.
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+    },
+    /// Soft-HCA only: RDMA WRITE a pattern between two devices, READ it back, verify.
+    HcaDemo {
+        #[arg(long, default_value = "64M", value_parser = parse_size)]
+        size: usize,
         #[arg(long, default_value = "128K", value_parser = parse_size)]
         chunk: usize,
     },
-    /// Soft-HCA throughput table over loopback UDP (one core per side).
+    /// Benchmark tables over loopback: NVMe-oF (default) or the raw soft-HCA (--hca).
     Bench {
         /// Seconds per row.
-        #[arg(long, default_value_t = 2.0)]
+        #[arg(long, default_value_t = 3.0)]
         seconds: f64,
+        #[arg(long)]
+        hca: bool,
+        /// I/O queues for the NVMe-oF table.
+        #[arg(long, default_value_t = 1)]
+        queues: usize,
+    },
+    /// Run the built-in NVMe-oF target until interrupted.
+    Target(TargetArgs),
+    /// Ask a discovery controller which subsystems it offers.
+    Discover(Fabric),
+    /// Connect to a subsystem and hold the controller until interrupted or `disconnect`.
+    Connect(Subsys),
+    /// List the controllers held by running `connect` commands.
+    List {
+        /// Output format: normal or json.
+        #[arg(short = 'o', long = "output-format", default_value = "normal")]
+        output: String,
+    },
+    /// Disconnect a controller held by `connect`.
+    Disconnect {
+        /// By subsystem NQN.
+        #[arg(short = 'n', long = "nqn")]
+        nqn: Option<String>,
+        /// By controller name (from `list`).
+        #[arg(short = 'd', long = "device")]
+        device: Option<String>,
+    },
+    /// Read blocks and write them to a file or stdout (hex).
+    Read {
+        #[command(flatten)]
+        sub: Subsys,
+        #[arg(long, default_value_t = 0)]
+        lba: u64,
+        #[arg(long, value_parser = parse_size)]
+        size: usize,
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
+    /// Write a file, or a repeated byte, at a block address.
+    Write {
+        #[command(flatten)]
+        sub: Subsys,
+        #[arg(long, default_value_t = 0)]
+        lba: u64,
+        #[arg(long, value_parser = parse_size)]
+        size: Option<usize>,
+        #[arg(long)]
+        input: Option<PathBuf>,
+        /// Byte to fill with when no --input is given.
+        #[arg(long, default_value_t = 0)]
+        pattern: u8,
+    },
+    /// Write random data over a range, read it back and compare, with progress.
+    Verify {
+        #[command(flatten)]
+        sub: Subsys,
+        #[arg(long, default_value_t = 0)]
+        lba: u64,
+        #[arg(long, value_parser = parse_size)]
+        size: usize,
+        #[arg(long, default_value = "128K", value_parser = parse_size)]
+        chunk: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
     /// Print the RC QP state transition table (or a Graphviz graph with --dot).
     QpStates {
         #[arg(long)]
         dot: bool,
     },
+}
+
+#[derive(Args, Debug, Clone)]
+struct TargetArgs {
+    /// Address of the target's soft-HCA (IP or IP:PORT; RoCEv2 port 4791 by default).
+    #[arg(long, default_value = "127.0.0.1", value_parser = parse_traddr)]
+    listen: SocketAddr,
+    /// NVMe-oF service port.
+    #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
+    trsvcid: u16,
+    /// Subsystem NQN.
+    #[arg(short = 'n', long = "nqn", default_value = DEMO_NQN)]
+    nqn: String,
+    /// RAM namespace size (e.g. 1G); default when no --file is given.
+    #[arg(long, value_parser = parse_size)]
+    ram: Option<usize>,
+    /// File-backed namespace.
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// Create or grow the file to this size.
+    #[arg(long, value_parser = parse_size)]
+    file_size: Option<usize>,
+    /// Logical block size: 512 or 4096.
+    #[arg(long, default_value_t = 512)]
+    block_size: u32,
+    /// Host NQNs allowed to connect (repeat); any host when none is given.
+    #[arg(long = "allow-host")]
+    allow_host: Vec<String>,
 }
 
 /// Parse "4096", "4K", "128KiB", "64M", "1G".
@@ -62,6 +225,68 @@ fn parse_size(s: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("size '{s}' out of range"))
 }
 
+fn device_config(name: &str, addr: SocketAddr, n: u8) -> DeviceConfig {
+    let mac = [0x52, 0x54, 0x00, 0x30, (std::process::id() & 0xFF) as u8, n];
+    DeviceConfig {
+        identity: DeviceIdentity::from_mac(name, mac, PciAddr::new(0, 0x30, n, 0)),
+        addr,
+        icrc: IcrcCheck::Verify,
+        seed: std::process::id() as u64 ^ ((n as u64) << 32),
+    }
+}
+
+/// A host soft-HCA on the local address that routes to `target`.
+async fn host_stack(target: SocketAddr) -> Result<(SoftHca, CmService)> {
+    let ip = local_ip_for(target).context("no route to the target address")?;
+    let hca = SoftHca::start_with(
+        device_config("srxe0", SocketAddr::new(ip, 0), 1),
+        target.ip().is_loopback(),
+    )
+    .await
+    .context("cannot start the host soft-HCA")?;
+    let cm = CmService::start(hca.clone(), std::process::id() as u64);
+    Ok((hca, cm))
+}
+
+fn check_transport(f: &Fabric) -> Result<()> {
+    if f.transport != "rdma" {
+        bail!("transport '{}' is not supported: only rdma", f.transport);
+    }
+    Ok(())
+}
+
+fn options(s: &Subsys) -> Result<ConnectOptions> {
+    check_transport(&s.fabric)?;
+    Nqn::new(&s.nqn).map_err(|e| anyhow::anyhow!("bad subsystem NQN: {e}"))?;
+    if !(16..=1024).contains(&s.queue_size) {
+        bail!("--queue-size must be between 16 and 1024");
+    }
+    if s.nr_io_queues == 0 || s.nr_io_queues > 128 {
+        bail!("--nr-io-queues must be between 1 and 128");
+    }
+    if s.ctrl_loss_tmo < -1 || s.fast_io_fail_tmo < -1 {
+        bail!("timeouts take seconds, or -1");
+    }
+    let mut o = ConnectOptions::new(s.fabric.traddr, &s.nqn);
+    o.trsvcid = s.fabric.trsvcid;
+    if let Some(h) = &s.fabric.hostnqn {
+        Nqn::new(h).map_err(|e| anyhow::anyhow!("bad host NQN: {e}"))?;
+        o.hostnqn = h.clone();
+    }
+    o.nr_io_queues = s.nr_io_queues;
+    o.queue_size = s.queue_size;
+    o.keep_alive_tmo = Duration::from_secs(s.keep_alive_tmo);
+    Ok(o)
+}
+
+async fn connect(s: &Subsys) -> Result<Controller> {
+    let o = options(s)?;
+    let (hca, cm) = host_stack(s.fabric.traddr).await?;
+    Controller::connect(hca, cm, o)
+        .await
+        .with_context(|| format!("connect to {} at {}", s.nqn, s.fabric.traddr))
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -69,41 +294,25 @@ fn main() -> Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Demo { size, chunk } => {
-            if chunk > 1 << 30 || size > 8 << 30 {
-                bail!("--size at most 8G and --chunk at most 1G");
-            }
-            println!(
-                "soft-HCA demo: two RoCEv2 devices on 127.0.0.1, RC QP, {} in {} messages",
-                perf::human(size),
-                perf::human(chunk)
-            );
-            let r = perf::demo(size, chunk).context("demo failed")?;
-            let gbs = |d: Duration| r.bytes as f64 / d.as_secs_f64() / 1e9;
-            println!(
-                "RDMA WRITE {:>10}  {:8.3} s  {:6.3} GB/s",
-                perf::human(r.bytes),
-                r.write.as_secs_f64(),
-                gbs(r.write)
-            );
-            println!(
-                "RDMA READ  {:>10}  {:8.3} s  {:6.3} GB/s",
-                perf::human(r.bytes),
-                r.read.as_secs_f64(),
-                gbs(r.read)
-            );
-            println!("retransmits: {}", r.retransmits);
-            if !r.verified {
-                bail!("data read back does not match what was written");
-            }
-            println!("verified: every byte read back matches the pattern written");
-        }
-        Cmd::Bench { seconds } => {
+        Cmd::Demo { size, seconds } => demo(size, seconds),
+        Cmd::HcaDemo { size, chunk } => hca_demo(size, chunk),
+        Cmd::Bench {
+            seconds,
+            hca,
+            queues,
+        } => {
             if !(0.05..=600.0).contains(&seconds) {
                 bail!("--seconds must be between 0.05 and 600");
             }
-            let rows = perf::standard_table(Duration::from_secs_f64(seconds))?;
-            perf::print_table(&rows);
+            if hca {
+                perf::print_table(&perf::standard_table(Duration::from_secs_f64(seconds))?);
+            } else {
+                nvmf_perf::print_results(&nvmf_perf::bench(
+                    Duration::from_secs_f64(seconds),
+                    queues.clamp(1, 64),
+                )?);
+            }
+            Ok(())
         }
         Cmd::QpStates { dot } => {
             if dot {
@@ -111,14 +320,484 @@ fn main() -> Result<()> {
             } else {
                 print!("{}", nvmf_rdma::hca::qp::state::describe());
             }
+            Ok(())
         }
+        cmd => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?
+            .block_on(run_async(cmd)),
+    }
+}
+
+async fn run_async(cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Target(t) => run_target(t).await,
+        Cmd::Discover(f) => {
+            check_transport(&f)?;
+            let (hca, cm) = host_stack(f.traddr).await?;
+            let mut o = ConnectOptions::new(f.traddr, nvmf_rdma::nvme::fabrics::DISCOVERY_NQN);
+            o.trsvcid = f.trsvcid;
+            if let Some(h) = f.hostnqn {
+                o.hostnqn = h;
+            }
+            let entries = discover(hca, cm, o).await.context("discovery failed")?;
+            println!("Discovery Log Number of Records {}", entries.len());
+            for (i, e) in entries.iter().enumerate() {
+                println!("=====Discovery Log Entry {i}======");
+                println!("trtype:  rdma");
+                println!("adrfam:  {}", if e.adrfam == 2 { "ipv6" } else { "ipv4" });
+                println!("portid:  {}", e.portid);
+                println!("trsvcid: {}", e.trsvcid.text().trim());
+                println!("subnqn:  {}", e.subnqn.text());
+                println!("traddr:  {}", e.traddr.text().trim());
+            }
+            Ok(())
+        }
+        Cmd::Connect(s) => run_connect(s).await,
+        Cmd::List { output } => run_list(&output).await,
+        Cmd::Disconnect { nqn, device } => run_disconnect(nqn, device).await,
+        Cmd::Read {
+            sub,
+            lba,
+            size,
+            output,
+        } => {
+            let c = connect(&sub).await?;
+            let data = c.read(sub.nsid, lba, size).await?;
+            match output {
+                Some(p) => {
+                    std::fs::write(&p, &data).with_context(|| format!("write {}", p.display()))?
+                }
+                None => hexdump(&data),
+            }
+            c.disconnect().await;
+            Ok(())
+        }
+        Cmd::Write {
+            sub,
+            lba,
+            size,
+            input,
+            pattern,
+        } => {
+            let data = match (&input, size) {
+                (Some(p), _) => {
+                    std::fs::read(p).with_context(|| format!("read {}", p.display()))?
+                }
+                (None, Some(n)) => vec![pattern; n],
+                (None, None) => bail!("give --input FILE or --size with --pattern"),
+            };
+            let c = connect(&sub).await?;
+            c.write(sub.nsid, lba, &data).await?;
+            println!("wrote {} bytes at lba {lba}", data.len());
+            c.disconnect().await;
+            Ok(())
+        }
+        Cmd::Verify {
+            sub,
+            lba,
+            size,
+            chunk,
+            seed,
+        } => {
+            let c = connect(&sub).await?;
+            let r = verify(&c, sub.nsid, lba, size, chunk, seed).await;
+            c.disconnect().await;
+            r
+        }
+        _ => unreachable!("handled synchronously"),
+    }
+}
+
+fn hexdump(data: &[u8]) {
+    for (i, line) in data.chunks(16).enumerate() {
+        let hex: Vec<String> = line.iter().map(|b| format!("{b:02x}")).collect();
+        let txt: String = line
+            .iter()
+            .map(|&b| {
+                if (0x20..0x7f).contains(&b) {
+                    b as char
+                } else {
+                    '.'
+                }
+            })
+            .collect();
+        println!("{:08x}  {:<47}  {txt}", i * 16, hex.join(" "));
+    }
+}
+
+/// Write a seeded random pattern over `size` bytes in `chunk` pieces, read it back, compare.
+async fn verify(
+    c: &Controller,
+    nsid: u32,
+    lba: u64,
+    size: usize,
+    chunk: usize,
+    seed: u64,
+) -> Result<()> {
+    use rand::{Rng, SeedableRng};
+    let ns = c.namespace(nsid)?;
+    let bs = ns.block_size as usize;
+    if chunk % bs != 0 || size % bs != 0 {
+        bail!("--size and --chunk must be multiples of the {bs}-byte block size");
+    }
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let t0 = Instant::now();
+    let mut done = 0usize;
+    let mut last = Instant::now();
+    let mut buf = vec![0u8; chunk];
+    while done < size {
+        let n = chunk.min(size - done);
+        rng.fill(&mut buf[..n]);
+        let at = lba + (done / bs) as u64;
+        c.write(nsid, at, &buf[..n]).await?;
+        let back = c.read(nsid, at, n).await?;
+        if back != buf[..n] {
+            let off = back
+                .iter()
+                .zip(&buf[..n])
+                .position(|(a, b)| a != b)
+                .unwrap_or(0);
+            bail!(
+                "MISMATCH at byte {} (lba {})",
+                done + off,
+                at + (off / bs) as u64
+            );
+        }
+        done += n;
+        if last.elapsed() > Duration::from_millis(500) || done == size {
+            last = Instant::now();
+            eprint!(
+                "\rverified {} of {} ({:.0}%), {:.1} MB/s   ",
+                perf::human(done),
+                perf::human(size),
+                done as f64 * 100.0 / size as f64,
+                2.0 * done as f64 / t0.elapsed().as_secs_f64() / 1e6
+            );
+        }
+    }
+    eprintln!();
+    println!("verified {} bytes: every byte read back matches", size);
+    Ok(())
+}
+
+fn demo(size: usize, seconds: f64) -> Result<()> {
+    if size > 1 << 30 {
+        bail!("--size at most 1G");
+    }
+    let ns_bytes = (size as u64).max(256 << 20);
+    println!("nvmf-rdma demo: built-in target ({} RAM namespace) and host, each on its own soft RoCEv2 HCA on 127.0.0.1", perf::human(ns_bytes as usize));
+    let t = LocalTarget::start(ns_bytes, 9)?;
+    let addr = t.addr;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let c = Arc::new(
+            nvmf_perf::connect_host(addr, DEMO_NQN, 1, 128)
+                .await
+                .context("connect")?,
+        );
+        let ns = c.namespaces()[0];
+        println!(
+            "connected: {} cntlid {} model '{}', namespace 1: {} blocks of {} B",
+            DEMO_NQN,
+            c.cntlid,
+            c.ident.mn.text().trim(),
+            ns.blocks,
+            ns.block_size
+        );
+        let t0 = Instant::now();
+        verify(&c, 1, 0, size - size % 4096, 128 << 10, 42).await?;
+        println!(
+            "write+read-back of {} took {:.3} s",
+            perf::human(size),
+            t0.elapsed().as_secs_f64()
+        );
+        let job = Job {
+            pattern: Pattern::RandRead,
+            bs: 4096,
+            iodepth: 32,
+            runtime: Duration::from_secs_f64(seconds),
+        };
+        let r = nvmf_perf::run_job(c.clone(), job).await;
+        nvmf_perf::print_results(std::slice::from_ref(&r));
+        if r.errors > 0 {
+            bail!("{} I/O errors", r.errors);
+        }
+        match Arc::try_unwrap(c) {
+            Ok(c) => c.disconnect().await,
+            Err(_) => tracing::warn!("controller still shared; not disconnecting cleanly"),
+        }
+        anyhow::Ok(())
+    })?;
+    tracing::debug!("stopping the target");
+    drop(t);
+    tracing::debug!("done");
+    Ok(())
+}
+
+fn hca_demo(size: usize, chunk: usize) -> Result<()> {
+    if chunk > 1 << 30 || size > 8 << 30 {
+        bail!("--size at most 8G and --chunk at most 1G");
+    }
+    println!(
+        "soft-HCA demo: two RoCEv2 devices on 127.0.0.1, RC QP, {} in {} messages",
+        perf::human(size),
+        perf::human(chunk)
+    );
+    let r = perf::demo(size, chunk).context("demo failed")?;
+    let gbs = |d: Duration| r.bytes as f64 / d.as_secs_f64() / 1e9;
+    println!(
+        "RDMA WRITE {:>10}  {:8.3} s  {:6.3} GB/s",
+        perf::human(r.bytes),
+        r.write.as_secs_f64(),
+        gbs(r.write)
+    );
+    println!(
+        "RDMA READ  {:>10}  {:8.3} s  {:6.3} GB/s",
+        perf::human(r.bytes),
+        r.read.as_secs_f64(),
+        gbs(r.read)
+    );
+    println!("retransmits: {}", r.retransmits);
+    if !r.verified {
+        bail!("data read back does not match what was written");
+    }
+    println!("verified: every byte read back matches the pattern written");
+    Ok(())
+}
+
+async fn run_target(a: TargetArgs) -> Result<()> {
+    let nqn = Nqn::new(&a.nqn).map_err(|e| anyhow::anyhow!("bad --nqn: {e}"))?;
+    let lbads = match a.block_size {
+        512 => 9,
+        4096 => 12,
+        n => bail!("--block-size must be 512 or 4096, not {n}"),
+    };
+    let ns = match (&a.file, a.ram) {
+        (Some(_), Some(_)) => bail!("give --ram or --file, not both"),
+        (Some(p), None) => Namespace::file(1, p, a.file_size.map(|s| s as u64), lbads)
+            .with_context(|| format!("open {}", p.display()))?,
+        (None, r) => Namespace::ram(1, r.unwrap_or(256 << 20) as u64, lbads),
+    };
+    if ns.blocks == 0 {
+        bail!("the namespace would have no blocks");
+    }
+    let mut sub = Subsystem::new(nqn, vec![Arc::new(ns)]);
+    if !a.allow_host.is_empty() {
+        sub.allowed_hosts = Some(a.allow_host.clone());
+    }
+    let hca = SoftHca::start_with(
+        device_config("tgt0", a.listen, 9),
+        a.listen.ip().is_loopback(),
+    )
+    .await
+    .with_context(|| format!("cannot bind {}", a.listen))?;
+    let cfg = TargetConfig {
+        subsystems: vec![sub],
+        port: a.trsvcid,
+        advertise: Some(hca.addr()),
+        ..TargetConfig::default()
+    };
+    let t = Target::start(hca.clone(), cfg)?;
+    serve_cm(t.clone(), CmService::start(hca.clone(), 9));
+    println!(
+        "target {} listening on {} (trsvcid {}); Ctrl-C stops it",
+        a.nqn,
+        hca.addr(),
+        a.trsvcid
+    );
+    tokio::signal::ctrl_c().await?;
+    println!("stopping; {:?}", t.stats());
+    Ok(())
+}
+
+async fn run_connect(s: Subsys) -> Result<()> {
+    let c = Arc::new(connect(&s).await?);
+    let dir = run_dir();
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    let mut n = 0;
+    let (name, path) = loop {
+        let name = format!("nvmf{n}");
+        let p = dir.join(format!("{name}.sock"));
+        if !p.exists() || tokio::net::UnixStream::connect(&p).await.is_err() {
+            let _ = std::fs::remove_file(&p);
+            break (name, p);
+        }
+        n += 1;
+    };
+    let listener = tokio::net::UnixListener::bind(&path)
+        .with_context(|| format!("bind {}", path.display()))?;
+    println!(
+        "{name}: connected to {} at {} (cntlid {})",
+        s.nqn, s.fabric.traddr, c.cntlid
+    );
+    for ns in c.namespaces() {
+        println!(
+            "  namespace {}: {} blocks of {} B ({})",
+            ns.nsid,
+            ns.blocks,
+            ns.block_size,
+            perf::human(ns.bytes() as usize)
+        );
+    }
+    let info = |state: &str| CtrlInfo {
+        name: name.clone(),
+        subnqn: s.nqn.clone(),
+        hostnqn: c.opts.hostnqn.clone(),
+        traddr: s.fabric.traddr.to_string(),
+        trsvcid: s.fabric.trsvcid,
+        cntlid: c.cntlid,
+        state: state.to_string(),
+        io_queues: c.io_queue_count(),
+        namespaces: c
+            .namespaces()
+            .iter()
+            .map(|n| (n.nsid, n.block_size, n.blocks))
+            .collect(),
+        model: c.ident.mn.text().trim().to_string(),
+        serial: c.ident.sn.text().trim().to_string(),
+    };
+    let stop = tokio::sync::Notify::new();
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break,
+            _ = stop.notified() => break,
+            conn = listener.accept() => {
+                let Ok((stream, _)) = conn else { continue };
+                let (r, mut w) = stream.into_split();
+                let mut line = String::new();
+                let _ = BufReader::new(r).read_line(&mut line).await;
+                let state = if c.keep_alive_failed() { "connecting" } else { "live" };
+                match line.trim() {
+                    "info" => { let _ = w.write_all(format!("{}\n", info(state).to_json()).as_bytes()).await; }
+                    "disconnect" => {
+                        let _ = w.write_all(b"ok\n").await;
+                        stop.notify_one();
+                    }
+                    _ => { let _ = w.write_all(b"error: unknown request\n").await; }
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&path);
+    if let Ok(c) = Arc::try_unwrap(c) {
+        c.disconnect().await;
+    }
+    println!("{name}: disconnected");
+    Ok(())
+}
+
+async fn ask(path: &std::path::Path, req: &str) -> Option<String> {
+    let mut s = tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::net::UnixStream::connect(path),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    s.write_all(format!("{req}\n").as_bytes()).await.ok()?;
+    let mut line = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(2),
+        BufReader::new(s).read_line(&mut line),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    Some(line.trim().to_string())
+}
+
+async fn controllers() -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(run_dir()) else {
+        return out;
+    };
+    let mut paths: Vec<PathBuf> = rd
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "sock"))
+        .collect();
+    paths.sort();
+    for p in paths {
+        if let Some(j) = ask(&p, "info").await {
+            out.push((p, j));
+        }
+    }
+    out
+}
+
+fn json_field<'a>(j: &'a str, key: &str) -> Option<&'a str> {
+    let k = format!("\"{key}\":");
+    let i = j.find(&k)? + k.len();
+    let rest = &j[i..];
+    if let Some(r) = rest.strip_prefix('"') {
+        r.find('"').map(|e| &r[..e])
+    } else {
+        let e = rest.find([',', '}']).unwrap_or(rest.len());
+        Some(&rest[..e])
+    }
+}
+
+async fn run_list(output: &str) -> Result<()> {
+    let ctrls = controllers().await;
+    match output {
+        "json" => {
+            let items: Vec<&str> = ctrls.iter().map(|(_, j)| j.as_str()).collect();
+            println!("{{\"controllers\":[{}]}}", items.join(","));
+        }
+        "normal" => {
+            println!(
+                "{:<8} {:<40} {:<22} {:>6} {:<10} {:>3}",
+                "Name", "SubNQN", "Address", "CNTLID", "State", "IOQ"
+            );
+            for (_, j) in &ctrls {
+                println!(
+                    "{:<8} {:<40} {:<22} {:>6} {:<10} {:>3}",
+                    json_field(j, "name").unwrap_or("?"),
+                    json_field(j, "subnqn").unwrap_or("?"),
+                    json_field(j, "traddr").unwrap_or("?"),
+                    json_field(j, "cntlid").unwrap_or("?"),
+                    json_field(j, "state").unwrap_or("?"),
+                    json_field(j, "io_queues").unwrap_or("?"),
+                );
+            }
+        }
+        o => bail!("unknown output format '{o}': use normal or json"),
+    }
+    Ok(())
+}
+
+async fn run_disconnect(nqn: Option<String>, device: Option<String>) -> Result<()> {
+    if nqn.is_none() && device.is_none() {
+        bail!("give -n NQN or -d DEVICE");
+    }
+    let mut n = 0;
+    for (p, j) in controllers().await {
+        let hit = nqn
+            .as_deref()
+            .is_some_and(|q| json_field(&j, "subnqn") == Some(q))
+            || device
+                .as_deref()
+                .is_some_and(|d| json_field(&j, "name") == Some(d));
+        if hit && ask(&p, "disconnect").await.as_deref() == Some("ok") {
+            n += 1;
+        }
+    }
+    println!(
+        "NQN:{} disconnected {n} controller(s)",
+        nqn.or(device).unwrap_or_default()
+    );
+    if n == 0 {
+        bail!("no matching controller");
     }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::*;
 
     #[test]
     fn sizes() {
@@ -130,5 +809,71 @@ mod tests {
         assert!(parse_size("12Q").is_err());
         assert!(parse_size("-1").is_err());
         assert!(parse_size("99999999999999999999G").is_err());
+    }
+
+    #[test]
+    fn fields_from_json() {
+        let j = r#"{"name":"nvmf0","cntlid":3,"subnqn":"nqn.x"}"#;
+        assert_eq!(json_field(j, "name"), Some("nvmf0"));
+        assert_eq!(json_field(j, "cntlid"), Some("3"));
+        assert_eq!(json_field(j, "nope"), None);
+    }
+
+    #[test]
+    fn cli_parses_nvme_cli_style_flags() {
+        let c = Cli::try_parse_from([
+            "nvmf-rdma",
+            "connect",
+            "-t",
+            "rdma",
+            "-a",
+            "127.0.0.1",
+            "-s",
+            "4420",
+            "-n",
+            "nqn.a:b",
+            "-i",
+            "2",
+            "-Q",
+            "64",
+            "-k",
+            "5",
+            "-c",
+            "1",
+            "-l",
+            "-1",
+            "--fast_io_fail_tmo",
+            "3",
+        ])
+        .unwrap();
+        let Cmd::Connect(s) = c.cmd else {
+            panic!("not connect")
+        };
+        assert_eq!(s.fabric.traddr, "127.0.0.1:4791".parse().unwrap());
+        assert_eq!(
+            (
+                s.nr_io_queues,
+                s.queue_size,
+                s.ctrl_loss_tmo,
+                s.fast_io_fail_tmo
+            ),
+            (2, 64, -1, 3)
+        );
+        assert!(options(&s).is_ok());
+        let bad = Cli::try_parse_from(["nvmf-rdma", "connect", "-a", "nowhere", "-n", "x"]);
+        assert!(bad.is_err());
+        let c = Cli::try_parse_from([
+            "nvmf-rdma",
+            "connect",
+            "-t",
+            "tcp",
+            "-a",
+            "127.0.0.1",
+            "-n",
+            "nqn.a:b",
+        ])
+        .unwrap();
+        let Cmd::Connect(s) = c.cmd else { panic!() };
+        assert!(options(&s).unwrap_err().to_string().contains("only rdma"));
     }
 }

@@ -103,6 +103,18 @@ impl SoftHca {
         r
     }
 
+    /// Run `f` on the device without waking the driver: for reads and for work that queues
+    /// nothing to send (the caller kicks with [`SoftHca::kick`] if it did).
+    pub fn with_quiet<R>(&self, f: impl FnOnce(&mut Device, Instant) -> R) -> R {
+        let now = self.now();
+        f(&mut self.lock(), now)
+    }
+
+    /// Wake the driver to transmit what was queued.
+    pub fn kick(&self) {
+        self.shared.kick.notify_one();
+    }
+
     /// Wait until `cq` has completions, then move up to `max` of them into `out`.
     /// Returns 0 only if the device died with nothing left to reap.
     pub async fn wait_cq(&self, cq: CqId, max: usize, out: &mut Vec<WorkCompletion>) -> usize {
@@ -112,6 +124,7 @@ impl SoftHca {
             notified.as_mut().enable();
             let (n, live) = {
                 let mut d = self.lock();
+                // Polling queues nothing to send, so the driver is not kicked.
                 (d.poll_cq(cq, max, out), d.is_live())
             };
             if n > 0 || !live {
@@ -184,6 +197,7 @@ async fn drive(
         .name
         .clone();
     let mut metrics = metrics_pub::Publisher::new(&name);
+    let mut last_activity = u64::MAX;
     loop {
         let deadline = {
             let d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
@@ -212,6 +226,9 @@ async fn drive(
         let n = rx.recv(&sock)?;
         let mut d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant(shared.epoch.elapsed().as_nanos() as u64);
+        if n > 0 {
+            tracing::trace!(device = %name, n, "received");
+        }
         for i in 0..n {
             let (src, data) = rx.get(i);
             d.handle_datagram(now, src, data);
@@ -232,9 +249,14 @@ async fn drive(
         }
         let more = tx.len() >= 256;
         d.take_dirty_cqs(&mut dirty);
-        let events = d.has_events();
+        let act = d.activity();
+        let events = act != last_activity;
+        last_activity = act;
         metrics.publish(d.stats());
         drop(d);
+        if !tx.is_empty() {
+            tracing::trace!(device = %name, n = tx.len(), "sending");
+        }
         tx.flush(&sock);
         if more {
             shared.kick.notify_one();

@@ -132,10 +132,14 @@ impl TxBatch {
                 }
             }
             let data = &self.buf[start..start + total];
+            // Sends go straight to the kernel: tokio's readiness cache starts "not writable"
+            // on a new socket, so its try_send_to would drop the very first datagram.
             let r = if j - i > 1 {
                 send_gso(sock, data, dst, seg)
             } else {
-                sock.try_send_to(data, dst).map(|_| ())
+                socket2::SockRef::from(sock)
+                    .send_to(data, &dst.into())
+                    .map(|_| ())
             };
             match r {
                 Ok(()) => {}
@@ -181,38 +185,36 @@ fn send_gso(
     seg: usize,
 ) -> io::Result<()> {
     let fd = sock.as_raw_fd();
-    sock.try_io(tokio::io::Interest::WRITABLE, || {
-        let (mut name, namelen) = sockaddr_from_std(dst);
-        let mut iov = libc::iovec {
-            iov_base: data.as_ptr() as *mut libc::c_void,
-            iov_len: data.len(),
-        };
-        // SAFETY: CMSG_SPACE of a u16.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
-        let mut control = [0u64; 4];
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_name = &mut name as *mut _ as *mut libc::c_void;
-        msg.msg_namelen = namelen;
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-        msg.msg_controllen = space;
-        // SAFETY: the control buffer is 32 bytes, enough for one u16 cmsg.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&msg);
-            (*c).cmsg_level = SOL_UDP;
-            (*c).cmsg_type = UDP_SEGMENT;
-            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as usize;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, seg as u16);
-        }
-        // SAFETY: msg points at live buffers for the duration of the call.
-        let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT) };
-        if n < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(())
-        }
-    })
+    let (mut name, namelen) = sockaddr_from_std(dst);
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // SAFETY: CMSG_SPACE of a u16.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
+    let mut control = [0u64; 4];
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_name = &mut name as *mut _ as *mut libc::c_void;
+    msg.msg_namelen = namelen;
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = space;
+    // SAFETY: the control buffer is 32 bytes, enough for one u16 cmsg.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = SOL_UDP;
+        (*c).cmsg_type = UDP_SEGMENT;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, seg as u16);
+    }
+    // SAFETY: msg points at live buffers for the duration of the call.
+    let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 /// Receive buffers for a batch of datagrams (recvmmsg, with GRO runs split into packets).

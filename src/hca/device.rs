@@ -121,6 +121,8 @@ pub struct Device {
     gsi_rx: VecDeque<(SocketAddr, [u8; MAD_LEN])>,
     gsi_tx: VecDeque<(SocketAddr, [u8; MAD_LEN])>,
     gsi_psn: u32,
+    /// Events and MADs handed out so far; with the queue lengths, a monotonic activity count.
+    popped: u64,
     /// CQs that received completions since the driver last asked.
     cq_dirty: Vec<CqId>,
 }
@@ -147,6 +149,7 @@ impl Device {
             gsi_rx: VecDeque::with_capacity(GSI_QUEUE),
             gsi_tx: VecDeque::with_capacity(GSI_QUEUE),
             gsi_psn: 0,
+            popped: 0,
         };
         d.events.push_back(AsyncEvent::PortActive);
         d
@@ -622,7 +625,9 @@ impl Device {
 
     /// Next MAD received on QP1, with the address it came from.
     pub fn poll_gsi(&mut self) -> Option<(SocketAddr, [u8; MAD_LEN])> {
-        self.gsi_rx.pop_front()
+        let m = self.gsi_rx.pop_front();
+        self.popped += m.is_some() as u64;
+        m
     }
 
     fn gsi_transmit(&mut self, buf: &mut Vec<u8>) -> Option<SocketAddr> {
@@ -714,12 +719,15 @@ impl Device {
         }
     }
 
-    /// Anything for the consumer besides completions: async events or received MADs.
-    pub fn has_events(&self) -> bool {
-        !self.events.is_empty() || !self.gsi_rx.is_empty()
+    /// A count that grows whenever an async event or a MAD arrives: the driver wakes
+    /// consumers when it changes (an edge, so an unread event does not keep waking them).
+    pub fn activity(&self) -> u64 {
+        self.popped + (self.events.len() + self.gsi_rx.len()) as u64
     }
 
     pub fn poll_event(&mut self) -> Option<AsyncEvent> {
-        self.events.pop_front()
+        let e = self.events.pop_front();
+        self.popped += e.is_some() as u64;
+        e
     }
 }

@@ -138,7 +138,6 @@ struct Engine {
     ctrls: HashMap<u16, Ctrl>,
     next_cntlid: u16,
     stats: TargetStats,
-    wcs: Vec<WorkCompletion>,
     psn_seed: u32,
 }
 
@@ -165,7 +164,6 @@ impl Target {
             ctrls: HashMap::new(),
             next_cntlid: 1,
             stats: TargetStats::default(),
-            wcs: Vec::with_capacity(256),
             psn_seed: 0x5A5A5,
         }));
         let t = Target { hca, engine };
@@ -210,17 +208,16 @@ impl Target {
     }
 
     async fn serve(self) {
+        let cq = self.lock().cq;
+        let mut batch = Vec::with_capacity(256);
         loop {
-            let cq = self.lock().cq;
-            let mut batch = Vec::with_capacity(256);
+            batch.clear();
             if self.hca.wait_cq(cq, 256, &mut batch).await == 0 {
                 return; // the device died
             }
             let mut e = self.lock();
             self.hca.with(|d, _| {
-                e.wcs = batch;
-                let wcs = std::mem::take(&mut e.wcs);
-                for wc in &wcs {
+                for wc in &batch {
                     e.on_completion(d, wc);
                 }
             });
@@ -431,7 +428,12 @@ impl Engine {
             }
             Err(_) => {
                 self.stats.malformed_capsules += 1;
-                let cid = Sqe::peek_cid(&q.cmds[c].capsule[..len]).unwrap_or(0);
+                // Without a command ID there is nobody to answer: a completion for a made-up
+                // ID could complete an unrelated command of the host.
+                let Some(cid) = Sqe::peek_cid(&q.cmds[c].capsule[..len]) else {
+                    q.free.push(c);
+                    return;
+                };
                 q.cmds[c].sqe = Sqe::new(0, cid);
                 self.respond(d, qpn, c, Status::INVALID_FIELD.with_dnr(), 0, 0);
             }
@@ -444,6 +446,11 @@ impl Engine {
             return;
         };
         let sqe = q.cmds[c].sqe;
+        // Nothing but Connect on a queue without a controller, and no data moved for it
+        // (NVMe-oF: Command Sequence Error).
+        if q.cntlid.is_none() && sqe.opcode != opcode::FABRICS {
+            return self.respond(d, qpn, c, Status::COMMAND_SEQUENCE_ERROR.with_dnr(), 0, 0);
+        }
         let want = match self.data_in_len(qpn, &sqe) {
             Ok(Some(w)) => w,
             Ok(None) => return self.execute(d, qpn, c),
@@ -471,7 +478,8 @@ impl Engine {
         }
         match sgl {
             SglDescriptor::InCapsule { offset, .. } => {
-                let end = SQE_LEN as u64 + offset + want as u64;
+                // `offset` comes off the wire: only 0 is valid, so test it before adding.
+                let end = SQE_LEN as u64 + want as u64;
                 if offset != 0 || end > q.cmds[c].capsule_len as u64 {
                     return self.respond(d, qpn, c, Status::SGL_OFFSET_INVALID.with_dnr(), 0, 0);
                 }
@@ -556,10 +564,12 @@ impl Engine {
         let now = crate::hca::Instant::ZERO;
         if data_out > 0 && status.is_success() {
             match SglDescriptor::parse(&sqe.dptr) {
-                Ok(SglDescriptor::Keyed { addr, len, key, .. })
-                    if len as usize >= data_out.min(len as usize) =>
-                {
-                    let n = data_out.min(len as usize) as u32;
+                // A buffer shorter than the data: refuse rather than write part of it.
+                Ok(SglDescriptor::Keyed { len, .. }) if (len as usize) < data_out => {
+                    status = Status::SGL_DATA_LENGTH_INVALID.with_dnr()
+                }
+                Ok(SglDescriptor::Keyed { addr, key, .. }) => {
+                    let n = data_out as u32;
                     let wr = SendWr {
                         wr_id: wr_id(WR_RDMA_WRITE, c),
                         op: SendOp::Write {

@@ -106,6 +106,17 @@ struct QueueConn {
     conn: ConnId,
 }
 
+impl QueueConn {
+    /// Disconnect, fail what is still out, and wait until the queue's task has released its
+    /// verbs resources (so the PD can go after it).
+    async fn close(self, cm: &CmService) {
+        cm.disconnect(self.conn);
+        self.handle.stop();
+        drop(self.handle);
+        let _ = self.task.await;
+    }
+}
+
 /// A connected NVMe-oF controller.
 pub struct Controller {
     hca: SoftHca,
@@ -152,6 +163,7 @@ async fn connect_queue(
             return Err(e);
         }
     };
+    tracing::debug!(qid = spec.qid, "CM established");
     res.psn = est.local_psn;
     let peer = PeerInfo {
         addr: est.peer,
@@ -195,7 +207,7 @@ async fn connect_queue(
             }
         },
         Err(e) => {
-            cm.disconnect(qc.conn);
+            qc.close(cm).await;
             Err(e)
         }
     }
@@ -229,7 +241,15 @@ impl Controller {
         };
         let kato_ms = o.keep_alive_tmo.as_millis().min(u32::MAX as u128) as u32;
         let (admin, cntlid) =
-            connect_queue(&hca, &cm, pd, &o, admin_spec, CNTLID_DYNAMIC, kato_ms).await?;
+            match connect_queue(&hca, &cm, pd, &o, admin_spec, CNTLID_DYNAMIC, kato_ms).await {
+                Ok(a) => a,
+                Err(e) => {
+                    hca.with(|d, _| {
+                        let _ = d.dealloc_pd(pd);
+                    });
+                    return Err(e);
+                }
+            };
         let mut c = Controller {
             hca,
             cm,
@@ -289,6 +309,7 @@ impl Controller {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        tracing::debug!("controller ready");
         let r = a.submit(admin::identify_controller(0), None, 4096).await?;
         self.ident =
             IdentifyController::parse(&r.data).map_err(|e| HostError::Protocol(e.to_string()))?;
@@ -384,6 +405,11 @@ impl Controller {
     /// True once a keep-alive went unanswered.
     pub fn keep_alive_failed(&self) -> bool {
         self.ka_failed.load(Ordering::SeqCst)
+    }
+
+    /// The soft-HCA this controller runs on.
+    pub fn hca(&self) -> &SoftHca {
+        &self.hca
     }
 
     pub fn namespaces(&self) -> &[NsInfo] {
@@ -513,24 +539,22 @@ impl Controller {
     }
 
     async fn shutdown(&mut self) {
+        tracing::debug!("controller shutdown");
         if let Some(t) = self.ka_task.take() {
             t.abort();
         }
         let io = std::mem::take(&mut self.io);
         for q in io {
-            self.cm.disconnect(q.conn);
-            drop(q.handle);
-            let _ = q.task.await;
+            q.close(&self.cm).await;
         }
         if let Some(q) = self.admin.take() {
-            self.cm.disconnect(q.conn);
-            drop(q.handle);
-            let _ = q.task.await;
+            q.close(&self.cm).await;
         }
         let pd = self.pd;
         self.hca.with(|d, _| {
             let _ = d.dealloc_pd(pd);
         });
+        tracing::debug!("controller shut down");
     }
 }
 
@@ -544,18 +568,21 @@ pub async fn discover(
     o.keep_alive_tmo = Duration::ZERO;
     let c = Controller::connect(hca, cm, o).await?;
     let a = c.admin()?.clone();
-    let head = a
-        .submit(admin::get_discovery_log(0, 0, 1024)?, None, 1024)
-        .await?;
-    let hdr =
-        DiscoveryLogHeader::parse(&head.data).map_err(|e| HostError::Protocol(e.to_string()))?;
-    let len = DiscoveryLogHeader::log_len(hdr.numrec.min(63)).unwrap_or(1024);
-    let page = a
-        .submit(admin::get_discovery_log(0, 0, len)?, None, len as usize)
-        .await?;
-    let hdr =
-        DiscoveryLogHeader::parse(&page.data).map_err(|e| HostError::Protocol(e.to_string()))?;
-    let entries = hdr.entries(&page.data).collect();
+    let entries = async {
+        let head = a
+            .submit(admin::get_discovery_log(0, 0, 1024)?, None, 1024)
+            .await?;
+        let hdr = DiscoveryLogHeader::parse(&head.data)
+            .map_err(|e| HostError::Protocol(e.to_string()))?;
+        let len = DiscoveryLogHeader::log_len(hdr.numrec.min(63)).unwrap_or(1024);
+        let page = a
+            .submit(admin::get_discovery_log(0, 0, len)?, None, len as usize)
+            .await?;
+        let hdr = DiscoveryLogHeader::parse(&page.data)
+            .map_err(|e| HostError::Protocol(e.to_string()))?;
+        Ok::<_, HostError>(hdr.entries(&page.data).collect())
+    }
+    .await;
     c.disconnect().await;
-    Ok(entries)
+    entries
 }

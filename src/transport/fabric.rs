@@ -179,8 +179,9 @@ async fn pump(sh: Arc<Shared>) {
         let deadline;
         {
             let mut cm = sh.cm.lock().unwrap_or_else(|e| e.into_inner());
-            let alive = sh.hca.with(|d, _| {
+            let alive = sh.hca.with_quiet(|d, _| {
                 while let Some((from, mad)) = d.poll_gsi() {
+                    tracing::trace!(%from, attr = u16::from_be_bytes([mad[16], mad[17]]), "MAD in");
                     cm.handle_mad(now, from, &mad);
                 }
                 d.is_live()
@@ -191,13 +192,20 @@ async fn pump(sh: Arc<Shared>) {
             if cm.poll_timeout().is_some_and(|t| t <= now) {
                 cm.handle_timeout(now);
             }
-            sh.hca.with(|d, _| {
+            let sent = sh.hca.with_quiet(|d, _| {
+                let mut sent = false;
                 while let Some((to, mad)) = cm.poll_transmit() {
+                    tracing::trace!(%to, attr = u16::from_be_bytes([mad[16], mad[17]]), "MAD out");
                     if d.post_gsi(to, &mad).is_err() {
                         break; // the CM retransmits
                     }
+                    sent = true;
                 }
+                sent
             });
+            if sent {
+                sh.hca.kick();
+            }
             while let Some(ev) = cm.poll_event() {
                 events.push(ev);
             }

@@ -7,13 +7,15 @@
 //! response capsule are in (Linux `nvme_rdma_end_request`). Every data buffer has its own
 //! MR: a target can only touch the buffer of the command it was handed.
 
-use tokio::sync::{mpsc, oneshot};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::driver::SoftHca;
 use crate::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
 use crate::hca::{
-    Access, CqId, HostMem, MrInfo, Mtu, PdId, Psn, QpCaps, Qpn, RecvWr, SendOp, SendWr, Sge, Sgl,
-    WcOpcode, WcStatus, WorkCompletion,
+    Access, AttrMask, CqId, HostMem, MrInfo, Mtu, PdId, Psn, QpAttr, QpCaps, QpState, Qpn, RecvWr,
+    SendOp, SendWr, Sge, Sgl, WcOpcode, WcStatus, WorkCompletion,
 };
 use crate::nvme::{Cqe, SglDescriptor, Sqe};
 
@@ -197,7 +199,13 @@ pub struct Queue {
     slots: Vec<Slot>,
     free: Vec<usize>,
     pub stats: QueueStats,
+    /// What [`QueueHandle::stats`] reads: `stats` as of the task's last turn.
+    published: Arc<Mutex<QueueStats>>,
+    stop: Arc<Notify>,
     wcs: Vec<WorkCompletion>,
+    /// Work requests gathered during one turn and posted under one device lock.
+    sends: Vec<(usize, SendWr)>,
+    recvs: Vec<RecvWr>,
 }
 
 /// A cheap handle for submitting to a queue.
@@ -206,9 +214,23 @@ pub struct QueueHandle {
     tx: mpsc::Sender<Request>,
     pub qid: u16,
     pub spec: QueueSpec,
+    stats: Arc<Mutex<QueueStats>>,
+    stop: Arc<Notify>,
 }
 
 impl QueueHandle {
+    /// Tear the queue down now (after the CM disconnect, as Linux drains the QP): commands
+    /// still out complete with a transport error instead of waiting for a target that may
+    /// never answer, and no new ones are taken. The task then releases its resources.
+    pub fn stop(&self) {
+        self.stop.notify_one();
+    }
+
+    /// The queue's counters as of its task's last turn (what a lying target made it count).
+    pub fn stats(&self) -> QueueStats {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
     /// Submit a command and wait for its completion. An error status comes back as
     /// `HostError::Nvme`.
     pub async fn submit(
@@ -248,10 +270,14 @@ impl Queue {
     ) -> (QueueHandle, tokio::task::JoinHandle<QueueStats>) {
         let size = res.spec.size;
         let (tx, rx) = mpsc::channel(size);
+        let published = Arc::new(Mutex::new(QueueStats::default()));
+        let stop = Arc::new(Notify::new());
         let handle = QueueHandle {
             tx,
             qid: res.spec.qid,
             spec: res.spec,
+            stats: published.clone(),
+            stop: stop.clone(),
         };
         let q = Queue {
             slots: (0..size)
@@ -269,7 +295,11 @@ impl Queue {
             res,
             hca,
             stats: QueueStats::default(),
+            published,
+            stop,
             wcs: Vec::with_capacity(size * 2),
+            sends: Vec::with_capacity(size),
+            recvs: Vec::with_capacity(size),
         };
         let jh = tokio::spawn(q.run(rx));
         (handle, jh)
@@ -278,15 +308,33 @@ impl Queue {
     async fn run(mut self, mut rx: mpsc::Receiver<Request>) -> QueueStats {
         let cq = self.res.cq;
         let hca = self.hca.clone();
+        let stop = self.stop.clone();
         let mut open = true;
         loop {
             let mut wcs = std::mem::take(&mut self.wcs);
             wcs.clear();
             tokio::select! {
                 req = rx.recv(), if open && !self.free.is_empty() => match req {
-                    Some(r) => self.submit(r),
-                    None => open = false,
+                    Some(r) => {
+                        self.submit(r);
+                        // Take whatever else is queued while there are free slots.
+                        while !self.free.is_empty() {
+                            match rx.try_recv() {
+                                Ok(r) => self.submit(r),
+                                Err(_) => break,
+                            }
+                        }
+                    }
+                    // Every handle is gone: nobody waits for what is still out.
+                    None => {
+                        open = false;
+                        self.drain();
+                    }
                 },
+                _ = stop.notified(), if open => {
+                    open = false;
+                    self.drain();
+                }
                 n = hca.wait_cq(cq, 256, &mut wcs) => {
                     if n == 0 {
                         self.fail_all("device is gone");
@@ -299,12 +347,30 @@ impl Queue {
                 }
             }
             self.wcs = wcs;
+            self.flush_posts();
+            *self.published.lock().unwrap_or_else(|e| e.into_inner()) = self.stats.clone();
             if !open && self.free.len() == self.slots.len() {
                 break;
             }
         }
         self.res.destroy(&self.hca);
         self.stats.clone()
+    }
+
+    /// Move the QP to the error state: every outstanding work request is flushed, and the
+    /// flush completions fail the commands still out, so the task can end.
+    fn drain(&self) {
+        if self.free.len() == self.slots.len() {
+            return;
+        }
+        let qpn = self.res.qpn;
+        let attr = QpAttr {
+            state: QpState::Err,
+            ..QpAttr::default()
+        };
+        let _ = self
+            .hca
+            .with(|d, _| d.modify_qp(qpn, &attr, AttrMask::STATE));
     }
 
     fn cid(slot: usize, gen: u16) -> u16 {
@@ -357,6 +423,9 @@ impl Queue {
                     .unwrap_or(SglDescriptor::NULL)
             }
         } else if req.data_in > 0 {
+            // A target that reports success without writing the data must not hand this
+            // caller the bytes of the slot's previous request.
+            self.res.data.lock()[slot * spec.max_io..][..req.data_in].fill(0);
             SglDescriptor::keyed(mr.addr, req.data_in as u64, mr.rkey.0, false)
                 .unwrap_or(SglDescriptor::NULL)
         } else {
@@ -379,11 +448,33 @@ impl Queue {
             signaled: true,
             solicited: false,
         };
-        let qpn = self.res.qpn;
-        let r = self.hca.with(|d, now| d.post_send(now, qpn, wr));
+        self.sends.push((slot, wr));
         self.stats.submitted += 1;
-        if let Err(e) = r {
-            self.finish(slot, Err(HostError::Transport(e.to_string())));
+    }
+
+    /// Post the turn's sends and receive re-posts under one lock, with one driver kick.
+    fn flush_posts(&mut self) {
+        if self.sends.is_empty() && self.recvs.is_empty() {
+            return;
+        }
+        let qpn = self.res.qpn;
+        let mut sends = std::mem::take(&mut self.sends);
+        let mut recvs = std::mem::take(&mut self.recvs);
+        let mut failed: Vec<(usize, String)> = Vec::new();
+        self.hca.with(|d, now| {
+            for r in recvs.drain(..) {
+                let _ = d.post_recv(qpn, r);
+            }
+            for (slot, wr) in sends.drain(..) {
+                if let Err(e) = d.post_send(now, qpn, wr) {
+                    failed.push((slot, e.to_string()));
+                }
+            }
+        });
+        self.sends = sends;
+        self.recvs = recvs;
+        for (slot, e) in failed {
+            self.finish(slot, Err(HostError::Transport(e)));
         }
     }
 
@@ -415,10 +506,9 @@ impl Queue {
         }
         let mut b = [0u8; CQE_LEN];
         self.res.rsp.0.read(r * CQE_LEN, &mut b);
-        // The buffer is copied out: give it back to the target at once.
+        // The buffer is copied out: give it back to the target this turn.
         let wr = self.res.recv_wr(r);
-        let qpn = self.res.qpn;
-        let _ = self.hca.with(|d, _| d.post_recv(qpn, wr));
+        self.recvs.push(wr);
         if len != CQE_LEN {
             self.stats.bad_response_len += 1;
             tracing::warn!(len, "response capsule of the wrong size ignored");

@@ -1,0 +1,294 @@
+//! NVMe-oF workloads over loopback for the demo, the `bench` subcommand and `cargo bench`:
+//! the built-in target (RAM namespace) on one soft-HCA and thread, the host on another.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant as StdInstant};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::driver::SoftHca;
+use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use crate::hca::PciAddr;
+use crate::nvme::Nqn;
+use crate::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use crate::transport::{CmService, ConnectOptions, Controller, HostError};
+
+pub const DEMO_NQN: &str = "nqn.2026-11.io.nvmf-rdma:demo";
+
+fn dev_config(name: &str, i: u8, ip: [u8; 4]) -> DeviceConfig {
+    DeviceConfig {
+        identity: DeviceIdentity::from_mac(
+            name,
+            [0x52, 0x54, 0, 0x20, 0, i],
+            PciAddr::new(0, 0x20, i, 0),
+        ),
+        addr: SocketAddr::from((ip, 0)),
+        icrc: IcrcCheck::Verify,
+        seed: 0xC0FFEE + i as u64,
+    }
+}
+
+/// A built-in target with one RAM namespace, running on its own thread and runtime.
+pub struct LocalTarget {
+    pub addr: SocketAddr,
+    pub target: Target,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl LocalTarget {
+    pub fn start(bytes: u64, lbads: u8) -> anyhow::Result<LocalTarget> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("nvmf-target".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = tx.send(Err(anyhow::Error::from(e)));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let r = async {
+                        let hca = SoftHca::start(dev_config("tgt0", 1, [127, 0, 0, 1])).await?;
+                        let ns = Arc::new(Namespace::ram(1, bytes, lbads));
+                        let cfg = TargetConfig {
+                            subsystems: vec![Subsystem::new(Nqn::new(DEMO_NQN)?, vec![ns])],
+                            ..TargetConfig::default()
+                        };
+                        let t = Target::start(hca.clone(), cfg)?;
+                        serve_cm(t.clone(), CmService::start(hca.clone(), 7));
+                        anyhow::Ok((hca.addr(), t))
+                    }
+                    .await;
+                    let ok = r.is_ok();
+                    let _ = tx.send(r);
+                    if ok {
+                        let _ = stop_rx.await;
+                    }
+                });
+            })?;
+        let (addr, target) = rx
+            .recv()
+            .map_err(|_| anyhow::anyhow!("target thread died"))??;
+        Ok(LocalTarget {
+            addr,
+            target,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for LocalTarget {
+    fn drop(&mut self) {
+        self.target.hca().fatal();
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Connect a host (its own soft-HCA on this runtime) to `addr`.
+pub async fn connect_host(
+    addr: SocketAddr,
+    subnqn: &str,
+    queues: usize,
+    queue_size: usize,
+) -> Result<Controller, HostError> {
+    let hca = SoftHca::start(dev_config("host0", 2, [127, 0, 0, 1]))
+        .await
+        .map_err(|e| HostError::Connect(e.to_string()))?;
+    let cm = CmService::start(hca.clone(), 3);
+    let mut o = ConnectOptions::new(addr, subnqn);
+    o.nr_io_queues = queues;
+    o.queue_size = queue_size;
+    Controller::connect(hca, cm, o).await
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pattern {
+    RandRead,
+    RandWrite,
+    SeqRead,
+    SeqWrite,
+}
+
+impl Pattern {
+    pub fn name(self) -> &'static str {
+        match self {
+            Pattern::RandRead => "randread",
+            Pattern::RandWrite => "randwrite",
+            Pattern::SeqRead => "read",
+            Pattern::SeqWrite => "write",
+        }
+    }
+    fn is_read(self) -> bool {
+        matches!(self, Pattern::RandRead | Pattern::SeqRead)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Job {
+    pub pattern: Pattern,
+    pub bs: usize,
+    pub iodepth: usize,
+    pub runtime: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct JobResult {
+    pub job: Job,
+    pub ios: u64,
+    pub elapsed: Duration,
+    pub p50: Duration,
+    pub p99: Duration,
+    pub errors: u64,
+}
+
+impl JobResult {
+    pub fn iops(&self) -> f64 {
+        self.ios as f64 / self.elapsed.as_secs_f64()
+    }
+    pub fn mbps(&self) -> f64 {
+        self.iops() * self.job.bs as f64 / 1e6
+    }
+}
+
+/// Run `job` against namespace 1 of `c` with `iodepth` concurrent workers.
+pub async fn run_job(c: Arc<Controller>, job: Job) -> JobResult {
+    let ns = c.namespaces()[0];
+    let blocks_per_io = (job.bs as u64 / ns.block_size as u64).max(1);
+    let slots = (ns.blocks / blocks_per_io).max(1);
+    let start = StdInstant::now();
+    let mut tasks = Vec::new();
+    for w in 0..job.iodepth {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = SmallRng::seed_from_u64(w as u64 + 1);
+            let mut lat = Vec::with_capacity(1 << 16);
+            let mut errors = 0u64;
+            let data = vec![0x5Au8; job.bs];
+            let mut seq = (w as u64 * slots / job.iodepth.max(1) as u64) % slots;
+            while start.elapsed() < job.runtime {
+                let slot = match job.pattern {
+                    Pattern::RandRead | Pattern::RandWrite => rng.random_range(0..slots),
+                    _ => {
+                        seq = (seq + 1) % slots;
+                        seq
+                    }
+                };
+                let lba = slot * blocks_per_io;
+                let t0 = StdInstant::now();
+                let r = if job.pattern.is_read() {
+                    c.read(1, lba, job.bs).await.map(|_| ())
+                } else {
+                    c.write(1, lba, &data).await
+                };
+                if r.is_err() {
+                    errors += 1;
+                }
+                lat.push(t0.elapsed().as_nanos() as u64);
+            }
+            (lat, errors)
+        }));
+    }
+    let mut all = Vec::new();
+    let mut errors = 0;
+    for t in tasks {
+        if let Ok((l, e)) = t.await {
+            all.extend(l);
+            errors += e;
+        }
+    }
+    let elapsed = start.elapsed();
+    all.sort_unstable();
+    let pct = |p: f64| -> Duration {
+        if all.is_empty() {
+            return Duration::ZERO;
+        }
+        let i = ((all.len() as f64 * p) as usize).min(all.len() - 1);
+        Duration::from_nanos(all[i])
+    };
+    JobResult {
+        job,
+        ios: all.len() as u64,
+        elapsed,
+        p50: pct(0.50),
+        p99: pct(0.99),
+        errors,
+    }
+}
+
+/// The table: 4 KiB random read/write at QD1 and QD32, 128 KiB sequential.
+pub fn standard_jobs(runtime: Duration) -> Vec<Job> {
+    let mut v = Vec::new();
+    for (pattern, bs, qd) in [
+        (Pattern::RandRead, 4096, 1),
+        (Pattern::RandRead, 4096, 32),
+        (Pattern::RandWrite, 4096, 1),
+        (Pattern::RandWrite, 4096, 32),
+        (Pattern::SeqRead, 128 << 10, 8),
+        (Pattern::SeqWrite, 128 << 10, 8),
+    ] {
+        v.push(Job {
+            pattern,
+            bs,
+            iodepth: qd,
+            runtime,
+        });
+    }
+    v
+}
+
+pub fn print_results(rows: &[JobResult]) {
+    println!(
+        "{:<10} {:>7} {:>4} {:>10} {:>9} {:>9} {:>9} {:>6}",
+        "rw", "bs", "qd", "IOPS", "MB/s", "p50 us", "p99 us", "errors"
+    );
+    for r in rows {
+        println!(
+            "{:<10} {:>7} {:>4} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>6}",
+            r.job.pattern.name(),
+            crate::perf::human(r.job.bs),
+            r.job.iodepth,
+            r.iops(),
+            r.mbps(),
+            r.p50.as_secs_f64() * 1e6,
+            r.p99.as_secs_f64() * 1e6,
+            r.errors
+        );
+    }
+}
+
+/// Run the standard jobs against a fresh in-process target, one I/O queue.
+pub fn bench(runtime: Duration, queues: usize) -> anyhow::Result<Vec<JobResult>> {
+    let t = LocalTarget::start(1 << 30, 12)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let addr = t.addr;
+    let rows = rt.block_on(async move {
+        let c = Arc::new(connect_host(addr, DEMO_NQN, queues, 128).await?);
+        let mut rows = Vec::new();
+        for job in standard_jobs(runtime) {
+            rows.push(run_job(c.clone(), job).await);
+            if std::env::var_os("NVMF_DEBUG_STATS").is_some() {
+                eprintln!("{:?}", c.hca().with(|d, _| d.stats().clone()));
+            }
+        }
+        anyhow::Ok(rows)
+    })?;
+    drop(t);
+    Ok(rows)
+}
