@@ -53,8 +53,8 @@ struct Subsys {
     /// Subsystem NQN.
     #[arg(short = 'n', long = "nqn")]
     nqn: String,
-    /// I/O queues.
-    #[arg(short = 'i', long = "nr-io-queues", default_value_t = 1)]
+    /// I/O queues (default: one per core).
+    #[arg(short = 'i', long = "nr-io-queues", default_value_t = cores())]
     nr_io_queues: usize,
     /// Entries per I/O queue (16..=1024).
     #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
@@ -203,6 +203,10 @@ struct TargetArgs {
     /// Host NQNs allowed to connect (repeat); any host when none is given.
     #[arg(long = "allow-host")]
     allow_host: Vec<String>,
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 /// Parse "4096", "4K", "128KiB", "64M", "1G".
