@@ -24,6 +24,21 @@ use super::wire::{
     WireError, GSI_QKEY,
 };
 
+/// A QP context over the device's shared tables. A macro rather than a method, so that the
+/// `self.qps` entry the caller holds stays a disjoint borrow from these fields.
+macro_rules! ctx {
+    ($d:ident, $now:expr) => {
+        Ctx {
+            mrs: &mut $d.mrs,
+            cqs: &mut $d.cqs,
+            stats: &mut $d.stats,
+            events: &mut $d.events,
+            local: $d.config.addr,
+            now: $now,
+        }
+    };
+}
+
 /// A management datagram is always 256 bytes (IBA 13.4.2).
 pub const MAD_LEN: usize = 256;
 /// MADs queued per direction before new ones are refused.
@@ -221,14 +236,7 @@ impl Device {
             let Some(qp) = self.qps.get_mut(&qpn) else {
                 continue;
             };
-            let mut ctx = Ctx {
-                mrs: &mut self.mrs,
-                cqs: &mut self.cqs,
-                stats: &mut self.stats,
-                events: &mut self.events,
-                local: self.config.addr,
-                now: Instant::ZERO,
-            };
+            let mut ctx = ctx!(self, Instant::ZERO);
             qp.attr.state = QpState::Err;
             qp.flush_all(&mut ctx);
             qp.resp.nak = None;
@@ -356,14 +364,7 @@ impl Device {
                 "retry or timer field out of range",
             ));
         }
-        let mut ctx = Ctx {
-            mrs: &mut self.mrs,
-            cqs: &mut self.cqs,
-            stats: &mut self.stats,
-            events: &mut self.events,
-            local: self.config.addr,
-            now: Instant::ZERO,
-        };
+        let mut ctx = ctx!(self, Instant::ZERO);
         qp.apply(&mut ctx, attr, mask);
         let qpn = qp.qpn;
         self.after_qp_change(qpn, Instant::ZERO);
@@ -457,14 +458,7 @@ impl Device {
         if wr.sgl.total_len() > u32::MAX as u64 >> 1 {
             return Err(VerbsError::InvalidArgument("message longer than 2 GiB"));
         }
-        let mut ctx = Ctx {
-            mrs: &mut self.mrs,
-            cqs: &mut self.cqs,
-            stats: &mut self.stats,
-            events: &mut self.events,
-            local: self.config.addr,
-            now,
-        };
+        let mut ctx = ctx!(self, now);
         qp.post_send(&mut ctx, wr);
         self.after_qp_change(qpn, now);
         Ok(())
@@ -482,14 +476,7 @@ impl Device {
         if qp.rq.len() >= qp.caps.max_recv_wr as usize {
             return Err(VerbsError::QueueFull("receive"));
         }
-        let mut ctx = Ctx {
-            mrs: &mut self.mrs,
-            cqs: &mut self.cqs,
-            stats: &mut self.stats,
-            events: &mut self.events,
-            local: self.config.addr,
-            now: Instant::ZERO,
-        };
+        let mut ctx = ctx!(self, Instant::ZERO);
         qp.post_recv(&mut ctx, wr);
         self.after_qp_change(qpn, Instant::ZERO);
         Ok(())
@@ -556,14 +543,7 @@ impl Device {
             self.stats.rx_dropped += 1;
             return;
         }
-        let mut ctx = Ctx {
-            mrs: &mut self.mrs,
-            cqs: &mut self.cqs,
-            stats: &mut self.stats,
-            events: &mut self.events,
-            local: self.config.addr,
-            now,
-        };
+        let mut ctx = ctx!(self, now);
         if info.is_request() {
             qp.on_request(&mut ctx, &pkt);
         } else {
@@ -662,14 +642,7 @@ impl Device {
                 continue;
             };
             qp.scheduled = false;
-            let mut ctx = Ctx {
-                mrs: &mut self.mrs,
-                cqs: &mut self.cqs,
-                stats: &mut self.stats,
-                events: &mut self.events,
-                local: self.config.addr,
-                now,
-            };
+            let mut ctx = ctx!(self, now);
             let dst = qp.poll_transmit(&mut ctx, buf);
             if qp.wants_transmit(now) {
                 qp.scheduled = true;
@@ -705,14 +678,7 @@ impl Device {
             .collect();
         for qpn in due {
             if let Some(qp) = self.qps.get_mut(&qpn) {
-                let mut ctx = Ctx {
-                    mrs: &mut self.mrs,
-                    cqs: &mut self.cqs,
-                    stats: &mut self.stats,
-                    events: &mut self.events,
-                    local: self.config.addr,
-                    now,
-                };
+                let mut ctx = ctx!(self, now);
                 qp.handle_timeout(&mut ctx);
             }
             self.after_qp_change(qpn, now);
