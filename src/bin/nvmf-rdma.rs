@@ -206,7 +206,9 @@ struct TargetArgs {
 }
 
 fn cores() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }
 
 /// Parse "4096", "4K", "128KiB", "64M", "1G".
