@@ -231,6 +231,9 @@ impl Controller {
                 "at least one I/O queue is needed".into(),
             ));
         }
+        // Refuse bad NQNs before a connection exists that an early return would leak.
+        Nqn::new(&o.subnqn)?;
+        Nqn::new(&o.hostnqn)?;
         let pd = hca.with(|d, _| d.alloc_pd())?;
         let admin_spec = QueueSpec {
             qid: 0,
