@@ -8,6 +8,7 @@
 //! data if any → execute → push data if any → SEND the response.
 
 pub mod engine;
+pub mod fake;
 pub mod listen;
 pub mod namespace;
 

@@ -1,0 +1,979 @@
+//! Bad input in both directions, on loopback UDP.
+//!
+//! (a) A raw RC queue, connected to the built-in target through RDMA CM like any host's,
+//!     sends malformed capsules: too short, PSDT not SGL, unknown opcodes, keyed SGLs with a
+//!     bogus rkey or shorter than the command, I/O before Fabrics Connect, in-capsule data at
+//!     bad offsets. Each gets the NVMe status a target must give (with DNR) when a command
+//!     ID can be read; the target never falls over, and a well-behaved controller on the
+//!     same target keeps doing verified I/O the whole time.
+//! (b) A fake target (`target::fake`) answers Connect correctly and then lies: completions
+//!     for command IDs not in flight, duplicates, 8-byte responses, garbage, success
+//!     without data, RDMA WRITEs outside the buffer a command named. The host fails only
+//!     what is affected with a typed error or counts and ignores the bogus completion,
+//!     completes nothing twice, mixes no request's data into another's, and never panics.
+//!
+//! Every await that depends on a peer sits under a timeout.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nvmf_rdma::cm::{ConnId, ConnectParams, NvmeCmRequest};
+use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
+use nvmf_rdma::hca::{
+    Access, CqId, HostMem, MrInfo, Mtu, PciAddr, PdId, QpCaps, Qpn, RecvWr, SendOp, SendWr, Sgl,
+    WcOpcode, WcStatus, WorkCompletion,
+};
+use nvmf_rdma::nvme::admin::{self, opcode};
+use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
+use nvmf_rdma::nvme::{Cc, ConnectData, Cqe, FabricsCmd, Nqn, SglDescriptor, Sqe, Status};
+use nvmf_rdma::target::fake::{FakeConfig, FakeTarget, Lie, Script};
+use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::transport::{CmService, ConnectOptions, Controller, HostError, QueueStats};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+const NQN: &str = "nqn.2026-11.io.nvmf-rdma:bad-input";
+const HOST_RAW: &str = "nqn.2026-11.io.nvmf-rdma:raw-host";
+const HOST_OK: &str = "nqn.2026-11.io.nvmf-rdma:good-host";
+const BS: usize = 512;
+/// Long enough for one CM REQ retry (about 4.3 s): the first datagram a brand-new device
+/// sends can be dropped by the driver (see the report on `TxBatch::flush`).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(8);
+
+fn cfg(name: &str, i: u8) -> DeviceConfig {
+    DeviceConfig {
+        identity: DeviceIdentity::from_mac(name, [2, 0, 0, 8, 0, i], PciAddr::new(0, 8, i, 0)),
+        addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+        icrc: IcrcCheck::Verify,
+        seed: 800 + i as u64,
+    }
+}
+
+async fn within<T>(secs: u64, what: &str, f: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(Duration::from_secs(secs), f).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: no result within {secs} s"),
+    }
+}
+
+async fn device(name: &str, i: u8) -> (SoftHca, CmService) {
+    let hca = SoftHca::start(cfg(name, i)).await.unwrap();
+    let cm = CmService::start(hca.clone(), 2000 + i as u64);
+    (hca, cm)
+}
+
+fn host_opts(target: SocketAddr, hostnqn: &str, queues: usize, size: usize) -> ConnectOptions {
+    let mut o = ConnectOptions::new(target, NQN);
+    o.hostnqn = hostnqn.to_string();
+    o.nr_io_queues = queues;
+    o.queue_size = size;
+    o.keep_alive_tmo = Duration::ZERO;
+    o.connect_timeout = CONNECT_TIMEOUT;
+    o
+}
+
+fn status_of(cqe: &Cqe) -> (u8, u8, bool) {
+    let s = cqe.nvme_status();
+    (s.sct, s.sc, s.dnr)
+}
+
+fn expect(st: Status) -> (u8, u8, bool) {
+    (st.sct, st.sc, true)
+}
+
+// ---- (a) a raw queue against the built-in target ----------------------------------------
+
+const TX_SLOT: usize = 64 + 8192;
+const TX_SLOTS: usize = 16;
+const RX_SLOT: usize = 64;
+const DATA_LEN: usize = 256 << 10;
+
+/// One RC queue driven by hand: whatever bytes we like go out as capsules.
+struct Raw {
+    hca: SoftHca,
+    cm: CmService,
+    conn: ConnId,
+    pd: PdId,
+    cq: CqId,
+    qpn: Qpn,
+    size: usize,
+    tx: (HostMem, MrInfo),
+    rx: (HostMem, MrInfo),
+    data: (HostMem, MrInfo),
+    next_tx: usize,
+    next_wr: u64,
+    backlog: VecDeque<WorkCompletion>,
+}
+
+const RECV: u64 = 1 << 40;
+
+impl Raw {
+    async fn open(hca: &SoftHca, cm: &CmService, target: SocketAddr, qid: u16, size: usize) -> Raw {
+        let (pd, cq, qpn, tx, rx, data) = hca.with(|d, _| {
+            let pd = d.alloc_pd().unwrap();
+            let cq = d.create_cq(1024).unwrap();
+            let caps = QpCaps {
+                max_send_wr: 64,
+                max_recv_wr: size as u32 * 2,
+            };
+            let all = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+            let qpn = create_qp_init(d, pd, cq, caps, all).unwrap();
+            let tx = HostMem::new(TX_SLOTS * TX_SLOT);
+            let tx_mr = d.reg_mr(pd, &tx, 0, tx.len(), Access::empty()).unwrap();
+            let rx = HostMem::new(size * 2 * RX_SLOT);
+            let rx_mr = d.reg_mr(pd, &rx, 0, rx.len(), Access::LOCAL_WRITE).unwrap();
+            let data = HostMem::new(DATA_LEN);
+            let data_mr = d.reg_mr(pd, &data, 0, data.len(), all).unwrap();
+            (pd, cq, qpn, (tx, tx_mr), (rx, rx_mr), (data, data_mr))
+        });
+        let mut params = ConnectParams::new(qpn, 4420);
+        params.path_mtu = Mtu::Mtu4096;
+        let private = NvmeCmRequest {
+            qid,
+            hrqsize: size as u16,
+            hsqsize: size as u16 - 1,
+            cntlid: 0,
+        }
+        .emit();
+        let est = within(
+            20,
+            "raw CM connect",
+            cm.connect(target, params, &private, CONNECT_TIMEOUT),
+        )
+        .await
+        .expect("raw queue CM connect");
+        let peer = PeerInfo {
+            addr: est.peer,
+            qpn: est.remote_qpn,
+            psn: est.remote_psn,
+        };
+        let o = RcOptions {
+            mtu: Mtu::Mtu4096,
+            timeout: 14,
+            ..RcOptions::default()
+        };
+        hca.with(|d, _| qp_to_rts(d, qpn, peer, est.local_psn, &o))
+            .unwrap();
+        let raw = Raw {
+            hca: hca.clone(),
+            cm: cm.clone(),
+            conn: est.id,
+            pd,
+            cq,
+            qpn,
+            size,
+            tx,
+            rx,
+            data,
+            next_tx: 0,
+            next_wr: 0,
+            backlog: VecDeque::new(),
+        };
+        for r in 0..size * 2 {
+            raw.post_recv(r);
+        }
+        raw
+    }
+
+    fn post_recv(&self, r: usize) {
+        let sgl = Sgl::one(
+            self.rx.1.addr + (r * RX_SLOT) as u64,
+            RX_SLOT as u32,
+            self.rx.1.lkey,
+        );
+        let qpn = self.qpn;
+        let _ = self.hca.with(|d, _| {
+            d.post_recv(
+                qpn,
+                RecvWr {
+                    wr_id: RECV | r as u64,
+                    sgl,
+                },
+            )
+        });
+    }
+
+    /// SEND `bytes` as one capsule.
+    fn send(&mut self, bytes: &[u8]) {
+        assert!(bytes.len() <= TX_SLOT);
+        let at = (self.next_tx % TX_SLOTS) * TX_SLOT;
+        self.next_tx += 1;
+        self.next_wr += 1;
+        self.tx.0.write(at, bytes);
+        let wr = SendWr {
+            wr_id: self.next_wr,
+            op: SendOp::Send,
+            sgl: Sgl::one(
+                self.tx.1.addr + at as u64,
+                bytes.len() as u32,
+                self.tx.1.lkey,
+            ),
+            signaled: true,
+            solicited: false,
+        };
+        let qpn = self.qpn;
+        self.hca
+            .with(|d, now| d.post_send(now, qpn, wr))
+            .expect("post capsule");
+    }
+
+    /// The next response capsule; `Err` if the queue failed (with the WC status) or
+    /// nothing came within `ms`.
+    async fn response(&mut self, ms: u64) -> Result<Cqe, String> {
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(ms);
+        loop {
+            if let Some(wc) = self.backlog.pop_front() {
+                if wc.status != WcStatus::Success {
+                    return Err(format!("transport: {}", wc.status.as_str()));
+                }
+                if wc.wr_id & RECV == 0 || wc.opcode != WcOpcode::Recv {
+                    continue;
+                }
+                let r = (wc.wr_id & 0xFFFF) as usize;
+                let mut b = vec![0u8; wc.byte_len as usize];
+                self.rx.0.read(r * RX_SLOT, &mut b);
+                self.post_recv(r);
+                assert_eq!(b.len(), 16, "the target sent a {}-byte response", b.len());
+                return Ok(Cqe::parse(&b).unwrap());
+            }
+            let mut wcs = Vec::new();
+            match tokio::time::timeout_at(deadline, self.hca.wait_cq(self.cq, 64, &mut wcs)).await {
+                Ok(0) => return Err("device gone".into()),
+                Ok(_) => self.backlog.extend(wcs),
+                Err(_) => return Err("timeout".into()),
+            }
+        }
+    }
+
+    /// Send a capsule and wait for its response, which must carry `cid`.
+    async fn cmd(&mut self, bytes: &[u8], cid: u16) -> Cqe {
+        self.send(bytes);
+        let c = self
+            .response(3000)
+            .await
+            .unwrap_or_else(|e| panic!("command {cid:#x}: {e}"));
+        assert_eq!(c.cid, cid, "response names the command");
+        c
+    }
+
+    /// A Fabrics Connect capsule; the Connect data sits at offset 0 of our data buffer.
+    fn connect_capsule(&self, cid: u16, qid: u16, cntlid: u16, hostid: [u8; 16]) -> [u8; 64] {
+        let cd = ConnectData {
+            hostid,
+            cntlid,
+            subnqn: Nqn::new(NQN).unwrap(),
+            hostnqn: Nqn::new(HOST_RAW).unwrap(),
+        };
+        self.data.0.write(0, &cd.to_bytes());
+        let mut sqe = FabricsCmd::Connect {
+            recfmt: fabrics::RECFMT_0,
+            qid,
+            sqsize: self.size as u16 - 1,
+            cattr: 0,
+            kato_ms: 0,
+        }
+        .to_sqe(cid);
+        sqe.set_sgl(&self.keyed(0, 1024)).unwrap();
+        sqe.to_bytes()
+    }
+
+    /// A keyed SGL for `len` bytes at `offset` of our data buffer.
+    fn keyed(&self, offset: usize, len: u32) -> SglDescriptor {
+        SglDescriptor::keyed(
+            self.data.1.addr + offset as u64,
+            len as u64,
+            self.data.1.rkey.0,
+            false,
+        )
+        .unwrap()
+    }
+
+    fn close(self) {
+        self.cm.disconnect(self.conn);
+        let (qpn, cq, pd) = (self.qpn, self.cq, self.pd);
+        let keys = [self.tx.1.lkey, self.rx.1.lkey, self.data.1.lkey];
+        self.hca.with(|d, _| {
+            let _ = d.destroy_qp(qpn);
+            let _ = d.destroy_cq(cq);
+            for k in keys {
+                let _ = d.dereg_mr(k);
+            }
+            let _ = d.dealloc_pd(pd);
+        });
+    }
+}
+
+fn io_sqe(op: u8, cid: u16, nsid: u32, slba: u64, blocks: u32) -> Sqe {
+    let mut s = Sqe::new(op, cid);
+    s.nsid = nsid;
+    s.cdw10 = slba as u32;
+    s.cdw11 = (slba >> 32) as u32;
+    s.cdw12 = blocks - 1;
+    s
+}
+
+/// Write `data` as in-capsule data (SGL offset `offset`, length `sgl_len`).
+fn in_capsule_write(cid: u16, slba: u64, data: &[u8], offset: u64, sgl_len: u32) -> Vec<u8> {
+    let mut s = io_sqe(opcode::io::WRITE, cid, 1, slba, (data.len() / BS) as u32);
+    s.set_sgl(&SglDescriptor::InCapsule {
+        offset,
+        len: sgl_len,
+    })
+    .unwrap();
+    let mut v = s.to_bytes().to_vec();
+    v.extend_from_slice(data);
+    v
+}
+
+/// A well-behaved controller doing verified write/read-back in a loop until told to stop.
+fn keep_busy(c: Arc<Controller>, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<u64> {
+    tokio::spawn(async move {
+        let mut rng = SmallRng::seed_from_u64(77);
+        let mut rounds = 0u64;
+        while !stop.load(Ordering::SeqCst) {
+            let blocks = rng.random_range(1..=64usize);
+            let lba = rng.random_range(8192..(16384 - blocks as u64));
+            let mut data = vec![0u8; blocks * BS];
+            rng.fill(&mut data[..]);
+            let io = async {
+                c.write(1, lba, &data).await?;
+                c.read(1, lba, data.len()).await
+            };
+            let back = tokio::time::timeout(Duration::from_secs(3), io)
+                .await
+                .unwrap_or_else(|_| panic!("good host: I/O hung in round {rounds}"))
+                .unwrap_or_else(|e| panic!("good host: I/O failed in round {rounds}: {e}"));
+            assert!(back == data, "good host: data differs in round {rounds}");
+            rounds += 1;
+        }
+        rounds
+    })
+}
+
+async fn builtin_target(i: u8) -> (Target, SoftHca) {
+    let (hca, cm) = device("tgt", i).await;
+    let ns = Arc::new(Namespace::ram(1, 8 << 20, 9));
+    let tc = TargetConfig {
+        subsystems: vec![Subsystem::new(Nqn::new(NQN).unwrap(), vec![ns])],
+        max_transfer: 128 << 10,
+        ..TargetConfig::default()
+    };
+    let t = Target::start(hca.clone(), tc).unwrap();
+    serve_cm(t.clone(), cm);
+    (t, hca)
+}
+
+/// Raw admin queue up to an enabled controller with one I/O queue; returns the CNTLID.
+async fn raw_controller(admin_q: &mut Raw, hostid: [u8; 16]) -> u16 {
+    let c = admin_q
+        .cmd(&admin_q.connect_capsule(1, 0, CNTLID_DYNAMIC, hostid), 1)
+        .await;
+    assert!(c.nvme_status().is_success(), "{:?}", c.nvme_status());
+    let ConnectResult::Ok { cntlid, .. } = ConnectResult::from_result(c.result, true) else {
+        panic!("connect result");
+    };
+    let en = FabricsCmd::set(fabrics::reg::CC, Cc::enable_default().0 as u64).to_sqe(2);
+    assert!(admin_q
+        .cmd(&en.to_bytes(), 2)
+        .await
+        .nvme_status()
+        .is_success());
+    let nq = admin::set_num_queues(3, 1, 1).unwrap();
+    assert!(admin_q
+        .cmd(&nq.to_bytes(), 3)
+        .await
+        .nvme_status()
+        .is_success());
+    cntlid
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_capsules_get_typed_statuses_and_the_target_lives_on() {
+    let (t, thca) = builtin_target(1).await;
+    let (ghca, gcm) = device("good", 2).await;
+    let good = Arc::new(
+        within(
+            20,
+            "good host connect",
+            Controller::connect(ghca, gcm, host_opts(thca.addr(), HOST_OK, 2, 32)),
+        )
+        .await
+        .unwrap(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let busy = keep_busy(good.clone(), stop.clone());
+
+    let (rhca, rcm) = device("raw", 3).await;
+    let hostid = *b"raw-host-id-0001";
+    let mut aq = Raw::open(&rhca, &rcm, thca.addr(), 0, 32).await;
+
+    // Admin queue, before Connect: anything but Connect is a command sequence error.
+    let get = FabricsCmd::get(fabrics::reg::CAP).to_sqe(0x11);
+    let c = aq.cmd(&get.to_bytes(), 0x11).await;
+    assert_eq!(status_of(&c), expect(Status::COMMAND_SEQUENCE_ERROR));
+    let c = aq
+        .cmd(&admin::identify_controller(0x12).to_bytes(), 0x12)
+        .await;
+    assert_eq!(status_of(&c), expect(Status::COMMAND_SEQUENCE_ERROR));
+
+    let cntlid = raw_controller(&mut aq, hostid).await;
+
+    // Admin queue, connected: unknown opcode, short capsule, PSDT not SGL.
+    let c = aq.cmd(&Sqe::new(0xC5, 0x21).to_bytes(), 0x21).await;
+    assert_eq!(status_of(&c), expect(Status::INVALID_OPCODE));
+    let c = aq.cmd(&Sqe::new(0x06, 0x22).to_bytes()[..10], 0x22).await;
+    assert_eq!(status_of(&c), expect(Status::INVALID_FIELD));
+    let mut prp = admin::identify_controller(0x23).to_bytes();
+    prp[1] = 0x00; // PSDT = PRP
+    let c = aq.cmd(&prp, 0x23).await;
+    assert_eq!(status_of(&c), expect(Status::INVALID_FIELD));
+
+    // An I/O queue: commands before its Connect.
+    let mut iq = Raw::open(&rhca, &rcm, thca.addr(), 1, 16).await;
+    let mut rd = io_sqe(opcode::io::READ, 0x31, 1, 0, 1);
+    rd.set_sgl(&iq.keyed(4096, 512)).unwrap();
+    let c = iq.cmd(&rd.to_bytes(), 0x31).await;
+    assert_eq!(status_of(&c), expect(Status::COMMAND_SEQUENCE_ERROR));
+    let w = in_capsule_write(0x32, 0, &[0xEE; 512], 0, 512);
+    let c = iq.cmd(&w, 0x32).await;
+    assert_eq!(status_of(&c), expect(Status::COMMAND_SEQUENCE_ERROR));
+    let mut wk = io_sqe(opcode::io::WRITE, 0x33, 1, 0, 1);
+    wk.set_sgl(&iq.keyed(4096, 512)).unwrap();
+    let c = iq.cmd(&wk.to_bytes(), 0x33).await;
+    assert_eq!(status_of(&c), expect(Status::COMMAND_SEQUENCE_ERROR));
+    // A Connect naming a controller that is not ours.
+    let cap = iq.connect_capsule(0x34, 1, cntlid.wrapping_add(100), hostid);
+    let c = iq.cmd(&cap, 0x34).await;
+    assert_eq!(status_of(&c), expect(Status::CONNECT_INVALID_PARAMETERS));
+    // The right Connect, then a second one.
+    let c = iq
+        .cmd(&iq.connect_capsule(0x35, 1, cntlid, hostid), 0x35)
+        .await;
+    assert!(c.nvme_status().is_success(), "{:?}", c.nvme_status());
+    let c = iq
+        .cmd(&iq.connect_capsule(0x36, 1, cntlid, hostid), 0x36)
+        .await;
+    assert_eq!(status_of(&c), expect(Status::COMMAND_SEQUENCE_ERROR));
+
+    // Malformed capsules on a connected I/O queue.
+    let c = iq.cmd(&rd.to_bytes()[..10], rd.cid).await;
+    assert_eq!(
+        status_of(&c),
+        expect(Status::INVALID_FIELD),
+        "10-byte capsule"
+    );
+    let mut b = io_sqe(opcode::io::READ, 0x41, 1, 0, 1);
+    b.set_sgl(&iq.keyed(4096, 512)).unwrap();
+    let mut b = b.to_bytes();
+    b[1] = 0x00; // PSDT = PRP
+    let c = iq.cmd(&b, 0x41).await;
+    assert_eq!(status_of(&c), expect(Status::INVALID_FIELD), "PSDT PRP");
+    b[1] = 0x80; // PSDT = SGL with a metadata segment: not what we speak either
+    b[2] = 0x42;
+    let c = iq.cmd(&b, 0x42).await;
+    assert_eq!(status_of(&c), expect(Status::INVALID_FIELD), "PSDT 0x80");
+    b[1] = 0x43; // SGL, FUSE = reserved value 3
+    b[2] = 0x43;
+    let c = iq.cmd(&b, 0x43).await;
+    assert_eq!(status_of(&c), expect(Status::INVALID_FIELD), "FUSE 3");
+
+    let c = iq.cmd(&io_sqe(0x7E, 0x44, 1, 0, 1).to_bytes(), 0x44).await;
+    assert_eq!(status_of(&c), expect(Status::INVALID_OPCODE), "opcode 0x7e");
+    let c = iq
+        .cmd(&Sqe::new(opcode::admin::IDENTIFY, 0x45).to_bytes(), 0x45)
+        .await;
+    assert!(
+        !c.nvme_status().is_success() && c.nvme_status().dnr,
+        "an admin opcode on an I/O queue: {:?}",
+        c.nvme_status()
+    );
+
+    // A Read whose keyed SGL is shorter than the command: refused, nothing written.
+    let canary = vec![0xC3u8; 8192];
+    iq.data.0.write(8192, &canary);
+    let mut r = io_sqe(opcode::io::READ, 0x51, 1, 0, 8);
+    r.set_sgl(&iq.keyed(8192, 1024)).unwrap();
+    let c = iq.cmd(&r.to_bytes(), 0x51).await;
+    assert_eq!(
+        status_of(&c),
+        expect(Status::SGL_DATA_LENGTH_INVALID),
+        "short keyed SGL on a Read"
+    );
+    let mut now = vec![0u8; 8192];
+    iq.data.0.read(8192, &mut now);
+    assert!(now == canary, "a refused Read wrote into the host buffer");
+    // The same for a Write.
+    let mut w = io_sqe(opcode::io::WRITE, 0x52, 1, 0, 8);
+    w.set_sgl(&iq.keyed(8192, 1024)).unwrap();
+    let c = iq.cmd(&w.to_bytes(), 0x52).await;
+    assert_eq!(status_of(&c), expect(Status::SGL_DATA_LENGTH_INVALID));
+    // A Write larger than the target's largest transfer.
+    let mut w = io_sqe(opcode::io::WRITE, 0x53, 1, 0, 1024);
+    w.set_sgl(&iq.keyed(0, 512 << 10)).unwrap();
+    let c = iq.cmd(&w.to_bytes(), 0x53).await;
+    assert_eq!(status_of(&c), expect(Status::SGL_DATA_LENGTH_INVALID));
+    // An SGL descriptor type we do not take (0x00: data block).
+    let mut w = io_sqe(opcode::io::WRITE, 0x54, 1, 0, 1);
+    w.dptr = [0; 16];
+    w.dptr[8] = 0x00;
+    w.dptr[15] = 0x00;
+    let c = iq.cmd(&w.to_bytes(), 0x54).await;
+    assert_eq!(status_of(&c), expect(Status::SGL_DESCRIPTOR_TYPE_INVALID));
+
+    // In-capsule data at offsets that are out of range.
+    let data = [0x5Au8; 512];
+    for (cid, offset, len) in [
+        (0x61u16, 16u64, 512u32),    // not at the start of the data area
+        (0x62, 8192, 512),           // past the capsule
+        (0x63, u64::MAX - 100, 512), // would wrap a 64-bit sum
+        (0x64, 0, 4096 + 512),       // longer than what the capsule carries
+    ] {
+        let blocks = if len > 512 { 9 } else { 1 };
+        let mut s = io_sqe(opcode::io::WRITE, cid, 1, 0, blocks);
+        s.set_sgl(&SglDescriptor::InCapsule { offset, len })
+            .unwrap();
+        let mut v = s.to_bytes().to_vec();
+        v.extend_from_slice(&data);
+        let c = iq.cmd(&v, cid).await;
+        assert_eq!(
+            status_of(&c),
+            expect(Status::SGL_OFFSET_INVALID),
+            "in-capsule offset {offset:#x} len {len}"
+        );
+    }
+    // Namespace and LBA checks.
+    let mut r = io_sqe(opcode::io::READ, 0x71, 9, 0, 1);
+    r.set_sgl(&iq.keyed(4096, 512)).unwrap();
+    let c = iq.cmd(&r.to_bytes(), 0x71).await;
+    assert_eq!(status_of(&c), expect(Status::INVALID_NAMESPACE_OR_FORMAT));
+    let mut r = io_sqe(opcode::io::READ, 0x72, 1, (8 << 20) / 512, 1);
+    r.set_sgl(&iq.keyed(4096, 512)).unwrap();
+    let c = iq.cmd(&r.to_bytes(), 0x72).await;
+    assert_eq!(status_of(&c), expect(Status::LBA_OUT_OF_RANGE));
+    let mut r = io_sqe(opcode::io::READ, 0x73, 1, u64::MAX, 2);
+    r.set_sgl(&iq.keyed(4096, 1024)).unwrap();
+    let c = iq.cmd(&r.to_bytes(), 0x73).await;
+    assert_eq!(
+        status_of(&c),
+        expect(Status::LBA_OUT_OF_RANGE),
+        "wrapping LBA"
+    );
+
+    // After all that, the raw queue still does correct I/O.
+    let payload: Vec<u8> = (0..1024).map(|i| (i * 7 % 251) as u8).collect();
+    let c = iq
+        .cmd(&in_capsule_write(0x81, 40, &payload, 0, 1024), 0x81)
+        .await;
+    assert!(c.nvme_status().is_success(), "{:?}", c.nvme_status());
+    let mut r = io_sqe(opcode::io::READ, 0x82, 1, 40, 2);
+    r.set_sgl(&iq.keyed(16384, 1024)).unwrap();
+    let c = iq.cmd(&r.to_bytes(), 0x82).await;
+    assert!(c.nvme_status().is_success(), "{:?}", c.nvme_status());
+    let mut back = vec![0u8; 1024];
+    iq.data.0.read(16384, &mut back);
+    assert!(back == payload, "raw queue reads back what it wrote");
+
+    // A capsule too short to carry a command ID gets no completion: one for a made-up
+    // ID could complete an unrelated command.
+    let before = t.stats().malformed_capsules;
+    iq.send(&[0x02]);
+    assert_eq!(iq.response(300).await, Err("timeout".into()));
+    assert_eq!(t.stats().malformed_capsules, before + 1);
+
+    // A Read whose rkey is bogus: our HCA refuses the target's RDMA WRITE. That is a
+    // transport error: the queue dies on both sides, and only that queue.
+    let queues = t.queue_count();
+    let mut r = io_sqe(opcode::io::READ, 0x91, 1, 0, 1);
+    r.set_sgl(
+        &SglDescriptor::keyed(iq.data.1.addr, 512, iq.data.1.rkey.0 ^ 0x00FF_0000, false).unwrap(),
+    )
+    .unwrap();
+    iq.send(&r.to_bytes());
+    let e = iq
+        .response(3000)
+        .await
+        .expect_err("no completion for a failed transfer");
+    assert!(e.starts_with("transport"), "{e}");
+    for _ in 0..300 {
+        if t.queue_count() == queues - 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        t.queue_count(),
+        queues - 1,
+        "the target dropped just that queue"
+    );
+
+    // The raw admin queue is still served.
+    let c = aq
+        .cmd(
+            &FabricsCmd::get(fabrics::reg::CSTS).to_sqe(0xA1).to_bytes(),
+            0xA1,
+        )
+        .await;
+    assert!(c.nvme_status().is_success());
+
+    stop.store(true, Ordering::SeqCst);
+    let rounds = within(10, "good host loop", busy).await.expect("good host");
+    assert!(rounds > 5, "the good host kept working ({rounds} rounds)");
+    let st = t.stats();
+    assert!(st.malformed_capsules >= 6, "{st:?}");
+    eprintln!("good host rounds {rounds}, target {st:?}");
+    iq.close();
+    aq.close();
+    let good = Arc::into_inner(good).unwrap();
+    within(10, "disconnect", good.disconnect()).await;
+}
+
+// ---- (b) a target that lies --------------------------------------------------------------
+
+async fn fake(i: u8, mut fc: FakeConfig, script: Script) -> (FakeTarget, SoftHca) {
+    let (hca, cm) = device("fake", i).await;
+    fc.seed = i as u64;
+    let f = FakeTarget::start(hca.clone(), cm, fc, script).expect("fake target");
+    (f, hca)
+}
+
+fn fake_cfg() -> FakeConfig {
+    FakeConfig::new(Nqn::new(NQN).unwrap())
+}
+
+async fn host_of(i: u8, target: &SoftHca, queues: usize) -> Controller {
+    let (hca, cm) = device("host", i).await;
+    within(
+        20,
+        "connect to the fake",
+        Controller::connect(hca, cm, host_opts(target.addr(), HOST_OK, queues, 16)),
+    )
+    .await
+    .expect("a lying target still answers Connect correctly")
+}
+
+/// The fake's namespace content at `lba`, `len` bytes.
+fn truth(lba: u64, len: usize) -> Vec<u8> {
+    let at = lba as usize * BS;
+    (at..at + len).map(FakeConfig::pattern).collect()
+}
+
+fn script(f: impl Fn(u64) -> Lie + Send + Sync + 'static) -> Script {
+    Arc::new(move |sqe: &Sqe| f(sqe.cdw10 as u64 | (sqe.cdw11 as u64) << 32))
+}
+
+fn io_stats(c: &Controller) -> QueueStats {
+    let mut s = QueueStats::default();
+    for q in 0..c.io_queue_count() {
+        let x = c.queue(q).stats();
+        s.submitted += x.submitted;
+        s.completed += x.completed;
+        s.unknown_cid += x.unknown_cid;
+        s.duplicate_completion += x.duplicate_completion;
+        s.bad_response_len += x.bad_response_len;
+    }
+    s
+}
+
+/// Stats are published at the end of each turn of the queue task, just after it answered
+/// its callers: wait for `f` to hold. `submitted` counts the queue's Fabrics Connect too.
+async fn stats_settle(c: &Controller, f: impl Fn(&QueueStats) -> bool) -> QueueStats {
+    for _ in 0..200 {
+        let s = io_stats(c);
+        if f(&s) {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    io_stats(c)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_for_ids_not_in_flight_are_counted_and_ignored() {
+    // Odd LBAs: first a completion for the previous command's ID (same slot, older
+    // generation); LBAs ≡ 2 mod 4: for an ID the host never used.
+    let (_f, fhca) = fake(
+        10,
+        fake_cfg(),
+        script(|lba| match lba % 4 {
+            1 | 3 => Lie::UnknownCid(None),
+            2 => Lie::UnknownCid(Some(0xFFFF)),
+            _ => Lie::Honest,
+        }),
+    )
+    .await;
+    let c = host_of(11, &fhca, 1).await;
+    for lba in 0..40u64 {
+        let len = BS * (1 + (lba as usize % 8));
+        let got = within(5, "read", c.read(1, lba * 8, len)).await;
+        let got = got.unwrap_or_else(|e| panic!("lba {}: {e}", lba * 8));
+        assert!(got == truth(lba * 8, len), "data of lba {}", lba * 8);
+    }
+    // lba*8 % 4 == 0 always: make the lies happen with other LBAs as well.
+    for lba in [1u64, 2, 3, 5, 6, 7, 9, 10] {
+        let got = within(5, "read", c.read(1, lba, BS)).await.unwrap();
+        assert!(got == truth(lba, BS));
+    }
+    let s = stats_settle(&c, |s| s.completed == 49).await;
+    assert_eq!(s.unknown_cid, 8, "{s:?}");
+    assert_eq!((s.submitted, s.completed), (49, 49), "{s:?}");
+    within(10, "disconnect", c.disconnect()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_and_short_responses_complete_each_request_once() {
+    let (_f, fhca) = fake(
+        12,
+        fake_cfg(),
+        script(|lba| match lba % 3 {
+            0 => Lie::Duplicate,
+            1 => Lie::ShortResponse,
+            _ => Lie::Honest,
+        }),
+    )
+    .await;
+    let c = host_of(13, &fhca, 1).await;
+    for lba in 0..30u64 {
+        let got = within(5, "read", c.read(1, lba, 2 * BS)).await.unwrap();
+        assert!(got == truth(lba, 2 * BS), "data of lba {lba}");
+    }
+    let s = stats_settle(&c, |s| s.completed == 31).await;
+    // A duplicate that arrives after its request finished names a free slot (counted as
+    // unknown); one that beats the SEND completion is counted as a duplicate.
+    assert_eq!(s.duplicate_completion + s.unknown_cid, 10, "{s:?}");
+    assert_eq!(s.bad_response_len, 10, "{s:?}");
+    assert_eq!((s.submitted, s.completed), (31, 31), "{s:?}");
+    within(10, "disconnect", c.disconnect()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_completions_do_not_complete_anything() {
+    let (_f, fhca) = fake(14, fake_cfg(), script(|_| Lie::Garbage(6))).await;
+    let c = host_of(15, &fhca, 1).await;
+    let mut hit = 0;
+    for lba in 0..20u64 {
+        let got = within(5, "read", c.read(1, lba * 3, BS)).await;
+        hit += !own_or_nothing(lba * 3, BS, got) as usize;
+    }
+    assert!(hit <= 1, "{hit} of 20 reads were completed by garbage");
+    let s = stats_settle(&c, |s| s.completed == 21).await;
+    // 140 completions arrived for 20 reads: every one but the first for each read was
+    // ignored, whether garbage or the honest one that came after a garbage hit.
+    assert_eq!(s.unknown_cid + s.duplicate_completion, 120, "{s:?}");
+    assert_eq!((s.submitted, s.completed), (21, 21), "{s:?}");
+    within(10, "disconnect", c.disconnect()).await;
+}
+
+/// What a read that a lying target may have disturbed can return: its own data (true), or
+/// (false) a typed error or all zeroes — when random garbage happened to carry the ID of a
+/// command in flight, which the host cannot tell from a real completion. Never the bytes
+/// of some other request.
+fn own_or_nothing(lba: u64, len: usize, got: Result<Vec<u8>, HostError>) -> bool {
+    match got {
+        Ok(d) if d == truth(lba, len) => true,
+        Ok(d) if d.len() == len && d.iter().all(|&b| b == 0) => false,
+        Ok(_) => panic!("lba {lba}: data that is neither its own nor zeroes"),
+        Err(HostError::Nvme(_) | HostError::Protocol(_)) => false,
+        Err(e) => panic!("lba {lba}: unexpected error {e:?}"),
+    }
+}
+
+/// Many concurrent reads of different lengths, answered in batches of 8 in reverse order
+/// with stale IDs, duplicates, short responses and garbage mixed in: every read gets
+/// exactly the data of its own LBA range (see `own_or_nothing` for garbage).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_reads_under_reordered_lies_get_their_own_data() {
+    let mut fc = fake_cfg();
+    fc.batch = 8;
+    let (f, fhca) = fake(
+        16,
+        fc,
+        script(|lba| match (lba / 16) % 5 {
+            0 => Lie::UnknownCid(None),
+            1 => Lie::Duplicate,
+            2 => Lie::ShortResponse,
+            3 => Lie::Garbage(2),
+            _ => Lie::Honest,
+        }),
+    )
+    .await;
+    let c = Arc::new(host_of(17, &fhca, 1).await);
+    let mut hit = 0;
+    for round in 0..4u64 {
+        let mut tasks = Vec::new();
+        for i in 0..16u64 {
+            let c = c.clone();
+            let lba = (round * 16 + i) * 16;
+            let len = BS * (1 + ((i * 5 + round) % 16) as usize);
+            tasks.push(tokio::spawn(async move {
+                let got = c.read(1, lba, len).await;
+                (lba, len, got)
+            }));
+        }
+        for t in tasks {
+            let (lba, len, got) = within(10, "concurrent read", t).await.unwrap();
+            hit += !own_or_nothing(lba, len, got) as usize;
+        }
+    }
+    assert!(hit <= 2, "{hit} of 64 reads were completed by garbage");
+    let s = stats_settle(&c, |s| s.completed == 65).await;
+    assert_eq!((s.submitted, s.completed), (65, 65), "{s:?}");
+    assert!(f.stats().lies >= 40, "{:?}", f.stats());
+    assert!(s.unknown_cid > 0 && s.bad_response_len > 0, "{s:?}");
+    let c = Arc::into_inner(c).unwrap();
+    within(10, "disconnect", c.disconnect()).await;
+}
+
+/// "Success" for a read whose data never came: the caller must not get the bytes of
+/// whatever request used the buffer before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn success_without_data_does_not_leak_an_earlier_requests_bytes() {
+    let (_f, fhca) = fake(
+        18,
+        fake_cfg(),
+        script(|lba| {
+            if lba >= 4000 {
+                Lie::SuccessWithoutData
+            } else {
+                Lie::Honest
+            }
+        }),
+    )
+    .await;
+    let c = host_of(19, &fhca, 1).await;
+    let secret = vec![0x5Eu8; 64 << 10];
+    within(5, "write", c.write(1, 1000, &secret)).await.unwrap();
+    let earlier = within(5, "read", c.read(1, 200, 64 << 10)).await.unwrap();
+    assert!(earlier == truth(200, 64 << 10));
+    for len in [BS, 4096, 64 << 10] {
+        let got = within(5, "lying read", c.read(1, 4000, len)).await.unwrap();
+        assert!(
+            got.iter().all(|&b| b == 0),
+            "a read the target never wrote returned stale bytes (len {len}, first {:#x})",
+            got[0]
+        );
+    }
+    within(10, "disconnect", c.disconnect()).await;
+}
+
+/// RDMA WRITEs outside the buffer the command named: inside the command's own slot they
+/// change nothing the caller sees; past the region the host registered they are refused by
+/// the HCA, which fails that queue's requests with a transport error and nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_outside_the_named_buffer_fail_only_their_queue() {
+    for (i, lie) in [(20u8, Lie::WritePastBuffer), (22, Lie::WriteBogusRkey)] {
+        let (f, fhca) = fake(
+            i,
+            fake_cfg(),
+            script(move |lba| if lba == 1000 { lie } else { Lie::Honest }),
+        )
+        .await;
+        let c = host_of(i + 1, &fhca, 2).await;
+        let max = c.max_transfer();
+        // Queue 0: the lie, with a transfer as large as a slot, so past its end is past
+        // the registered region.
+        let e = within(
+            5,
+            "lying read",
+            c.queue(0).submit(
+                admin::read(0, 1, 1000, (max / BS) as u32).unwrap(),
+                None,
+                max,
+            ),
+        )
+        .await
+        .expect_err("the HCA refused the write: the request cannot succeed");
+        assert!(matches!(e, HostError::Transport(_)), "{lie:?}: {e:?}");
+        // The dead queue fails fast from now on; it does not hang.
+        let e = within(
+            5,
+            "submit on the failed queue",
+            c.queue(0)
+                .submit(admin::read(0, 1, 0, 1).unwrap(), None, BS),
+        )
+        .await
+        .expect_err("queue 0 is dead");
+        assert!(
+            matches!(e, HostError::Transport(_) | HostError::Gone(_)),
+            "{e:?}"
+        );
+        // Queue 1 is untouched.
+        for lba in [0u64, 7, 999] {
+            let r = within(
+                5,
+                "read on the other queue",
+                c.queue(1)
+                    .submit(admin::read(0, 1, lba, 8).unwrap(), None, 8 * BS),
+            )
+            .await
+            .expect("queue 1 still works");
+            assert!(r.data == truth(lba, 8 * BS));
+        }
+        let fs = f.stats();
+        assert_eq!(fs.transport_errors, 1, "{lie:?}: {fs:?}");
+        within(10, "disconnect", c.disconnect()).await;
+    }
+
+    // A small read with its data aimed just past its length still lands in its own slot.
+    let (_f, fhca) = fake(
+        24,
+        fake_cfg(),
+        script(|lba| {
+            if lba == 1000 {
+                Lie::WritePastBuffer
+            } else {
+                Lie::Honest
+            }
+        }),
+    )
+    .await;
+    let c = Arc::new(host_of(25, &fhca, 1).await);
+    let mut tasks = Vec::new();
+    for lba in [1000u64, 10, 20, 30, 40] {
+        let c = c.clone();
+        tasks.push(tokio::spawn(
+            async move { (lba, c.read(1, lba, 4096).await) },
+        ));
+    }
+    for t in tasks {
+        let (lba, got) = within(5, "read", t).await.unwrap();
+        let got = got.unwrap();
+        if lba == 1000 {
+            assert!(
+                got.iter().all(|&b| b == 0),
+                "nothing was written where it was asked"
+            );
+        } else {
+            assert!(got == truth(lba, 4096), "lba {lba} got foreign data");
+        }
+    }
+    let c = Arc::into_inner(c).unwrap();
+    within(10, "disconnect", c.disconnect()).await;
+}
+
+/// A target that never answers one command: the caller gives up on it with its own
+/// timeout, the other requests are unaffected, and disconnect still completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_never_answered_does_not_block_others_or_disconnect() {
+    let (_f, fhca) = fake(
+        26,
+        fake_cfg(),
+        script(|lba| if lba == 77 { Lie::Silence } else { Lie::Honest }),
+    )
+    .await;
+    let c = host_of(27, &fhca, 1).await;
+    let r = tokio::time::timeout(Duration::from_millis(300), c.read(1, 77, BS)).await;
+    assert!(r.is_err(), "no answer, so no completion");
+    for lba in 0..10u64 {
+        let got = within(5, "read", c.read(1, lba, BS)).await.unwrap();
+        assert!(got == truth(lba, BS));
+    }
+    let s = stats_settle(&c, |s| s.completed == 11).await;
+    assert_eq!((s.submitted, s.completed), (12, 11), "{s:?}");
+    within(5, "disconnect with a command outstanding", c.disconnect()).await;
+}
