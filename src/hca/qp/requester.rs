@@ -87,7 +87,6 @@ impl Qp {
 
     /// Put the requester at `psn`: the WQE that holds it, or the first not yet started.
     pub(super) fn seek_req(&mut self, psn: Psn) {
-        let mtu = self.attr.path_mtu.bytes();
         for (i, w) in self.sq.iter().enumerate() {
             if !w.started {
                 self.req.next = i;
@@ -99,7 +98,6 @@ impl Qp {
                 self.req.next = i;
                 self.req.pkt = psn.diff(w.first_psn) as u32;
                 self.req.psn = psn;
-                let _ = mtu;
                 return;
             }
         }
