@@ -793,6 +793,21 @@ impl RepRepr {
 const COMM_LOCAL: usize = H;
 const COMM_REMOTE: usize = H + 4;
 
+/// RTU and DREP share one layout: the two communication IDs, then 224 bytes of private data.
+const IDS_PRIVATE: usize = H + 8;
+
+fn parse_ids_private(b: &[u8]) -> (u32, u32, [u8; 224]) {
+    let mut private_data = [0u8; 224];
+    private_data.copy_from_slice(&b[IDS_PRIVATE..IDS_PRIVATE + 224]);
+    (rd32(b, COMM_LOCAL), rd32(b, COMM_REMOTE), private_data)
+}
+
+fn emit_ids_private(out: &mut [u8; MAD_LEN], local: u32, remote: u32, private: &[u8; 224]) {
+    wr32(out, COMM_LOCAL, local);
+    wr32(out, COMM_REMOTE, remote);
+    out[IDS_PRIVATE..].copy_from_slice(private);
+}
+
 /// An RTU: the active side is ready to use the connection (IBA §12.6.9).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RtuRepr {
@@ -805,22 +820,22 @@ impl RtuRepr {
     pub const ATTR_ID: u16 = attr::RTU;
     /// `IB_CM_RTU_PRIVATE_DATA_SIZE`.
     pub const PRIVATE_LEN: usize = 224;
-    const PRIVATE_DATA: usize = H + 8;
 
     pub fn parse<T: AsRef<[u8]>>(v: &Mad<T>) -> Result<RtuRepr, MadError> {
-        let b = v.b();
-        let mut private_data = [0u8; Self::PRIVATE_LEN];
-        private_data.copy_from_slice(&b[Self::PRIVATE_DATA..]);
+        let (local_comm_id, remote_comm_id, private_data) = parse_ids_private(v.b());
         Ok(RtuRepr {
-            local_comm_id: rd32(b, COMM_LOCAL),
-            remote_comm_id: rd32(b, COMM_REMOTE),
+            local_comm_id,
+            remote_comm_id,
             private_data,
         })
     }
     pub fn emit(&self, out: &mut [u8; MAD_LEN]) {
-        wr32(out, COMM_LOCAL, self.local_comm_id);
-        wr32(out, COMM_REMOTE, self.remote_comm_id);
-        out[Self::PRIVATE_DATA..].copy_from_slice(&self.private_data);
+        emit_ids_private(
+            out,
+            self.local_comm_id,
+            self.remote_comm_id,
+            &self.private_data,
+        );
     }
 }
 
@@ -874,22 +889,22 @@ impl DrepRepr {
     pub const ATTR_ID: u16 = attr::DREP;
     /// `IB_CM_DREP_PRIVATE_DATA_SIZE`.
     pub const PRIVATE_LEN: usize = 224;
-    const PRIVATE_DATA: usize = H + 8;
 
     pub fn parse<T: AsRef<[u8]>>(v: &Mad<T>) -> Result<DrepRepr, MadError> {
-        let b = v.b();
-        let mut private_data = [0u8; Self::PRIVATE_LEN];
-        private_data.copy_from_slice(&b[Self::PRIVATE_DATA..]);
+        let (local_comm_id, remote_comm_id, private_data) = parse_ids_private(v.b());
         Ok(DrepRepr {
-            local_comm_id: rd32(b, COMM_LOCAL),
-            remote_comm_id: rd32(b, COMM_REMOTE),
+            local_comm_id,
+            remote_comm_id,
             private_data,
         })
     }
     pub fn emit(&self, out: &mut [u8; MAD_LEN]) {
-        wr32(out, COMM_LOCAL, self.local_comm_id);
-        wr32(out, COMM_REMOTE, self.remote_comm_id);
-        out[Self::PRIVATE_DATA..].copy_from_slice(&self.private_data);
+        emit_ids_private(
+            out,
+            self.local_comm_id,
+            self.remote_comm_id,
+            &self.private_data,
+        );
     }
 }
 
