@@ -141,8 +141,8 @@ impl DeviceList {
         Ok(info)
     }
 
-    /// Hot-remove: the device leaves `refresh()`; its slot is remembered for the next plug.
-    pub fn unplug(&mut self, name: &str) -> Result<DeviceInfo, RegistryError> {
+    /// The slot of a present device, for an operation that needs one.
+    fn present_mut(&mut self, name: &str) -> Result<&mut Slot, RegistryError> {
         let s = self
             .slots
             .get_mut(name)
@@ -150,24 +150,26 @@ impl DeviceList {
         if !s.present {
             return Err(RegistryError::NotPresent(name.to_string()));
         }
+        Ok(s)
+    }
+
+    /// Hot-remove: the device leaves `refresh()`; its slot is remembered for the next plug.
+    pub fn unplug(&mut self, name: &str) -> Result<DeviceInfo, RegistryError> {
+        let s = self.present_mut(name)?;
         s.present = false;
+        let info = s.info();
         self.epoch += 1;
-        Ok(s.info())
+        Ok(info)
     }
 
     /// A fatal reset: the device re-registers at once with the same identity and the next
     /// generation, so contexts opened before the reset are recognisably stale.
     pub fn reset(&mut self, name: &str) -> Result<DeviceInfo, RegistryError> {
-        let s = self
-            .slots
-            .get_mut(name)
-            .ok_or_else(|| RegistryError::NoSuchDevice(name.to_string()))?;
-        if !s.present {
-            return Err(RegistryError::NotPresent(name.to_string()));
-        }
+        let s = self.present_mut(name)?;
         s.generation += 1;
+        let info = s.info();
         self.epoch += 1;
-        Ok(s.info())
+        Ok(info)
     }
 
     /// The present devices, ordered by name.
