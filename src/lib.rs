@@ -3,6 +3,7 @@
 //! Layers, bottom up: [`hca`] (sans-I/O soft-HCA speaking RoCEv2), [`driver`] (tokio: sockets,
 //! timers, metrics).
 
+pub mod alloc_audit;
 pub mod cli_support;
 pub mod cm;
 pub mod driver;
@@ -10,6 +11,7 @@ pub mod hca;
 pub mod nvme;
 pub mod nvmf_perf;
 pub mod perf;
+pub mod reconnect;
 pub mod target;
 pub mod transport;
 pub mod wire_json;

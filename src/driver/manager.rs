@@ -181,6 +181,11 @@ impl DeviceManager {
         }
     }
 
+    /// Notified (`notify_waiters`) whenever a device is plugged, reset or unplugged.
+    pub fn changed(&self) -> Arc<Notify> {
+        self.changed.clone()
+    }
+
     /// The address device `name` is bound to.
     pub fn addr_of(&self, name: &str) -> Option<SocketAddr> {
         self.lock().running.get(name).map(|e| e.config.addr)

@@ -68,7 +68,7 @@ impl SoftHca {
             stopped: tokio::sync::watch::channel(false).0,
         });
         let task_shared = shared.clone();
-        tokio::spawn(async move {
+        crate::alloc_audit::spawn(async move {
             let done = task_shared.clone();
             if let Err(e) = drive(task_shared, sock, gro).await {
                 tracing::error!(error = %e, "soft-HCA driver stopped");
@@ -98,7 +98,7 @@ impl SoftHca {
     /// Run `f` on the device (verbs calls), then wake the driver to send what it queued.
     pub fn with<R>(&self, f: impl FnOnce(&mut Device, Instant) -> R) -> R {
         let now = self.now();
-        let r = f(&mut self.lock(), now);
+        let r = crate::alloc_audit::platform(|| f(&mut self.lock(), now));
         self.shared.kick.notify_one();
         r
     }
@@ -107,7 +107,7 @@ impl SoftHca {
     /// nothing to send (the caller kicks with [`SoftHca::kick`] if it did).
     pub fn with_quiet<R>(&self, f: impl FnOnce(&mut Device, Instant) -> R) -> R {
         let now = self.now();
-        f(&mut self.lock(), now)
+        crate::alloc_audit::platform(|| f(&mut self.lock(), now))
     }
 
     /// Wake the driver to transmit what was queued.
@@ -122,11 +122,8 @@ impl SoftHca {
             let notified = self.shared.wake.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let (n, live) = {
-                let mut d = self.lock();
-                // Polling queues nothing to send, so the driver is not kicked.
-                (d.poll_cq(cq, max, out), d.is_live())
-            };
+            // Polling queues nothing to send, so the driver is not kicked.
+            let (n, live) = self.with_quiet(|d, _| (d.poll_cq(cq, max, out), d.is_live()));
             if n > 0 || !live {
                 return n;
             }

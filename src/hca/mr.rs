@@ -15,7 +15,7 @@ use super::types::MemKey;
 
 bitflags! {
     /// Access rights of a memory region (ibv_access_flags).
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
     pub struct Access: u32 {
         const LOCAL_WRITE = 1 << 0;
         const REMOTE_WRITE = 1 << 1;
@@ -119,7 +119,7 @@ impl std::fmt::Debug for HostMem {
 pub struct PdId(pub u32);
 
 /// What the consumer learns about a registered region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MrInfo {
     pub lkey: MemKey,
     /// Zero when the region allows no remote access, as with rxe.

@@ -57,7 +57,7 @@ impl Fuse {
 /// A submission queue entry as plain values. `dptr` stays raw so that a command whose SGL is
 /// malformed still parses (the target must complete it, with its CID, and "SGL Descriptor
 /// Type Invalid"); read it typed with [`Sqe::sgl`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Sqe {
     pub opcode: u8,
     pub fuse: Fuse,

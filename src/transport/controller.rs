@@ -1,24 +1,37 @@
 //! The host controller: admin queue bring-up (Fabrics Connect, Property Get/Set, enable,
-//! Identify, Set Features Number of Queues), I/O queues, keep-alive, and a block API.
+//! Identify, Set Features Number of Queues), I/O queues, keep-alive, a block API, and the
+//! one recovery path.
+//!
+//! Recovery: a supervisor task per controller runs the [`Machine`] of `src/reconnect`. Every
+//! cause (device reset, hot-remove, CM disconnect, keep-alive loss, a failed work completion,
+//! an I/O timeout) reaches it as one event and takes the same road: drop every HCA resource,
+//! hold in-flight I/O in its own slot, wait for the same device (GUID / PCI address, per
+//! policy), register the same buffers under a new PD, reconnect admin then I/O queues,
+//! resubmit, LIVE. From the failure to the resubmission the host allocates nothing: every
+//! buffer, slot and table was sized at the first connect (`tests/recovery_alloc.rs`).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::sync::{mpsc, watch, Notify};
+
+use crate::alloc_audit;
 use crate::cm::{ConnId, ConnectParams, NvmeCmRequest};
-use crate::driver::SoftHca;
+use crate::driver::{DeviceManager, SoftHca};
 use crate::hca::rc::PeerInfo;
-use crate::hca::{Mtu, PdId, Psn};
+use crate::hca::{Instant, Lifecycle, Mtu, PdId};
 use crate::nvme::admin;
 use crate::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use crate::nvme::{
     Cap, Cc, ConnectData, Csts, DiscoveryLogEntry, DiscoveryLogHeader, DsmRange, FabricsCmd,
-    IdentifyController, IdentifyNamespace, Nqn,
+    IdentifyController, IdentifyNamespace, Nqn, Sqe,
 };
+use crate::reconnect::{Action, Cause, CtrlState, Event, Identity, Machine, Policy, Status};
 
 use super::fabric::CmService;
-use super::queue::{Queue, QueueHandle, QueueRes, QueueSpec};
+use super::queue::{self, Alarm, Clock, QueueCore, QueueCtl, QueueHandle, QueueSpec, QueueStats};
 use super::HostError;
 
 /// Everything `connect` needs, with nvme-cli's names where there is one.
@@ -36,14 +49,23 @@ pub struct ConnectOptions {
     pub hostid: [u8; 16],
     /// I/O queues (`-i`, default: one per core).
     pub nr_io_queues: usize,
-    /// Entries per I/O queue (`-Q`, default 128, 16..=1024).
+    /// Entries per I/O queue (`-Q`, default 128, 16..=1024). One is reserved for the
+    /// controller's own commands, as in Linux.
     pub queue_size: usize,
     /// Keep-alive timeout (`-k`, default 5 s; zero turns keep-alive off).
     pub keep_alive_tmo: Duration,
     /// Largest transfer per command we set up buffers for.
     pub max_io: usize,
     pub mtu: Mtu,
+    /// Bound on one CM connect and on each bring-up command.
     pub connect_timeout: Duration,
+    /// Reconnect policy (`-l`, `-c`, `--fast_io_fail_tmo`, replug window, identity).
+    /// Its `keep_alive_tmo` is taken from the field above.
+    pub policy: Policy,
+    /// A command with no response after this long starts recovery (Linux `io_timeout`).
+    pub io_timeout: Duration,
+    /// How often a command failing with a retryable status (DNR clear) is sent again.
+    pub max_retries: u8,
 }
 
 impl ConnectOptions {
@@ -63,6 +85,9 @@ impl ConnectOptions {
             max_io: 128 << 10,
             mtu: Mtu::Mtu4096,
             connect_timeout: Duration::from_secs(5),
+            policy: Policy::default(),
+            io_timeout: crate::reconnect::policy::DEFAULT_IO_TIMEOUT,
+            max_retries: crate::reconnect::policy::DEFAULT_MAX_RETRIES,
         }
     }
 }
@@ -100,124 +125,709 @@ impl NsInfo {
     }
 }
 
-struct QueueConn {
-    handle: QueueHandle,
-    task: tokio::task::JoinHandle<super::QueueStats>,
-    conn: ConnId,
+/// Where the controller finds its HCA, now and after a failure.
+#[derive(Clone)]
+pub enum HostDevice {
+    /// One device context. If it dies it never comes back: the controller can recover from
+    /// a CM disconnect or keep-alive loss through it, not from its death.
+    Fixed { hca: SoftHca, cm: CmService },
+    /// Device `name` of a [`DeviceManager`]: after a reset or re-plug the controller finds it
+    /// again, checking its identity against the policy.
+    Managed { mgr: DeviceManager, name: String },
 }
 
-impl QueueConn {
-    /// Disconnect, fail what is still out, and wait until the queue's task has released its
-    /// verbs resources (so the PD can go after it).
-    async fn close(self, cm: &CmService) {
-        cm.disconnect(self.conn);
-        self.handle.stop();
-        drop(self.handle);
-        let _ = self.task.await;
+/// What `list` and the metrics show.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CtrlStatus {
+    pub machine: Status,
+    pub cntlid: u16,
+    /// When `machine` was taken, on the controller's clock.
+    pub at: Instant,
+    /// Duration of the last completed recovery (failure → LIVE).
+    pub last_recovery: Option<Duration>,
+}
+
+impl CtrlStatus {
+    pub fn state(&self) -> CtrlState {
+        self.machine.state
     }
 }
 
-/// A connected NVMe-oF controller.
+struct CtrlShared {
+    delete: Notify,
+    alarm: Arc<Alarm>,
+    status: watch::Sender<CtrlStatus>,
+    clock: Clock,
+    hca: Mutex<SoftHca>,
+}
+
+/// A connected NVMe-oF controller that survives its HCA.
 pub struct Controller {
-    hca: SoftHca,
-    cm: CmService,
-    pd: PdId,
     pub cntlid: u16,
     pub opts: ConnectOptions,
     pub ident: IdentifyController,
-    admin: Option<QueueConn>,
-    io: Vec<QueueConn>,
+    admin: QueueHandle,
+    io: Vec<QueueHandle>,
     namespaces: Vec<NsInfo>,
     next: AtomicUsize,
-    ka_failed: Arc<AtomicBool>,
-    ka_task: Option<tokio::task::JoinHandle<()>>,
     max_io: usize,
+    shared: Arc<CtrlShared>,
+    sup: Option<tokio::task::JoinHandle<()>>,
 }
 
-async fn connect_queue(
-    hca: &SoftHca,
-    cm: &CmService,
-    pd: PdId,
-    o: &ConnectOptions,
-    spec: QueueSpec,
-    cntlid: u16,
-    kato_ms: u32,
-) -> Result<(QueueConn, u16), HostError> {
-    let mut res = QueueRes::create(hca, pd, spec, Psn::new(0))?;
-    let mut params = ConnectParams::new(res.qpn, o.trsvcid);
-    params.path_mtu = o.mtu;
-    let private = NvmeCmRequest {
-        qid: spec.qid,
-        hrqsize: spec.size as u16,
-        hsqsize: spec.size as u16 - 1,
-        cntlid,
-    }
-    .emit();
-    let est = match cm
-        .connect(o.traddr, params, &private, o.connect_timeout)
-        .await
-    {
-        Ok(e) => e,
-        Err(e) => {
-            res.destroy(hca);
-            return Err(e);
+/// The device context the controller currently runs on.
+struct DevCtx {
+    hca: SoftHca,
+    cm: CmService,
+    pd: Option<PdId>,
+    generation: u64,
+}
+
+/// Labels are fixed at connect; handles update without allocating.
+struct CtrlMetrics {
+    state: metrics::Gauge,
+    attempts: metrics::Counter,
+    recoveries: metrics::Counter,
+    requeued: metrics::Counter,
+    failed: metrics::Counter,
+    recovery_secs: metrics::Histogram,
+}
+
+impl CtrlMetrics {
+    fn new(subnqn: &str) -> CtrlMetrics {
+        let l = [("subnqn", subnqn.to_string())];
+        CtrlMetrics {
+            state: metrics::gauge!("nvmf_ctrl_state", &l),
+            attempts: metrics::counter!("nvmf_ctrl_reconnect_attempts_total", &l),
+            recoveries: metrics::counter!("nvmf_ctrl_recoveries_total", &l),
+            requeued: metrics::counter!("nvmf_ctrl_requeued_io_total", &l),
+            failed: metrics::counter!("nvmf_ctrl_failed_io_total", &l),
+            recovery_secs: metrics::histogram!("nvmf_ctrl_recovery_seconds", &l),
         }
-    };
-    tracing::debug!(qid = spec.qid, "CM established");
-    res.psn = est.local_psn;
-    let peer = PeerInfo {
-        addr: est.peer,
-        qpn: est.remote_qpn,
-        psn: est.remote_psn,
-    };
-    if let Err(e) = res.connected(hca, peer) {
-        cm.abort(est.id);
-        res.destroy(hca);
-        return Err(e);
     }
-    let (handle, task) = Queue::spawn(res, hca.clone());
-    let qc = QueueConn {
-        handle,
-        task,
-        conn: est.id,
-    };
-    let data = ConnectData {
-        hostid: o.hostid,
-        cntlid,
-        subnqn: Nqn::new(&o.subnqn)?,
-        hostnqn: Nqn::new(&o.hostnqn)?,
+}
+
+/// A small fixed queue of events produced while executing actions.
+#[derive(Default)]
+struct EventQueue {
+    buf: [Option<Event>; 16],
+    head: usize,
+    len: usize,
+}
+
+impl EventQueue {
+    fn push(&mut self, e: Event) {
+        if self.len < self.buf.len() {
+            self.buf[(self.head + self.len) % self.buf.len()] = Some(e);
+            self.len += 1;
+        }
     }
-    .to_bytes();
-    let cmd = FabricsCmd::Connect {
-        recfmt: fabrics::RECFMT_0,
-        qid: spec.qid,
-        sqsize: spec.size as u16 - 1,
-        cattr: 0,
-        kato_ms,
+    fn pop(&mut self) -> Option<Event> {
+        if self.len == 0 {
+            return None;
+        }
+        let e = self.buf[self.head].take();
+        self.head = (self.head + 1) % self.buf.len();
+        self.len -= 1;
+        e
     }
-    .to_sqe(0);
-    match qc.handle.submit(cmd, Some(data.to_vec()), 0).await {
-        Ok(r) => match ConnectResult::from_result(r.cqe.result, true) {
-            ConnectResult::Ok { cntlid, .. } => Ok((qc, cntlid)),
-            ConnectResult::InvalidParameter { ipo, iattr } => {
-                cm.abort(qc.conn);
-                Err(HostError::Connect(format!(
-                    "Connect refused parameter at offset {ipo} (attr {iattr})"
-                )))
+}
+
+/// The recovery side of a controller: owns the state machine, the device context and the
+/// controller view of every queue.
+struct Supervisor {
+    sm: Machine,
+    clock: Clock,
+    opts: ConnectOptions,
+    source: HostDevice,
+    dev: Option<DevCtx>,
+    ours: Identity,
+    admin: QueueCtl,
+    io: Vec<QueueCtl>,
+    /// CM connection of each queue (admin first), preallocated.
+    conns: Vec<Option<ConnId>>,
+    connect_data: [u8; 1024],
+    shared: Arc<CtrlShared>,
+    disc_tx: mpsc::UnboundedSender<ConnId>,
+    disc_rx: mpsc::UnboundedReceiver<ConnId>,
+    changed: Arc<Notify>,
+    cntlid: u16,
+    nr_io: usize,
+    failed_at: Option<Instant>,
+    last_recovery: Option<Duration>,
+    seed: u64,
+    metrics: CtrlMetrics,
+}
+
+fn dev_identity(hca: &SoftHca) -> Identity {
+    hca.with_quiet(|d, _| {
+        let id = d.identity();
+        Identity {
+            guid: id.guid,
+            pci: id.pci,
+        }
+    })
+}
+
+impl Supervisor {
+    fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    fn queue(&self, qi: usize) -> QueueCtl {
+        if qi == 0 {
+            self.admin.clone()
+        } else {
+            self.io[qi - 1].clone()
+        }
+    }
+
+    /// Find our device: the live context of the fixed device or of the managed name.
+    fn find_device(&self) -> Option<(SoftHca, Option<CmService>, Identity, u64)> {
+        match &self.source {
+            HostDevice::Fixed { hca, cm } => (hca.lifecycle() == Lifecycle::Live)
+                .then(|| (hca.clone(), Some(cm.clone()), dev_identity(hca), 0)),
+            HostDevice::Managed { mgr, name } => alloc_audit::platform(|| {
+                mgr.open(name).map(|(h, info)| {
+                    (
+                        h,
+                        None,
+                        Identity {
+                            guid: info.guid,
+                            pci: info.pci,
+                        },
+                        info.generation,
+                    )
+                })
+            }),
+        }
+    }
+
+    /// What the device list says about our device, as events for the machine.
+    fn scan(&self, q: &mut EventQueue) {
+        let cur_gen = self.dev.as_ref().map(|d| d.generation);
+        let cur_live = self
+            .dev
+            .as_ref()
+            .is_some_and(|d| d.hca.lifecycle() == Lifecycle::Live);
+        match self.find_device() {
+            Some((_, _, id, gen)) => {
+                if cur_gen.is_some_and(|g| g != gen) || (cur_gen.is_some() && !cur_live) {
+                    // Ours died and another context took its place.
+                    q.push(Event::DeviceDown { removed: false });
+                }
+                q.push(Event::DeviceUp(id));
             }
-        },
-        Err(e) => {
-            qc.close(cm).await;
-            Err(e)
+            None => {
+                let removed = match &self.source {
+                    HostDevice::Fixed { hca, .. } => hca.lifecycle() == Lifecycle::Removed,
+                    HostDevice::Managed { mgr, name } => {
+                        alloc_audit::platform(|| !mgr.refresh().iter().any(|i| &i.name == name))
+                    }
+                };
+                q.push(Event::DeviceDown { removed });
+            }
+        }
+    }
+
+    /// Open the device for an attempt: a new CM service on a new context.
+    fn open_device(&mut self) -> Result<(), HostError> {
+        if self
+            .dev
+            .as_ref()
+            .is_some_and(|d| d.hca.lifecycle() == Lifecycle::Live)
+        {
+            return Ok(());
+        }
+        self.dev = None;
+        let Some((hca, cm, id, generation)) = self.find_device() else {
+            return Err(HostError::Transport("device is not present".into()));
+        };
+        if !self.sm.policy().identity.accepts(&self.ours, &id) {
+            return Err(HostError::Transport(
+                "a different device took our place".into(),
+            ));
+        }
+        self.seed = self.seed.wrapping_add(1);
+        let cm = match cm {
+            Some(cm) => cm,
+            None => CmService::start(hca.clone(), self.seed),
+        };
+        *self.shared.hca.lock().unwrap_or_else(|e| e.into_inner()) = hca.clone();
+        self.dev = Some(DevCtx {
+            hca,
+            cm,
+            pd: None,
+            generation,
+        });
+        Ok(())
+    }
+
+    /// A new PD on the current context.
+    fn alloc_pd(&mut self) -> Result<PdId, HostError> {
+        let d = self
+            .dev
+            .as_mut()
+            .ok_or_else(|| HostError::Transport("no device".into()))?;
+        if let Some(pd) = d.pd {
+            return Ok(pd);
+        }
+        let pd = d.hca.with(|d, _| d.alloc_pd())?;
+        d.pd = Some(pd);
+        Ok(pd)
+    }
+
+    /// Connect queue `qi` (0 = admin): verbs over the same buffers, CM, Fabrics Connect on
+    /// the reserved slot.
+    async fn connect_queue(&mut self, qi: usize) -> Result<(), HostError> {
+        let pd = self.alloc_pd()?;
+        let (hca, cm) = match &self.dev {
+            Some(d) => (d.hca.clone(), d.cm.clone()),
+            None => return Err(HostError::Transport("no device".into())),
+        };
+        let ctl = self.queue(qi);
+        let qpn = ctl.lock().attach(&hca, pd)?;
+        ctl.poke();
+        let spec = ctl.lock().spec;
+        let mut params = ConnectParams::new(qpn, self.opts.trsvcid);
+        params.path_mtu = self.opts.mtu;
+        let cntlid = if qi == 0 { CNTLID_DYNAMIC } else { self.cntlid };
+        let private = NvmeCmRequest {
+            qid: spec.qid,
+            hrqsize: spec.size as u16,
+            hsqsize: spec.size as u16 - 1,
+            cntlid,
+        }
+        .emit();
+        let est = cm
+            .connect(
+                self.opts.traddr,
+                params,
+                &private,
+                self.opts.connect_timeout,
+            )
+            .await?;
+        self.conns[qi] = Some(est.id);
+        cm.watch(est.id, self.disc_tx.clone());
+        let peer = PeerInfo {
+            addr: est.peer,
+            qpn: est.remote_qpn,
+            psn: est.remote_psn,
+        };
+        ctl.lock().connected(peer, est.local_psn)?;
+        ctl.poke();
+        self.connect_data[16..18].copy_from_slice(&cntlid.to_le_bytes());
+        let kato_ms = if qi == 0 {
+            self.opts.keep_alive_tmo.as_millis().min(u32::MAX as u128) as u32
+        } else {
+            0
+        };
+        let sqe = FabricsCmd::Connect {
+            recfmt: fabrics::RECFMT_0,
+            qid: spec.qid,
+            sqsize: spec.size as u16 - 1,
+            cattr: 0,
+            kato_ms,
+        }
+        .to_sqe(0);
+        let cqe = ctl
+            .control(sqe, &self.connect_data, 0, self.opts.connect_timeout)
+            .await?;
+        match ConnectResult::from_result(cqe.result, true) {
+            ConnectResult::Ok { cntlid, .. } => {
+                if qi == 0 {
+                    self.cntlid = cntlid;
+                }
+                Ok(())
+            }
+            ConnectResult::InvalidParameter { ipo, iattr } => Err(HostError::Connect(format!(
+                "Connect refused parameter at offset {ipo} (attr {iattr})"
+            ))),
+        }
+    }
+
+    async fn admin_cmd(&self, sqe: Sqe) -> Result<u64, HostError> {
+        let cqe = self
+            .admin
+            .control(sqe, &[], 0, self.opts.connect_timeout)
+            .await?;
+        Ok(cqe.result)
+    }
+
+    /// Connect the admin queue and enable the controller (CC.EN, wait for CSTS.RDY).
+    async fn connect_admin(&mut self) -> Result<Cap, HostError> {
+        self.connect_queue(0).await?;
+        let cap = Cap(self
+            .admin_cmd(FabricsCmd::get(fabrics::reg::CAP).to_sqe(0))
+            .await?);
+        self.admin_cmd(FabricsCmd::set(fabrics::reg::CC, Cc::enable_default().0 as u64).to_sqe(0))
+            .await?;
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_millis(cap.timeout_ms().max(500) as u64);
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let csts = Csts(
+                self.admin_cmd(FabricsCmd::get(fabrics::reg::CSTS).to_sqe(0))
+                    .await? as u32,
+            );
+            if csts.cfs() {
+                return Err(HostError::Connect(
+                    "controller fatal status while enabling".into(),
+                ));
+            }
+            if csts.rdy() {
+                return Ok(cap);
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(HostError::Timeout(
+                    "controller did not become ready (CSTS.RDY)".into(),
+                ));
+            }
+            // CAP.TO is the bound; poll quickly first, then back off.
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
+    }
+
+    /// Set Features Number of Queues; how many I/O queues the controller grants.
+    async fn negotiate_queues(&self, want: u32) -> Result<u32, HostError> {
+        let dw0 = self
+            .admin_cmd(admin::set_num_queues(0, want, want)?)
+            .await? as u32;
+        let (sq, cq) = admin::num_queues_allocated(dw0);
+        Ok(want.min(sq).min(cq))
+    }
+
+    /// A reconnect attempt: admin, then the I/O queues, on the same buffers.
+    async fn reconnect(&mut self) -> Result<(), HostError> {
+        self.open_device()?;
+        self.connect_admin().await?;
+        if self.nr_io > 0 {
+            let n = self.negotiate_queues(self.nr_io as u32).await?;
+            if (n as usize) < self.nr_io {
+                return Err(HostError::Connect(
+                    "the controller now grants fewer I/O queues".into(),
+                ));
+            }
+            for qi in 1..=self.nr_io {
+                self.connect_queue(qi).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Drop every HCA resource, whatever state it is in. In-flight I/O stays held in its
+    /// slot. Releases on a zombie device always succeed.
+    fn teardown(&mut self) {
+        for q in self.io.iter().rev() {
+            q.lock().teardown();
+            q.poke();
+        }
+        self.admin.lock().teardown();
+        self.admin.poke();
+        if let Some(d) = self.dev.take() {
+            for c in self.conns.iter_mut() {
+                if let Some(id) = c.take() {
+                    d.cm.abort(id);
+                }
+            }
+            if let Some(pd) = d.pd {
+                d.hca.with(|dev, _| {
+                    let _ = dev.dealloc_pd(pd);
+                });
+            }
+            // A context that is still live (CM disconnect, keep-alive loss) is reused on
+            // the next attempt; a dead one is let go.
+            if d.hca.lifecycle() == Lifecycle::Live {
+                self.dev = Some(DevCtx { pd: None, ..d });
+            }
+        }
+        for c in self.conns.iter_mut() {
+            *c = None;
+        }
+    }
+
+    /// Orderly shutdown on delete: CC.SHN, then DREQ on every queue.
+    async fn shutdown(&mut self) {
+        if self.admin.lock().is_live() {
+            let shn = Cc::enable_default().with_shn(1).0 as u64;
+            let sqe = FabricsCmd::set(fabrics::reg::CC, shn).to_sqe(0);
+            let _ = self
+                .admin
+                .control(sqe, &[], 0, Duration::from_secs(1))
+                .await;
+        }
+        if let Some(d) = &self.dev {
+            for c in self.conns.iter_mut() {
+                if let Some(id) = c.take() {
+                    d.cm.disconnect(id);
+                }
+            }
+        }
+    }
+
+    fn all_queues(&self) -> impl Iterator<Item = &QueueCtl> {
+        std::iter::once(&self.admin).chain(self.io.iter())
+    }
+
+    fn sum_stats(&self, f: impl Fn(&QueueStats) -> u64) -> u64 {
+        self.all_queues().map(|q| f(&q.lock().stats)).sum()
+    }
+
+    fn publish(&mut self) {
+        let now = self.now();
+        let m = self.sm.status(now);
+        self.metrics.state.set(m.state.index() as f64);
+        self.metrics
+            .requeued
+            .absolute(self.sum_stats(|s| s.requeued));
+        self.metrics.failed.absolute(self.sum_stats(|s| s.failed));
+        let st = CtrlStatus {
+            machine: m,
+            cntlid: self.cntlid,
+            at: now,
+            last_recovery: self.last_recovery,
+        };
+        self.shared.status.send_if_modified(|old| {
+            let changed = old.machine != st.machine || old.cntlid != st.cntlid;
+            *old = st;
+            changed
+        });
+    }
+
+    /// Execute one action; the events it produces go to `q`.
+    async fn execute(&mut self, a: Action, q: &mut EventQueue) {
+        let now = self.now();
+        match a {
+            Action::StopKeepAlive => {}
+            Action::SendKeepAlive => {
+                let _ = self
+                    .admin
+                    .lock()
+                    .post_control(now, admin::keep_alive(0), &[], 0);
+                self.admin.poke();
+            }
+            Action::Shutdown => self.shutdown().await,
+            Action::TearDown => {
+                if self.failed_at.is_none() && self.sm.state() == CtrlState::Resetting {
+                    self.failed_at = Some(now);
+                }
+                tracing::info!(
+                    subnqn = %self.opts.subnqn,
+                    cause = self.sm.status(now).cause.map_or("-", |c| c.name()),
+                    "controller resetting: dropping HCA resources"
+                );
+                self.teardown();
+                q.push(Event::TornDown);
+                self.scan(q);
+            }
+            Action::Connect { attempt } => {
+                self.metrics.attempts.increment(1);
+                tracing::info!(subnqn = %self.opts.subnqn, attempt, "reconnecting");
+                let ok = self.attempt().await;
+                q.push(if ok {
+                    Event::Connected
+                } else {
+                    Event::ConnectFailed
+                });
+            }
+            Action::Resubmit => {
+                for c in self.all_queues() {
+                    c.lock().resume(now);
+                    c.poke();
+                }
+                if let Some(t) = self.failed_at.take() {
+                    let d = Duration::from_nanos(now.0.saturating_sub(t.0));
+                    self.last_recovery = Some(d);
+                    self.metrics.recovery_secs.record(d.as_secs_f64());
+                }
+                self.metrics.recoveries.increment(1);
+                tracing::info!(subnqn = %self.opts.subnqn, "controller live again");
+            }
+            Action::FailHeld(why) => {
+                for c in self.all_queues() {
+                    c.lock().fail_held(why, false);
+                    c.poke();
+                }
+            }
+            Action::FailAll(why) => {
+                self.teardown();
+                self.dev = None;
+                for c in self.all_queues() {
+                    c.lock().fail_held(why, true);
+                    c.poke();
+                }
+                tracing::warn!(subnqn = %self.opts.subnqn, reason = why.name(), "controller deleted");
+                q.push(Event::Deleted);
+            }
+        }
+    }
+
+    /// Run a reconnect attempt while still honouring the machine's deadlines and deletion.
+    /// Returns whether it succeeded; a deadline that ends the controller abandons it.
+    async fn attempt(&mut self) -> bool {
+        // The attempt borrows `self`; deadlines are watched from a copy of the machine's
+        // next timeout, and fast_io_fail is handled by failing held I/O directly.
+        let deadline = self.sm.poll_timeout();
+        let shared = self.shared.clone();
+        let delete = shared.delete.notified();
+        tokio::pin!(delete);
+        delete.as_mut().enable();
+        let clock = self.clock;
+        let sleep = async move {
+            match deadline {
+                Some(t) => {
+                    let d = Duration::from_nanos(t.0.saturating_sub(clock.now().0));
+                    tokio::time::sleep(d).await
+                }
+                None => std::future::pending().await,
+            }
+        };
+        let r = {
+            let fut = self.reconnect();
+            tokio::pin!(fut);
+            tokio::select! {
+                r = &mut fut => Some(r),
+                _ = sleep => None,
+                _ = &mut delete => {
+                    // Put the permit back for the main loop.
+                    shared.delete.notify_one();
+                    None
+                }
+            }
+        };
+        match r {
+            Some(Ok(())) => true,
+            Some(Err(e)) => {
+                tracing::info!(subnqn = %self.opts.subnqn, error = %e, "reconnect attempt failed");
+                false
+            }
+            None => false,
+        }
+    }
+
+    async fn run(mut self) {
+        let mut q = EventQueue::default();
+        loop {
+            let changed = self.changed.clone();
+            let changed_fut = changed.notified();
+            tokio::pin!(changed_fut);
+            changed_fut.as_mut().enable();
+            let shared = self.shared.clone();
+            let delete_fut = shared.delete.notified();
+            tokio::pin!(delete_fut);
+            delete_fut.as_mut().enable();
+            let alarm = self.shared.alarm.clone();
+            let alarm_fut = alarm.notify.notified();
+            tokio::pin!(alarm_fut);
+            alarm_fut.as_mut().enable();
+            let ka_done = self.admin.control_done.clone();
+            let ka_fut = ka_done.notified();
+            tokio::pin!(ka_fut);
+            ka_fut.as_mut().enable();
+
+            // Gather inputs.
+            if let Some(c) = alarm.take() {
+                q.push(Event::Failed(c));
+            }
+            while let Ok(id) = self.disc_rx.try_recv() {
+                if self.conns.contains(&Some(id)) {
+                    q.push(Event::Failed(Cause::CmDisconnect));
+                }
+            }
+            if self.sm.state() == CtrlState::Live {
+                if let Some(d) = self.admin.lock().take_control() {
+                    if let queue::ControlDone::Completed(c) = d {
+                        if c.nvme_status().is_success() {
+                            q.push(Event::KeepAliveOk);
+                        }
+                    }
+                }
+            }
+            if self.sm.state() != CtrlState::Live {
+                self.scan(&mut q);
+            }
+            // Feed and act until quiet.
+            loop {
+                let now = self.now();
+                let acts = match q.pop() {
+                    Some(ev) => self.sm.handle(now, ev),
+                    None => {
+                        let a = self.sm.handle_timeout(now);
+                        if a.is_empty() {
+                            break;
+                        }
+                        a
+                    }
+                };
+                for a in acts.iter() {
+                    self.execute(a, &mut q).await;
+                }
+                self.publish();
+            }
+            if self.sm.state() == CtrlState::Dead {
+                self.publish();
+                return;
+            }
+            let sleep_for = self
+                .sm
+                .poll_timeout()
+                .map(|t| Duration::from_nanos(t.0.saturating_sub(self.now().0)));
+            tokio::select! {
+                _ = &mut changed_fut => {}
+                _ = &mut delete_fut => { q.push(Event::Delete); }
+                _ = &mut alarm_fut => {}
+                _ = &mut ka_fut => {}
+                id = self.disc_rx.recv() => {
+                    if let Some(id) = id {
+                        if self.conns.contains(&Some(id)) {
+                            q.push(Event::Failed(Cause::CmDisconnect));
+                        }
+                    }
+                }
+                _ = async {
+                    match sleep_for {
+                        Some(d) => tokio::time::sleep(d).await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
+            }
         }
     }
 }
 
 impl Controller {
-    /// Connect admin and I/O queues to `o.subnqn` and identify it.
+    /// Connect admin and I/O queues to `o.subnqn` through one device context and identify
+    /// the controller. Recovery works for CM disconnects and keep-alive loss; if the device
+    /// itself dies the controller waits for ctrl_loss_tmo (use [`Controller::connect_managed`]
+    /// to survive resets and re-plugs).
     pub async fn connect(
         hca: SoftHca,
         cm: CmService,
+        o: ConnectOptions,
+    ) -> Result<Controller, HostError> {
+        Self::connect_with(HostDevice::Fixed { hca, cm }, o).await
+    }
+
+    /// Connect through device `name` of `mgr`, and come back through it after resets and
+    /// re-plugs.
+    pub async fn connect_managed(
+        mgr: DeviceManager,
+        name: &str,
+        o: ConnectOptions,
+    ) -> Result<Controller, HostError> {
+        Self::connect_with(
+            HostDevice::Managed {
+                mgr,
+                name: name.to_string(),
+            },
+            o,
+        )
+        .await
+    }
+
+    pub async fn connect_with(
+        source: HostDevice,
         o: ConnectOptions,
     ) -> Result<Controller, HostError> {
         if !(16..=1024).contains(&o.queue_size) {
@@ -232,9 +842,11 @@ impl Controller {
             ));
         }
         // Refuse bad NQNs before a connection exists that an early return would leak.
-        Nqn::new(&o.subnqn)?;
-        Nqn::new(&o.hostnqn)?;
-        let pd = hca.with(|d, _| d.alloc_pd())?;
+        let subnqn = Nqn::new(&o.subnqn)?;
+        let hostnqn = Nqn::new(&o.hostnqn)?;
+        let discovery = subnqn.is_discovery();
+        let clock = Clock(std::time::Instant::now());
+        let alarm = Arc::new(Alarm::default());
         let admin_spec = QueueSpec {
             qid: 0,
             size: 32,
@@ -242,113 +854,140 @@ impl Controller {
             max_io: 64 << 10,
             mtu: o.mtu,
         };
-        let kato_ms = o.keep_alive_tmo.as_millis().min(u32::MAX as u128) as u32;
-        let (admin, cntlid) =
-            match connect_queue(&hca, &cm, pd, &o, admin_spec, CNTLID_DYNAMIC, kato_ms).await {
-                Ok(a) => a,
-                Err(e) => {
-                    hca.with(|d, _| {
-                        let _ = d.dealloc_pd(pd);
-                    });
-                    return Err(e);
-                }
-            };
+        let admin_core = QueueCore::new(admin_spec, alarm.clone(), o.io_timeout, o.max_retries)?;
+        let (admin_h, admin_ctl, _admin_task) = queue::spawn(admin_core, clock);
+        let (first_hca, changed) = match &source {
+            HostDevice::Fixed { hca, .. } => (Some(hca.clone()), Arc::new(Notify::new())),
+            HostDevice::Managed { mgr, name } => (
+                alloc_audit::platform(|| mgr.open(name)).map(|(h, _)| h),
+                mgr.changed(),
+            ),
+        };
+        let Some(first_hca) = first_hca else {
+            return Err(HostError::Connect(
+                "no such device, or it is not live".into(),
+            ));
+        };
+        let ours = dev_identity(&first_hca);
+        let mut policy = o.policy;
+        policy.keep_alive_tmo = if discovery {
+            Duration::ZERO
+        } else {
+            o.keep_alive_tmo
+        };
+        let shared = Arc::new(CtrlShared {
+            delete: Notify::new(),
+            alarm: alarm.clone(),
+            status: watch::channel(CtrlStatus {
+                machine: Machine::new(policy, ours).status(Instant(0)),
+                cntlid: 0,
+                at: Instant(0),
+                last_recovery: None,
+            })
+            .0,
+            clock,
+            hca: Mutex::new(first_hca),
+        });
+        let (disc_tx, disc_rx) = mpsc::unbounded_channel();
+        let connect_data = ConnectData {
+            hostid: o.hostid,
+            cntlid: CNTLID_DYNAMIC,
+            subnqn,
+            hostnqn,
+        }
+        .to_bytes();
+        let mut sup = Supervisor {
+            sm: Machine::new(policy, ours),
+            clock,
+            source,
+            dev: None,
+            ours,
+            admin: admin_ctl,
+            io: Vec::new(),
+            conns: vec![None; o.nr_io_queues + 1],
+            connect_data,
+            shared: shared.clone(),
+            disc_tx,
+            disc_rx,
+            changed,
+            cntlid: 0,
+            nr_io: 0,
+            failed_at: None,
+            last_recovery: None,
+            seed: 0x5EED,
+            metrics: CtrlMetrics::new(&o.subnqn),
+            opts: o.clone(),
+        };
         let mut c = Controller {
-            hca,
-            cm,
-            pd,
-            cntlid,
+            cntlid: 0,
+            opts: o,
             ident: IdentifyController::default(),
-            admin: Some(admin),
+            admin: admin_h,
             io: Vec::new(),
             namespaces: Vec::new(),
             next: AtomicUsize::new(0),
-            ka_failed: Arc::new(AtomicBool::new(false)),
-            ka_task: None,
-            max_io: o.max_io,
-            opts: o,
+            max_io: 0,
+            shared,
+            sup: None,
         };
-        if let Err(e) = c.bring_up().await {
-            c.shutdown().await;
+        let r = c.bring_up(&mut sup, discovery).await;
+        let now = clock.now();
+        if let Err(e) = r {
+            let acts = sup.sm.handle(now, Event::ConnectFailed);
+            let mut q = EventQueue::default();
+            for a in acts.iter() {
+                sup.execute(a, &mut q).await;
+            }
             return Err(e);
         }
+        sup.sm.handle(now, Event::Connected);
+        c.cntlid = sup.cntlid;
+        sup.publish();
+        c.sup = Some(tokio::spawn(sup.run()));
         Ok(c)
     }
 
-    async fn bring_up(&mut self) -> Result<(), HostError> {
-        let a = self.admin()?.clone();
-        let cap = Cap(a
-            .submit(FabricsCmd::get(fabrics::reg::CAP).to_sqe(0), None, 0)
-            .await?
-            .cqe
-            .result);
-        a.submit(
-            FabricsCmd::set(fabrics::reg::CC, Cc::enable_default().0 as u64).to_sqe(0),
-            None,
-            0,
-        )
-        .await?;
-        let deadline =
-            tokio::time::Instant::now() + Duration::from_millis(cap.timeout_ms().max(500) as u64);
-        loop {
-            let csts = Csts(
-                a.submit(FabricsCmd::get(fabrics::reg::CSTS).to_sqe(0), None, 0)
-                    .await?
-                    .cqe
-                    .result as u32,
-            );
-            if csts.cfs() {
-                return Err(HostError::Connect(
-                    "controller fatal status while enabling".into(),
-                ));
-            }
-            if csts.rdy() {
-                break;
-            }
-            if tokio::time::Instant::now() > deadline {
-                return Err(HostError::Timeout(
-                    "controller did not become ready (CSTS.RDY)".into(),
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        tracing::debug!("controller ready");
+    async fn bring_up(&mut self, sup: &mut Supervisor, discovery: bool) -> Result<(), HostError> {
+        sup.open_device()?;
+        let cap = sup.connect_admin().await?;
+        sup.admin.lock().resume(sup.now());
+        let a = self.admin.clone();
         let r = a.submit(admin::identify_controller(0), None, 4096).await?;
         self.ident =
             IdentifyController::parse(&r.data).map_err(|e| HostError::Protocol(e.to_string()))?;
+        self.max_io = self.opts.max_io;
         if let Some(m) = self.ident.max_transfer_bytes(cap.min_page_size()) {
             self.max_io = self.max_io.min(m as usize);
         }
-        let inline = (self.ident.in_capsule_data_bytes() as usize).min(16 << 10);
-        if Nqn::new(&self.opts.subnqn)?.is_discovery() {
+        if discovery {
             return Ok(());
         }
-        let want = self.opts.nr_io_queues as u32;
-        let r = a
-            .submit(admin::set_num_queues(0, want, want)?, None, 0)
-            .await?;
-        let (sq, cq) = admin::num_queues_allocated(r.cqe.dw0());
-        let n = want.min(sq).min(cq).max(1);
-        let max_q = (cap.max_queue_entries() as usize).min(self.opts.queue_size);
+        let inline = (self.ident.in_capsule_data_bytes() as usize).min(16 << 10);
+        let n = sup
+            .negotiate_queues(self.opts.nr_io_queues as u32)
+            .await?
+            .max(1);
+        let size = (cap.max_queue_entries() as usize).min(self.opts.queue_size);
         for qid in 1..=n as u16 {
             let spec = QueueSpec {
                 qid,
-                size: max_q,
+                size,
                 inline,
                 max_io: self.max_io,
                 mtu: self.opts.mtu,
             };
-            let (qc, _) = connect_queue(
-                &self.hca,
-                &self.cm,
-                self.pd,
-                &self.opts,
+            let core = QueueCore::new(
                 spec,
-                self.cntlid,
-                0,
-            )
-            .await?;
-            self.io.push(qc);
+                sup.shared.alarm.clone(),
+                self.opts.io_timeout,
+                self.opts.max_retries,
+            )?;
+            let (h, ctl, _task) = queue::spawn(core, sup.clock);
+            sup.io.push(ctl);
+            self.io.push(h);
+            sup.nr_io = sup.io.len();
+            sup.connect_queue(qid as usize).await?;
+            sup.io[qid as usize - 1].lock().resume(sup.now());
         }
         // Namespaces.
         let r = a
@@ -370,49 +1009,64 @@ impl Controller {
                 blocks: ns.nsze,
             });
         }
-        self.start_keep_alive();
         Ok(())
     }
 
-    fn start_keep_alive(&mut self) {
-        let kato = self.opts.keep_alive_tmo;
-        if kato.is_zero() {
-            return;
+    /// The soft-HCA context this controller currently runs on.
+    pub fn hca(&self) -> SoftHca {
+        self.shared
+            .hca
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// State, attempts, time left, as of now.
+    pub fn status(&self) -> CtrlStatus {
+        let mut s = *self.shared.status.borrow();
+        let now = self.shared.clock.now();
+        let passed = Duration::from_nanos(now.0.saturating_sub(s.at.0));
+        s.machine.loss_in = s.machine.loss_in.map(|d| d.saturating_sub(passed));
+        s.at = now;
+        s
+    }
+
+    /// A receiver that sees every state change.
+    pub fn watch_status(&self) -> watch::Receiver<CtrlStatus> {
+        self.shared.status.subscribe()
+    }
+
+    /// Wait until the status satisfies `f`, at most `timeout`.
+    pub async fn wait_status(
+        &self,
+        timeout: Duration,
+        f: impl Fn(&CtrlStatus) -> bool,
+    ) -> Result<CtrlStatus, HostError> {
+        let mut rx = self.watch_status();
+        let r =
+            tokio::time::timeout(timeout, async { rx.wait_for(|s| f(s)).await.map(|s| *s) }).await;
+        match r {
+            Ok(Ok(s)) => Ok(s),
+            Ok(Err(_)) => Err(HostError::Gone("controller ended".into())),
+            Err(_) => Err(HostError::Timeout(format!(
+                "status condition not reached; now {:?}",
+                self.status().machine
+            ))),
         }
-        let Some(a) = self.admin.as_ref().map(|q| q.handle.clone()) else {
-            return;
-        };
-        let failed = self.ka_failed.clone();
-        self.ka_task = Some(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(kato / 2);
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                let r = tokio::time::timeout(kato, a.submit(admin::keep_alive(0), None, 0)).await;
-                if !matches!(r, Ok(Ok(_))) {
-                    tracing::warn!("keep-alive failed; controller needs recovery");
-                    failed.store(true, Ordering::SeqCst);
-                    return;
-                }
-            }
-        }));
     }
 
-    fn admin(&self) -> Result<&QueueHandle, HostError> {
-        self.admin
-            .as_ref()
-            .map(|q| &q.handle)
-            .ok_or_else(|| HostError::Gone("controller disconnected".into()))
+    /// Start recovery now, as on any failure (nvme-cli `reset`).
+    pub fn reset(&self) {
+        self.shared.alarm.raise(Cause::UserReset);
     }
 
-    /// True once a keep-alive went unanswered.
+    pub fn state(&self) -> CtrlState {
+        self.shared.status.borrow().machine.state
+    }
+
+    /// True once a keep-alive went unanswered (the controller then recovers).
     pub fn keep_alive_failed(&self) -> bool {
-        self.ka_failed.load(Ordering::SeqCst)
-    }
-
-    /// The soft-HCA this controller runs on.
-    pub fn hca(&self) -> &SoftHca {
-        &self.hca
+        self.shared.status.borrow().machine.cause == Some(Cause::KeepAliveLost)
     }
 
     pub fn namespaces(&self) -> &[NsInfo] {
@@ -435,14 +1089,27 @@ impl Controller {
         self.max_io
     }
 
+    /// Counters of every queue, admin first.
+    pub fn queue_stats(&self) -> Vec<QueueStats> {
+        std::iter::once(&self.admin)
+            .chain(self.io.iter())
+            .map(|q| q.stats())
+            .collect()
+    }
+
     fn pick(&self) -> &QueueHandle {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.io.len();
-        &self.io[i].handle
+        &self.io[i]
     }
 
     /// The I/O queue a caller pinned itself to (`queue % count`), for per-core submission.
     pub fn queue(&self, queue: usize) -> &QueueHandle {
-        &self.io[queue % self.io.len()].handle
+        &self.io[queue % self.io.len()]
+    }
+
+    /// The admin queue, for commands of the caller's own.
+    pub fn admin_queue(&self) -> &QueueHandle {
+        &self.admin
     }
 
     fn check(&self, nsid: u32, lba: u64, bytes: usize) -> Result<(NsInfo, u64), HostError> {
@@ -531,33 +1198,21 @@ impl Controller {
     }
 
     /// Orderly disconnect: shut the controller down (CC.SHN), tear the queues down, release
-    /// every resource.
+    /// every resource. Pending I/O fails with "controller deleted".
     pub async fn disconnect(mut self) {
-        if let Ok(a) = self.admin() {
-            let shn = Cc::enable_default().with_shn(1).0 as u64;
-            let cmd = FabricsCmd::set(fabrics::reg::CC, shn).to_sqe(0);
-            let _ = tokio::time::timeout(Duration::from_secs(1), a.submit(cmd, None, 0)).await;
+        self.shared.delete.notify_one();
+        if let Some(t) = self.sup.take() {
+            let _ = t.await;
         }
-        self.shutdown().await;
     }
+}
 
-    async fn shutdown(&mut self) {
-        tracing::debug!("controller shutdown");
-        if let Some(t) = self.ka_task.take() {
-            t.abort();
+impl Drop for Controller {
+    fn drop(&mut self) {
+        if self.sup.is_some() {
+            // The supervisor tears everything down in the background.
+            self.shared.delete.notify_one();
         }
-        let io = std::mem::take(&mut self.io);
-        for q in io {
-            q.close(&self.cm).await;
-        }
-        if let Some(q) = self.admin.take() {
-            q.close(&self.cm).await;
-        }
-        let pd = self.pd;
-        self.hca.with(|d, _| {
-            let _ = d.dealloc_pd(pd);
-        });
-        tracing::debug!("controller shut down");
     }
 }
 
@@ -570,7 +1225,7 @@ pub async fn discover(
     o.subnqn = fabrics::DISCOVERY_NQN.to_string();
     o.keep_alive_tmo = Duration::ZERO;
     let c = Controller::connect(hca, cm, o).await?;
-    let a = c.admin()?.clone();
+    let a = c.admin.clone();
     let entries = async {
         let head = a
             .submit(admin::get_discovery_log(0, 0, 1024)?, None, 1024)

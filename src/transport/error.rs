@@ -26,6 +26,11 @@ pub enum HostError {
     /// The controller was disconnected or deleted. Permanent for this handle.
     #[error("controller is gone: {0}")]
     Gone(String),
+    /// The path to the controller is down and the policy gave up on this request:
+    /// fast_io_fail_tmo passed (the controller keeps reconnecting), or ctrl_loss_tmo,
+    /// max_reconnects or the replug window ended it (the controller is deleted).
+    #[error("host path error: {}", .0.name())]
+    Path(crate::reconnect::FailReason),
     /// A command did not complete in time. Transient.
     #[error("timed out: {0}")]
     Timeout(String),

@@ -35,7 +35,13 @@ pub struct CmService {
 }
 
 impl CmService {
+    /// Start CM on `hca`. The CM stands in for the kernel's rdma_cm: it is platform code for
+    /// [`crate::alloc_audit`], as are all its methods.
     pub fn start(hca: SoftHca, seed: u64) -> CmService {
+        crate::alloc_audit::platform(|| Self::start_inner(hca, seed))
+    }
+
+    fn start_inner(hca: SoftHca, seed: u64) -> CmService {
         let id = hca.with(|d, _| d.identity().clone());
         let cfg = CmConfig::new(hca.addr().ip(), id.guid);
         let cm = CmEndpoint::new(cfg, rand::rngs::SmallRng::seed_from_u64(seed));
@@ -47,7 +53,7 @@ impl CmService {
             watchers: Mutex::new(HashMap::new()),
             kick: Notify::new(),
         });
-        tokio::spawn(pump(sh.clone()));
+        crate::alloc_audit::spawn(pump(sh.clone()));
         CmService { sh }
     }
 
@@ -57,6 +63,16 @@ impl CmService {
 
     /// Active side: REQ → REP → RTU. `peer` is the target device's UDP address.
     pub async fn connect(
+        &self,
+        peer: SocketAddr,
+        params: ConnectParams,
+        private: &[u8],
+        timeout: Duration,
+    ) -> Result<Established, HostError> {
+        crate::alloc_audit::Platform::new(self.connect_inner(peer, params, private, timeout)).await
+    }
+
+    async fn connect_inner(
         &self,
         peer: SocketAddr,
         params: ConnectParams,
@@ -103,11 +119,13 @@ impl CmService {
 
     /// Be told (once) when connection `id` is torn down by the peer or the transport.
     pub fn watch(&self, id: ConnId, tx: mpsc::UnboundedSender<ConnId>) {
-        self.sh
-            .watchers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, tx);
+        crate::alloc_audit::platform(|| {
+            self.sh
+                .watchers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, tx);
+        })
     }
 
     /// Passive side: connection requests for `port` arrive on the returned channel.
@@ -141,30 +159,34 @@ impl CmService {
 
     /// Orderly teardown (DREQ).
     pub fn disconnect(&self, id: ConnId) {
-        let now = self.sh.hca.now();
-        let _ = self.cm().disconnect(now, id, &[]);
-        self.sh
-            .watchers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
-        self.sh.kick.notify_one();
+        crate::alloc_audit::platform(|| {
+            let now = self.sh.hca.now();
+            let _ = self.cm().disconnect(now, id, &[]);
+            self.sh
+                .watchers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+            self.sh.kick.notify_one();
+        })
     }
 
     /// Forget a connection whatever its state (the recovery path).
     pub fn abort(&self, id: ConnId) {
-        let _ = self.cm().abort(id);
-        self.sh
-            .waiters
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
-        self.sh
-            .watchers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
-        self.sh.kick.notify_one();
+        crate::alloc_audit::platform(|| {
+            let _ = self.cm().abort(id);
+            self.sh
+                .waiters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+            self.sh
+                .watchers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+            self.sh.kick.notify_one();
+        })
     }
 }
 

@@ -7,7 +7,9 @@ pub mod error;
 pub mod fabric;
 pub mod queue;
 
-pub use controller::{default_hostid, discover, ConnectOptions, Controller, NsInfo};
+pub use controller::{
+    default_hostid, discover, ConnectOptions, Controller, CtrlStatus, HostDevice, NsInfo,
+};
 pub use error::HostError;
 pub use fabric::CmService;
 pub use queue::{QueueHandle, QueueSpec, QueueStats};

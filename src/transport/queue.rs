@@ -1,23 +1,37 @@
 //! One host NVMe-oF RDMA queue (admin or I/O): an RC QP with a command-capsule ring, a
-//! response ring and one data buffer per command slot, all registered once at connect time.
+//! response ring and one data buffer per command slot.
 //!
-//! Command IDs index a preallocated slot table (low bits) and carry a generation (high bits),
-//! so a late or duplicate completion from a confused target can never complete the request
-//! that reused the slot. A request completes only when both its SEND completion and its
-//! response capsule are in (Linux `nvme_rdma_end_request`). Every data buffer has its own
-//! MR: a target can only touch the buffer of the command it was handed.
+//! The host memory of a queue (rings, data buffers, slot table) is allocated once, when the
+//! controller is first connected, and lives as long as the controller. The verbs objects
+//! over it (CQ, QP, MRs) belong to one device context: the recovery path drops them
+//! whatever state they are in ([`QueueCore::teardown`]), registers the *same* buffers again
+//! under a new PD ([`QueueCore::attach`]) and resubmits what was in flight
+//! ([`QueueCore::resume`]). An in-flight command's retry slot is its own slot: its SQE and
+//! its data stay where they are, so requeueing allocates nothing.
+//!
+//! Command IDs index the slot table (low bits) and carry a generation (high bits), so a
+//! late or duplicate completion from a confused target can never complete the request that
+//! reused the slot. A request completes only when both its SEND completion and its response
+//! capsule are in (Linux `nvme_end_request`). Every data buffer has its own MR: a target can
+//! only touch the buffer of the command it was handed.
+//!
+//! The last slot is reserved for the controller's own commands (Fabrics Connect, Property
+//! Get/Set, keep-alive), like Linux's reserved tags; it can be used while user I/O is held.
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::driver::SoftHca;
 use crate::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
 use crate::hca::{
-    Access, AttrMask, CqId, HostMem, MrInfo, Mtu, PdId, Psn, QpAttr, QpCaps, QpState, Qpn, RecvWr,
-    SendOp, SendWr, Sge, Sgl, WcOpcode, WcStatus, WorkCompletion,
+    Access, CqId, HostMem, Instant, MrInfo, Mtu, PdId, Psn, QpCaps, Qpn, RecvWr, SendOp, SendWr,
+    Sge, Sgl, WcOpcode, WcStatus, WorkCompletion,
 };
 use crate::nvme::{Cqe, SglDescriptor, Sqe};
+use crate::reconnect::{Cause, FailReason};
 
 use super::HostError;
 
@@ -46,11 +60,18 @@ pub struct Response {
     pub data: Vec<u8>,
 }
 
-/// Counters of protocol oddities (a target that lies).
+/// Counters of one queue.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct QueueStats {
     pub submitted: u64,
     pub completed: u64,
+    /// Commands held across a recovery and sent again.
+    pub requeued: u64,
+    /// Commands sent again after a retryable NVMe error status.
+    pub retried: u64,
+    /// Commands failed by fast_io_fail_tmo, ctrl_loss_tmo or deletion.
+    pub failed: u64,
+    pub timeouts: u64,
     pub unknown_cid: u64,
     pub duplicate_completion: u64,
     pub bad_response_len: u64,
@@ -60,7 +81,7 @@ pub struct QueueStats {
 #[derive(Debug, Clone, Copy)]
 pub struct QueueSpec {
     pub qid: u16,
-    /// Entries (hsqsize + 1).
+    /// Entries (hsqsize + 1), including the reserved slot.
     pub size: usize,
     /// Bytes of in-capsule data allowed (0 on the admin queue).
     pub inline: usize,
@@ -69,36 +90,117 @@ pub struct QueueSpec {
     pub mtu: Mtu,
 }
 
+/// Where recovery is told that something broke: the first cause wins until taken.
+#[derive(Default)]
+pub struct Alarm {
+    cause: AtomicU8,
+    pub notify: Notify,
+}
+
+impl Alarm {
+    pub fn raise(&self, c: Cause) {
+        let code = Cause::ALL.iter().position(|x| *x == c).unwrap_or(0) as u8 + 1;
+        let _ = self
+            .cause
+            .compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
+        self.notify.notify_one();
+    }
+
+    pub fn take(&self) -> Option<Cause> {
+        match self.cause.swap(0, Ordering::SeqCst) {
+            0 => None,
+            n => Cause::ALL.get(n as usize - 1).copied(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    /// Waiting for the controller to be LIVE (new while down, or requeued by recovery).
+    Held,
+    Posted,
+}
+
 struct Slot {
-    busy: bool,
+    state: SlotState,
     gen: u16,
     send_done: bool,
     cqe: Option<Cqe>,
+    /// The command as the caller gave it; CID and data pointer are filled at each post.
+    sqe: Sqe,
+    data_out: usize,
     data_in: usize,
-    opcode: u8,
+    retries: u8,
+    posted_at: Instant,
     reply: Option<oneshot::Sender<Result<Response, HostError>>>,
 }
 
-/// The verbs resources of a queue, created before CM connects it.
-pub struct QueueRes {
-    pub spec: QueueSpec,
-    pub qpn: Qpn,
-    pub psn: Psn,
-    pub cq: CqId,
-    cmd: (HostMem, MrInfo),
-    rsp: (HostMem, MrInfo),
-    data: HostMem,
-    data_mrs: Vec<MrInfo>,
+/// The verbs objects of one device context over the queue's buffers.
+struct Verbs {
+    hca: SoftHca,
+    qpn: Qpn,
+    cq: CqId,
+    cmd_mr: MrInfo,
+    rsp_mr: MrInfo,
+    /// How many of `QueueCore::data_mrs` are registered.
+    data_mrs: usize,
 }
 
-impl QueueRes {
-    /// Allocate CQ, QP (INIT) and register the rings and data buffers under `pd`.
-    pub fn create(
-        hca: &SoftHca,
-        pd: PdId,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// No usable connection: new I/O is held.
+    Down,
+    /// Connected; only the reserved slot is used (Fabrics Connect, bring-up commands).
+    Attached,
+    Live,
+    /// Deleted: everything fails with the reason.
+    Closed(FailReason),
+}
+
+/// The reserved slot's last completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlDone {
+    Completed(Cqe),
+    /// The connection broke under it.
+    Lost,
+}
+
+/// Everything of a queue except its task.
+pub struct QueueCore {
+    pub spec: QueueSpec,
+    cmd: HostMem,
+    rsp: HostMem,
+    data: HostMem,
+    data_mrs: Box<[MrInfo]>,
+    slots: Box<[Slot]>,
+    free: Vec<usize>,
+    verbs: Option<Verbs>,
+    phase: Phase,
+    /// New and held I/O fails at once with this (fast_io_fail_tmo) until LIVE again.
+    failfast: Option<FailReason>,
+    control: Option<ControlDone>,
+    pub stats: QueueStats,
+    /// Work requests gathered during one turn and posted under one device lock.
+    sends: Vec<SendWr>,
+    recvs: Vec<RecvWr>,
+    alarm: Arc<Alarm>,
+    io_timeout: Duration,
+    max_retries: u8,
+}
+
+fn add(t: Instant, d: Duration) -> Instant {
+    Instant(t.0.saturating_add(d.as_nanos().min(u64::MAX as u128) as u64))
+}
+
+impl QueueCore {
+    /// Allocate the queue's host memory: rings, data buffers, slots. Nothing is registered.
+    pub fn new(
         spec: QueueSpec,
-        psn: Psn,
-    ) -> Result<QueueRes, HostError> {
+        alarm: Arc<Alarm>,
+        io_timeout: Duration,
+        max_retries: u8,
+    ) -> Result<QueueCore, HostError> {
         if spec.size < 2 || spec.size > MAX_QUEUE_SIZE {
             return Err(HostError::Invalid(format!(
                 "queue size {} not in 2..={MAX_QUEUE_SIZE}",
@@ -106,50 +208,136 @@ impl QueueRes {
             )));
         }
         let capsule = SQE_LEN + spec.inline;
-        hca.with(|d, _| -> Result<QueueRes, HostError> {
-            let cq = d.create_cq(spec.size * 4 + 1)?;
-            let caps = QpCaps {
-                max_send_wr: spec.size as u32 * 2 + 1,
-                max_recv_wr: spec.size as u32 + 1,
-            };
-            let qpn = match create_qp_init(
-                d,
-                pd,
-                cq,
-                caps,
-                Access::REMOTE_READ | Access::REMOTE_WRITE | Access::LOCAL_WRITE,
-            ) {
-                Ok(q) => q,
-                Err(e) => {
-                    let _ = d.destroy_cq(cq);
-                    return Err(e.into());
-                }
-            };
-            let cmd = HostMem::new(spec.size * capsule);
-            let rsp = HostMem::new(spec.size * CQE_LEN);
-            let data = HostMem::new(spec.size * spec.max_io);
-            let cmd_mr = d.reg_mr(pd, &cmd, 0, cmd.len(), Access::empty())?;
-            let rsp_mr = d.reg_mr(pd, &rsp, 0, rsp.len(), Access::LOCAL_WRITE)?;
-            let rw = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
-            let mut data_mrs = Vec::with_capacity(spec.size);
-            for i in 0..spec.size {
-                data_mrs.push(d.reg_mr(pd, &data, i * spec.max_io, spec.max_io, rw)?);
-            }
-            Ok(QueueRes {
-                spec,
-                qpn,
-                psn,
-                cq,
-                cmd: (cmd, cmd_mr),
-                rsp: (rsp, rsp_mr),
-                data,
-                data_mrs,
+        let n = spec.size;
+        let slots: Box<[Slot]> = (0..n)
+            .map(|_| Slot {
+                state: SlotState::Free,
+                gen: 0,
+                send_done: false,
+                cqe: None,
+                sqe: Sqe::default(),
+                data_out: 0,
+                data_in: 0,
+                retries: 0,
+                posted_at: Instant(0),
+                reply: None,
             })
+            .collect();
+        Ok(QueueCore {
+            spec,
+            cmd: HostMem::new(n * capsule),
+            rsp: HostMem::new(n * CQE_LEN),
+            data: HostMem::new(n * spec.max_io),
+            data_mrs: vec![MrInfo::default(); n].into_boxed_slice(),
+            slots,
+            // The last slot is the reserved one; user slots pop from the end of `free`.
+            free: (0..n - 1).rev().collect(),
+            verbs: None,
+            phase: Phase::Down,
+            failfast: None,
+            control: None,
+            stats: QueueStats::default(),
+            sends: Vec::with_capacity(n),
+            recvs: Vec::with_capacity(n),
+            alarm,
+            io_timeout,
+            max_retries,
         })
     }
 
-    /// The peer answered (CM REP): QP to RTS and post the response ring.
-    pub fn connected(&self, hca: &SoftHca, peer: PeerInfo) -> Result<(), HostError> {
+    fn control_slot(&self) -> usize {
+        self.spec.size - 1
+    }
+
+    fn capsule(&self) -> usize {
+        SQE_LEN + self.spec.inline
+    }
+
+    pub fn is_live(&self) -> bool {
+        self.phase == Phase::Live
+    }
+
+    /// Requests the queue holds or has out.
+    pub fn outstanding(&self) -> usize {
+        self.spec.size - 1 - self.free.len()
+    }
+
+    /// Can the task take another request from its channel?
+    fn accepting(&self) -> bool {
+        !self.free.is_empty() || matches!(self.phase, Phase::Closed(_)) || self.failfast.is_some()
+    }
+
+    /// Register the queue's buffers on `hca` under `pd` and create a CQ and a QP in INIT.
+    /// Returns the QP number for the CM request. On error nothing is left behind.
+    pub fn attach(&mut self, hca: &SoftHca, pd: PdId) -> Result<Qpn, HostError> {
+        self.teardown();
+        let size = self.spec.size;
+        let (cmd, rsp, data) = (&self.cmd, &self.rsp, &self.data);
+        let max_io = self.spec.max_io;
+        let data_mrs = &mut self.data_mrs;
+        let r = hca.with(|d, _| -> Result<Verbs, (Option<Verbs>, HostError)> {
+            let cq = d.create_cq(size * 4 + 1).map_err(|e| (None, e.into()))?;
+            let caps = QpCaps {
+                max_send_wr: size as u32 * 2 + 1,
+                max_recv_wr: size as u32 + 1,
+            };
+            let access = Access::REMOTE_READ | Access::REMOTE_WRITE | Access::LOCAL_WRITE;
+            let qpn = match create_qp_init(d, pd, cq, caps, access) {
+                Ok(q) => q,
+                Err(e) => {
+                    let _ = d.destroy_cq(cq);
+                    return Err((None, e.into()));
+                }
+            };
+            let mut v = Verbs {
+                hca: hca.clone(),
+                qpn,
+                cq,
+                cmd_mr: MrInfo::default(),
+                rsp_mr: MrInfo::default(),
+                data_mrs: 0,
+            };
+            let bad = |v: Verbs, e: crate::hca::VerbsError| (Some(v), HostError::from(e));
+            match d.reg_mr(pd, cmd, 0, cmd.len(), Access::empty()) {
+                Ok(m) => v.cmd_mr = m,
+                Err(e) => return Err(bad(v, e)),
+            }
+            match d.reg_mr(pd, rsp, 0, rsp.len(), Access::LOCAL_WRITE) {
+                Ok(m) => v.rsp_mr = m,
+                Err(e) => return Err(bad(v, e)),
+            }
+            let rw = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+            for i in 0..size {
+                match d.reg_mr(pd, data, i * max_io, max_io, rw) {
+                    Ok(m) => {
+                        data_mrs[i] = m;
+                        v.data_mrs = i + 1;
+                    }
+                    Err(e) => return Err(bad(v, e)),
+                }
+            }
+            Ok(v)
+        });
+        match r {
+            Ok(v) => {
+                let qpn = v.qpn;
+                self.verbs = Some(v);
+                Ok(qpn)
+            }
+            Err((partial, e)) => {
+                self.verbs = partial;
+                self.teardown();
+                Err(e)
+            }
+        }
+    }
+
+    /// The peer answered (CM REP): QP to RTS and post the response ring. Only the reserved
+    /// slot may be used until [`QueueCore::resume`].
+    pub fn connected(&mut self, peer: PeerInfo, psn: Psn) -> Result<(), HostError> {
+        let Some(v) = &self.verbs else {
+            return Err(HostError::Transport("queue has no QP".into()));
+        };
         let o = RcOptions {
             mtu: self.spec.mtu,
             timeout: 14,
@@ -158,54 +346,570 @@ impl QueueRes {
             max_unacked: 256,
             ..RcOptions::default()
         };
-        hca.with(|d, _| -> Result<(), HostError> {
-            qp_to_rts(d, self.qpn, peer, self.psn, &o)?;
-            for r in 0..self.spec.size {
-                d.post_recv(self.qpn, self.recv_wr(r))?;
+        let (qpn, rsp_mr, size) = (v.qpn, v.rsp_mr, self.spec.size);
+        v.hca.with(|d, _| -> Result<(), HostError> {
+            qp_to_rts(d, qpn, peer, psn, &o)?;
+            for r in 0..size {
+                d.post_recv(qpn, recv_wr(&rsp_mr, r))?;
             }
             Ok(())
-        })
+        })?;
+        self.phase = Phase::Attached;
+        self.control = None;
+        Ok(())
     }
 
-    fn recv_wr(&self, r: usize) -> RecvWr {
-        RecvWr {
-            wr_id: (WR_RECV << 32) | r as u64,
-            sgl: Sgl::one(
-                self.rsp.1.addr + (r * CQE_LEN) as u64,
-                CQE_LEN as u32,
-                self.rsp.1.lkey,
-            ),
+    /// Drop every verbs object of the queue, whatever state it is in (on a zombie device
+    /// every release succeeds). Posted commands without a response are held for
+    /// resubmission; those whose response arrived complete with it.
+    pub fn teardown(&mut self) {
+        self.go_down(false);
+        self.sends.clear();
+        self.recvs.clear();
+        if let Some(v) = self.verbs.take() {
+            let mrs = &self.data_mrs[..v.data_mrs];
+            v.hca.with(|d, _| {
+                let _ = d.destroy_qp(v.qpn);
+                let _ = d.destroy_cq(v.cq);
+                if v.cmd_mr.lkey.0 != 0 {
+                    let _ = d.dereg_mr(v.cmd_mr.lkey);
+                }
+                if v.rsp_mr.lkey.0 != 0 {
+                    let _ = d.dereg_mr(v.rsp_mr.lkey);
+                }
+                for m in mrs {
+                    let _ = d.dereg_mr(m.lkey);
+                }
+            });
         }
     }
 
-    /// Release every verbs object of the queue; on a zombie device this always succeeds.
-    pub fn destroy(&self, hca: &SoftHca) {
-        hca.with(|d, _| {
-            let _ = d.destroy_qp(self.qpn);
-            let _ = d.destroy_cq(self.cq);
-            let _ = d.dereg_mr(self.cmd.1.lkey);
-            let _ = d.dereg_mr(self.rsp.1.lkey);
-            for m in &self.data_mrs {
-                let _ = d.dereg_mr(m.lkey);
+    /// Stop using the connection: posted commands are held (or completed, if their
+    /// response is in), the reserved slot's command is lost. With `charge` (the connection
+    /// failed while they were out, not the device) each posted command uses up a retry, so a
+    /// command that breaks its connection every time (a target that answers it with a
+    /// protection error) fails after `max_retries` instead of looping, as in Linux.
+    fn go_down(&mut self, charge: bool) {
+        if matches!(self.phase, Phase::Down | Phase::Closed(_)) {
+            return;
+        }
+        self.phase = Phase::Down;
+        let ctl = self.control_slot();
+        for i in 0..self.slots.len() {
+            if self.slots[i].state != SlotState::Posted {
+                continue;
             }
+            if i == ctl {
+                self.slots[i].state = SlotState::Free;
+                self.control = Some(ControlDone::Lost);
+                continue;
+            }
+            let s = &mut self.slots[i];
+            if s.cqe.is_some() {
+                // The target answered: the command ran. Complete it with its answer.
+                s.send_done = true;
+                self.try_finish(i);
+            } else if charge && s.retries >= self.max_retries {
+                self.stats.failed += 1;
+                self.finish(
+                    i,
+                    Err(HostError::Transport(
+                        "the connection failed under this command on every retry".into(),
+                    )),
+                );
+            } else {
+                if charge {
+                    s.retries += 1;
+                }
+                s.state = SlotState::Held;
+                s.send_done = false;
+                self.stats.requeued += 1;
+            }
+        }
+    }
+
+    /// Post a controller command on the reserved slot. Its completion shows up in
+    /// [`QueueCore::take_control`].
+    pub fn post_control(
+        &mut self,
+        now: Instant,
+        sqe: Sqe,
+        data_out: &[u8],
+        data_in: usize,
+    ) -> Result<(), HostError> {
+        if self.verbs.is_none() || matches!(self.phase, Phase::Down | Phase::Closed(_)) {
+            return Err(HostError::Transport("queue is not connected".into()));
+        }
+        let i = self.control_slot();
+        if self.slots[i].state != SlotState::Free {
+            return Err(HostError::Invalid(
+                "a controller command is already out".into(),
+            ));
+        }
+        if data_out.len() > self.spec.max_io || data_in > self.spec.max_io {
+            return Err(HostError::Invalid("controller command too large".into()));
+        }
+        self.control = None;
+        let off = i * self.spec.max_io;
+        if !data_out.is_empty() {
+            self.data.write(off, data_out);
+        } else if data_in > 0 {
+            self.data.lock()[off..off + data_in].fill(0);
+        }
+        let s = &mut self.slots[i];
+        s.sqe = sqe;
+        s.data_out = data_out.len();
+        s.data_in = data_in;
+        s.retries = 0;
+        self.post(i, now);
+        self.flush_posts();
+        Ok(())
+    }
+
+    /// The reserved slot's completion, once.
+    pub fn take_control(&mut self) -> Option<ControlDone> {
+        self.control.take()
+    }
+
+    /// Copy the reserved slot's data (what the last controller command read).
+    pub fn control_data(&self, out: &mut [u8]) {
+        let n = out.len().min(self.spec.max_io);
+        self.data
+            .read(self.control_slot() * self.spec.max_io, &mut out[..n]);
+    }
+
+    /// The controller is LIVE again: send every held command.
+    pub fn resume(&mut self, now: Instant) {
+        if self.verbs.is_none() || matches!(self.phase, Phase::Closed(_)) {
+            return;
+        }
+        self.phase = Phase::Live;
+        self.failfast = None;
+        for i in 0..self.slots.len() {
+            if self.slots[i].state == SlotState::Held {
+                self.post(i, now);
+            }
+        }
+        self.flush_posts();
+    }
+
+    /// fast_io_fail_tmo or deletion: fail what is held; with `close`, everything from now
+    /// on too. With `FastIoFail` new I/O fails at once until the controller is LIVE again.
+    pub fn fail_held(&mut self, why: FailReason, close: bool) {
+        if close {
+            self.teardown();
+            self.phase = Phase::Closed(why);
+        } else if self.phase != Phase::Live {
+            self.failfast = Some(why);
+        }
+        for i in 0..self.slots.len() {
+            if self.slots[i].state == SlotState::Held {
+                self.stats.failed += 1;
+                self.finish(i, Err(HostError::Path(why)));
+            }
+        }
+    }
+
+    /// Take a caller's request: it is sent now if LIVE, held otherwise.
+    pub fn submit(&mut self, now: Instant, req: Request) {
+        if let Phase::Closed(why) = self.phase {
+            let _ = req.reply.send(Err(HostError::Path(why)));
+            return;
+        }
+        if let (Some(why), false) = (self.failfast, self.is_live()) {
+            let _ = req.reply.send(Err(HostError::Path(why)));
+            return;
+        }
+        let max_io = self.spec.max_io;
+        let out_len = req.data_out.as_ref().map_or(0, |v| v.len());
+        if out_len > max_io || req.data_in > max_io {
+            let _ = req.reply.send(Err(HostError::Invalid(format!(
+                "transfer larger than {max_io} bytes"
+            ))));
+            return;
+        }
+        let Some(i) = self.free.pop() else {
+            let _ = req.reply.send(Err(HostError::Invalid("queue full".into())));
+            return;
+        };
+        let off = i * max_io;
+        if let Some(data) = &req.data_out {
+            self.data.write(off, data);
+        } else if req.data_in > 0 {
+            // A target that reports success without writing the data must not hand this
+            // caller the bytes of the slot's previous request.
+            self.data.lock()[off..off + req.data_in].fill(0);
+        }
+        let s = &mut self.slots[i];
+        s.sqe = req.sqe;
+        s.data_out = out_len;
+        s.data_in = req.data_in;
+        s.retries = 0;
+        s.reply = Some(req.reply);
+        s.state = SlotState::Held;
+        self.stats.submitted += 1;
+        if self.is_live() {
+            self.post(i, now);
+        }
+    }
+
+    /// Build slot `i`'s capsule with a fresh command ID and the current keys, and queue its
+    /// SEND for [`QueueCore::flush_posts`].
+    fn post(&mut self, i: usize, now: Instant) {
+        let Some(v) = &self.verbs else { return };
+        let spec = self.spec;
+        let capsule = self.capsule();
+        let mr = self.data_mrs[i];
+        let s = &mut self.slots[i];
+        s.gen = (s.gen + 1) & ((1 << (16 - SLOT_BITS)) - 1);
+        let mut sqe = s.sqe;
+        sqe.cid = (i as u16) | (s.gen << SLOT_BITS);
+        let mut sges = [Sge::default(); 2];
+        sges[0] = Sge {
+            addr: v.cmd_mr.addr + (i * capsule) as u64,
+            len: SQE_LEN as u32,
+            lkey: v.cmd_mr.lkey,
+        };
+        let mut nsge = 1;
+        let sgl = if s.data_out > 0 {
+            if spec.qid > 0 && s.data_out <= spec.inline {
+                sges[1] = Sge {
+                    addr: mr.addr,
+                    len: s.data_out as u32,
+                    lkey: mr.lkey,
+                };
+                nsge = 2;
+                SglDescriptor::InCapsule {
+                    offset: 0,
+                    len: s.data_out as u32,
+                }
+            } else {
+                SglDescriptor::keyed(mr.addr, s.data_out as u64, mr.rkey.0, false)
+                    .unwrap_or(SglDescriptor::NULL)
+            }
+        } else if s.data_in > 0 {
+            SglDescriptor::keyed(mr.addr, s.data_in as u64, mr.rkey.0, false)
+                .unwrap_or(SglDescriptor::NULL)
+        } else {
+            SglDescriptor::NULL
+        };
+        let _ = sgl.emit(&mut sqe.dptr);
+        let mut bytes = [0u8; SQE_LEN];
+        sqe.emit(&mut bytes);
+        self.cmd.write(i * capsule, &bytes);
+        s.state = SlotState::Posted;
+        s.send_done = false;
+        s.cqe = None;
+        s.posted_at = now;
+        self.sends.push(SendWr {
+            wr_id: (WR_SEND << 32) | i as u64,
+            op: SendOp::Send,
+            sgl: Sgl::new(&sges[..nsge]).unwrap_or_default(),
+            signaled: true,
+            solicited: false,
         });
+    }
+
+    /// Post the turn's sends and receive re-posts under one lock, with one driver kick. A
+    /// post the device refuses means the connection is gone: recovery takes over.
+    pub fn flush_posts(&mut self) {
+        if self.sends.is_empty() && self.recvs.is_empty() {
+            return;
+        }
+        let Some(v) = &self.verbs else {
+            self.sends.clear();
+            self.recvs.clear();
+            return;
+        };
+        let qpn = v.qpn;
+        let (sends, recvs) = (&mut self.sends, &mut self.recvs);
+        let ok = v.hca.with(|d, now| {
+            let mut ok = true;
+            for r in recvs.drain(..) {
+                ok &= d.post_recv(qpn, r).is_ok();
+            }
+            for wr in sends.drain(..) {
+                ok &= d.post_send(now, qpn, wr).is_ok();
+            }
+            ok
+        });
+        if !ok {
+            self.fail_connection(Cause::Transport);
+        }
+    }
+
+    /// The connection broke under the queue: hold what is out and tell recovery.
+    fn fail_connection(&mut self, c: Cause) {
+        if matches!(self.phase, Phase::Attached | Phase::Live) {
+            self.go_down(c == Cause::Transport);
+            self.alarm.raise(c);
+        }
+    }
+
+    /// Feed one work completion.
+    pub fn on_wc(&mut self, wc: &WorkCompletion) {
+        if self.verbs.is_none() {
+            return;
+        }
+        let kind = wc.wr_id >> 32;
+        let idx = (wc.wr_id & 0xFFFF_FFFF) as usize;
+        if wc.status != WcStatus::Success {
+            // A flush on a dead device is the device's failure; any other error (and a flush
+            // on a live device: the QP went to error, e.g. the target broke an MR's rules)
+            // is this connection's.
+            let dead = wc.status == WcStatus::WrFlushErr
+                && self
+                    .verbs
+                    .as_ref()
+                    .is_some_and(|v| v.hca.lifecycle() != crate::hca::Lifecycle::Live);
+            let c = if dead {
+                Cause::DeviceFatal
+            } else {
+                Cause::Transport
+            };
+            self.fail_connection(c);
+            return;
+        }
+        match (kind, wc.opcode) {
+            (WR_SEND, WcOpcode::Send) => {
+                if let Some(s) = self.slots.get_mut(idx) {
+                    if s.state == SlotState::Posted {
+                        s.send_done = true;
+                        self.try_finish(idx);
+                    }
+                }
+            }
+            (WR_RECV, WcOpcode::Recv) => self.on_response(idx, wc.byte_len as usize),
+            _ => {}
+        }
+    }
+
+    /// The device behind the CQ is dead and drained.
+    pub fn on_device_gone(&mut self) {
+        self.fail_connection(Cause::DeviceFatal);
+    }
+
+    fn on_response(&mut self, r: usize, len: usize) {
+        let Some(v) = &self.verbs else { return };
+        if r >= self.spec.size {
+            return;
+        }
+        let mut b = [0u8; CQE_LEN];
+        self.rsp.read(r * CQE_LEN, &mut b);
+        // The buffer is copied out: give it back to the target this turn.
+        self.recvs.push(recv_wr(&v.rsp_mr, r));
+        if len != CQE_LEN {
+            self.stats.bad_response_len += 1;
+            tracing::warn!(len, "response capsule of the wrong size ignored");
+            return;
+        }
+        let Ok(cqe) = Cqe::parse(&b) else { return };
+        let slot = (cqe.cid & ((1 << SLOT_BITS) - 1)) as usize;
+        let gen = cqe.cid >> SLOT_BITS;
+        let Some(s) = self.slots.get_mut(slot) else {
+            self.stats.unknown_cid += 1;
+            return;
+        };
+        if s.state != SlotState::Posted || s.gen != gen {
+            self.stats.unknown_cid += 1;
+            tracing::warn!(
+                cid = cqe.cid,
+                "completion for a command ID not in flight ignored"
+            );
+            return;
+        }
+        if s.cqe.is_some() {
+            self.stats.duplicate_completion += 1;
+            tracing::warn!(cid = cqe.cid, "duplicate completion ignored");
+            return;
+        }
+        s.cqe = Some(cqe);
+        self.try_finish(slot);
+    }
+
+    fn try_finish(&mut self, i: usize) {
+        let s = &self.slots[i];
+        if !(s.state == SlotState::Posted && s.send_done) {
+            return;
+        }
+        let Some(cqe) = s.cqe else { return };
+        if i == self.control_slot() {
+            self.slots[i].state = SlotState::Free;
+            self.slots[i].cqe = None;
+            self.control = Some(ControlDone::Completed(cqe));
+            return;
+        }
+        let st = cqe.nvme_status();
+        let (retries, posted_at, data_in) = (s.retries, s.posted_at, s.data_in);
+        if !st.is_success() && !st.dnr && retries < self.max_retries && self.is_live() {
+            // A retryable error: send it again (Linux nvme_decide_disposition).
+            self.slots[i].retries += 1;
+            self.stats.retried += 1;
+            self.post(i, posted_at);
+            return;
+        }
+        let mut data = Vec::new();
+        if st.is_success() && data_in > 0 {
+            data = vec![0u8; data_in];
+            self.data.read(i * self.spec.max_io, &mut data);
+        }
+        self.stats.completed += 1;
+        self.finish(i, Ok(Response { cqe, data }));
+    }
+
+    fn finish(&mut self, i: usize, r: Result<Response, HostError>) {
+        let s = &mut self.slots[i];
+        if let Some(tx) = s.reply.take() {
+            let _ = tx.send(r);
+        }
+        s.state = SlotState::Free;
+        s.cqe = None;
+        s.send_done = false;
+        self.free.push(i);
+    }
+
+    /// A posted command older than the I/O timeout means the connection is stuck: recover.
+    /// The command counts one retry, so a command that always hangs fails in the end.
+    pub fn check_timeouts(&mut self, now: Instant) {
+        if self.io_timeout.is_zero() || !matches!(self.phase, Phase::Live | Phase::Attached) {
+            return;
+        }
+        let mut expired = false;
+        let mut exhausted = None;
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            if s.state == SlotState::Posted && s.cqe.is_none() {
+                if add(s.posted_at, self.io_timeout) <= now {
+                    expired = true;
+                    self.stats.timeouts += 1;
+                    s.retries += 1;
+                    if s.retries > self.max_retries {
+                        exhausted = Some(i);
+                    }
+                }
+            }
+        }
+        if let Some(i) = exhausted {
+            self.finish(
+                i,
+                Err(HostError::Timeout("command timed out too often".into())),
+            );
+        }
+        if expired {
+            self.fail_connection(Cause::IoTimeout);
+        }
+    }
+
+    /// The earliest moment a posted command can time out.
+    pub fn next_timeout(&self) -> Option<Instant> {
+        if self.io_timeout.is_zero() {
+            return None;
+        }
+        self.slots
+            .iter()
+            .filter(|s| s.state == SlotState::Posted && s.cqe.is_none())
+            .map(|s| add(s.posted_at, self.io_timeout))
+            .min()
+    }
+
+    fn cq(&self) -> Option<(SoftHca, CqId)> {
+        self.verbs.as_ref().map(|v| (v.hca.clone(), v.cq))
+    }
+
+    /// Are all user slots idle?
+    fn idle(&self) -> bool {
+        self.free.len() == self.spec.size - 1
     }
 }
 
-/// The running queue: slot table plus the task that feeds it.
-pub struct Queue {
-    res: QueueRes,
-    hca: SoftHca,
-    slots: Vec<Slot>,
-    free: Vec<usize>,
-    pub stats: QueueStats,
-    /// What [`QueueHandle::stats`] reads: `stats` as of the task's last turn.
-    published: Arc<Mutex<QueueStats>>,
-    stop: Arc<Notify>,
-    wcs: Vec<WorkCompletion>,
-    /// Work requests gathered during one turn and posted under one device lock.
-    sends: Vec<(usize, SendWr)>,
-    recvs: Vec<RecvWr>,
+fn recv_wr(rsp_mr: &MrInfo, r: usize) -> RecvWr {
+    RecvWr {
+        wr_id: (WR_RECV << 32) | r as u64,
+        sgl: Sgl::one(
+            rsp_mr.addr + (r * CQE_LEN) as u64,
+            CQE_LEN as u32,
+            rsp_mr.lkey,
+        ),
+    }
+}
+
+/// The controller's side of a queue: its core, and the notifier of its task.
+#[derive(Clone)]
+pub struct QueueCtl {
+    core: Arc<Mutex<QueueCore>>,
+    /// Wakes the task after the controller changed the core (new CQ, phase).
+    task: Arc<Notify>,
+    /// Wakes the controller when the reserved slot completes.
+    pub control_done: Arc<Notify>,
+    clock: Clock,
+}
+
+/// The controller's monotonic clock, shared by its queues (device contexts come and go,
+/// each with its own epoch).
+#[derive(Clone, Copy)]
+pub struct Clock(pub std::time::Instant);
+
+impl Clock {
+    pub fn now(&self) -> Instant {
+        Instant(self.0.elapsed().as_nanos() as u64)
+    }
+}
+
+impl QueueCtl {
+    pub fn lock(&self) -> MutexGuard<'_, QueueCore> {
+        self.core.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tell the task that the core changed.
+    pub fn poke(&self) {
+        self.task.notify_one();
+    }
+
+    pub fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// Run a controller command on the reserved slot and wait for its completion, at most
+    /// `timeout`. Read data, if any, is left in the slot ([`QueueCore::control_data`]).
+    pub async fn control(
+        &self,
+        sqe: Sqe,
+        data_out: &[u8],
+        data_in: usize,
+        timeout: Duration,
+    ) -> Result<Cqe, HostError> {
+        let done = self.control_done.notified();
+        tokio::pin!(done);
+        done.as_mut().enable();
+        self.lock()
+            .post_control(self.now(), sqe, data_out, data_in)?;
+        self.poke();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(d) = self.lock().take_control() {
+                return match d {
+                    ControlDone::Completed(cqe) => {
+                        let st = cqe.nvme_status();
+                        if st.is_success() {
+                            Ok(cqe)
+                        } else {
+                            Err(HostError::from_status(st, sqe.opcode))
+                        }
+                    }
+                    ControlDone::Lost => {
+                        Err(HostError::Transport("connection lost under command".into()))
+                    }
+                };
+            }
+            if tokio::time::timeout_at(deadline, done.as_mut())
+                .await
+                .is_err()
+            {
+                return Err(HostError::Timeout("controller command".into()));
+            }
+            done.set(self.control_done.notified());
+            done.as_mut().enable();
+        }
+    }
 }
 
 /// A cheap handle for submitting to a queue.
@@ -214,21 +918,17 @@ pub struct QueueHandle {
     tx: mpsc::Sender<Request>,
     pub qid: u16,
     pub spec: QueueSpec,
-    stats: Arc<Mutex<QueueStats>>,
-    stop: Arc<Notify>,
+    core: Arc<Mutex<QueueCore>>,
 }
 
 impl QueueHandle {
-    /// Tear the queue down now (after the CM disconnect, as Linux drains the QP): commands
-    /// still out complete with a transport error instead of waiting for a target that may
-    /// never answer, and no new ones are taken. The task then releases its resources.
-    pub fn stop(&self) {
-        self.stop.notify_one();
-    }
-
-    /// The queue's counters as of its task's last turn (what a lying target made it count).
+    /// The queue's counters.
     pub fn stats(&self) -> QueueStats {
-        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.core
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .stats
+            .clone()
     }
 
     /// Submit a command and wait for its completion. An error status comes back as
@@ -262,313 +962,102 @@ impl QueueHandle {
     }
 }
 
-impl Queue {
-    /// Start the queue's task. The queue must be connected (QP in RTS, ring posted).
-    pub fn spawn(
-        res: QueueRes,
-        hca: SoftHca,
-    ) -> (QueueHandle, tokio::task::JoinHandle<QueueStats>) {
-        let size = res.spec.size;
-        let (tx, rx) = mpsc::channel(size);
-        let published = Arc::new(Mutex::new(QueueStats::default()));
-        let stop = Arc::new(Notify::new());
-        let handle = QueueHandle {
-            tx,
-            qid: res.spec.qid,
-            spec: res.spec,
-            stats: published.clone(),
-            stop: stop.clone(),
-        };
-        let q = Queue {
-            slots: (0..size)
-                .map(|_| Slot {
-                    busy: false,
-                    gen: 0,
-                    send_done: false,
-                    cqe: None,
-                    data_in: 0,
-                    opcode: 0,
-                    reply: None,
-                })
-                .collect(),
-            free: (0..size).rev().collect(),
-            res,
-            hca,
-            stats: QueueStats::default(),
-            published,
-            stop,
-            wcs: Vec::with_capacity(size * 2),
-            sends: Vec::with_capacity(size),
-            recvs: Vec::with_capacity(size),
-        };
-        let jh = tokio::spawn(q.run(rx));
-        (handle, jh)
-    }
+/// Start a queue's task over `core`. The task lives as long as the controller: across
+/// recoveries it only changes which CQ it polls.
+pub fn spawn(
+    core: QueueCore,
+    clock: Clock,
+) -> (QueueHandle, QueueCtl, tokio::task::JoinHandle<()>) {
+    let spec = core.spec;
+    let (tx, rx) = mpsc::channel(spec.size);
+    let core = Arc::new(Mutex::new(core));
+    let ctl = QueueCtl {
+        core: core.clone(),
+        task: Arc::new(Notify::new()),
+        control_done: Arc::new(Notify::new()),
+        clock,
+    };
+    let handle = QueueHandle {
+        tx,
+        qid: spec.qid,
+        spec,
+        core,
+    };
+    let jh = tokio::spawn(run(ctl.clone(), rx));
+    (handle, ctl, jh)
+}
 
-    async fn run(mut self, mut rx: mpsc::Receiver<Request>) -> QueueStats {
-        let cq = self.res.cq;
-        let hca = self.hca.clone();
-        let stop = self.stop.clone();
-        let mut open = true;
-        loop {
-            let mut wcs = std::mem::take(&mut self.wcs);
-            wcs.clear();
-            tokio::select! {
-                req = rx.recv(), if open && !self.free.is_empty() => match req {
-                    Some(r) => {
-                        self.submit(r);
-                        // Take whatever else is queued while there are free slots.
-                        while !self.free.is_empty() {
-                            match rx.try_recv() {
-                                Ok(r) => self.submit(r),
-                                Err(_) => break,
-                            }
+async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
+    let mut wcs: Vec<WorkCompletion> = Vec::with_capacity(256);
+    let mut open = true;
+    loop {
+        let (cq, accepting, next_timeout, closed) = {
+            let c = ctl.lock();
+            (
+                c.cq(),
+                c.accepting(),
+                c.next_timeout(),
+                matches!(c.phase, Phase::Closed(_)),
+            )
+        };
+        if closed && !open {
+            break;
+        }
+        let sleep_for = next_timeout.map(|t| Duration::from_nanos(t.0.saturating_sub(ctl.now().0)));
+        wcs.clear();
+        tokio::select! {
+            req = rx.recv(), if open && accepting => match req {
+                Some(r) => {
+                    let mut c = ctl.lock();
+                    let now = ctl.now();
+                    c.submit(now, r);
+                    while c.accepting() {
+                        match rx.try_recv() {
+                            Ok(r) => c.submit(now, r),
+                            Err(_) => break,
                         }
                     }
-                    // Every handle is gone: nobody waits for what is still out.
-                    None => {
-                        open = false;
-                        self.drain();
-                    }
-                },
-                _ = stop.notified(), if open => {
-                    open = false;
-                    self.drain();
                 }
-                n = hca.wait_cq(cq, 256, &mut wcs) => {
-                    if n == 0 {
-                        self.fail_all("device is gone");
-                        self.wcs = wcs;
+                None => {
+                    open = false;
+                    // Every handle is gone: nobody waits for the held requests.
+                    if ctl.lock().idle() {
                         break;
                     }
+                }
+            },
+            _ = ctl.task.notified() => {}
+            n = async {
+                match &cq {
+                    Some((hca, cq)) => hca.wait_cq(*cq, 256, &mut wcs).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                let mut c = ctl.lock();
+                if n == 0 {
+                    c.on_device_gone();
+                } else {
                     for wc in &wcs {
-                        self.on_wc(wc);
+                        c.on_wc(wc);
                     }
                 }
-            }
-            self.wcs = wcs;
-            self.flush_posts();
-            *self.published.lock().unwrap_or_else(|e| e.into_inner()) = self.stats.clone();
-            if !open && self.free.len() == self.slots.len() {
-                break;
-            }
-        }
-        self.res.destroy(&self.hca);
-        self.stats.clone()
-    }
-
-    /// Move the QP to the error state: every outstanding work request is flushed, and the
-    /// flush completions fail the commands still out, so the task can end.
-    fn drain(&self) {
-        if self.free.len() == self.slots.len() {
-            return;
-        }
-        let qpn = self.res.qpn;
-        let attr = QpAttr {
-            state: QpState::Err,
-            ..QpAttr::default()
-        };
-        let _ = self
-            .hca
-            .with(|d, _| d.modify_qp(qpn, &attr, AttrMask::STATE));
-    }
-
-    fn cid(slot: usize, gen: u16) -> u16 {
-        (slot as u16) | (gen << SLOT_BITS)
-    }
-
-    fn submit(&mut self, mut req: Request) {
-        let Some(slot) = self.free.pop() else {
-            let _ = req.reply.send(Err(HostError::Invalid("queue full".into())));
-            return;
-        };
-        let spec = self.res.spec;
-        let out_len = req.data_out.as_ref().map_or(0, |v| v.len());
-        if out_len > spec.max_io || req.data_in > spec.max_io {
-            self.free.push(slot);
-            let _ = req.reply.send(Err(HostError::Invalid(format!(
-                "transfer larger than {} bytes",
-                spec.max_io
-            ))));
-            return;
-        }
-        let s = &mut self.slots[slot];
-        s.gen = (s.gen + 1) & ((1 << (16 - SLOT_BITS)) - 1);
-        let cid = Self::cid(slot, s.gen);
-        req.sqe.cid = cid;
-        let mr = self.res.data_mrs[slot];
-        let mut sges = [Sge::default(); 2];
-        let capsule = SQE_LEN + spec.inline;
-        sges[0] = Sge {
-            addr: self.res.cmd.1.addr + (slot * capsule) as u64,
-            len: SQE_LEN as u32,
-            lkey: self.res.cmd.1.lkey,
-        };
-        let mut nsge = 1;
-        let sgl = if let Some(data) = &req.data_out {
-            self.res.data.write(slot * spec.max_io, data);
-            if spec.qid > 0 && data.len() <= spec.inline {
-                sges[1] = Sge {
-                    addr: mr.addr,
-                    len: data.len() as u32,
-                    lkey: mr.lkey,
-                };
-                nsge = 2;
-                SglDescriptor::InCapsule {
-                    offset: 0,
-                    len: data.len() as u32,
-                }
-            } else {
-                SglDescriptor::keyed(mr.addr, data.len() as u64, mr.rkey.0, false)
-                    .unwrap_or(SglDescriptor::NULL)
-            }
-        } else if req.data_in > 0 {
-            // A target that reports success without writing the data must not hand this
-            // caller the bytes of the slot's previous request.
-            self.res.data.lock()[slot * spec.max_io..][..req.data_in].fill(0);
-            SglDescriptor::keyed(mr.addr, req.data_in as u64, mr.rkey.0, false)
-                .unwrap_or(SglDescriptor::NULL)
-        } else {
-            SglDescriptor::NULL
-        };
-        let _ = sgl.emit(&mut req.sqe.dptr);
-        let mut bytes = [0u8; SQE_LEN];
-        req.sqe.emit(&mut bytes);
-        self.res.cmd.0.write(slot * capsule, &bytes);
-        s.busy = true;
-        s.send_done = false;
-        s.cqe = None;
-        s.data_in = req.data_in;
-        s.opcode = req.sqe.opcode;
-        s.reply = Some(req.reply);
-        let wr = SendWr {
-            wr_id: (WR_SEND << 32) | slot as u64,
-            op: SendOp::Send,
-            sgl: Sgl::new(&sges[..nsge]).unwrap_or_default(),
-            signaled: true,
-            solicited: false,
-        };
-        self.sends.push((slot, wr));
-        self.stats.submitted += 1;
-    }
-
-    /// Post the turn's sends and receive re-posts under one lock, with one driver kick.
-    fn flush_posts(&mut self) {
-        if self.sends.is_empty() && self.recvs.is_empty() {
-            return;
-        }
-        let qpn = self.res.qpn;
-        let mut sends = std::mem::take(&mut self.sends);
-        let mut recvs = std::mem::take(&mut self.recvs);
-        let mut failed: Vec<(usize, String)> = Vec::new();
-        self.hca.with(|d, now| {
-            for r in recvs.drain(..) {
-                let _ = d.post_recv(qpn, r);
-            }
-            for (slot, wr) in sends.drain(..) {
-                if let Err(e) = d.post_send(now, qpn, wr) {
-                    failed.push((slot, e.to_string()));
+                if c.control.is_some() {
+                    ctl.control_done.notify_one();
                 }
             }
-        });
-        self.sends = sends;
-        self.recvs = recvs;
-        for (slot, e) in failed {
-            self.finish(slot, Err(HostError::Transport(e)));
-        }
-    }
-
-    fn on_wc(&mut self, wc: &WorkCompletion) {
-        let kind = wc.wr_id >> 32;
-        let idx = (wc.wr_id & 0xFFFF_FFFF) as usize;
-        if wc.status != WcStatus::Success {
-            // The QP is in error: every outstanding command is lost with it.
-            self.fail_all(&format!("work completion: {}", wc.status.as_str()));
-            return;
-        }
-        match (kind, wc.opcode) {
-            (WR_SEND, WcOpcode::Send) => {
-                if let Some(s) = self.slots.get_mut(idx) {
-                    if s.busy {
-                        s.send_done = true;
-                        self.try_finish(idx);
-                    }
+            _ = async {
+                match sleep_for {
+                    Some(d) => tokio::time::sleep(d).await,
+                    None => std::future::pending().await,
                 }
+            } => {
+                ctl.lock().check_timeouts(ctl.now());
             }
-            (WR_RECV, WcOpcode::Recv) => self.on_response(idx, wc.byte_len as usize),
-            _ => {}
         }
-    }
-
-    fn on_response(&mut self, r: usize, len: usize) {
-        if r >= self.res.spec.size {
-            return;
-        }
-        let mut b = [0u8; CQE_LEN];
-        self.res.rsp.0.read(r * CQE_LEN, &mut b);
-        // The buffer is copied out: give it back to the target this turn.
-        let wr = self.res.recv_wr(r);
-        self.recvs.push(wr);
-        if len != CQE_LEN {
-            self.stats.bad_response_len += 1;
-            tracing::warn!(len, "response capsule of the wrong size ignored");
-            return;
-        }
-        let Ok(cqe) = Cqe::parse(&b) else { return };
-        let slot = (cqe.cid & ((1 << SLOT_BITS) - 1)) as usize;
-        let gen = cqe.cid >> SLOT_BITS;
-        let Some(s) = self.slots.get_mut(slot) else {
-            self.stats.unknown_cid += 1;
-            return;
-        };
-        if !s.busy || s.gen != gen {
-            self.stats.unknown_cid += 1;
-            tracing::warn!(
-                cid = cqe.cid,
-                "completion for a command ID not in flight ignored"
-            );
-            return;
-        }
-        if s.cqe.is_some() {
-            self.stats.duplicate_completion += 1;
-            tracing::warn!(cid = cqe.cid, "duplicate completion ignored");
-            return;
-        }
-        s.cqe = Some(cqe);
-        self.try_finish(slot);
-    }
-
-    fn try_finish(&mut self, slot: usize) {
-        let s = &self.slots[slot];
-        if !(s.busy && s.send_done) {
-            return;
-        }
-        let Some(cqe) = s.cqe else { return };
-        let mut data = Vec::new();
-        if cqe.nvme_status().is_success() && s.data_in > 0 {
-            data = vec![0u8; s.data_in];
-            self.res.data.read(slot * self.res.spec.max_io, &mut data);
-        }
-        self.stats.completed += 1;
-        self.finish(slot, Ok(Response { cqe, data }));
-    }
-
-    fn finish(&mut self, slot: usize, r: Result<Response, HostError>) {
-        let s = &mut self.slots[slot];
-        if let Some(tx) = s.reply.take() {
-            let _ = tx.send(r);
-        }
-        s.busy = false;
-        s.cqe = None;
-        s.send_done = false;
-        self.free.push(slot);
-    }
-
-    fn fail_all(&mut self, why: &str) {
-        for i in 0..self.slots.len() {
-            if self.slots[i].busy {
-                self.finish(i, Err(HostError::Transport(why.to_string())));
-            }
+        let mut c = ctl.lock();
+        c.flush_posts();
+        if c.control.is_some() {
+            ctl.control_done.notify_one();
         }
     }
 }

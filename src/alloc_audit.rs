@@ -1,0 +1,84 @@
+//! Marks which code is "the platform" for the zero-allocation proof of the recovery path.
+//!
+//! In a real deployment the NVMe-oF host sits on a kernel and a NIC: the verbs provider, the
+//! device list and the RDMA connection manager are not the host's code and their memory is
+//! not the host's to preallocate. Here the soft-HCA plays all three in the same process, so a
+//! counting global allocator would see its allocations too. Code that stands in for the
+//! platform runs inside [`platform`] (a closure) or [`Platform`] (a future), which raise a
+//! thread-local depth; a test allocator asks [`in_platform`] and counts only the host's own
+//! allocations. Threads that are entirely somebody else's (the built-in target, which is
+//! another machine in a real setup) call [`mark_thread_platform`].
+//!
+//! The cost outside tests is one thread-local increment and decrement per verbs call.
+
+use std::cell::Cell;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+thread_local! {
+    static DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// True while the current thread runs platform code (the soft-HCA, its CM, its device list,
+/// or a thread marked with [`mark_thread_platform`]).
+pub fn in_platform() -> bool {
+    DEPTH.try_with(|d| d.get() > 0).unwrap_or(true)
+}
+
+/// Run `f` as platform code.
+pub fn platform<R>(f: impl FnOnce() -> R) -> R {
+    let _g = Guard::enter();
+    f()
+}
+
+/// Mark the whole current thread as platform code (for its lifetime).
+pub fn mark_thread_platform() {
+    let _ = DEPTH.try_with(|d| d.set(d.get() + 1));
+}
+
+struct Guard;
+
+impl Guard {
+    fn enter() -> Guard {
+        let _ = DEPTH.try_with(|d| d.set(d.get() + 1));
+        Guard
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A future whose every poll runs as platform code.
+    pub struct Platform<F> {
+        #[pin]
+        inner: F,
+    }
+}
+
+impl<F> Platform<F> {
+    pub fn new(inner: F) -> Platform<F> {
+        Platform { inner }
+    }
+}
+
+impl<F: Future> Future for Platform<F> {
+    type Output = F::Output;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let _g = Guard::enter();
+        self.project().inner.poll(cx)
+    }
+}
+
+/// Spawn a platform task: its creation and every poll count as platform code.
+pub fn spawn<F>(f: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    platform(|| tokio::spawn(Platform::new(f)))
+}

@@ -1,0 +1,562 @@
+//! The controller state machine: pure, fed events and `now`, answering with actions. It owns
+//! every time rule of recovery (reconnect delay, fast_io_fail_tmo, ctrl_loss_tmo, the replug
+//! window, the keep-alive schedule) so tests drive them with virtual time, tick by tick.
+//!
+//! Transitions are declared in [`TRANSITIONS`]; the machine takes no other.
+
+use std::time::Duration;
+
+use crate::hca::Instant;
+
+use super::policy::{Identity, Policy};
+
+/// Controller states, with Linux's names (`enum nvme_ctrl_state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CtrlState {
+    New,
+    Live,
+    Resetting,
+    Connecting,
+    Deleting,
+    Dead,
+}
+
+impl CtrlState {
+    pub fn name(self) -> &'static str {
+        match self {
+            CtrlState::New => "new",
+            CtrlState::Live => "live",
+            CtrlState::Resetting => "resetting",
+            CtrlState::Connecting => "connecting",
+            CtrlState::Deleting => "deleting",
+            CtrlState::Dead => "dead",
+        }
+    }
+
+    pub const ALL: [CtrlState; 6] = [
+        CtrlState::New,
+        CtrlState::Live,
+        CtrlState::Resetting,
+        CtrlState::Connecting,
+        CtrlState::Deleting,
+        CtrlState::Dead,
+    ];
+
+    pub fn from_index(i: u8) -> CtrlState {
+        Self::ALL[(i as usize).min(5)]
+    }
+
+    pub fn index(self) -> u8 {
+        Self::ALL.iter().position(|s| *s == self).unwrap_or(0) as u8
+    }
+}
+
+/// Why the controller left LIVE. Every cause takes the same path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Cause {
+    /// The HCA reported a fatal error (a reset).
+    DeviceFatal,
+    /// The HCA was hot-removed.
+    DeviceRemoved,
+    /// The target tore a queue's connection down (DREQ).
+    CmDisconnect,
+    /// A keep-alive went unanswered for keep_alive_tmo.
+    KeepAliveLost,
+    /// A work completion failed or the QP went to error (retry exhausted, remote error).
+    Transport,
+    /// A command got no response within the I/O timeout.
+    IoTimeout,
+    /// The user asked for a controller reset.
+    UserReset,
+}
+
+impl Cause {
+    pub fn name(self) -> &'static str {
+        match self {
+            Cause::DeviceFatal => "device-fatal",
+            Cause::DeviceRemoved => "device-removed",
+            Cause::CmDisconnect => "cm-disconnect",
+            Cause::KeepAliveLost => "keep-alive-lost",
+            Cause::Transport => "transport-error",
+            Cause::IoTimeout => "io-timeout",
+            Cause::UserReset => "user-reset",
+        }
+    }
+
+    pub const ALL: [Cause; 7] = [
+        Cause::DeviceFatal,
+        Cause::DeviceRemoved,
+        Cause::CmDisconnect,
+        Cause::KeepAliveLost,
+        Cause::Transport,
+        Cause::IoTimeout,
+        Cause::UserReset,
+    ];
+}
+
+/// Why pending I/O was failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailReason {
+    /// fast_io_fail_tmo passed: a host path error; the controller keeps reconnecting.
+    FastIoFail,
+    /// ctrl_loss_tmo passed: the controller is deleted.
+    CtrlLoss,
+    /// max_reconnects attempts failed.
+    MaxReconnects,
+    /// The hot-removed device did not come back within replug_window.
+    ReplugWindow,
+    /// The user disconnected.
+    Deleted,
+}
+
+impl FailReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            FailReason::FastIoFail => "fast_io_fail_tmo expired",
+            FailReason::CtrlLoss => "ctrl_loss_tmo expired",
+            FailReason::MaxReconnects => "max_reconnects used up",
+            FailReason::ReplugWindow => "device not back within replug_window",
+            FailReason::Deleted => "controller deleted",
+        }
+    }
+}
+
+/// What the machine is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// The initial connect or a reconnect attempt brought every queue up.
+    Connected,
+    /// A connect attempt failed.
+    ConnectFailed,
+    /// Something broke (see [`Cause`]).
+    Failed(Cause),
+    /// Every HCA resource has been dropped and in-flight I/O is held.
+    TornDown,
+    /// A device is present: ours if its identity passes the policy.
+    DeviceUp(Identity),
+    /// Our device went away (`removed`: hot-remove, else a fatal reset).
+    DeviceDown { removed: bool },
+    /// The outstanding keep-alive completed.
+    KeepAliveOk,
+    /// The user disconnects.
+    Delete,
+    /// Deleting finished.
+    Deleted,
+}
+
+/// What the machine asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    StopKeepAlive,
+    /// Send a keep-alive on the admin queue.
+    SendKeepAlive,
+    /// Orderly shutdown (CC.SHN) before deleting; best effort.
+    Shutdown,
+    /// Drop every HCA resource, whatever state it is in; hold in-flight I/O.
+    TearDown,
+    /// Reconnect admin then I/O queues through the device.
+    Connect {
+        attempt: u32,
+    },
+    /// Resubmit held I/O; the controller is LIVE.
+    Resubmit,
+    /// Fail held I/O, and new I/O while not LIVE.
+    FailHeld(FailReason),
+    /// Fail everything pending; nothing more is accepted.
+    FailAll(FailReason),
+}
+
+/// Up to eight actions, with no heap.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Actions {
+    buf: [Option<Action>; 8],
+    len: usize,
+}
+
+impl Actions {
+    fn push(&mut self, a: Action) {
+        if self.len < self.buf.len() {
+            self.buf[self.len] = Some(a);
+            self.len += 1;
+        }
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn iter(&self) -> impl Iterator<Item = Action> + '_ {
+        self.buf[..self.len].iter().flatten().copied()
+    }
+    pub fn contains(&self, a: Action) -> bool {
+        self.iter().any(|x| x == a)
+    }
+}
+
+/// The trigger names used in [`TRANSITIONS`].
+pub mod trigger {
+    pub const CONNECTED: &str = "connected";
+    pub const CONNECT_FAILED: &str = "connect failed";
+    pub const FAILED: &str = "failure (any cause)";
+    pub const TORN_DOWN: &str = "resources dropped";
+    pub const RETRY: &str = "attempt failed, budget left";
+    pub const GIVE_UP: &str = "ctrl_loss_tmo / max_reconnects / replug_window";
+    pub const DELETE: &str = "delete (user)";
+    pub const DELETED: &str = "deleted";
+}
+
+/// Every transition the machine can take: (from, trigger, to).
+pub const TRANSITIONS: &[(CtrlState, &str, CtrlState)] = {
+    use trigger::*;
+    use CtrlState::*;
+    &[
+        (New, CONNECTED, Live),
+        (New, CONNECT_FAILED, Deleting),
+        (New, DELETE, Deleting),
+        (Live, FAILED, Resetting),
+        (Live, DELETE, Deleting),
+        (Resetting, TORN_DOWN, Connecting),
+        (Resetting, GIVE_UP, Deleting),
+        (Resetting, DELETE, Deleting),
+        (Connecting, CONNECTED, Live),
+        (Connecting, RETRY, Resetting),
+        (Connecting, GIVE_UP, Deleting),
+        (Connecting, DELETE, Deleting),
+        (Deleting, DELETED, Dead),
+    ]
+};
+
+/// A snapshot for `list` and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Status {
+    pub state: CtrlState,
+    pub cause: Option<Cause>,
+    /// Attempts made in this episode (Linux `nr_reconnects`).
+    pub attempt: u32,
+    pub max_attempts: Option<u32>,
+    /// Time left before ctrl_loss_tmo deletes the controller, while recovering.
+    pub loss_in: Option<Duration>,
+    pub device_present: bool,
+    /// A device came back that is not ours (other GUID / PCI).
+    pub foreign_device: bool,
+    pub failfast: bool,
+    /// Completed recoveries.
+    pub recoveries: u64,
+    pub fail_reason: Option<FailReason>,
+}
+
+/// The controller state machine.
+#[derive(Debug, Clone)]
+pub struct Machine {
+    policy: Policy,
+    ours: Identity,
+    state: CtrlState,
+    cause: Option<Cause>,
+    loss_at: Option<Instant>,
+    failfast_at: Option<Instant>,
+    failfast: bool,
+    replug_at: Option<Instant>,
+    next_attempt_at: Option<Instant>,
+    attempts: u32,
+    in_attempt: bool,
+    device_present: bool,
+    foreign: bool,
+    ka_next: Option<Instant>,
+    ka_deadline: Option<Instant>,
+    recoveries: u64,
+    fail_reason: Option<FailReason>,
+    /// The last transition taken, for tests and logs.
+    pub last: Option<(CtrlState, &'static str, CtrlState)>,
+}
+
+fn add(t: Instant, d: Duration) -> Instant {
+    Instant(t.0.saturating_add(d.as_nanos().min(u64::MAX as u128) as u64))
+}
+
+fn due(t: Option<Instant>, now: Instant) -> bool {
+    t.is_some_and(|t| t <= now)
+}
+
+impl Machine {
+    /// A controller about to make its first connection through the device `ours`.
+    pub fn new(policy: Policy, ours: Identity) -> Machine {
+        Machine {
+            policy,
+            ours,
+            state: CtrlState::New,
+            cause: None,
+            loss_at: None,
+            failfast_at: None,
+            failfast: false,
+            replug_at: None,
+            next_attempt_at: None,
+            attempts: 0,
+            in_attempt: false,
+            device_present: true,
+            foreign: false,
+            ka_next: None,
+            ka_deadline: None,
+            recoveries: 0,
+            fail_reason: None,
+            last: None,
+        }
+    }
+
+    pub fn state(&self) -> CtrlState {
+        self.state
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// New I/O should fail at once (fast_io_fail_tmo passed, or the controller is gone).
+    pub fn failing_fast(&self) -> bool {
+        self.failfast || matches!(self.state, CtrlState::Deleting | CtrlState::Dead)
+    }
+
+    pub fn status(&self, now: Instant) -> Status {
+        Status {
+            state: self.state,
+            cause: self.cause,
+            attempt: self.attempts,
+            max_attempts: self.policy.max_reconnects(),
+            loss_in: self
+                .loss_at
+                .map(|t| Duration::from_nanos(t.0.saturating_sub(now.0))),
+            device_present: self.device_present,
+            foreign_device: self.foreign,
+            failfast: self.failfast,
+            recoveries: self.recoveries,
+            fail_reason: self.fail_reason,
+        }
+    }
+
+    fn goto(&mut self, to: CtrlState, why: &'static str) {
+        debug_assert!(
+            TRANSITIONS.contains(&(self.state, why, to)),
+            "undeclared transition {:?} --{why}--> {to:?}",
+            self.state
+        );
+        self.last = Some((self.state, why, to));
+        self.state = to;
+    }
+
+    /// The earliest instant at which [`Machine::handle_timeout`] has something to do.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let mut t: Option<Instant> = None;
+        let mut take = |x: Option<Instant>| {
+            if let Some(x) = x {
+                t = Some(t.map_or(x, |t| t.min(x)));
+            }
+        };
+        match self.state {
+            CtrlState::Live => {
+                take(self.ka_deadline);
+                if self.ka_deadline.is_none() {
+                    take(self.ka_next);
+                }
+            }
+            CtrlState::Resetting | CtrlState::Connecting => {
+                take(self.loss_at);
+                if !self.failfast {
+                    take(self.failfast_at);
+                }
+                if !self.device_present {
+                    take(self.replug_at);
+                }
+                if self.state == CtrlState::Connecting && !self.in_attempt && self.device_present {
+                    take(self.next_attempt_at);
+                }
+            }
+            _ => {}
+        }
+        t
+    }
+
+    /// Time passed: fire what is due.
+    pub fn handle_timeout(&mut self, now: Instant) -> Actions {
+        let mut a = Actions::default();
+        self.step(now, &mut a);
+        a
+    }
+
+    /// Feed an event.
+    pub fn handle(&mut self, now: Instant, ev: Event) -> Actions {
+        use CtrlState::*;
+        let mut a = Actions::default();
+        match (self.state, ev) {
+            (Dead, _) => return a,
+            (_, Event::Delete) => {
+                if !matches!(self.state, Deleting) {
+                    let was_live = self.state == Live;
+                    self.goto(Deleting, trigger::DELETE);
+                    if was_live {
+                        a.push(Action::StopKeepAlive);
+                        a.push(Action::Shutdown);
+                    }
+                    self.fail_reason = Some(FailReason::Deleted);
+                    a.push(Action::TearDown);
+                    a.push(Action::FailAll(FailReason::Deleted));
+                }
+            }
+            (Deleting, Event::Deleted) => {
+                self.in_attempt = false;
+                self.goto(Dead, trigger::DELETED);
+            }
+            (New, Event::Connected) | (Connecting, Event::Connected) => {
+                if self.state == Connecting {
+                    self.recoveries += 1;
+                }
+                self.goto(Live, trigger::CONNECTED);
+                self.in_attempt = false;
+                self.device_present = true;
+                self.foreign = false;
+                self.loss_at = None;
+                self.failfast_at = None;
+                self.failfast = false;
+                self.replug_at = None;
+                self.next_attempt_at = None;
+                if self.recoveries > 0 {
+                    a.push(Action::Resubmit);
+                }
+                self.ka_deadline = None;
+                self.ka_next = (!self.policy.keep_alive_tmo.is_zero())
+                    .then(|| add(now, self.policy.keep_alive_tmo / 2));
+            }
+            (New, Event::ConnectFailed) => {
+                self.goto(Deleting, trigger::CONNECT_FAILED);
+                a.push(Action::TearDown);
+                a.push(Action::FailAll(FailReason::Deleted));
+            }
+            (Connecting, Event::ConnectFailed) => {
+                self.in_attempt = false;
+                match self.policy.max_reconnects() {
+                    Some(m) if self.attempts >= m => {
+                        self.give_up(FailReason::MaxReconnects, &mut a)
+                    }
+                    _ => {
+                        self.goto(Resetting, trigger::RETRY);
+                        a.push(Action::TearDown);
+                    }
+                }
+            }
+            (Live, Event::Failed(c)) => self.enter_resetting(now, c, &mut a),
+            (Live, Event::DeviceDown { removed }) => {
+                let c = if removed {
+                    Cause::DeviceRemoved
+                } else {
+                    Cause::DeviceFatal
+                };
+                self.enter_resetting(now, c, &mut a)
+            }
+            (Live, Event::KeepAliveOk) => self.ka_deadline = None,
+            (Resetting, Event::TornDown) => {
+                self.goto(Connecting, trigger::TORN_DOWN);
+                self.next_attempt_at = Some(add(now, self.policy.reconnect_delay));
+            }
+            (Resetting | Connecting, ev) if device_loss(ev).is_some() => {
+                self.device_present = false;
+                if device_loss(ev) == Some(true) && self.replug_at.is_none() {
+                    self.replug_at = Some(add(now, self.policy.replug_window));
+                }
+            }
+            (_, Event::DeviceUp(id)) => {
+                if self.policy.identity.accepts(&self.ours, &id) {
+                    self.device_present = true;
+                    self.foreign = false;
+                    self.replug_at = None;
+                } else {
+                    self.foreign = true;
+                }
+            }
+            _ => {}
+        }
+        self.step(now, &mut a);
+        a
+    }
+
+    fn enter_resetting(&mut self, now: Instant, c: Cause, a: &mut Actions) {
+        self.goto(CtrlState::Resetting, trigger::FAILED);
+        self.cause = Some(c);
+        self.attempts = 0;
+        self.in_attempt = false;
+        self.fail_reason = None;
+        self.ka_next = None;
+        self.ka_deadline = None;
+        self.loss_at = self.policy.ctrl_loss_tmo.map(|d| add(now, d));
+        self.failfast_at = self.policy.fast_io_fail_tmo.map(|d| add(now, d));
+        self.failfast = false;
+        match c {
+            Cause::DeviceRemoved => {
+                self.device_present = false;
+                self.replug_at = Some(add(now, self.policy.replug_window));
+            }
+            Cause::DeviceFatal => self.device_present = false,
+            _ => {}
+        }
+        a.push(Action::StopKeepAlive);
+        a.push(Action::TearDown);
+    }
+
+    fn give_up(&mut self, why: FailReason, a: &mut Actions) {
+        self.goto(CtrlState::Deleting, trigger::GIVE_UP);
+        self.in_attempt = false;
+        self.fail_reason = Some(why);
+        a.push(Action::TearDown);
+        a.push(Action::FailAll(why));
+    }
+
+    /// Fire whatever time has made due.
+    fn step(&mut self, now: Instant, a: &mut Actions) {
+        match self.state {
+            CtrlState::Live => {
+                if due(self.ka_deadline, now) {
+                    self.enter_resetting(now, Cause::KeepAliveLost, a);
+                    return;
+                }
+                if self.ka_deadline.is_none() && due(self.ka_next, now) {
+                    let kato = self.policy.keep_alive_tmo;
+                    self.ka_deadline = Some(add(now, kato));
+                    self.ka_next = Some(add(now, kato / 2));
+                    a.push(Action::SendKeepAlive);
+                }
+            }
+            CtrlState::Resetting | CtrlState::Connecting => {
+                if due(self.loss_at, now) {
+                    return self.give_up(FailReason::CtrlLoss, a);
+                }
+                if !self.device_present && due(self.replug_at, now) {
+                    return self.give_up(FailReason::ReplugWindow, a);
+                }
+                if !self.failfast && due(self.failfast_at, now) {
+                    self.failfast = true;
+                    a.push(Action::FailHeld(FailReason::FastIoFail));
+                }
+                if self.state == CtrlState::Connecting
+                    && !self.in_attempt
+                    && self.device_present
+                    && due(self.next_attempt_at, now)
+                {
+                    self.attempts += 1;
+                    self.in_attempt = true;
+                    a.push(Action::Connect {
+                        attempt: self.attempts,
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Does `ev` say our device went away? `Some(true)`: hot-removed; `Some(false)`: reset.
+fn device_loss(ev: Event) -> Option<bool> {
+    match ev {
+        Event::DeviceDown { removed } => Some(removed),
+        Event::Failed(Cause::DeviceRemoved) => Some(true),
+        Event::Failed(Cause::DeviceFatal) => Some(false),
+        _ => None,
+    }
+}

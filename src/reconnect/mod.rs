@@ -1,0 +1,11 @@
+//! Recovery: one path for every failure. [`machine`] is the pure controller state machine
+//! (states, timers, attempts); [`policy`] holds nvme-cli's knobs. The controller in
+//! `transport::controller` runs the machine's actions against the HCA.
+
+pub mod machine;
+pub mod policy;
+
+pub use machine::{
+    Action, Actions, Cause, CtrlState, Event, FailReason, Machine, Status, TRANSITIONS,
+};
+pub use policy::{Identity, IdentityMatch, Policy};
