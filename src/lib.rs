@@ -4,6 +4,7 @@
 //! timers, metrics).
 
 pub mod alloc_audit;
+pub mod chaos;
 pub mod cli_support;
 pub mod cm;
 pub mod driver;

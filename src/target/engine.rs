@@ -84,6 +84,10 @@ pub struct TargetStats {
     pub bytes_written: u64,
     pub queues_connected: u64,
     pub queues_dropped: u64,
+    /// Commands ignored while frozen.
+    pub ignored_frozen: u64,
+    /// Controllers torn down because their host went silent for KATO.
+    pub kato_expired: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,6 +132,9 @@ struct Ctrl {
     io_queues: u16,
     queues: Vec<Qpn>,
     aers: usize,
+    /// Last command seen from any of its queues (keep-alive is traffic based); `None`
+    /// until the first expiry check.
+    last_seen: Option<crate::hca::Instant>,
 }
 
 struct Engine {
@@ -139,6 +146,10 @@ struct Engine {
     next_cntlid: u16,
     stats: TargetStats,
     psn_seed: u32,
+    /// A hung controller: commands are taken off the wire and never answered.
+    frozen: bool,
+    /// The device's clock as of the current turn.
+    now: crate::hca::Instant,
 }
 
 /// A running target on one soft-HCA.
@@ -165,6 +176,8 @@ impl Target {
             next_cntlid: 1,
             stats: TargetStats::default(),
             psn_seed: 0x5A5A5,
+            frozen: false,
+            now: crate::hca::Instant(0),
         }));
         let t = Target { hca, engine };
         let task = t.clone();
@@ -202,6 +215,12 @@ impl Target {
         self.hca.with(|d, _| e.remove_queue(d, qpn));
     }
 
+    /// Play a hung controller (chaos and tests): while frozen, every command that arrives
+    /// is dropped unanswered; the transport and CM keep working.
+    pub fn freeze(&self, frozen: bool) {
+        self.lock().frozen = frozen;
+    }
+
     /// Number of live queues.
     pub fn queue_count(&self) -> usize {
         self.lock().queues.len()
@@ -210,20 +229,38 @@ impl Target {
     async fn serve(self) {
         let cq = self.lock().cq;
         let mut batch = Vec::with_capacity(256);
+        // Keep-alive expiry is checked on this tick; KATO is at least a second in practice.
+        let mut tick = tokio::time::interval(KATO_CHECK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             batch.clear();
-            if self.hca.wait_cq(cq, 256, &mut batch).await == 0 {
-                return; // the device died
-            }
-            let mut e = self.lock();
-            self.hca.with(|d, _| {
-                for wc in &batch {
-                    e.on_completion(d, wc);
+            tokio::select! {
+                n = self.hca.wait_cq(cq, 256, &mut batch) => {
+                    if n == 0 {
+                        return; // the device died
+                    }
+                    let mut e = self.lock();
+                    self.hca.with(|d, now| {
+                        e.now = now;
+                        for wc in &batch {
+                            e.on_completion(d, wc);
+                        }
+                    });
                 }
-            });
+                _ = tick.tick() => {
+                    let mut e = self.lock();
+                    self.hca.with(|d, now| {
+                        e.now = now;
+                        e.expire_controllers(d, now);
+                    });
+                }
+            }
         }
     }
 }
+
+/// How often controllers are checked for keep-alive expiry.
+const KATO_CHECK: std::time::Duration = std::time::Duration::from_millis(250);
 
 fn rdma_opts(mtu: Mtu) -> RcOptions {
     RcOptions {
@@ -237,6 +274,28 @@ fn rdma_opts(mtu: Mtu) -> RcOptions {
 }
 
 impl Engine {
+    /// Linux nvmet: a controller that hears nothing from its host for KATO is torn down with
+    /// its queues (the host's recovery makes a new one). Any command counts as traffic.
+    fn expire_controllers(&mut self, d: &mut Device, now: crate::hca::Instant) {
+        let mut dead = Vec::new();
+        for (id, c) in self.ctrls.iter_mut() {
+            let seen = *c.last_seen.get_or_insert(now);
+            if c.kato_ms > 0 && now.0.saturating_sub(seen.0) > c.kato_ms as u64 * 1_000_000 {
+                dead.push((*id, c.queues.first().copied()));
+            }
+        }
+        for (id, admin) in dead {
+            tracing::info!(cntlid = id, "keep-alive timeout: controller torn down");
+            self.stats.kato_expired += 1;
+            match admin {
+                Some(qpn) => self.remove_queue(d, qpn),
+                None => {
+                    self.ctrls.remove(&id);
+                }
+            }
+        }
+    }
+
     fn add_queue(&mut self, d: &mut Device, p: ConnParams) -> Result<(Qpn, Psn, u16), ConnReject> {
         let size = p.hsqsize as usize + 1;
         if p.qid == 0 && !(fabrics::MIN_ADMIN_SQ_ENTRIES as usize..=4096).contains(&size) {
@@ -403,6 +462,14 @@ impl Engine {
         };
         if r >= q.size {
             return;
+        }
+        if self.frozen {
+            self.stats.ignored_frozen += 1;
+            repost(d, qpn, q, r);
+            return;
+        }
+        if let Some(ctrl) = q.cntlid.and_then(|c| self.ctrls.get_mut(&c)) {
+            ctrl.last_seen = Some(self.now);
         }
         let at = r * q.capsule_len;
         let len = len.min(q.capsule_len);
@@ -775,6 +842,7 @@ impl Engine {
                     io_queues: 0,
                     queues: vec![qpn],
                     aers: 0,
+                    last_seen: None,
                 },
             );
             id

@@ -180,6 +180,10 @@ pub struct QueueCore {
     /// New and held I/O fails at once with this (fast_io_fail_tmo) until LIVE again.
     failfast: Option<FailReason>,
     control: Option<ControlDone>,
+    /// `control` was set since the task last told the controller.
+    control_fresh: bool,
+    /// The device behind `verbs` died and its CQ is drained: stop polling it.
+    cq_gone: bool,
     pub stats: QueueStats,
     /// Work requests gathered during one turn and posted under one device lock.
     sends: Vec<SendWr>,
@@ -236,6 +240,8 @@ impl QueueCore {
             phase: Phase::Down,
             failfast: None,
             control: None,
+            control_fresh: false,
+            cq_gone: false,
             stats: QueueStats::default(),
             sends: Vec::with_capacity(n),
             recvs: Vec::with_capacity(n),
@@ -322,6 +328,7 @@ impl QueueCore {
             Ok(v) => {
                 let qpn = v.qpn;
                 self.verbs = Some(v);
+                self.cq_gone = false;
                 Ok(qpn)
             }
             Err((partial, e)) => {
@@ -402,6 +409,7 @@ impl QueueCore {
             if i == ctl {
                 self.slots[i].state = SlotState::Free;
                 self.control = Some(ControlDone::Lost);
+                self.control_fresh = true;
                 continue;
             }
             let s = &mut self.slots[i];
@@ -634,7 +642,8 @@ impl QueueCore {
             ok
         });
         if !ok {
-            self.fail_connection(Cause::Transport);
+            let c = self.device_cause().unwrap_or(Cause::Transport);
+            self.fail_connection(c);
         }
     }
 
@@ -657,15 +666,9 @@ impl QueueCore {
             // A flush on a dead device is the device's failure; any other error (and a flush
             // on a live device: the QP went to error, e.g. the target broke an MR's rules)
             // is this connection's.
-            let dead = wc.status == WcStatus::WrFlushErr
-                && self
-                    .verbs
-                    .as_ref()
-                    .is_some_and(|v| v.hca.lifecycle() != crate::hca::Lifecycle::Live);
-            let c = if dead {
-                Cause::DeviceFatal
-            } else {
-                Cause::Transport
+            let c = match self.device_cause() {
+                Some(dev) if wc.status == WcStatus::WrFlushErr => dev,
+                _ => Cause::Transport,
             };
             self.fail_connection(c);
             return;
@@ -686,7 +689,18 @@ impl QueueCore {
 
     /// The device behind the CQ is dead and drained.
     pub fn on_device_gone(&mut self) {
-        self.fail_connection(Cause::DeviceFatal);
+        self.cq_gone = true;
+        let c = self.device_cause().unwrap_or(Cause::DeviceFatal);
+        self.fail_connection(c);
+    }
+
+    /// If the device under the queue is dead: why (reset or hot-remove).
+    fn device_cause(&self) -> Option<Cause> {
+        match self.verbs.as_ref()?.hca.lifecycle() {
+            crate::hca::Lifecycle::Live => None,
+            crate::hca::Lifecycle::Removed => Some(Cause::DeviceRemoved),
+            _ => Some(Cause::DeviceFatal),
+        }
     }
 
     fn on_response(&mut self, r: usize, len: usize) {
@@ -737,6 +751,7 @@ impl QueueCore {
             self.slots[i].state = SlotState::Free;
             self.slots[i].cqe = None;
             self.control = Some(ControlDone::Completed(cqe));
+            self.control_fresh = true;
             return;
         }
         let st = cqe.nvme_status();
@@ -812,7 +827,15 @@ impl QueueCore {
     }
 
     fn cq(&self) -> Option<(SoftHca, CqId)> {
+        if self.cq_gone {
+            return None;
+        }
         self.verbs.as_ref().map(|v| (v.hca.clone(), v.cq))
+    }
+
+    /// Whether the controller should hear about a new reserved-slot completion.
+    fn take_control_fresh(&mut self) -> bool {
+        std::mem::take(&mut self.control_fresh)
     }
 
     /// Are all user slots idle?
@@ -1041,9 +1064,6 @@ async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
                         c.on_wc(wc);
                     }
                 }
-                if c.control.is_some() {
-                    ctl.control_done.notify_one();
-                }
             }
             _ = async {
                 match sleep_for {
@@ -1056,7 +1076,7 @@ async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
         }
         let mut c = ctl.lock();
         c.flush_posts();
-        if c.control.is_some() {
+        if c.take_control_fresh() {
             ctl.control_done.notify_one();
         }
     }

@@ -1,0 +1,329 @@
+//! Chaos: verified I/O against the built-in target while the soft-HCA is reset, unplugged and
+//! re-plugged (same or other identity), the target restarted or frozen. Used by the `chaos`
+//! command, the recovery tests, the seed sweep and the recovery benchmark.
+//!
+//! Verification: each worker owns a range of blocks and a model of it. A write that was
+//! acknowledged updates the model; every read must match the model block for block. A write
+//! that failed leaves its blocks unknown (old or new data) until they are written again.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::driver::{DeviceManager, SoftHca};
+use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use crate::hca::PciAddr;
+use crate::nvme::Nqn;
+use crate::reconnect::Policy;
+use crate::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use crate::transport::{CmService, ConnectOptions, Controller, HostError};
+
+pub const CHAOS_NQN: &str = "nqn.2026-11.io.nvmf-rdma:chaos";
+/// The host device's slot name in the device manager.
+pub const HOST_DEV: &str = "host0";
+
+/// A built-in RAM target on the current runtime, restartable on the same address with the
+/// same namespace (its data survives a restart, as a disk's would).
+pub struct TargetRig {
+    pub addr: SocketAddr,
+    pub ns: Arc<Namespace>,
+    pub target: Target,
+    hca: SoftHca,
+    generation: u64,
+}
+
+fn target_config(addr: SocketAddr, generation: u64) -> DeviceConfig {
+    DeviceConfig {
+        identity: DeviceIdentity::from_mac(
+            "tgt0",
+            [0x52, 0x54, 0, 0x30, 0, 1],
+            PciAddr::new(0, 0x30, 1, 0),
+        ),
+        addr,
+        icrc: IcrcCheck::Verify,
+        seed: 0x7A46E7 + generation,
+    }
+}
+
+impl TargetRig {
+    /// Start on `ip` (port 0 picks one) with a RAM namespace of `bytes`, 512-byte blocks.
+    pub async fn start(ip: [u8; 4], bytes: u64) -> anyhow::Result<TargetRig> {
+        let ns = Arc::new(Namespace::ram(1, bytes, 9));
+        Self::start_with(SocketAddr::from((ip, 0)), ns, 0).await
+    }
+
+    async fn start_with(
+        addr: SocketAddr,
+        ns: Arc<Namespace>,
+        generation: u64,
+    ) -> anyhow::Result<TargetRig> {
+        let hca = SoftHca::start(target_config(addr, generation)).await?;
+        let cfg = TargetConfig {
+            subsystems: vec![Subsystem::new(Nqn::new(CHAOS_NQN)?, vec![ns.clone()])],
+            ..TargetConfig::default()
+        };
+        let target = Target::start(hca.clone(), cfg)?;
+        serve_cm(
+            target.clone(),
+            CmService::start(hca.clone(), 0xC4A0 + generation),
+        );
+        Ok(TargetRig {
+            addr: hca.addr(),
+            ns,
+            target,
+            hca,
+            generation,
+        })
+    }
+
+    /// Kill the target's device and start a new target on the same address and namespace.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.hca.fatal();
+        self.hca.stopped().await;
+        let next = Self::start_with(self.addr, self.ns.clone(), self.generation + 1).await?;
+        *self = next;
+        Ok(())
+    }
+
+    pub fn hca(&self) -> &SoftHca {
+        &self.hca
+    }
+}
+
+impl Drop for TargetRig {
+    fn drop(&mut self) {
+        self.hca.fatal();
+    }
+}
+
+/// The host's device as plugged in the device manager.
+pub fn host_config(ip: [u8; 4]) -> DeviceConfig {
+    DeviceConfig {
+        identity: host_identity(0),
+        addr: SocketAddr::from((ip, 0)),
+        icrc: IcrcCheck::Verify,
+        seed: 0x4057,
+    }
+}
+
+/// The host card (`variant` 0), or another card in its slot (other GUID and PCI address).
+pub fn host_identity(variant: u8) -> DeviceIdentity {
+    DeviceIdentity::from_mac(
+        HOST_DEV,
+        [0x52, 0x54, 0, 0x31, variant, 1],
+        PciAddr::new(0, 0x31 + variant, 0, 0),
+    )
+}
+
+/// Host options for chaos: reconnect at once, the rest from `policy`.
+pub fn host_options(
+    target: SocketAddr,
+    queues: usize,
+    qsize: usize,
+    policy: Policy,
+) -> ConnectOptions {
+    let mut o = ConnectOptions::new(target, CHAOS_NQN);
+    o.nr_io_queues = queues;
+    o.queue_size = qsize;
+    o.connect_timeout = Duration::from_secs(2);
+    o.keep_alive_tmo = policy.keep_alive_tmo;
+    o.policy = policy;
+    o
+}
+
+/// A host device in a device manager plus a controller through it.
+pub async fn connect_host(
+    mgr: &DeviceManager,
+    ip: [u8; 4],
+    o: ConnectOptions,
+) -> anyhow::Result<Controller> {
+    mgr.plug(host_config(ip)).await?;
+    Ok(Controller::connect_managed(mgr.clone(), HOST_DEV, o).await?)
+}
+
+/// One thing chaos does to the system.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Fatal reset of the host HCA; it comes back after the delay.
+    Reset { down: Duration },
+    /// Hot-remove the host HCA and plug the same card back after the delay.
+    Replug { down: Duration },
+    /// Restart the target (its device dies; a new one comes up on the same address).
+    TargetRestart,
+    /// The controller reset the user asks for.
+    UserReset,
+}
+
+impl Fault {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Fault::Reset { .. } => "reset",
+            Fault::Replug { .. } => "unplug+replug",
+            Fault::TargetRestart => "target restart",
+            Fault::UserReset => "controller reset",
+        }
+    }
+
+    /// A random fault; `down` bounds how long the device stays away.
+    pub fn random(rng: &mut impl Rng, down: Duration) -> Fault {
+        let d = Duration::from_micros(rng.random_range(0..=down.as_micros() as u64));
+        match rng.random_range(0..10) {
+            0..=4 => Fault::Reset { down: d },
+            5..=6 => Fault::Replug { down: d },
+            7..=8 => Fault::UserReset,
+            _ => Fault::TargetRestart,
+        }
+    }
+
+    /// Do it.
+    pub async fn inflict(
+        &self,
+        mgr: &DeviceManager,
+        ctrl: &Controller,
+        target: &mut TargetRig,
+    ) -> anyhow::Result<()> {
+        match *self {
+            Fault::Reset { down } => {
+                mgr.reset(HOST_DEV, down).await?;
+            }
+            Fault::Replug { down } => {
+                mgr.unplug(HOST_DEV).await?;
+                if !down.is_zero() {
+                    tokio::time::sleep(down).await;
+                }
+                mgr.replug(host_identity(0)).await?;
+            }
+            Fault::TargetRestart => target.restart().await?,
+            Fault::UserReset => ctrl.reset(),
+        }
+        Ok(())
+    }
+}
+
+/// What a verifying worker saw.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerReport {
+    pub writes: u64,
+    pub reads: u64,
+    pub bytes_verified: u64,
+    /// Reads that did not match acknowledged data: lost or corrupted writes.
+    pub mismatches: u64,
+    /// Failed I/Os by reason.
+    pub errors: Vec<String>,
+    /// Requests that did not complete within the hang bound.
+    pub hangs: u64,
+    /// Latency of every I/O, nanoseconds.
+    pub lat_ns: Vec<u64>,
+}
+
+/// A worker's range: `blocks` blocks from `first`.
+#[derive(Debug, Clone, Copy)]
+pub struct Region {
+    pub first: u64,
+    pub blocks: u64,
+}
+
+/// Verified random I/O on `region` until `stop`, or `ops` operations if given. Each I/O
+/// must finish within `hang_after` (ctrl_loss_tmo plus a margin), or it counts as a hang.
+pub async fn verify_worker(
+    ctrl: Arc<Controller>,
+    region: Region,
+    seed: u64,
+    max_blocks: u64,
+    ops: Option<u64>,
+    stop: Arc<AtomicBool>,
+    hang_after: Duration,
+) -> WorkerReport {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let bs = ctrl.namespaces()[0].block_size as usize;
+    let mut model = vec![0u8; region.blocks as usize * bs];
+    // Blocks whose content is known (read at the start, or written and acknowledged).
+    let mut known = vec![false; region.blocks as usize];
+    let chunk = (ctrl.max_transfer() / bs).max(1);
+    let mut b = 0usize;
+    while b < known.len() {
+        let nb = chunk.min(known.len() - b);
+        let lba = region.first + b as u64;
+        if let Ok(Ok(d)) = tokio::time::timeout(hang_after, ctrl.read(1, lba, nb * bs)).await {
+            model[b * bs..(b + nb) * bs].copy_from_slice(&d);
+            known[b..b + nb].fill(true);
+        }
+        b += nb;
+    }
+    let mut r = WorkerReport::default();
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) && ops.is_none_or(|o| n < o) {
+        n += 1;
+        let nb = rng.random_range(1..=max_blocks.min(region.blocks));
+        let off = rng.random_range(0..=region.blocks - nb);
+        let lba = region.first + off;
+        let range = off as usize * bs..(off + nb) as usize * bs;
+        let t0 = std::time::Instant::now();
+        if rng.random_bool(0.5) {
+            let mut data = vec![0u8; range.len()];
+            rng.fill(&mut data[..]);
+            match tokio::time::timeout(hang_after, ctrl.write(1, lba, &data)).await {
+                Ok(Ok(())) => {
+                    model[range.clone()].copy_from_slice(&data);
+                    known[off as usize..(off + nb) as usize].fill(true);
+                    r.writes += 1;
+                }
+                Ok(Err(e)) => {
+                    known[off as usize..(off + nb) as usize].fill(false);
+                    r.errors.push(error_kind(&e));
+                }
+                Err(_) => {
+                    known[off as usize..(off + nb) as usize].fill(false);
+                    r.hangs += 1;
+                }
+            }
+        } else {
+            match tokio::time::timeout(hang_after, ctrl.read(1, lba, range.len())).await {
+                Ok(Ok(got)) => {
+                    r.reads += 1;
+                    for b in 0..nb as usize {
+                        if !known[off as usize + b] {
+                            continue;
+                        }
+                        let m = &model[range.start + b * bs..range.start + (b + 1) * bs];
+                        if &got[b * bs..(b + 1) * bs] != m {
+                            r.mismatches += 1;
+                        } else {
+                            r.bytes_verified += bs as u64;
+                        }
+                    }
+                }
+                Ok(Err(e)) => r.errors.push(error_kind(&e)),
+                Err(_) => r.hangs += 1,
+            }
+        }
+        r.lat_ns.push(t0.elapsed().as_nanos() as u64);
+    }
+    r
+}
+
+/// A short, stable name for an error, for summaries.
+pub fn error_kind(e: &HostError) -> String {
+    match e {
+        HostError::Path(why) => format!("host path error ({})", why.name()),
+        HostError::Nvme(n) => format!("nvme status: {n}"),
+        HostError::Transport(_) => "transport error".into(),
+        HostError::Connect(_) => "connect error".into(),
+        HostError::Protocol(_) => "protocol error".into(),
+        HostError::Invalid(_) => "invalid request".into(),
+        HostError::Gone(_) => "controller gone".into(),
+        HostError::Timeout(_) => "timeout".into(),
+    }
+}
+
+/// Percentile of sorted values.
+pub fn pct(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
+}
