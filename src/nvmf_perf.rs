@@ -99,21 +99,27 @@ impl Drop for LocalTarget {
     }
 }
 
-/// Connect a host (its own soft-HCA on this runtime) to `addr`.
+/// Connect a host (its own soft-HCA on this runtime, in a device manager so the controller
+/// survives resets of it) to `addr`.
 pub async fn connect_host(
     addr: SocketAddr,
     subnqn: &str,
     queues: usize,
     queue_size: usize,
 ) -> Result<Controller, HostError> {
-    let hca = SoftHca::start(dev_config("host0", 2, [127, 0, 0, 1]))
-        .await
-        .map_err(|e| HostError::Connect(e.to_string()))?;
-    let cm = CmService::start(hca.clone(), 3);
     let mut o = ConnectOptions::new(addr, subnqn);
     o.nr_io_queues = queues;
     o.queue_size = queue_size;
-    Controller::connect(hca, cm, o).await
+    connect_host_with(o).await
+}
+
+/// [`connect_host`] with every option.
+pub async fn connect_host_with(o: ConnectOptions) -> Result<Controller, HostError> {
+    let mgr = crate::driver::DeviceManager::new(true);
+    mgr.plug(dev_config("host0", 2, [127, 0, 0, 1]))
+        .await
+        .map_err(|e| HostError::Connect(e.to_string()))?;
+    Controller::connect_managed(mgr, "host0", o).await
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

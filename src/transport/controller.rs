@@ -154,6 +154,7 @@ impl CtrlStatus {
 }
 
 struct CtrlShared {
+    source: HostDevice,
     delete: Notify,
     alarm: Arc<Alarm>,
     status: watch::Sender<CtrlStatus>,
@@ -876,6 +877,7 @@ impl Controller {
             o.keep_alive_tmo
         };
         let shared = Arc::new(CtrlShared {
+            source: source.clone(),
             delete: Notify::new(),
             alarm: alarm.clone(),
             status: watch::channel(CtrlStatus {
@@ -1052,6 +1054,33 @@ impl Controller {
                 "status condition not reached; now {:?}",
                 self.status().machine
             ))),
+        }
+    }
+
+    /// Chaos: reset the HCA under this controller (a fatal error; the device comes back
+    /// after `down_for`). Needs a managed device ([`Controller::connect_managed`]).
+    pub async fn reset_device(&self, down_for: Duration) -> Result<(), HostError> {
+        match &self.shared.source {
+            HostDevice::Managed { mgr, name } => mgr
+                .reset(name, down_for)
+                .await
+                .map(|_| ())
+                .map_err(|e| HostError::Invalid(e.to_string())),
+            HostDevice::Fixed { hca, .. } => {
+                hca.fatal();
+                Err(HostError::Invalid(
+                    "the controller's device is not managed: it was killed and will not return"
+                        .into(),
+                ))
+            }
+        }
+    }
+
+    /// The device manager and device name the controller runs on, if managed.
+    pub fn device_manager(&self) -> Option<(DeviceManager, String)> {
+        match &self.shared.source {
+            HostDevice::Managed { mgr, name } => Some((mgr.clone(), name.clone())),
+            HostDevice::Fixed { .. } => None,
         }
     }
 
