@@ -6,6 +6,7 @@
 pub mod cli_support;
 pub mod cm;
 pub mod driver;
+pub mod export;
 pub mod hca;
 pub mod nvme;
 pub mod nvmf_perf;
