@@ -559,10 +559,9 @@ assert h.pread(7, 9) == b"\xabxxxxx\xab", "fua write"
 assert h.can_multi_conn() and h.can_trim() and h.can_zero() and h.can_fua()
 print("nbdsh ok")
 "#;
-    let out =
-        run(Cmd::new("nbdsh")
-            .env("PATH", &path)
-            .args(["-u", &sv.addr.uri(), "-c", script]));
+    let out = run(Cmd::new("nbdsh")
+        .env("PATH", &path)
+        .args(["-u", &sv.addr.uri(), "-c", script]));
     assert!(out.contains("nbdsh ok"), "{out}");
 }
 

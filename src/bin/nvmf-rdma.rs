@@ -931,7 +931,7 @@ mod tests {
             "3",
         ])
         .unwrap();
-        let Cmd::Connect(s) = c.cmd else {
+        let Cmd::Connect { sub: s, .. } = c.cmd else {
             panic!("not connect")
         };
         assert_eq!(s.fabric.traddr, "127.0.0.1:4791".parse().unwrap());
@@ -958,7 +958,53 @@ mod tests {
             "nqn.a:b",
         ])
         .unwrap();
-        let Cmd::Connect(s) = c.cmd else { panic!() };
+        let Cmd::Connect { sub: s, .. } = c.cmd else {
+            panic!()
+        };
         assert!(options(&s).unwrap_err().to_string().contains("only rdma"));
+    }
+
+    #[test]
+    fn connect_exports_parse() {
+        let c = Cli::try_parse_from([
+            "nvmf-rdma",
+            "connect",
+            "-a",
+            "127.0.0.1",
+            "-n",
+            "nqn.a:b",
+            "--nbd",
+            "unix:/run/n.sock",
+            "--fuse",
+            "/mnt/x",
+        ])
+        .unwrap();
+        let Cmd::Connect { export: x, .. } = c.cmd else {
+            panic!()
+        };
+        assert_eq!(x.nbd, Some(ExportAddr::Unix("/run/n.sock".into())));
+        assert_eq!(x.fuse, Some(PathBuf::from("/mnt/x")));
+        let tcp = [
+            "nvmf-rdma",
+            "connect",
+            "-a",
+            "127.0.0.1",
+            "-n",
+            "x",
+            "--nbd",
+            "127.0.0.1:10809",
+        ];
+        assert!(Cli::try_parse_from(tcp).is_ok());
+        let bad = [
+            "nvmf-rdma",
+            "connect",
+            "-a",
+            "127.0.0.1",
+            "-n",
+            "x",
+            "--nbd",
+            "10809",
+        ];
+        assert!(Cli::try_parse_from(bad).is_err());
     }
 }
