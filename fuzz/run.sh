@@ -3,6 +3,8 @@
 #
 #   fuzz/run.sh [SECONDS] [extra libFuzzer flags...]
 #
+# Targets (from `cargo fuzz list`): packet, capsule, cm, nbd (NBD handshake + request decoder).
+#
 # Works with a stable toolchain: cargo-fuzz passes nightly-only flags (-Zsanitizer=...) to
 # rustc, so RUSTC_BOOTSTRAP=1 is set for the build. Exits non-zero if any target crashes
 # (the reproducer is left in fuzz/artifacts/<target>/).

@@ -8,6 +8,7 @@ pub mod chaos;
 pub mod cli_support;
 pub mod cm;
 pub mod driver;
+pub mod export;
 pub mod hca;
 pub mod nvme;
 pub mod nvmf_perf;

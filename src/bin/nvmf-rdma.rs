@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use nvmf_rdma::cli_support::{local_ip_for, parse_traddr, run_dir, CtrlInfo};
 use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::export::{self, ExportAddr};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::nvme::Nqn;
@@ -81,6 +82,17 @@ struct Subsys {
     nsid: u32,
 }
 
+/// Block-device exports of the namespace `--nsid` while `connect` holds the controller.
+#[derive(Args, Debug, Clone)]
+struct ExportArgs {
+    /// Serve the namespace over NBD at unix:PATH or IP:PORT (e.g. 127.0.0.1:10809).
+    #[arg(long, value_name = "ADDR")]
+    nbd: Option<ExportAddr>,
+    /// Expose the namespace as the file MOUNTPOINT/ns<NSID> in a FUSE mount (for losetup).
+    #[arg(long, value_name = "MOUNTPOINT")]
+    fuse: Option<PathBuf>,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Start the built-in target in-process, connect to it, write and verify a pattern, and
@@ -116,7 +128,12 @@ enum Cmd {
     /// Ask a discovery controller which subsystems it offers.
     Discover(Fabric),
     /// Connect to a subsystem and hold the controller until interrupted or `disconnect`.
-    Connect(Subsys),
+    Connect {
+        #[command(flatten)]
+        sub: Subsys,
+        #[command(flatten)]
+        export: ExportArgs,
+    },
     /// List the controllers held by running `connect` commands.
     List {
         /// Output format: normal or json.
@@ -360,7 +377,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Connect(s) => run_connect(s).await,
+        Cmd::Connect { sub, export } => run_connect(sub, export).await,
         Cmd::List { output } => run_list(&output).await,
         Cmd::Disconnect { nqn, device } => run_disconnect(nqn, device).await,
         Cmd::Read {
@@ -620,8 +637,9 @@ async fn run_target(a: TargetArgs) -> Result<()> {
     Ok(())
 }
 
-async fn run_connect(s: Subsys) -> Result<()> {
+async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
     let c = Arc::new(connect(&s).await?);
+    let exports = start_exports(&c, &s, &x).await?;
     let dir = run_dir();
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     let mut n = 0;
@@ -689,11 +707,72 @@ async fn run_connect(s: Subsys) -> Result<()> {
         }
     }
     let _ = std::fs::remove_file(&path);
+    exports.stop().await;
     if let Ok(c) = Arc::try_unwrap(c) {
         c.disconnect().await;
     }
     println!("{name}: disconnected");
     Ok(())
+}
+
+/// The exports `connect` runs next to the controller (stopped before it disconnects).
+struct Exports {
+    nbd: Option<tokio::task::JoinHandle<()>>,
+    fuse: Option<export::FuseMount>,
+}
+
+impl Exports {
+    async fn stop(self) {
+        if let Some(t) = self.nbd {
+            t.abort();
+            let _ = t.await;
+        }
+        if let Some(m) = self.fuse {
+            let _ = tokio::task::spawn_blocking(move || {
+                if let Err(e) = m.unmount() {
+                    eprintln!("{e}");
+                }
+            })
+            .await;
+        }
+    }
+}
+
+async fn start_exports(c: &Arc<Controller>, s: &Subsys, x: &ExportArgs) -> Result<Exports> {
+    let mut out = Exports {
+        nbd: None,
+        fuse: None,
+    };
+    if x.nbd.is_none() && x.fuse.is_none() {
+        return Ok(out);
+    }
+    let dev = Arc::new(export::BlockDev::new(c.clone(), s.nsid)?);
+    if let Some(addr) = &x.nbd {
+        let l = export::NbdListener::bind(addr).await?;
+        println!(
+            "nbd: serving namespace {} at {} ({})",
+            s.nsid,
+            l.addr(),
+            l.addr().uri()
+        );
+        let (dev, name) = (dev.clone(), format!("ns{}", s.nsid));
+        out.nbd = Some(tokio::spawn(async move {
+            if let Err(e) = l.serve(dev, name).await {
+                eprintln!("nbd: {e}");
+            }
+        }));
+    }
+    if let Some(mp) = &x.fuse {
+        let m = export::mount_fuse(
+            dev,
+            tokio::runtime::Handle::current(),
+            mp,
+            &format!("ns{}", s.nsid),
+        )?;
+        println!("fuse: namespace {} is {}", s.nsid, m.file().display());
+        out.fuse = Some(m);
+    }
+    Ok(out)
 }
 
 async fn ask(path: &std::path::Path, req: &str) -> Option<String> {
@@ -852,7 +931,7 @@ mod tests {
             "3",
         ])
         .unwrap();
-        let Cmd::Connect(s) = c.cmd else {
+        let Cmd::Connect { sub: s, .. } = c.cmd else {
             panic!("not connect")
         };
         assert_eq!(s.fabric.traddr, "127.0.0.1:4791".parse().unwrap());
@@ -879,7 +958,53 @@ mod tests {
             "nqn.a:b",
         ])
         .unwrap();
-        let Cmd::Connect(s) = c.cmd else { panic!() };
+        let Cmd::Connect { sub: s, .. } = c.cmd else {
+            panic!()
+        };
         assert!(options(&s).unwrap_err().to_string().contains("only rdma"));
+    }
+
+    #[test]
+    fn connect_exports_parse() {
+        let c = Cli::try_parse_from([
+            "nvmf-rdma",
+            "connect",
+            "-a",
+            "127.0.0.1",
+            "-n",
+            "nqn.a:b",
+            "--nbd",
+            "unix:/run/n.sock",
+            "--fuse",
+            "/mnt/x",
+        ])
+        .unwrap();
+        let Cmd::Connect { export: x, .. } = c.cmd else {
+            panic!()
+        };
+        assert_eq!(x.nbd, Some(ExportAddr::Unix("/run/n.sock".into())));
+        assert_eq!(x.fuse, Some(PathBuf::from("/mnt/x")));
+        let tcp = [
+            "nvmf-rdma",
+            "connect",
+            "-a",
+            "127.0.0.1",
+            "-n",
+            "x",
+            "--nbd",
+            "127.0.0.1:10809",
+        ];
+        assert!(Cli::try_parse_from(tcp).is_ok());
+        let bad = [
+            "nvmf-rdma",
+            "connect",
+            "-a",
+            "127.0.0.1",
+            "-n",
+            "x",
+            "--nbd",
+            "10809",
+        ];
+        assert!(Cli::try_parse_from(bad).is_err());
     }
 }

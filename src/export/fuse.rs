@@ -1,0 +1,376 @@
+//! The namespace as one regular file in a FUSE mount, for kernels without an NBD driver:
+//! `losetup --direct-io=on /dev/loopN MOUNTPOINT/ns1` makes it a block device.
+//!
+//! Files are opened `direct_io` (no page cache between the loop device and the controller,
+//! and O_DIRECT opens work), reads and writes of any alignment go to [`BlockDev`], `fsync` and
+//! `flush` send an NVMe Flush, and `fallocate` (what the loop driver turns discards and
+//! zero-outs into) becomes Write Zeroes. Handlers run on fuser's threads and wait on the
+//! controller through a tokio runtime handle.
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use fuser::{
+    Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, KernelConfig,
+    LockOwner, MountOption, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty,
+    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, SessionACL, TimeOrNow, WriteFlags,
+};
+use tokio::runtime::Handle;
+
+use super::{BlockDev, ExportError};
+
+const FILE_INO: INodeNo = INodeNo(2);
+/// Attributes never change behind the kernel's back (the size is the namespace's).
+const TTL: Duration = Duration::from_secs(60);
+/// Largest read or write the kernel sends per request.
+const MAX_IO: u32 = 1 << 20;
+/// fuser worker threads, each waiting on one request at a time.
+const THREADS: usize = 8;
+
+struct NsFile {
+    dev: Arc<BlockDev>,
+    rt: Handle,
+    name: String,
+    uid: u32,
+    gid: u32,
+    born: SystemTime,
+}
+
+impl NsFile {
+    fn attr(&self, ino: INodeNo) -> Option<FileAttr> {
+        let (kind, perm, nlink, size) = if ino == INodeNo::ROOT {
+            (FileType::Directory, 0o755, 2, 0)
+        } else if ino == FILE_INO {
+            (FileType::RegularFile, 0o600, 1, self.dev.size())
+        } else {
+            return None;
+        };
+        Some(FileAttr {
+            ino,
+            size,
+            blocks: size.div_ceil(512),
+            atime: self.born,
+            mtime: self.born,
+            ctime: self.born,
+            crtime: self.born,
+            kind,
+            perm,
+            nlink,
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            flags: 0,
+            blksize: self.dev.block_size().max(4096),
+        })
+    }
+
+    fn wait<T>(
+        &self,
+        f: impl std::future::Future<Output = Result<T, ExportError>>,
+    ) -> Result<T, Errno> {
+        self.rt.block_on(f).map_err(|e| {
+            tracing::warn!("fuse request failed: {e}");
+            Errno::from_i32(e.errno())
+        })
+    }
+}
+
+impl Filesystem for NsFile {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let _ = config.set_max_write(MAX_IO);
+        let _ = config.set_max_readahead(MAX_IO);
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        match self.attr(FILE_INO) {
+            Some(a) if parent == INodeNo::ROOT && name == OsStr::new(&self.name) => {
+                reply.entry(&TTL, &a, fuser::Generation(0))
+            }
+            _ => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.attr(ino) {
+            Some(a) => reply.attr(&TTL, &a),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        _atime: Option<TimeOrNow>,
+        _mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let Some(a) = self.attr(ino) else {
+            return reply.error(Errno::ENOENT);
+        };
+        // The size is the namespace's (open with O_TRUNC or `dd` without conv=notrunc fails
+        // here rather than pretending); ownership and mode are fixed; times are accepted.
+        if size.is_some_and(|s| s != a.size) {
+            return reply.error(Errno::EPERM);
+        }
+        if mode.is_some_and(|m| m & 0o7777 != a.perm as u32)
+            || uid.is_some_and(|u| u != a.uid)
+            || gid.is_some_and(|g| g != a.gid)
+        {
+            return reply.error(Errno::EPERM);
+        }
+        reply.attr(&TTL, &a)
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        if ino != FILE_INO {
+            return reply.error(Errno::EISDIR);
+        }
+        reply.opened(
+            FileHandle(0),
+            FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES,
+        )
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        if ino != FILE_INO {
+            return reply.error(Errno::EISDIR);
+        }
+        let end = self.dev.size();
+        let n = end.saturating_sub(offset).min(size as u64) as usize;
+        match self.wait(self.dev.read_at(offset.min(end), n)) {
+            Ok(d) => reply.data(&d),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        if ino != FILE_INO {
+            return reply.error(Errno::EISDIR);
+        }
+        let room = self.dev.size().saturating_sub(offset);
+        if room == 0 && !data.is_empty() {
+            return reply.error(Errno::from_i32(libc::ENOSPC));
+        }
+        let data = &data[..(data.len() as u64).min(room) as usize];
+        // O_SYNC / O_DSYNC writers get FUA semantics.
+        let sync = flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0;
+        match self.wait(self.dev.write_at(offset, data, sync)) {
+            Ok(()) => reply.written(data.len() as u32),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        match self.wait(self.dev.flush()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        match self.wait(self.dev.flush()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        if ino != FILE_INO {
+            return reply.error(Errno::EISDIR);
+        }
+        let end = offset.checked_add(length);
+        let inside = end.is_some_and(|e| e <= self.dev.size());
+        let zero = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;
+        let known = zero | libc::FALLOC_FL_KEEP_SIZE;
+        if mode & !known != 0 {
+            return reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+        }
+        if !inside {
+            // Growing the file is impossible; inside it every block is already allocated.
+            return reply.error(Errno::from_i32(libc::ENOSPC));
+        }
+        if mode & zero == 0 {
+            return reply.ok();
+        }
+        // A punched hole must read back as zeroes, which Deallocate does not promise on every
+        // controller: both modes are Write Zeroes.
+        match self.wait(self.dev.write_zeroes_at(offset, length, false)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        if ino != INodeNo::ROOT {
+            return reply.error(Errno::ENOTDIR);
+        }
+        let entries = [
+            (INodeNo::ROOT, FileType::Directory, "."),
+            (INodeNo::ROOT, FileType::Directory, ".."),
+            (FILE_INO, FileType::RegularFile, self.name.as_str()),
+        ];
+        for (i, (ino, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
+            if reply.add(*ino, (i + 1) as u64, *kind, name) {
+                break;
+            }
+        }
+        reply.ok()
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let bs = self.dev.block_size() as u64;
+        let blocks = self.dev.size() / bs;
+        reply.statfs(blocks, 0, 0, 2, 0, bs as u32, 255, bs as u32);
+    }
+}
+
+/// A mounted single-file FUSE file system; unmounted on drop.
+pub struct FuseMount {
+    session: Option<fuser::BackgroundSession>,
+    mountpoint: PathBuf,
+    file: PathBuf,
+}
+
+impl FuseMount {
+    /// The file that holds the namespace.
+    pub fn file(&self) -> &Path {
+        &self.file
+    }
+
+    pub fn mountpoint(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// Unmount and wait for the FUSE thread. Fails (and stays mounted) while the file is in
+    /// use, for example by a loop device.
+    pub fn unmount(mut self) -> Result<(), ExportError> {
+        match self.session.take() {
+            Some(s) => s
+                .umount_and_join()
+                .map_err(|e| ExportError::io(format!("unmount {}", self.mountpoint.display()), e)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for FuseMount {
+    fn drop(&mut self) {
+        if let Some(s) = self.session.take() {
+            if let Err(e) = s.umount_and_join() {
+                tracing::warn!("unmount {}: {e}", self.mountpoint.display());
+            }
+        }
+    }
+}
+
+/// Mount `dev` at `mountpoint` as a single file named `name`. `rt` is the runtime the
+/// controller lives on; it must keep running (a multi-thread runtime, or a thread blocked in
+/// `Runtime::block_on`) while the mount is used.
+pub fn mount_fuse(
+    dev: Arc<BlockDev>,
+    rt: Handle,
+    mountpoint: &Path,
+    name: &str,
+) -> Result<FuseMount, ExportError> {
+    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        return Err(ExportError::io(
+            "fuse file name",
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("bad name {name:?}"),
+            ),
+        ));
+    }
+    let fs = NsFile {
+        dev,
+        rt,
+        name: name.to_string(),
+        // SAFETY: geteuid/getegid cannot fail and touch no memory.
+        uid: unsafe { libc::geteuid() },
+        gid: unsafe { libc::getegid() },
+        born: SystemTime::now(),
+    };
+    let mut cfg = Config::default();
+    cfg.mount_options = vec![
+        MountOption::FSName("nvmf-rdma".into()),
+        MountOption::Subtype("nvmf".into()),
+        MountOption::NoSuid,
+        MountOption::NoDev,
+        MountOption::NoExec,
+    ];
+    cfg.acl = SessionACL::Owner;
+    cfg.n_threads = Some(THREADS);
+    cfg.clone_fd = true;
+    let session = fuser::spawn_mount(fs, mountpoint, &cfg)
+        .map_err(|e| ExportError::io(format!("fuse mount at {}", mountpoint.display()), e))?;
+    Ok(FuseMount {
+        session: Some(session),
+        mountpoint: mountpoint.to_path_buf(),
+        file: mountpoint.join(name),
+    })
+}
