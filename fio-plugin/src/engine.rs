@@ -139,7 +139,8 @@ impl Engine {
         } = self;
         rt.block_on(async move {
             for (_, c) in ctrls {
-                if let Some(t) = c.chaos_task.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                let chaos = c.chaos_task.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some(t) = chaos {
                     t.abort();
                     let _ = t.await;
                 }

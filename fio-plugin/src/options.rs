@@ -434,7 +434,6 @@ mod tests {
             ("traddr=1.2.3.4", "not both"),
             ("ctrl_loss_tmo=soon", "duration"),
             ("chaos_reset_every=0", "more than 0"),
-            ("subnqn=bogus", "subnqn"),
         ] {
             let e = base
                 .with_filename(name)
@@ -442,6 +441,13 @@ mod tests {
                 .unwrap_err();
             assert!(e.contains(want), "{name}: {e}");
         }
+        let long = format!("subnqn=nqn.{}", "x".repeat(300));
+        let e = base
+            .with_filename(&long)
+            .unwrap()
+            .ctrl_options()
+            .unwrap_err();
+        assert!(e.contains("subnqn") && e.contains("223"), "{e}");
         let e = OptionText::default().ctrl_options().unwrap_err();
         assert!(e.contains("no target"), "{e}");
         let e = opts(&[("traddr", "127.0.0.1")]).ctrl_options().unwrap_err();

@@ -355,7 +355,7 @@ mod tests {
         ring.complete(Done { io_u: 7, error: 5 });
         let mut out = Vec::new();
         let n = ring.wait(2, 8, Some(Duration::from_millis(20)), &mut out);
-        assert_eq!((n, out), (1, vec![Done { io_u: 7, error: 5 }]));
+        assert_eq!((n, &out[..]), (1, &[Done { io_u: 7, error: 5 }][..]));
         let n = ring.wait(0, 8, Some(Duration::ZERO), &mut out);
         assert_eq!(n, 0);
     }
