@@ -36,7 +36,7 @@ pub struct Ctrl {
 
 struct Engine {
     pid: u32,
-    rt: tokio::runtime::Runtime,
+    rt: EngineRt,
     ctrls: HashMap<CtrlKey, Arc<Ctrl>>,
     /// Built-in targets by size: their address, and the target itself when this process
     /// started it (a forked child only knows the address).
@@ -81,12 +81,7 @@ impl Engine {
         threads: usize,
         targets: HashMap<u64, (SocketAddr, Option<LocalTarget>)>,
     ) -> Result<Engine, String> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(threads)
-            .thread_name("nvmf-fio-rt")
-            .enable_all()
-            .build()
-            .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+        let rt = EngineRt::start(threads)?;
         Ok(Engine {
             pid,
             rt,
@@ -120,7 +115,7 @@ impl Engine {
         let addr = self.target_addr(o.key.target)?;
         let n = self.next_dev;
         self.next_dev = self.next_dev.wrapping_add(1);
-        let c = self.rt.block_on(connect(o, addr, n))?;
+        let c = self.rt.handle.block_on(connect(o, addr, n))?;
         let c = Arc::new(Ctrl {
             ctrl: Arc::new(c),
             key: o.key.clone(),
@@ -137,7 +132,7 @@ impl Engine {
         let Engine {
             rt, ctrls, targets, ..
         } = self;
-        rt.block_on(async move {
+        rt.handle.block_on(async move {
             for (_, c) in ctrls {
                 let chaos = c.chaos_task.lock().unwrap_or_else(|e| e.into_inner()).take();
                 if let Some(t) = chaos {
@@ -157,8 +152,57 @@ impl Engine {
                 }
             }
         });
-        rt.shutdown_timeout(Duration::from_secs(1));
+        rt.stop();
         drop(targets);
+    }
+}
+
+/// The engine's runtime, driven by a thread of its own so the controllers keep running
+/// (keep-alive, retransmits, completions) whatever the fio threads are doing. One thread runs
+/// a current-thread runtime, the shape `nvmf-rdma bench` measures; more make it multi-thread.
+struct EngineRt {
+    handle: tokio::runtime::Handle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl EngineRt {
+    fn start(threads: usize) -> Result<EngineRt, String> {
+        let rt = if threads <= 1 {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+        } else {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(threads - 1)
+                .thread_name("nvmf-fio-rt")
+                .enable_all()
+                .build()
+        }
+        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+        let handle = rt.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("nvmf-fio-rt".into())
+            .spawn(move || {
+                let _ = rt.block_on(stopped);
+                rt.shutdown_timeout(Duration::from_secs(1));
+            })
+            .map_err(|e| format!("cannot start the runtime thread: {e}"))?;
+        Ok(EngineRt {
+            handle,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
@@ -234,7 +278,7 @@ pub fn register(td: usize, threads: usize) -> Result<tokio::runtime::Handle, Str
     let mut g = lock();
     let e = engine(&mut g, threads)?;
     e.users.insert(td);
-    Ok(e.rt.handle().clone())
+    Ok(e.rt.handle.clone())
 }
 
 /// The controller for `o`, connected on first use, and the runtime it runs on.
@@ -245,7 +289,7 @@ pub fn controller(
     let mut g = lock();
     let e = engine(&mut g, threads)?;
     let c = e.controller(o)?;
-    Ok((c, e.rt.handle().clone()))
+    Ok((c, e.rt.handle.clone()))
 }
 
 /// Job `td` is done; the last one out shuts the engine down.
