@@ -5,8 +5,8 @@
 #   3. fetch the source of exactly the installed fio version and run its configure, which
 #      writes config-host.h (the plugin compiles against fio's own headers),
 #   4. build the plugin in release.
-# Prints the two paths the tests and job files need; `source <(fio-plugin/setup.sh --env)`
-# after a first run exports them without redoing anything.
+# Prints where the fio source and the plugin are; `eval "$(fio-plugin/setup.sh --env)"` after
+# a first run exports FIO_SRC (what `cargo build/test -p nvmf-rdma-fio` need) and does nothing else.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -16,7 +16,6 @@ fio_src_dir() { ls -d "$src_root"/fio-*/ 2>/dev/null | head -n 1 | sed 's:/$::';
 
 if [ "${1:-}" = "--env" ]; then
   echo "export FIO_SRC=$(fio_src_dir)"
-  echo "export NVMF_FIO_PLUGIN=$root/target/release/libnvmf_rdma_fio.so"
   exit 0
 fi
 
@@ -54,7 +53,8 @@ stamp="$src_root/.version"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$version" ] || [ -z "$(fio_src_dir)" ]; then
   rm -rf "$src_root"
   mkdir -p "$src_root"
-  (cd "$src_root" && apt_get source -qq "fio=$version" >/dev/null)
+  # The download sandbox user cannot write into a checkout owned by root.
+  (cd "$src_root" && apt_get -o APT::Sandbox::User=root source -qq "fio=$version" >/dev/null)
   echo "$version" >"$stamp"
 fi
 fio_src=$(fio_src_dir)
