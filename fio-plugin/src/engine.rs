@@ -134,7 +134,11 @@ impl Engine {
         } = self;
         rt.handle.block_on(async move {
             for (_, c) in ctrls {
-                let chaos = c.chaos_task.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let chaos = c
+                    .chaos_task
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
                 if let Some(t) = chaos {
                     t.abort();
                     let _ = t.await;
@@ -142,7 +146,7 @@ impl Engine {
                 let resets = c.resets.load(Ordering::Relaxed);
                 if c.chaos.is_some() {
                     eprintln!(
-                        "nvmf-rdma: chaos: {resets} device resets of the host device for {} at {:?}",
+                        "nvmf-rdma: chaos: {resets} resets of the host device for {} at {}",
                         c.key.subnqn, c.key.target
                     );
                 }

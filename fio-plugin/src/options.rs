@@ -42,6 +42,15 @@ pub enum TargetAddr {
     Builtin { bytes: u64 },
 }
 
+impl std::fmt::Display for TargetAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TargetAddr::Remote(a) => write!(f, "{a}"),
+            TargetAddr::Builtin { bytes } => write!(f, "the built-in target ({} MiB)", bytes >> 20),
+        }
+    }
+}
+
 /// Everything that identifies one controller; jobs and threads naming the same key share it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct CtrlKey {
