@@ -21,6 +21,7 @@ use nvmf_rdma::nvmf_perf::LocalTarget;
 use nvmf_rdma::transport::{CmService, ConnectOptions, Controller};
 
 use crate::options::{Chaos, CtrlKey, CtrlOptions, TargetAddr};
+use crate::runtime::{Driver, EngineRt};
 
 /// Block size of the built-in RAM namespace (4 KiB, as `nvmf-rdma bench`).
 const BUILTIN_LBADS: u8 = 12;
@@ -115,7 +116,7 @@ impl Engine {
         let addr = self.target_addr(o.key.target)?;
         let n = self.next_dev;
         self.next_dev = self.next_dev.wrapping_add(1);
-        let c = self.rt.handle.block_on(connect(o, addr, n))?;
+        let c = self.rt.driver.block_on(connect(o, addr, n))?;
         let c = Arc::new(Ctrl {
             ctrl: Arc::new(c),
             key: o.key.clone(),
@@ -132,7 +133,7 @@ impl Engine {
         let Engine {
             rt, ctrls, targets, ..
         } = self;
-        rt.handle.block_on(async move {
+        rt.driver.block_on(async move {
             for (_, c) in ctrls {
                 let chaos = c
                     .chaos_task
@@ -158,55 +159,6 @@ impl Engine {
         });
         rt.stop();
         drop(targets);
-    }
-}
-
-/// The engine's runtime, driven by a thread of its own so the controllers keep running
-/// (keep-alive, retransmits, completions) whatever the fio threads are doing. One thread runs
-/// a current-thread runtime, the shape `nvmf-rdma bench` measures; more make it multi-thread.
-struct EngineRt {
-    handle: tokio::runtime::Handle,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl EngineRt {
-    fn start(threads: usize) -> Result<EngineRt, String> {
-        let rt = if threads <= 1 {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-        } else {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(threads - 1)
-                .thread_name("nvmf-fio-rt")
-                .enable_all()
-                .build()
-        }
-        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
-        let handle = rt.handle().clone();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("nvmf-fio-rt".into())
-            .spawn(move || {
-                let _ = rt.block_on(stopped);
-                rt.shutdown_timeout(Duration::from_secs(1));
-            })
-            .map_err(|e| format!("cannot start the runtime thread: {e}"))?;
-        Ok(EngineRt {
-            handle,
-            stop: Some(stop),
-            thread: Some(thread),
-        })
-    }
-
-    fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 
@@ -277,23 +229,18 @@ impl Ctrl {
     }
 }
 
-/// Register fio job `td` as a user of the engine (idempotent); the engine's runtime.
-pub fn register(td: usize, threads: usize) -> Result<tokio::runtime::Handle, String> {
+/// Register fio job `td` as a user of the engine (idempotent); how to run its I/O.
+pub fn register(td: usize, threads: usize) -> Result<Driver, String> {
     let mut g = lock();
     let e = engine(&mut g, threads)?;
     e.users.insert(td);
-    Ok(e.rt.handle.clone())
+    Ok(e.rt.driver.clone())
 }
 
-/// The controller for `o`, connected on first use, and the runtime it runs on.
-pub fn controller(
-    o: &CtrlOptions,
-    threads: usize,
-) -> Result<(Arc<Ctrl>, tokio::runtime::Handle), String> {
+/// The controller for `o`, connected on first use.
+pub fn controller(o: &CtrlOptions, threads: usize) -> Result<Arc<Ctrl>, String> {
     let mut g = lock();
-    let e = engine(&mut g, threads)?;
-    let c = e.controller(o)?;
-    Ok((c, e.rt.handle.clone()))
+    engine(&mut g, threads)?.controller(o)
 }
 
 /// Job `td` is done; the last one out shuts the engine down.

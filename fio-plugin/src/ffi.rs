@@ -127,7 +127,7 @@ pub unsafe extern "C" fn nvmf_rs_file_size(
     let r = guarded(err, errlen, || {
         let t = OptionText::from_raw(o)?;
         let f = t.with_filename(c_str(name)?)?.file_target()?;
-        let (c, _) = engine::controller(&f.ctrl, t.runtime_threads()?)?;
+        let c = engine::controller(&f.ctrl, t.runtime_threads()?)?;
         let ns = c.ctrl.namespace(f.nsid).map_err(|e| e.to_string())?;
         Ok(ns.bytes())
     });
@@ -153,8 +153,8 @@ pub unsafe extern "C" fn nvmf_rs_thread_init(
 ) -> *mut c_void {
     let r = guarded(err, errlen, || {
         let t = OptionText::from_raw(o)?;
-        let rt = engine::register(td as usize, t.runtime_threads()?)?;
-        Ok(Box::new(Thread::new(&job_name(td), rt, 64)))
+        let driver = engine::register(td as usize, t.runtime_threads()?)?;
+        Ok(Box::new(Thread::new(&job_name(td), driver, 64)))
     });
     r.map_or(std::ptr::null_mut(), |b| Box::into_raw(b) as *mut c_void)
 }
@@ -177,7 +177,7 @@ pub unsafe extern "C" fn nvmf_rs_open_file(
             .ok_or("engine not initialised")?;
         let t = OptionText::from_raw(o)?;
         let f = t.with_filename(c_str(name)?)?.file_target()?;
-        let (c, _) = engine::controller(&f.ctrl, t.runtime_threads()?)?;
+        let c = engine::controller(&f.ctrl, t.runtime_threads()?)?;
         let ns = c.ctrl.namespace(f.nsid).map_err(|e| e.to_string())?;
         c.start_chaos(&th.rt);
         Ok(Box::new(File {

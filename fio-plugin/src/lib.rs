@@ -7,12 +7,14 @@
 //! [`ffi`] with plain values.
 //!
 //! - [`options`]: engine options and SPDK-style filenames, checked with clear messages.
-//! - [`engine`]: the process-wide runtime, shared controllers, built-in targets, chaos.
+//! - [`engine`]: process-wide state: shared controllers, built-in targets, chaos.
+//! - [`runtime`]: who drives the async work (fio's own threads, or threads of ours).
 //! - [`thread`]: per-job queue / commit / completion ring / getevents.
 
 pub mod engine;
 pub mod ffi;
 pub mod options;
+pub mod runtime;
 pub mod thread;
 
 /// Whether this build has the fio shim (built with `FIO_SRC` set).

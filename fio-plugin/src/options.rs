@@ -311,15 +311,16 @@ impl OptionText {
         })
     }
 
-    /// Worker threads of the engine's runtime (engine-wide; the first job's value wins).
+    /// Threads of the engine's own runtime, 0 = fio's threads drive it (engine-wide; the
+    /// first job's value wins).
     pub fn runtime_threads(&self) -> Result<usize, String> {
         let n = self
             .get("runtime_threads")
             .map(|v| parse_int::<usize>("runtime_threads", v))
             .transpose()?
-            .unwrap_or(1);
-        if !(1..=64).contains(&n) {
-            return Err(format!("runtime_threads={n}: use 1..64"));
+            .unwrap_or(0);
+        if n > 64 {
+            return Err(format!("runtime_threads={n}: use 0..64"));
         }
         Ok(n)
     }

@@ -216,7 +216,7 @@ static struct fio_option options[] = {
 	NVMF_OPT(builtin_target, "built-in target",
 		 "Start the built-in RAM target in this process with this size (e.g. 1G)"),
 	NVMF_OPT(runtime_threads, "runtime threads",
-		 "Threads of the engine's async runtime (default 1: current-thread runtime)"),
+		 "Threads of the engine's own runtime; 0 (default): fio's threads drive it"),
 	NVMF_OPT(chaos_reset_every, "chaos reset period",
 		 "Reset the host soft-HCA this often while the job runs (e.g. 2s)"),
 	NVMF_OPT(chaos_down_for, "chaos down time",

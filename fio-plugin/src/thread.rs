@@ -1,16 +1,19 @@
 //! One fio job thread's side of the engine: `queue` gathers I/O, `commit` hands it to the
 //! runtime as tasks on the shared controller, each task puts its `io_u` into this thread's
-//! completion ring, and `getevents` sleeps on the ring's condvar (with fio's timeout) until
-//! enough are back. Nothing spins: the fio thread sleeps while the runtime works.
+//! completion ring, and `getevents` waits on the ring (with fio's timeout) until enough are
+//! back, driving the runtime meanwhile when it is the inline kind. Nothing spins: a waiting
+//! thread parks in the runtime's epoll or on a futex.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use nvmf_rdma::transport::{Controller, HostError};
+use tokio::sync::Notify;
 
 use crate::engine::Ctrl;
+use crate::runtime::Driver;
 
 /// What fio asked for; numbers shared with the C shim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,16 +86,16 @@ pub struct Done {
 #[derive(Default)]
 struct RingState {
     done: VecDeque<Done>,
-    /// How many completions the sleeping `getevents` waits for (0: nobody sleeps), so a
-    /// completion only wakes it when it can return.
+    /// How many completions the waiting `getevents` needs (0: nobody waits), so a completion
+    /// only wakes it when it can return.
     want: usize,
 }
 
-/// Completions from the runtime's tasks to the fio thread.
+/// Completions from the I/O tasks to the fio thread.
 #[derive(Default)]
 pub struct Ring {
     st: Mutex<RingState>,
-    cv: Condvar,
+    ready: Notify,
 }
 
 impl Ring {
@@ -106,40 +109,49 @@ impl Ring {
         if s.want > 0 && s.done.len() >= s.want {
             s.want = 0;
             drop(s);
-            self.cv.notify_one();
+            self.ready.notify_one();
         }
     }
 
+    /// Take up to `max` if at least `min` are there; otherwise say how many are missing.
+    fn take(&self, min: usize, max: usize, out: &mut Vec<Done>) -> Option<usize> {
+        let mut s = self.lock();
+        if s.done.len() < min {
+            s.want = min;
+            return None;
+        }
+        s.want = 0;
+        let n = s.done.len().min(max);
+        out.extend(s.done.drain(..n));
+        Some(n)
+    }
+
     /// Wait until `min` completions are there or `timeout` passes; take up to `max`.
-    pub fn wait(
+    pub async fn wait(
         &self,
         min: usize,
         max: usize,
         timeout: Option<Duration>,
         out: &mut Vec<Done>,
     ) -> usize {
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mut s = self.lock();
-        while s.done.len() < min {
-            s.want = min;
-            s = match deadline {
-                None => self.cv.wait(s).unwrap_or_else(|e| e.into_inner()),
+        // Let the runtime turn once even when nothing needs waiting for (min = 0), so a
+        // polling fio still makes progress when its own thread drives the runtime.
+        tokio::task::yield_now().await;
+        let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+        loop {
+            let ready = self.ready.notified();
+            if let Some(n) = self.take(min, max, out) {
+                return n;
+            }
+            match deadline {
+                None => ready.await,
                 Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        break;
+                    if tokio::time::timeout_at(d, ready).await.is_err() {
+                        return self.take(0, max, out).unwrap_or(0);
                     }
-                    self.cv
-                        .wait_timeout(s, d - now)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0
                 }
-            };
+            }
         }
-        s.want = 0;
-        let n = s.done.len().min(max);
-        out.extend(s.done.drain(..n));
-        n
     }
 }
 
@@ -177,6 +189,7 @@ pub fn errno(e: &HostError) -> i32 {
 /// One fio job (thread or process) using the engine.
 pub struct Thread {
     pub job: Arc<str>,
+    pub driver: Driver,
     pub rt: tokio::runtime::Handle,
     ring: Arc<Ring>,
     pending: Vec<Pending>,
@@ -187,10 +200,11 @@ pub struct Thread {
 }
 
 impl Thread {
-    pub fn new(job: &str, rt: tokio::runtime::Handle, iodepth: usize) -> Thread {
+    pub fn new(job: &str, driver: Driver, iodepth: usize) -> Thread {
         Thread {
             job: job.into(),
-            rt,
+            rt: driver.handle(),
+            driver,
             ring: Arc::default(),
             pending: Vec::with_capacity(iodepth),
             events: Vec::with_capacity(iodepth),
@@ -272,9 +286,9 @@ impl Thread {
     pub fn getevents(&mut self, min: usize, max: usize, timeout: Option<Duration>) -> usize {
         self.commit();
         self.events.clear();
-        let n = self
-            .ring
-            .wait(min.min(self.inflight), max, timeout, &mut self.events);
+        let (ring, events) = (&self.ring, &mut self.events);
+        let min = min.min(self.inflight);
+        let n = self.driver.block_on(ring.wait(min, max, timeout, events));
         self.inflight -= n;
         n
     }
@@ -332,13 +346,20 @@ async fn run(p: Pending, ring: Arc<Ring>, errors: Arc<ErrorLog>, job: Arc<str>) 
 mod tests {
     use super::*;
 
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
     #[test]
     fn ring_wakes_only_when_enough_are_done() {
         let ring = Arc::new(Ring::default());
         let r2 = ring.clone();
         let t = std::thread::spawn(move || {
             let mut out = Vec::new();
-            let n = r2.wait(3, 8, None, &mut out);
+            let n = rt().block_on(r2.wait(3, 8, None, &mut out));
             (n, out)
         });
         for i in 0..3 {
@@ -354,9 +375,10 @@ mod tests {
         let ring = Ring::default();
         ring.complete(Done { io_u: 7, error: 5 });
         let mut out = Vec::new();
-        let n = ring.wait(2, 8, Some(Duration::from_millis(20)), &mut out);
+        let rt = rt();
+        let n = rt.block_on(ring.wait(2, 8, Some(Duration::from_millis(20)), &mut out));
         assert_eq!((n, &out[..]), (1, &[Done { io_u: 7, error: 5 }][..]));
-        let n = ring.wait(0, 8, Some(Duration::ZERO), &mut out);
+        let n = rt.block_on(ring.wait(0, 8, Some(Duration::ZERO), &mut out));
         assert_eq!(n, 0);
     }
 
@@ -367,9 +389,10 @@ mod tests {
             ring.complete(Done { io_u: i, error: 0 });
         }
         let mut out = Vec::new();
-        assert_eq!(ring.wait(1, 2, None, &mut out), 2);
+        let rt = rt();
+        assert_eq!(rt.block_on(ring.wait(1, 2, None, &mut out)), 2);
         out.clear();
-        assert_eq!(ring.wait(1, 8, None, &mut out), 3);
+        assert_eq!(rt.block_on(ring.wait(1, 8, None, &mut out)), 3);
         assert_eq!(out[0].io_u, 2);
     }
 }

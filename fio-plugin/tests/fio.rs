@@ -163,15 +163,16 @@ fn randwrite_and_rw_4k_verify() {
     );
 }
 
-/// Several jobs in parallel on one shared controller, iodepth above the queue size, and
-/// fio's default process mode (each job a forked process connecting on its own).
+/// Several jobs in parallel on one shared controller, iodepth above the queue size; fio's
+/// default process mode (each job a forked process connecting on its own); the runtime driven
+/// by fio's threads (default) or by two threads of its own.
 #[test]
 fn parallel_jobs_threads_and_processes() {
     let Some(f) = fio() else { return };
-    for thread in ["1", "0"] {
+    for (thread, rt) in [("1", "0"), ("0", "0"), ("1", "2")] {
         let job = format!(
-            "thread={thread}\nbuiltin_target=256M\nfilename=ns=1\nverify=crc32c\n\
-             queue_size=16\nnr_io_queues=2\n\
+            "thread={thread}\nruntime_threads={rt}\nbuiltin_target=256M\nfilename=ns=1\n\
+             verify=crc32c\nqueue_size=16\nnr_io_queues=2\n\
              [par]\nrw=randwrite\nbs=4k\niodepth=64\nnumjobs=3\nsize=16M\n\
              offset_increment=32M\nverify_backlog=128\n"
         );
