@@ -149,7 +149,8 @@ fn keeper(rt: Arc<Runtime>, act: Arc<Activity>) {
             .now_us()
             .saturating_sub(act.last_us.load(Ordering::Acquire));
         if act.inside.load(Ordering::Acquire) == 0 && idle >= KEEPER_IDLE.as_micros() as u64 {
-            rt.block_on(tokio::time::sleep(KEEPER_TURN));
+            // The timer must be made inside the runtime's context, hence the async block.
+            rt.block_on(async { tokio::time::sleep(KEEPER_TURN).await });
         }
     }
 }

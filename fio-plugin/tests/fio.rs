@@ -184,6 +184,16 @@ fn parallel_jobs_threads_and_processes() {
     }
 }
 
+/// fio idle between I/Os (thinktime) longer than the keep-alive timeout and the transport's
+/// retry budget: the engine keeps the controller alive while no fio thread drives it.
+#[test]
+fn idle_gaps_keep_the_controller_alive() {
+    let Some(f) = fio() else { return };
+    let job = "thread=1\nbuiltin_target=64M\nfilename=ns=1\nkeep_alive_tmo=1\n\
+               bs=4k\nthinktime=1500ms\ntime_based=1\nruntime=4\n[idle]\nrw=randread\n";
+    f.run_ok("idle", job, &[("idle", true, false)]);
+}
+
 /// Trim and flush reach the target without errors (no verify: trimmed blocks read as zero).
 #[test]
 fn trim_and_fsync() {
