@@ -7,6 +7,8 @@
 # at QD8. Prints IOPS, average and p50 completion latency, and the ratios.
 #
 # usage: bash fio-plugin/bench.sh [seconds per job, default 3]
+#   FIO_EXTRA="iodepth_batch_submit=16 iodepth_batch_complete_min=8" adds job options to
+#   both fio runs (space-separated key=value).
 # needs: fio-plugin/setup.sh done (fio, nbdkit, the release plugin).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -32,6 +34,7 @@ norandommap=1
 randrepeat=0
 size=1G
 EOF
+  for kv in ${FIO_EXTRA:-}; do echo "$kv"; done
   for j in "randread 4k 1" "randread 4k 32" "randwrite 4k 1" "randwrite 4k 32" \
            "read 128k 8" "write 128k 8"; do
     set -- $j
