@@ -184,7 +184,6 @@ pub unsafe extern "C" fn nvmf_rs_open_file(
             ctrl: c,
             nsid: f.nsid,
             block_size: ns.block_size as u64,
-            blocks: ns.blocks,
         }))
     });
     r.map_or(std::ptr::null_mut(), |b| Box::into_raw(b) as *mut c_void)

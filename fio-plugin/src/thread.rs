@@ -41,7 +41,6 @@ pub struct File {
     pub ctrl: Arc<Ctrl>,
     pub nsid: u32,
     pub block_size: u64,
-    pub blocks: u64,
 }
 
 /// fio's memory, valid from `queue` until the `io_u` is handed back by `event`.
