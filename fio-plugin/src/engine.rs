@@ -1,0 +1,260 @@
+//! The engine's process-wide state: one tokio runtime, one controller per target (connected
+//! once, shared by every job and thread that names it), the built-in targets started here, and
+//! the set of fio jobs still using them. The last job to leave disconnects and stops it all.
+//!
+//! fio calls `setup` for every job in its main thread before it starts them, then runs each job
+//! in a thread (`thread=1`) or a forked process (the default). A forked child inherits this
+//! state without the runtime's threads, so a process notices it is not the one that built the
+//! state (pid) and builds its own, leaving the parent's untouched; built-in targets keep
+//! running in the parent, and the child connects to them like any remote target.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use nvmf_rdma::cli_support::local_ip_for;
+use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::hca::{DeviceConfig, DeviceIdentity, IcrcCheck, PciAddr};
+use nvmf_rdma::nvmf_perf::LocalTarget;
+use nvmf_rdma::transport::{CmService, ConnectOptions, Controller};
+
+use crate::options::{Chaos, CtrlKey, CtrlOptions, TargetAddr};
+use crate::runtime::{Driver, EngineRt};
+
+/// Block size of the built-in RAM namespace (4 KiB, as `nvmf-rdma bench`).
+const BUILTIN_LBADS: u8 = 12;
+
+/// A connected controller and what the engine runs beside it.
+pub struct Ctrl {
+    pub ctrl: Arc<Controller>,
+    pub key: CtrlKey,
+    chaos: Option<Chaos>,
+    chaos_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    pub resets: Arc<AtomicU64>,
+}
+
+struct Engine {
+    pid: u32,
+    rt: EngineRt,
+    ctrls: HashMap<CtrlKey, Arc<Ctrl>>,
+    /// Built-in targets by size: their address, and the target itself when this process
+    /// started it (a forked child only knows the address).
+    targets: HashMap<u64, (SocketAddr, Option<LocalTarget>)>,
+    /// fio jobs (`thread_data` addresses) between their setup/init and their cleanup.
+    users: HashSet<usize>,
+    next_dev: u8,
+}
+
+static ENGINE: Mutex<Option<Engine>> = Mutex::new(None);
+
+fn lock() -> MutexGuard<'static, Option<Engine>> {
+    ENGINE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The engine of this process, built on first use (or after a fork).
+fn engine(g: &mut Option<Engine>, threads: usize) -> Result<&mut Engine, String> {
+    let pid = std::process::id();
+    if g.as_ref().is_some_and(|e| e.pid != pid) {
+        // Inherited through fork: its runtime threads do not exist here, so nothing of it
+        // may run or be dropped (dropping would join threads that are not there). Keep only
+        // the addresses of the parent's built-in targets, which are still serving.
+        if let Some(old) = g.take() {
+            let targets = old
+                .targets
+                .iter()
+                .map(|(size, (addr, _))| (*size, (*addr, None)))
+                .collect();
+            std::mem::forget(old);
+            *g = Some(Engine::new(pid, threads, targets)?);
+        }
+    }
+    if g.is_none() {
+        *g = Some(Engine::new(pid, threads, HashMap::new())?);
+    }
+    g.as_mut().ok_or_else(|| "engine state missing".to_string())
+}
+
+impl Engine {
+    fn new(
+        pid: u32,
+        threads: usize,
+        targets: HashMap<u64, (SocketAddr, Option<LocalTarget>)>,
+    ) -> Result<Engine, String> {
+        let rt = EngineRt::start(threads)?;
+        Ok(Engine {
+            pid,
+            rt,
+            ctrls: HashMap::new(),
+            targets,
+            users: HashSet::new(),
+            next_dev: 1,
+        })
+    }
+
+    fn target_addr(&mut self, t: TargetAddr) -> Result<SocketAddr, String> {
+        match t {
+            TargetAddr::Remote(a) => Ok(a),
+            TargetAddr::Builtin { bytes } => {
+                if let Some((a, _)) = self.targets.get(&bytes) {
+                    return Ok(*a);
+                }
+                let lt = LocalTarget::start(bytes, BUILTIN_LBADS)
+                    .map_err(|e| format!("cannot start the built-in target: {e:#}"))?;
+                let a = lt.addr;
+                self.targets.insert(bytes, (a, Some(lt)));
+                Ok(a)
+            }
+        }
+    }
+
+    fn controller(&mut self, o: &CtrlOptions) -> Result<Arc<Ctrl>, String> {
+        if let Some(c) = self.ctrls.get(&o.key) {
+            return Ok(c.clone());
+        }
+        let addr = self.target_addr(o.key.target)?;
+        let n = self.next_dev;
+        self.next_dev = self.next_dev.wrapping_add(1);
+        let c = self.rt.driver.block_on(connect(o, addr, n))?;
+        let c = Arc::new(Ctrl {
+            ctrl: Arc::new(c),
+            key: o.key.clone(),
+            chaos: o.chaos,
+            chaos_task: Mutex::new(None),
+            resets: Arc::new(AtomicU64::new(0)),
+        });
+        self.ctrls.insert(o.key.clone(), c.clone());
+        Ok(c)
+    }
+
+    /// Disconnect every controller, stop the runtime and the built-in targets.
+    fn shutdown(self) {
+        let Engine {
+            rt, ctrls, targets, ..
+        } = self;
+        rt.driver.block_on(async move {
+            for (_, c) in ctrls {
+                let chaos = c
+                    .chaos_task
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                if let Some(t) = chaos {
+                    t.abort();
+                    let _ = t.await;
+                }
+                let resets = c.resets.load(Ordering::Relaxed);
+                if c.chaos.is_some() {
+                    eprintln!(
+                        "nvmf-rdma: chaos: {resets} resets of the host device for {} at {}",
+                        c.key.subnqn, c.key.target
+                    );
+                }
+                let Ok(c) = Arc::try_unwrap(c) else { continue };
+                if let Ok(ctrl) = Arc::try_unwrap(c.ctrl) {
+                    let _ = tokio::time::timeout(Duration::from_secs(2), ctrl.disconnect()).await;
+                }
+            }
+        });
+        rt.stop();
+        drop(targets);
+    }
+}
+
+/// A host soft-HCA on the local address that routes to the target, and the controller on it.
+/// (The same steps as `nvmf-rdma connect`.)
+async fn connect(o: &CtrlOptions, addr: SocketAddr, n: u8) -> Result<Controller, String> {
+    let ip = local_ip_for(addr).map_err(|e| format!("no route to {addr}: {e}"))?;
+    let pid = std::process::id();
+    let cfg = DeviceConfig {
+        identity: DeviceIdentity::from_mac(
+            &format!("fio{n}"),
+            [0x52, 0x54, 0x00, 0x40, (pid & 0xFF) as u8, n],
+            PciAddr::new(0, 0x40, n, 0),
+        ),
+        addr: SocketAddr::new(ip, 0),
+        icrc: IcrcCheck::Verify,
+        seed: pid as u64 ^ ((n as u64) << 32),
+    };
+    let hca = SoftHca::start_with(cfg, addr.ip().is_loopback())
+        .await
+        .map_err(|e| format!("cannot start the host soft-HCA: {e}"))?;
+    let cm = CmService::start(hca.clone(), pid as u64 ^ n as u64);
+    let mut c = ConnectOptions::new(addr, &o.key.subnqn);
+    c.trsvcid = o.key.trsvcid;
+    if let Some(h) = &o.key.hostnqn {
+        c.hostnqn = h.clone();
+    }
+    c.nr_io_queues = o.nr_io_queues;
+    c.queue_size = o.queue_size;
+    c.keep_alive_tmo = o.keep_alive_tmo;
+    // o.recovery (ctrl_loss_tmo, reconnect_delay, fast_io_fail_tmo) is parsed and checked;
+    // it goes into ConnectOptions once the host has a recovery path that reads it.
+    Controller::connect(hca, cm, c).await.map_err(|e| {
+        format!(
+            "connect to {} (trsvcid {}) at {addr}: {e}",
+            o.key.subnqn, o.key.trsvcid
+        )
+    })
+}
+
+/// Reset the host device under `c`, as a device fault would. Today that is a fatal error on
+/// the soft-HCA; the host's recovery path (reconnect on the same device) is what turns it
+/// into a pause instead of failed I/O.
+fn reset_device(c: &Controller, _down_for: Duration) {
+    c.hca().fatal();
+}
+
+impl Ctrl {
+    /// Start the chaos task if the options asked for one and it is not running yet.
+    pub fn start_chaos(&self, rt: &tokio::runtime::Handle) {
+        let Some(chaos) = self.chaos else { return };
+        let mut t = self.chaos_task.lock().unwrap_or_else(|e| e.into_inner());
+        if t.is_some() {
+            return;
+        }
+        let ctrl = Arc::downgrade(&self.ctrl);
+        let resets = self.resets.clone();
+        *t = Some(rt.spawn(async move {
+            let mut tick = tokio::time::interval(chaos.every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(c) = ctrl.upgrade() else { return };
+                reset_device(&c, chaos.down_for);
+                resets.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+}
+
+/// Register fio job `td` as a user of the engine (idempotent); how to run its I/O.
+pub fn register(td: usize, threads: usize) -> Result<Driver, String> {
+    let mut g = lock();
+    let e = engine(&mut g, threads)?;
+    e.users.insert(td);
+    Ok(e.rt.driver.clone())
+}
+
+/// The controller for `o`, connected on first use.
+pub fn controller(o: &CtrlOptions, threads: usize) -> Result<Arc<Ctrl>, String> {
+    let mut g = lock();
+    engine(&mut g, threads)?.controller(o)
+}
+
+/// Job `td` is done; the last one out shuts the engine down.
+pub fn release(td: usize) {
+    let mut g = lock();
+    let Some(e) = g.as_mut() else { return };
+    if e.pid != std::process::id() {
+        return;
+    }
+    e.users.remove(&td);
+    if e.users.is_empty() {
+        if let Some(e) = g.take() {
+            drop(g);
+            e.shutdown();
+        }
+    }
+}

@@ -1,0 +1,397 @@
+//! One fio job thread's side of the engine: `queue` gathers I/O, `commit` hands it to the
+//! runtime as tasks on the shared controller, each task puts its `io_u` into this thread's
+//! completion ring, and `getevents` waits on the ring (with fio's timeout) until enough are
+//! back, driving the runtime meanwhile when it is the inline kind. Nothing spins: a waiting
+//! thread parks in the runtime's epoll or on a futex.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use nvmf_rdma::transport::{Controller, HostError};
+use tokio::sync::Notify;
+
+use crate::engine::Ctrl;
+use crate::runtime::Driver;
+
+/// What fio asked for; numbers shared with the C shim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Read = 0,
+    Write = 1,
+    Flush = 2,
+    Trim = 3,
+}
+
+impl Op {
+    pub fn from_raw(op: i32) -> Option<Op> {
+        match op {
+            0 => Some(Op::Read),
+            1 => Some(Op::Write),
+            2 => Some(Op::Flush),
+            3 => Some(Op::Trim),
+            _ => None,
+        }
+    }
+}
+
+/// An opened fio file: a namespace on a shared controller.
+pub struct File {
+    pub ctrl: Arc<Ctrl>,
+    pub nsid: u32,
+    pub block_size: u64,
+}
+
+/// fio's memory, valid from `queue` until the `io_u` is handed back by `event`.
+#[derive(Clone, Copy)]
+struct FioBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: fio does not touch an io_u's buffer between queue and event; the one task that owns
+// the I/O is the only user of the pointer in that time.
+unsafe impl Send for FioBuf {}
+
+impl FioBuf {
+    /// SAFETY: see the `Send` impl; the caller is the task that owns the I/O.
+    unsafe fn bytes(&self) -> &'static [u8] {
+        std::slice::from_raw_parts(self.ptr, self.len)
+    }
+    unsafe fn fill(&self, data: &[u8]) {
+        std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr, data.len().min(self.len));
+    }
+}
+
+/// An I/O handed to us by `queue`, not yet committed.
+struct Pending {
+    io_u: usize,
+    op: Op,
+    ctrl: Arc<Controller>,
+    nsid: u32,
+    lba: u64,
+    blocks: u64,
+    buf: FioBuf,
+}
+
+/// A finished I/O: fio's `io_u` and the errno for `io_u->error` (0 = success).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Done {
+    pub io_u: usize,
+    pub error: i32,
+}
+
+#[derive(Default)]
+struct RingState {
+    done: VecDeque<Done>,
+    /// How many completions the waiting `getevents` needs (0: nobody waits), so a completion
+    /// only wakes it when it can return.
+    want: usize,
+}
+
+/// Completions from the I/O tasks to the fio thread.
+#[derive(Default)]
+pub struct Ring {
+    st: Mutex<RingState>,
+    ready: Notify,
+}
+
+impl Ring {
+    fn lock(&self) -> MutexGuard<'_, RingState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn complete(&self, d: Done) {
+        let mut s = self.lock();
+        s.done.push_back(d);
+        if s.want > 0 && s.done.len() >= s.want {
+            s.want = 0;
+            drop(s);
+            self.ready.notify_one();
+        }
+    }
+
+    /// Take up to `max` if at least `min` are there; otherwise say how many are missing.
+    fn take(&self, min: usize, max: usize, out: &mut Vec<Done>) -> Option<usize> {
+        let mut s = self.lock();
+        if s.done.len() < min {
+            s.want = min;
+            return None;
+        }
+        s.want = 0;
+        let n = s.done.len().min(max);
+        out.extend(s.done.drain(..n));
+        Some(n)
+    }
+
+    /// Wait until `min` completions are there or `timeout` passes; take up to `max`.
+    pub async fn wait(
+        &self,
+        min: usize,
+        max: usize,
+        timeout: Option<Duration>,
+        out: &mut Vec<Done>,
+    ) -> usize {
+        // Let the runtime turn once even when nothing needs waiting for (min = 0), so a
+        // polling fio still makes progress when its own thread drives the runtime.
+        tokio::task::yield_now().await;
+        let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+        loop {
+            let ready = self.ready.notified();
+            if let Some(n) = self.take(min, max, out) {
+                return n;
+            }
+            match deadline {
+                None => ready.await,
+                Some(d) => {
+                    if tokio::time::timeout_at(d, ready).await.is_err() {
+                        return self.take(0, max, out).unwrap_or(0);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// I/O errors one job saw: how many, and the first one's text.
+#[derive(Default)]
+pub struct ErrorLog {
+    count: AtomicU64,
+    first: Mutex<Option<String>>,
+}
+
+impl ErrorLog {
+    fn record(&self, job: &str, what: &str, e: &HostError) {
+        let n = self.count.fetch_add(1, Ordering::Relaxed);
+        if n == 0 {
+            let msg = format!("{what}: {e}");
+            eprintln!("nvmf-rdma: {job}: I/O error: {msg}");
+            *self.first.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
+        }
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+}
+
+/// The errno fio reports for a failed request.
+pub fn errno(e: &HostError) -> i32 {
+    match e {
+        HostError::Invalid(_) => libc::EINVAL,
+        HostError::Timeout(_) => libc::ETIMEDOUT,
+        _ => libc::EIO,
+    }
+}
+
+/// One fio job (thread or process) using the engine.
+pub struct Thread {
+    pub job: Arc<str>,
+    pub driver: Driver,
+    pub rt: tokio::runtime::Handle,
+    ring: Arc<Ring>,
+    pending: Vec<Pending>,
+    events: Vec<Done>,
+    /// Committed and not yet handed back to fio.
+    inflight: usize,
+    pub errors: Arc<ErrorLog>,
+}
+
+impl Thread {
+    pub fn new(job: &str, driver: Driver, iodepth: usize) -> Thread {
+        Thread {
+            job: job.into(),
+            rt: driver.handle(),
+            driver,
+            ring: Arc::default(),
+            pending: Vec::with_capacity(iodepth),
+            events: Vec::with_capacity(iodepth),
+            inflight: 0,
+            errors: Arc::default(),
+        }
+    }
+
+    /// Check and keep one I/O for the next commit. `Err` is an errno for fio, now.
+    pub fn queue(
+        &mut self,
+        f: &File,
+        io_u: usize,
+        op: Op,
+        offset: u64,
+        buf: *mut u8,
+        len: u64,
+    ) -> Result<(), i32> {
+        let (lba, blocks) = match op {
+            Op::Flush => (0, 0),
+            _ => {
+                if offset % f.block_size != 0 || len % f.block_size != 0 || len == 0 {
+                    self.errors.record(
+                        &self.job,
+                        &format!("{op:?} at {offset}+{len}"),
+                        &HostError::Invalid(format!(
+                            "not aligned to the {}-byte block size (set bs and offsets to \
+                             multiples of it)",
+                            f.block_size
+                        )),
+                    );
+                    return Err(libc::EINVAL);
+                }
+                (offset / f.block_size, len / f.block_size)
+            }
+        };
+        if op == Op::Trim && blocks > u32::MAX as u64 {
+            return Err(libc::EINVAL);
+        }
+        let len = usize::try_from(len).map_err(|_| libc::EINVAL)?;
+        self.pending.push(Pending {
+            io_u,
+            op,
+            ctrl: f.ctrl.ctrl.clone(),
+            nsid: f.nsid,
+            lba,
+            blocks,
+            buf: FioBuf { ptr: buf, len },
+        });
+        Ok(())
+    }
+
+    /// Start everything queued since the last commit.
+    pub fn commit(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        self.inflight += self.pending.len();
+        let ring = self.ring.clone();
+        let errors = self.errors.clone();
+        let job = self.job.clone();
+        if self.pending.len() == 1 {
+            let p = self.pending.pop().expect("one pending I/O");
+            self.rt.spawn(run(p, ring, errors, job));
+        } else {
+            // One hand-off to the runtime for the whole batch; the tasks then start on the
+            // worker's local queue.
+            let batch = std::mem::take(&mut self.pending);
+            self.pending.reserve(batch.len());
+            self.rt.spawn(async move {
+                for p in batch {
+                    tokio::spawn(run(p, ring.clone(), errors.clone(), job.clone()));
+                }
+            });
+        }
+    }
+
+    /// fio's getevents: at least `min` (never more than are in flight), at most `max`.
+    pub fn getevents(&mut self, min: usize, max: usize, timeout: Option<Duration>) -> usize {
+        self.commit();
+        self.events.clear();
+        let (ring, events) = (&self.ring, &mut self.events);
+        let min = min.min(self.inflight);
+        let n = self.driver.block_on(ring.wait(min, max, timeout, events));
+        self.inflight -= n;
+        n
+    }
+
+    pub fn event(&self, i: usize) -> Option<Done> {
+        self.events.get(i).copied()
+    }
+
+    /// Wait for every I/O still out: their tasks write into fio's buffers, which fio frees
+    /// after cleanup.
+    pub fn drain(&mut self) {
+        self.commit();
+        while self.inflight > 0 {
+            let n = self.getevents(self.inflight, usize::MAX, Some(Duration::from_secs(10)));
+            if n == 0 {
+                eprintln!(
+                    "nvmf-rdma: {}: waiting for {} I/Os still out",
+                    self.job, self.inflight
+                );
+            }
+        }
+    }
+}
+
+async fn run(p: Pending, ring: Arc<Ring>, errors: Arc<ErrorLog>, job: Arc<str>) {
+    let c = &p.ctrl;
+    let r = match p.op {
+        // SAFETY (both): the task owns the I/O until it completes it below.
+        Op::Read => c
+            .read(p.nsid, p.lba, p.buf.len)
+            .await
+            .map(|d| unsafe { p.buf.fill(&d) }),
+        Op::Write => c.write(p.nsid, p.lba, unsafe { p.buf.bytes() }).await,
+        Op::Flush => c.flush(p.nsid).await,
+        Op::Trim => c.deallocate(p.nsid, &[(p.lba, p.blocks as u32)]).await,
+    };
+    let error = match r {
+        Ok(()) => 0,
+        Err(e) => {
+            errors.record(
+                &job,
+                &format!("{:?} of {} blocks at LBA {}", p.op, p.blocks, p.lba),
+                &e,
+            );
+            errno(&e)
+        }
+    };
+    ring.complete(Done {
+        io_u: p.io_u,
+        error,
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn ring_wakes_only_when_enough_are_done() {
+        let ring = Arc::new(Ring::default());
+        let r2 = ring.clone();
+        let t = std::thread::spawn(move || {
+            let mut out = Vec::new();
+            let n = rt().block_on(r2.wait(3, 8, None, &mut out));
+            (n, out)
+        });
+        for i in 0..3 {
+            ring.complete(Done { io_u: i, error: 0 });
+        }
+        let (n, out) = t.join().unwrap();
+        assert_eq!(n, 3);
+        assert_eq!(out.iter().map(|d| d.io_u).collect::<Vec<_>>(), [0, 1, 2]);
+    }
+
+    #[test]
+    fn ring_timeout_returns_what_is_there() {
+        let ring = Ring::default();
+        ring.complete(Done { io_u: 7, error: 5 });
+        let mut out = Vec::new();
+        let rt = rt();
+        let n = rt.block_on(ring.wait(2, 8, Some(Duration::from_millis(20)), &mut out));
+        assert_eq!((n, &out[..]), (1, &[Done { io_u: 7, error: 5 }][..]));
+        let n = rt.block_on(ring.wait(0, 8, Some(Duration::ZERO), &mut out));
+        assert_eq!(n, 0);
+    }
+
+    #[test]
+    fn ring_respects_max() {
+        let ring = Ring::default();
+        for i in 0..5 {
+            ring.complete(Done { io_u: i, error: 0 });
+        }
+        let mut out = Vec::new();
+        let rt = rt();
+        assert_eq!(rt.block_on(ring.wait(1, 2, None, &mut out)), 2);
+        out.clear();
+        assert_eq!(rt.block_on(ring.wait(1, 8, None, &mut out)), 3);
+        assert_eq!(out[0].io_u, 2);
+    }
+}

@@ -1,0 +1,252 @@
+//! fio itself, through the plugin, against the built-in RAM target: every job verifies what it
+//! wrote (`verify=crc32c`), and the run must end with exit status 0, no job error and I/O in
+//! the directions the job asked for (from `--output-format=json`).
+//!
+//! Needs `fio` on PATH and the plugin built with fio's headers (`FIO_SRC`, see
+//! `fio-plugin/setup.sh`). Without them each test says so and skips; with
+//! `NVMF_FIO_REQUIRED=1` (CI) it fails instead.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use serde_json::Value;
+
+struct Fio {
+    plugin: PathBuf,
+}
+
+fn skip_or_fail(why: &str) -> Option<Fio> {
+    if std::env::var_os("NVMF_FIO_REQUIRED").is_some() {
+        panic!("fio test cannot run: {why}");
+    }
+    eprintln!("SKIPPED: {why}");
+    None
+}
+
+/// The plugin built alongside this test (or `NVMF_FIO_PLUGIN`), if it can run.
+fn fio() -> Option<Fio> {
+    if !nvmf_rdma_fio::HAS_FIO_SHIM {
+        return skip_or_fail(
+            "the plugin was built without fio's headers (FIO_SRC unset): run \
+             `bash fio-plugin/setup.sh`, then `FIO_SRC=<fio source> cargo test -p nvmf-rdma-fio`",
+        );
+    }
+    if Command::new("fio").arg("--version").output().is_err() {
+        return skip_or_fail("fio is not installed (fio-plugin/setup.sh installs it)");
+    }
+    let plugin = match std::env::var_os("NVMF_FIO_PLUGIN") {
+        Some(p) => PathBuf::from(p),
+        // The cdylib cargo built for this test run sits beside the test executable in
+        // target/<profile>/deps (the copy one level up is only refreshed by `cargo build`).
+        None => {
+            let exe = std::env::current_exe().expect("test executable path");
+            let deps = exe.parent().expect("deps directory");
+            [deps, deps.parent().unwrap_or(deps)]
+                .iter()
+                .map(|d| d.join("libnvmf_rdma_fio.so"))
+                .find(|p| p.is_file())
+                .unwrap_or_else(|| deps.join("libnvmf_rdma_fio.so"))
+        }
+    };
+    assert!(plugin.is_file(), "no plugin at {}", plugin.display());
+    Some(Fio { plugin })
+}
+
+struct Run {
+    ok: bool,
+    json: Option<Value>,
+    stderr: String,
+}
+
+impl Fio {
+    /// Run fio on `job` (the plugin's path is put in front as `[global] ioengine=`).
+    fn run(&self, name: &str, job: &str) -> Run {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "nvmf-fio-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = dir.join(format!("{name}.fio"));
+        let text = format!(
+            "[global]\nioengine=external:{}\nverify_state_save=0\n{job}",
+            self.plugin.display()
+        );
+        std::fs::write(&file, &text).expect("write job file");
+        let out = Command::new("fio")
+            .arg("--output-format=json")
+            .arg(&file)
+            .current_dir(&dir)
+            .output()
+            .expect("run fio");
+        let _ = std::fs::remove_dir_all(&dir);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let json = stdout
+            .find('{')
+            .and_then(|i| serde_json::from_str(&stdout[i..]).ok());
+        Run {
+            ok: out.status.success(),
+            json,
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// Run `job`; every job must succeed and move data in the directions `want` lists
+    /// (`(jobname, reads, writes)`).
+    fn run_ok(&self, name: &str, job: &str, want: &[(&str, bool, bool)]) -> Value {
+        let r = self.run(name, job);
+        assert!(r.ok, "fio failed on {name}:\n{}", r.stderr);
+        let v = r
+            .json
+            .unwrap_or_else(|| panic!("no JSON from fio on {name}:\n{}", r.stderr));
+        let jobs = v["jobs"].as_array().expect("jobs array");
+        for (jobname, reads, writes) in want {
+            let js: Vec<&Value> = jobs.iter().filter(|j| j["jobname"] == *jobname).collect();
+            assert!(!js.is_empty(), "{name}: no job {jobname} in the report");
+            for j in js {
+                assert_eq!(j["error"], 0, "{name}/{jobname}: error\n{}", r.stderr);
+                let ios = |dir: &str| j[dir]["total_ios"].as_u64().unwrap_or(0);
+                let errs = j["total_err"].as_u64().unwrap_or(0);
+                assert_eq!(errs, 0, "{name}/{jobname}: I/O errors\n{}", r.stderr);
+                assert_eq!(ios("read") > 0, *reads, "{name}/{jobname}: reads {j}");
+                assert_eq!(ios("write") > 0, *writes, "{name}/{jobname}: writes {j}");
+            }
+        }
+        assert!(
+            !r.stderr.contains("I/O error"),
+            "{name}: the engine saw I/O errors:\n{}",
+            r.stderr
+        );
+        v
+    }
+}
+
+/// Headers every 4 KiB, so 128 KiB writes can be checked by 4 KiB random reads later.
+const COMMON: &str = "thread=1\nbuiltin_target=256M\nfilename=ns=1\nsize=32M\n\
+                      verify=crc32c\nverify_interval=4k\n";
+
+#[test]
+fn seq_128k_then_randread_4k_verify() {
+    let Some(f) = fio() else { return };
+    let job = format!(
+        "{COMMON}\n\
+         [write128k]\nrw=write\nbs=128k\niodepth=8\n\
+         [read128k]\nstonewall\nrw=read\nbs=128k\niodepth=8\n\
+         [randread4k]\nstonewall\nrw=randread\nbs=4k\niodepth=32\n"
+    );
+    f.run_ok(
+        "seq-then-randread",
+        &job,
+        &[
+            // the write job's verify phase reads everything back
+            ("write128k", true, true),
+            ("read128k", true, false),
+            ("randread4k", true, false),
+        ],
+    );
+}
+
+#[test]
+fn randwrite_and_rw_4k_verify() {
+    let Some(f) = fio() else { return };
+    let job = format!(
+        "{COMMON}\n\
+         [randwrite4k]\nrw=randwrite\nbs=4k\niodepth=32\nverify_backlog=256\n\
+         [rw4k]\nstonewall\nrw=rw\nbs=4k\niodepth=16\n"
+    );
+    f.run_ok(
+        "randwrite-rw",
+        &job,
+        &[("randwrite4k", true, true), ("rw4k", true, true)],
+    );
+}
+
+/// Several jobs in parallel on one shared controller, iodepth above the queue size; fio's
+/// default process mode (each job a forked process connecting on its own); the runtime driven
+/// by fio's threads (default) or by two threads of its own.
+#[test]
+fn parallel_jobs_threads_and_processes() {
+    let Some(f) = fio() else { return };
+    for (thread, rt) in [("1", "0"), ("0", "0"), ("1", "2")] {
+        let job = format!(
+            "thread={thread}\nruntime_threads={rt}\nbuiltin_target=256M\nfilename=ns=1\n\
+             verify=crc32c\nqueue_size=16\nnr_io_queues=2\n\
+             [par]\nrw=randwrite\nbs=4k\niodepth=64\nnumjobs=3\nsize=16M\n\
+             offset_increment=32M\nverify_backlog=128\n"
+        );
+        f.run_ok(
+            &format!("parallel-thread{thread}"),
+            &job,
+            &[("par", true, true)],
+        );
+    }
+}
+
+/// fio idle between I/Os (thinktime) longer than the keep-alive timeout and the transport's
+/// retry budget: the engine keeps the controller alive while no fio thread drives it.
+#[test]
+fn idle_gaps_keep_the_controller_alive() {
+    let Some(f) = fio() else { return };
+    let job = "thread=1\nbuiltin_target=64M\nfilename=ns=1\nkeep_alive_tmo=1\n\
+               bs=4k\nthinktime=1500ms\ntime_based=1\nruntime=4\n[idle]\nrw=randread\n";
+    f.run_ok("idle", job, &[("idle", true, false)]);
+}
+
+/// Trim and flush reach the target without errors (no verify: trimmed blocks read as zero).
+#[test]
+fn trim_and_fsync() {
+    let Some(f) = fio() else { return };
+    let job = "thread=1\nbuiltin_target=64M\nfilename=ns=1\nsize=8M\nbs=4k\niodepth=8\n\
+               [trimwrite]\nrw=trimwrite\n[fsync]\nstonewall\nrw=randwrite\nfsync=16\n";
+    f.run_ok(
+        "trim-fsync",
+        job,
+        &[("trimwrite", false, true), ("fsync", false, true)],
+    );
+}
+
+/// Bad options end fio with our message, not a crash.
+#[test]
+fn bad_options_are_reported() {
+    let Some(f) = fio() else { return };
+    for (opts, msg) in [
+        ("filename=ns=0\nbuiltin_target=64M", "namespace IDs"),
+        (
+            "filename=ns=1\nbuiltin_target=64M\nqueue_size=4",
+            "queue_size=4",
+        ),
+        ("filename=ns=1", "no target"),
+        ("filename=ns=9\nbuiltin_target=64M", "no namespace 9"),
+        (
+            "filename=trtype=TCP ns=1\nbuiltin_target=64M",
+            "not supported",
+        ),
+    ] {
+        let job = format!("thread=1\n{opts}\nsize=1M\n[bad]\nrw=read\n");
+        let r = f.run("bad", &job);
+        assert!(!r.ok, "fio accepted {opts:?}");
+        assert!(
+            r.stderr.contains(msg),
+            "{opts:?}: expected '{msg}' in:\n{}",
+            r.stderr
+        );
+    }
+}
+
+/// The issue's chaos run: the host device is reset every 2 s for 20 s under a verifying
+/// write load; fio must see no verify error and no I/O error.
+///
+/// Ignored until the host's recovery path (reconnect on the same device after a reset) is on
+/// main: today a reset kills the controller for good and every later I/O fails.
+#[test]
+#[ignore = "needs the host recovery path (reconnect after a device reset) from main"]
+fn chaos_reset_every_2s_for_20s() {
+    let Some(f) = fio() else { return };
+    let job = "thread=1\nbuiltin_target=256M\nfilename=ns=1\nsize=64M\nbs=4k\niodepth=32\n\
+               chaos_reset_every=2s\nctrl_loss_tmo=600\nreconnect_delay=0\n\
+               verify=crc32c\nverify_backlog=1024\ntime_based=1\nruntime=20\n\
+               [chaos]\nrw=randwrite\n";
+    f.run_ok("chaos", job, &[("chaos", true, true)]);
+}
