@@ -58,10 +58,11 @@ fn ext4_roundtrip(stack: &Stack, file: &Path, tmp: &Path) {
     let resets = resets_during_writes();
     let (tx, rx) = mpsc::channel::<()>();
     let ctrl = stack.ctrl.clone();
+    let rt = stack.rt.handle().clone();
     let resetter = std::thread::spawn(move || {
         let mut n = 0;
         while rx.recv().is_ok() {
-            reset_host_device(&ctrl);
+            reset_host_device(&ctrl, &rt);
             n += 1;
         }
         n
@@ -88,6 +89,15 @@ fn ext4_roundtrip(stack: &Stack, file: &Path, tmp: &Path) {
     }
     drop(tx);
     assert_eq!(resetter.join().unwrap(), resets);
+    if resets > 0 {
+        // Every fsync above succeeded, so the controller came back each time.
+        let st = stack.ctrl.status();
+        assert!(st.machine.recoveries >= 1, "{st:?}");
+        eprintln!(
+            "{resets} resets during the writes, {} recoveries",
+            st.machine.recoveries
+        );
+    }
     run(&mut Command::new("sync"));
     m.unmount();
 

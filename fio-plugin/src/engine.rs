@@ -15,10 +15,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use nvmf_rdma::cli_support::local_ip_for;
-use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::hca::{DeviceConfig, DeviceIdentity, IcrcCheck, PciAddr};
 use nvmf_rdma::nvmf_perf::LocalTarget;
-use nvmf_rdma::transport::{CmService, ConnectOptions, Controller};
+use nvmf_rdma::transport::{ConnectOptions, Controller};
 
 use crate::options::{Chaos, CtrlKey, CtrlOptions, TargetAddr};
 use crate::runtime::{Driver, EngineRt};
@@ -177,10 +177,12 @@ async fn connect(o: &CtrlOptions, addr: SocketAddr, n: u8) -> Result<Controller,
         icrc: IcrcCheck::Verify,
         seed: pid as u64 ^ ((n as u64) << 32),
     };
-    let hca = SoftHca::start_with(cfg, addr.ip().is_loopback())
+    // The device lives in a device manager, so the controller survives its resets.
+    let mgr = DeviceManager::new(addr.ip().is_loopback());
+    let name = cfg.identity.name.clone();
+    mgr.plug(cfg)
         .await
         .map_err(|e| format!("cannot start the host soft-HCA: {e}"))?;
-    let cm = CmService::start(hca.clone(), pid as u64 ^ n as u64);
     let mut c = ConnectOptions::new(addr, &o.key.subnqn);
     c.trsvcid = o.key.trsvcid;
     if let Some(h) = &o.key.hostnqn {
@@ -189,21 +191,25 @@ async fn connect(o: &CtrlOptions, addr: SocketAddr, n: u8) -> Result<Controller,
     c.nr_io_queues = o.nr_io_queues;
     c.queue_size = o.queue_size;
     c.keep_alive_tmo = o.keep_alive_tmo;
-    // o.recovery (ctrl_loss_tmo, reconnect_delay, fast_io_fail_tmo) is parsed and checked;
-    // it goes into ConnectOptions once the host has a recovery path that reads it.
-    Controller::connect(hca, cm, c).await.map_err(|e| {
-        format!(
-            "connect to {} (trsvcid {}) at {addr}: {e}",
-            o.key.subnqn, o.key.trsvcid
-        )
-    })
+    c.policy.ctrl_loss_tmo = o.recovery.ctrl_loss_tmo;
+    c.policy.reconnect_delay = o.recovery.reconnect_delay;
+    c.policy.fast_io_fail_tmo = o.recovery.fast_io_fail_tmo;
+    Controller::connect_managed(mgr, &name, c)
+        .await
+        .map_err(|e| {
+            format!(
+                "connect to {} (trsvcid {}) at {addr}: {e}",
+                o.key.subnqn, o.key.trsvcid
+            )
+        })
 }
 
-/// Reset the host device under `c`, as a device fault would. Today that is a fatal error on
-/// the soft-HCA; the host's recovery path (reconnect on the same device) is what turns it
-/// into a pause instead of failed I/O.
-fn reset_device(c: &Controller, _down_for: Duration) {
-    c.hca().fatal();
+/// Reset the host device under `c`, as a device fault would: the one recovery path holds
+/// the in-flight I/O and resubmits it once the same device is back after `down_for`.
+async fn reset_device(c: &Controller, down_for: Duration) {
+    if let Err(e) = c.reset_device(down_for).await {
+        eprintln!("nvmf-rdma: chaos reset failed: {e}");
+    }
 }
 
 impl Ctrl {
@@ -222,7 +228,7 @@ impl Ctrl {
             loop {
                 tick.tick().await;
                 let Some(c) = ctrl.upgrade() else { return };
-                reset_device(&c, chaos.down_for);
+                reset_device(&c, chaos.down_for).await;
                 resets.fetch_add(1, Ordering::Relaxed);
             }
         }));

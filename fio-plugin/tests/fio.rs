@@ -237,11 +237,7 @@ fn bad_options_are_reported() {
 
 /// The issue's chaos run: the host device is reset every 2 s for 20 s under a verifying
 /// write load; fio must see no verify error and no I/O error.
-///
-/// Ignored until the host's recovery path (reconnect on the same device after a reset) is on
-/// main: today a reset kills the controller for good and every later I/O fails.
 #[test]
-#[ignore = "needs the host recovery path (reconnect after a device reset) from main"]
 fn chaos_reset_every_2s_for_20s() {
     let Some(f) = fio() else { return };
     let job = "thread=1\nbuiltin_target=256M\nfilename=ns=1\nsize=64M\nbs=4k\niodepth=32\n\

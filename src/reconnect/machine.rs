@@ -388,18 +388,17 @@ impl Machine {
         let mut a = Actions::default();
         match (self.state, ev) {
             (Dead, _) => return a,
+            (Deleting, Event::Delete) => {}
             (_, Event::Delete) => {
-                if !matches!(self.state, Deleting) {
-                    let was_live = self.state == Live;
-                    self.goto(Deleting, trigger::DELETE);
-                    if was_live {
-                        a.push(Action::StopKeepAlive);
-                        a.push(Action::Shutdown);
-                    }
-                    self.fail_reason = Some(FailReason::Deleted);
-                    a.push(Action::TearDown);
-                    a.push(Action::FailAll(FailReason::Deleted));
+                let was_live = self.state == Live;
+                self.goto(Deleting, trigger::DELETE);
+                if was_live {
+                    a.push(Action::StopKeepAlive);
+                    a.push(Action::Shutdown);
                 }
+                self.fail_reason = Some(FailReason::Deleted);
+                a.push(Action::TearDown);
+                a.push(Action::FailAll(FailReason::Deleted));
             }
             (Deleting, Event::Deleted) => {
                 self.in_attempt = false;

@@ -737,11 +737,10 @@ impl Supervisor {
                 }
             }
             if self.sm.state() == CtrlState::Live {
-                if let Some(d) = self.admin.lock().take_control() {
-                    if let queue::ControlDone::Completed(c) = d {
-                        if c.nvme_status().is_success() {
-                            q.push(Event::KeepAliveOk);
-                        }
+                let done = self.admin.lock().take_control();
+                if let Some(queue::ControlDone::Completed(c)) = done {
+                    if c.nvme_status().is_success() {
+                        q.push(Event::KeepAliveOk);
                     }
                 }
             }

@@ -275,6 +275,7 @@ impl QueueCore {
 
     /// Register the queue's buffers on `hca` under `pd` and create a CQ and a QP in INIT.
     /// Returns the QP number for the CM request. On error nothing is left behind.
+    #[allow(clippy::result_large_err)] // the error carries the partial objects back out
     pub fn attach(&mut self, hca: &SoftHca, pd: PdId) -> Result<Qpn, HostError> {
         self.teardown();
         let size = self.spec.size;
@@ -790,24 +791,23 @@ impl QueueCore {
             return;
         }
         let mut expired = false;
-        let mut exhausted = None;
-        for (i, s) in self.slots.iter_mut().enumerate() {
-            if s.state == SlotState::Posted && s.cqe.is_none() {
-                if add(s.posted_at, self.io_timeout) <= now {
-                    expired = true;
-                    self.stats.timeouts += 1;
-                    s.retries += 1;
-                    if s.retries > self.max_retries {
-                        exhausted = Some(i);
-                    }
+        for i in 0..self.slots.len() {
+            let s = &mut self.slots[i];
+            if s.state == SlotState::Posted
+                && s.cqe.is_none()
+                && add(s.posted_at, self.io_timeout) <= now
+            {
+                expired = true;
+                self.stats.timeouts += 1;
+                s.retries += 1;
+                if s.retries > self.max_retries && i != self.control_slot() {
+                    self.stats.failed += 1;
+                    self.finish(
+                        i,
+                        Err(HostError::Timeout("command timed out too often".into())),
+                    );
                 }
             }
-        }
-        if let Some(i) = exhausted {
-            self.finish(
-                i,
-                Err(HostError::Timeout("command timed out too often".into())),
-            );
         }
         if expired {
             self.fail_connection(Cause::IoTimeout);

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nvmf_rdma::export::BlockDev;
-use nvmf_rdma::nvmf_perf::{connect_host, LocalTarget, DEMO_NQN};
-use nvmf_rdma::transport::Controller;
+use nvmf_rdma::nvmf_perf::{connect_host_with, LocalTarget, DEMO_NQN};
+use nvmf_rdma::transport::{ConnectOptions, Controller};
 
 /// Built-in RAM target and a host controller connected to it. Fields drop in order: the
 /// device and controller, then the host runtime, then the target.
@@ -32,7 +32,7 @@ impl Stack {
             .build()
             .expect("runtime");
         let ctrl = Arc::new(
-            rt.block_on(connect_host(target.addr, DEMO_NQN, queues, 128))
+            rt.block_on(connect_host_with(host_options(target.addr, queues)))
                 .expect("connect host"),
         );
         let dev = Arc::new(BlockDev::new(ctrl.clone(), 1).expect("namespace 1"));
@@ -49,15 +49,22 @@ impl Stack {
 // Soft-HCA resets during writes.
 //
 // The issue asks for device resets in the middle of file-system writes, invisible to the file
-// system except as latency. That needs the reconnect/recovery path (same `Controller` surviving
-// a device reset), which is being built on main. Until it lands, `ctrl.hca().fatal()` kills the
-// host device for good, so the step is OFF by default: set NVMF_EXPORT_RESETS=N to fire N
-// resets during the writes. When the device manager's reset is on main, point
-// `reset_host_device` at it and change DEFAULT_RESETS to 3.
-// ---------------------------------------------------------------------------------------------
+// system except as latency. The controller runs on a managed device (`connect_host`), so a
+// reset goes through the one recovery path: in-flight writes are held and resubmitted.
+// NVMF_EXPORT_RESETS=N changes how many resets fire during the writes.
+
+/// The host's options: a reset is recovered at once (reconnect_delay 0) rather than after
+/// Linux's 10 s default, so the resets below cost milliseconds of latency.
+pub fn host_options(addr: std::net::SocketAddr, queues: usize) -> ConnectOptions {
+    let mut o = ConnectOptions::new(addr, DEMO_NQN);
+    o.nr_io_queues = queues;
+    o.queue_size = 128;
+    o.policy.reconnect_delay = std::time::Duration::ZERO;
+    o
+}
 
 /// Resets fired during the writes when NVMF_EXPORT_RESETS is not set.
-pub const DEFAULT_RESETS: usize = 0;
+pub const DEFAULT_RESETS: usize = 3;
 
 pub fn resets_during_writes() -> usize {
     std::env::var("NVMF_EXPORT_RESETS")
@@ -66,11 +73,11 @@ pub fn resets_during_writes() -> usize {
         .unwrap_or(DEFAULT_RESETS)
 }
 
-/// THE HOOK: reset the host's soft-HCA under a live controller.
-/// TODO(lead): replace with the device manager's reset once the recovery path is on main;
-/// today this is a fatal error the controller does not recover from.
-pub fn reset_host_device(ctrl: &Controller) {
-    ctrl.hca().fatal();
+/// Reset the host's soft-HCA under a live controller (a fatal error; the device comes back
+/// at once) and wait until the reset has happened, from a thread outside the runtime.
+pub fn reset_host_device(ctrl: &Controller, rt: &tokio::runtime::Handle) {
+    rt.block_on(ctrl.reset_device(std::time::Duration::ZERO))
+        .expect("reset the host device");
 }
 
 // ---------------------------------------------------------------------------------------------
