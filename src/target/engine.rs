@@ -148,6 +148,9 @@ struct Engine {
     psn_seed: u32,
     /// A hung controller: commands are taken off the wire and never answered.
     frozen: bool,
+    /// A stalled backend: I/O commands are held until the stall ends, then executed.
+    stall_io: bool,
+    stalled: Vec<(Qpn, usize)>,
     /// The device's clock as of the current turn.
     now: crate::hca::Instant,
 }
@@ -177,6 +180,8 @@ impl Target {
             stats: TargetStats::default(),
             psn_seed: 0x5A5A5,
             frozen: false,
+            stall_io: false,
+            stalled: Vec::new(),
             now: crate::hca::Instant(0),
         }));
         let t = Target { hca, engine };
@@ -219,6 +224,29 @@ impl Target {
     /// is dropped unanswered; the transport and CM keep working.
     pub fn freeze(&self, frozen: bool) {
         self.lock().frozen = frozen;
+    }
+
+    /// Play a stalled backend (tests): I/O commands are received but held; when the stall
+    /// ends, the held ones whose queue still exists run in arrival order.
+    pub fn stall_io(&self, on: bool) {
+        let mut e = self.lock();
+        e.stall_io = on;
+        if !on {
+            let held = std::mem::take(&mut e.stalled);
+            self.hca.with(|d, now| {
+                e.now = now;
+                for (qpn, c) in held {
+                    if e.queues.contains_key(&qpn) {
+                        e.start(d, qpn, c);
+                    }
+                }
+            });
+        }
+    }
+
+    /// I/O commands held by [`Target::stall_io`].
+    pub fn stalled_io(&self) -> usize {
+        self.lock().stalled.len()
     }
 
     /// Number of live queues.
@@ -491,6 +519,10 @@ impl Engine {
         match parsed {
             Ok(sqe) => {
                 q.cmds[c].sqe = sqe;
+                if self.stall_io && q.qid > 0 && sqe.opcode != opcode::FABRICS {
+                    self.stalled.push((qpn, c));
+                    return;
+                }
                 self.start(d, qpn, c);
             }
             Err(_) => {

@@ -1,0 +1,277 @@
+//! The recovery path allocates nothing: a counting global allocator watches every heap
+//! allocation from the fatal event until the held I/O is resubmitted. Allocations of the
+//! platform (the soft-HCA, its device list and CM, which a kernel and a NIC provide in a real
+//! deployment; and the target, another machine) are counted apart, see `alloc_audit`.
+//!
+//! And memory does not creep: live heap after 1000 resets equals live heap after one.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nvmf_rdma::alloc_audit::{self, Platform};
+use nvmf_rdma::chaos::{connect_host, host_options, TargetRig, HOST_DEV};
+use nvmf_rdma::driver::DeviceManager;
+use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
+use nvmf_rdma::target::Target;
+
+struct Counting;
+
+static RECORDING: AtomicBool = AtomicBool::new(false);
+static HOST_ALLOCS: AtomicU64 = AtomicU64::new(0);
+static PLATFORM_ALLOCS: AtomicU64 = AtomicU64::new(0);
+static LIVE_BYTES: AtomicI64 = AtomicI64::new(0);
+static TRACES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+thread_local! {
+    static IN_HOOK: Cell<bool> = const { Cell::new(false) };
+}
+
+fn on_alloc(size: usize) {
+    LIVE_BYTES.fetch_add(size as i64, Ordering::Relaxed);
+    if !RECORDING.load(Ordering::Relaxed) {
+        return;
+    }
+    if alloc_audit::in_platform() {
+        PLATFORM_ALLOCS.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    HOST_ALLOCS.fetch_add(1, Ordering::Relaxed);
+    // Keep where the first few came from (the capture allocates: not counted, guarded).
+    let reentered = IN_HOOK.try_with(|h| h.replace(true)).unwrap_or(true);
+    if !reentered {
+        let bt = std::backtrace::Backtrace::force_capture().to_string();
+        if let Ok(mut t) = TRACES.lock() {
+            if t.len() < 4 {
+                t.push(bt);
+            }
+        }
+        let _ = IN_HOOK.try_with(|h| h.set(false));
+    }
+}
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        if !IN_HOOK.try_with(|h| h.get()).unwrap_or(true) {
+            on_alloc(l.size());
+        } else {
+            LIVE_BYTES.fetch_add(l.size() as i64, Ordering::Relaxed);
+        }
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        if !IN_HOOK.try_with(|h| h.get()).unwrap_or(true) {
+            on_alloc(l.size());
+        } else {
+            LIVE_BYTES.fetch_add(l.size() as i64, Ordering::Relaxed);
+        }
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE_BYTES.fetch_sub(l.size() as i64, Ordering::Relaxed);
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LIVE_BYTES.fetch_sub(l.size() as i64, Ordering::Relaxed);
+        if !IN_HOOK.try_with(|h| h.get()).unwrap_or(true) {
+            on_alloc(new);
+        } else {
+            LIVE_BYTES.fetch_add(new as i64, Ordering::Relaxed);
+        }
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static A: Counting = Counting;
+
+/// The tests share the counters: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const IP: [u8; 4] = [127, 0, 0, 1];
+
+/// The target on its own thread and runtime, all of it platform code.
+struct RemoteTarget {
+    addr: SocketAddr,
+    target: Target,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RemoteTarget {
+    fn start() -> RemoteTarget {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            alloc_audit::mark_thread_platform();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let t = TargetRig::start(IP, 64 << 20).await.unwrap();
+                tx.send((t.addr, t.target.clone())).unwrap();
+                let _ = stop_rx.await;
+                drop(t);
+            });
+        });
+        let (addr, target) = rx.recv().unwrap();
+        RemoteTarget {
+            addr,
+            target,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for RemoteTarget {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn policy() -> Policy {
+    Policy {
+        ctrl_loss_tmo: Some(Duration::from_secs(60)),
+        reconnect_delay: Duration::ZERO,
+        fast_io_fail_tmo: None,
+        keep_alive_tmo: Duration::from_secs(5),
+        replug_window: Duration::from_secs(60),
+        identity: IdentityMatch::Both,
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn from_the_fatal_event_to_resubmission_the_host_allocates_nothing() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let t = RemoteTarget::start();
+    let rt = runtime();
+    rt.block_on(async {
+        let mgr = DeviceManager::new(true);
+        let ctrl = Arc::new(
+            connect_host(&mgr, IP, host_options(t.addr, 2, 32, policy()))
+                .await
+                .unwrap(),
+        );
+        // In-flight I/O at the moment of the fault: the target holds it unanswered.
+        t.target.stall_io(true);
+        const N: usize = 24;
+        let mut writes = Vec::new();
+        for i in 0..N {
+            let c = ctrl.clone();
+            let data = vec![i as u8 ^ 0x5A; 4096 * (1 + i % 8)];
+            writes.push(tokio::spawn(async move {
+                let lba = i as u64 * 256;
+                c.write(1, lba, &data).await.map(|_| (lba, data))
+            }));
+        }
+        while t.target.stalled_io() < N {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        HOST_ALLOCS.store(0, Ordering::SeqCst);
+        PLATFORM_ALLOCS.store(0, Ordering::SeqCst);
+        RECORDING.store(true, Ordering::SeqCst);
+        // The fault, and the observer waiting for resubmission, are not the host's code.
+        Platform::new(async {
+            mgr.reset(HOST_DEV, Duration::ZERO).await.unwrap();
+            ctrl.wait_status(Duration::from_secs(20), |s| {
+                s.machine.recoveries >= 1 && s.state() == CtrlState::Live
+            })
+            .await
+            .unwrap();
+        })
+        .await;
+        RECORDING.store(false, Ordering::SeqCst);
+        let host = HOST_ALLOCS.load(Ordering::SeqCst);
+        let platform = PLATFORM_ALLOCS.load(Ordering::SeqCst);
+        println!("allocations during recovery: host {host}, platform {platform}");
+        let traces = TRACES.lock().unwrap().clone();
+        assert_eq!(
+            host,
+            0,
+            "the host allocated during recovery; first sites:\n{}",
+            traces.join("\n-----\n")
+        );
+        let requeued: u64 = ctrl.queue_stats().iter().map(|s| s.requeued).sum();
+        assert!(
+            requeued >= N as u64,
+            "the writes were in flight: {requeued}"
+        );
+        // Let the target go on: every held write completes, with its data.
+        t.target.stall_io(false);
+        for w in writes {
+            let (lba, data) = w.await.unwrap().expect("resubmitted write completes");
+            assert!(ctrl.read(1, lba, data.len()).await.unwrap() == data);
+        }
+    });
+}
+
+#[test]
+fn memory_after_1000_resets_equals_memory_after_one() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let t = RemoteTarget::start();
+    let rt = runtime();
+    rt.block_on(async {
+        let mgr = DeviceManager::new(true);
+        let ctrl = connect_host(&mgr, IP, host_options(t.addr, 2, 32, policy()))
+            .await
+            .unwrap();
+        let reset_and_recover = |n: u64| {
+            let (mgr, ctrl) = (&mgr, &ctrl);
+            async move {
+                mgr.reset(HOST_DEV, Duration::ZERO).await.unwrap();
+                ctrl.wait_status(Duration::from_secs(20), |s| {
+                    s.machine.recoveries >= n && s.state() == CtrlState::Live
+                })
+                .await
+                .unwrap();
+                ctrl.write(1, 0, &[n as u8; 4096]).await.unwrap();
+            }
+        };
+        // Quiet: the target has dropped the controllers of dead contexts (keep-alive
+        // expiry), and the old contexts' tasks are gone.
+        let settle = |expect_queues: usize| {
+            let t = &t;
+            async move {
+                while t.target.queue_count() != expect_queues {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                // Let the last old context's tasks finish.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                LIVE_BYTES.load(Ordering::SeqCst)
+            }
+        };
+        for n in 1..=2 {
+            reset_and_recover(n).await;
+        }
+        let after_one = settle(3).await;
+        for n in 3..=1002 {
+            reset_and_recover(n).await;
+        }
+        let after_many = settle(3).await;
+        println!("live heap: after warm-up {after_one} B, after 1000 more resets {after_many} B");
+        assert_eq!(ctrl.status().machine.recoveries, 1002);
+        let grown = after_many - after_one;
+        assert!(
+            grown.abs() < 4096,
+            "heap changed by {grown} B over 1000 resets"
+        );
+    });
+}
