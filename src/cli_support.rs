@@ -3,7 +3,9 @@
 
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::PathBuf;
+use std::time::Duration;
 
+use crate::reconnect::Policy;
 use crate::wire_json::JsonObj;
 
 /// The UDP port a soft-HCA (like any RoCEv2 device) listens on unless told otherwise.
@@ -21,6 +23,41 @@ pub fn parse_traddr(s: &str) -> Result<SocketAddr, String> {
     Err(format!(
         "'{s}' is not an address: use an IP (port {DEFAULT_ROCE_PORT}) or IP:PORT"
     ))
+}
+
+/// A timeout in nvme-cli's seconds where -1 means "never" (`None`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tmo(pub Option<Duration>);
+
+impl std::fmt::Display for Tmo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            None => f.write_str("-1"),
+            Some(d) => write!(f, "{}", d.as_secs()),
+        }
+    }
+}
+
+/// Parse `--ctrl-loss-tmo` / `--fast_io_fail_tmo`: whole seconds, or -1.
+pub fn parse_tmo(s: &str) -> Result<Tmo, String> {
+    Policy::parse_tmo(s).map(Tmo)
+}
+
+/// Parse whole seconds >= 0 (`--reconnect-delay`, `--keep-alive-tmo`, `--replug-window`).
+pub fn parse_secs(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<i64>() {
+        Ok(v) if v >= 0 => Ok(v as u64),
+        Ok(v) => Err(format!("{v} is not valid: give whole seconds >= 0")),
+        Err(_) => Err(format!("{s:?} is not a whole number of seconds")),
+    }
+}
+
+/// Parse whole seconds >= 1 (`--io-timeout`).
+pub fn parse_pos_secs(s: &str) -> Result<u64, String> {
+    match parse_secs(s)? {
+        0 => Err("0 is not valid: give whole seconds >= 1".into()),
+        v => Ok(v),
+    }
 }
 
 /// The local address the kernel would use to reach `peer` (no packet is sent).

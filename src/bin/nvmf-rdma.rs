@@ -6,15 +6,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, Parser, Subcommand};
-use nvmf_rdma::cli_support::{local_ip_for, parse_traddr, run_dir, CtrlInfo};
-use nvmf_rdma::driver::SoftHca;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use nvmf_rdma::cli_support::{
+    local_ip_for, parse_pos_secs, parse_secs, parse_tmo, parse_traddr, run_dir, CtrlInfo, Tmo,
+};
+use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::export::{self, ExportAddr};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::nvme::Nqn;
 use nvmf_rdma::nvmf_perf::{self, Job, LocalTarget, Pattern, DEMO_NQN};
 use nvmf_rdma::perf;
+use nvmf_rdma::reconnect::policy;
+use nvmf_rdma::reconnect::{IdentityMatch, Policy};
 use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{discover, CmService, ConnectOptions, Controller};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -60,26 +64,132 @@ struct Subsys {
     /// Entries per I/O queue (16..=1024).
     #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
     queue_size: usize,
-    /// Keep-alive timeout in seconds (0 = off).
-    #[arg(short = 'k', long = "keep-alive-tmo", default_value_t = 5)]
-    keep_alive_tmo: u64,
-    /// Seconds between reconnect attempts.
-    #[arg(short = 'c', long = "reconnect-delay", default_value_t = 10)]
-    reconnect_delay: u64,
-    /// Seconds before a lost controller is given up (-1 = never).
-    #[arg(
-        short = 'l',
-        long = "ctrl-loss-tmo",
-        default_value_t = 600,
-        allow_hyphen_values = true
-    )]
-    ctrl_loss_tmo: i64,
-    /// Seconds before I/O fails while reconnecting (-1 = off).
-    #[arg(long = "fast_io_fail_tmo", alias = "fast-io-fail-tmo", default_value_t = -1, allow_hyphen_values = true)]
-    fast_io_fail_tmo: i64,
+    #[command(flatten)]
+    policy: PolicyArgs,
     /// Namespace to use for read/write/verify.
     #[arg(long, default_value_t = 1)]
     nsid: u32,
+}
+
+/// Keep-alive and the reconnect policy, with nvme-cli's names where it has them. Shared by
+/// every command that connects; `chaos` has its own defaults for `-c` and `-l`.
+#[derive(Args, Debug, Clone, Default)]
+struct PolicyArgs {
+    /// Keep-alive timeout in seconds, 0 = off [default: 5]
+    #[arg(short = 'k', long = "keep-alive-tmo",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_secs
+    )]
+    keep_alive_tmo: Option<u64>,
+    /// Seconds between reconnect attempts; 0 = at once [default: 10; chaos: 0]
+    #[arg(short = 'c', long = "reconnect-delay",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_secs
+    )]
+    reconnect_delay: Option<u64>,
+    /// Seconds to keep reconnecting before the controller is deleted and its I/O fails;
+    /// -1 = forever [default: 600; chaos: 60]
+    #[arg(
+        short = 'l',
+        long = "ctrl-loss-tmo",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_tmo
+    )]
+    ctrl_loss_tmo: Option<Tmo>,
+    /// Seconds of reconnecting after which held and new I/O fails (the controller keeps
+    /// trying); -1 = off [default: -1]
+    #[arg(
+        long = "fast_io_fail_tmo",
+        alias = "fast-io-fail-tmo",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_tmo
+    )]
+    fast_io_fail_tmo: Option<Tmo>,
+    /// Seconds a hot-removed HCA may take to come back before the controller gives up
+    /// [default: 600]
+    #[arg(long = "replug-window",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_secs
+    )]
+    replug_window: Option<u64>,
+    /// Which HCA that comes back counts as ours: same node GUID, same PCI address, both, or
+    /// any card in the slot [default: both]
+    #[arg(long, value_enum, value_name = "MATCH")]
+    identity: Option<IdentityArg>,
+    /// Seconds without a response after which a command starts recovery [default: 30]
+    #[arg(
+        long = "io-timeout",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_pos_secs
+    )]
+    io_timeout: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum IdentityArg {
+    Guid,
+    Pci,
+    Both,
+    Any,
+}
+
+impl From<IdentityArg> for IdentityMatch {
+    fn from(i: IdentityArg) -> IdentityMatch {
+        match i {
+            IdentityArg::Guid => IdentityMatch::Guid,
+            IdentityArg::Pci => IdentityMatch::Pci,
+            IdentityArg::Both => IdentityMatch::Both,
+            IdentityArg::Any => IdentityMatch::Any,
+        }
+    }
+}
+
+/// What `PolicyArgs` resolve to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Resolved {
+    policy: Policy,
+    io_timeout: Duration,
+}
+
+impl PolicyArgs {
+    /// The policy with `reconnect_delay` and `ctrl_loss_tmo` defaulting to the values given
+    /// (connect: 10 s and 600 s, as Linux; chaos: 0 and 60 s).
+    fn resolve(&self, reconnect_delay: Duration, ctrl_loss_tmo: Option<Duration>) -> Resolved {
+        let policy = Policy {
+            ctrl_loss_tmo: self.ctrl_loss_tmo.map_or(ctrl_loss_tmo, |t| t.0),
+            reconnect_delay: self
+                .reconnect_delay
+                .map_or(reconnect_delay, Duration::from_secs),
+            fast_io_fail_tmo: self.fast_io_fail_tmo.and_then(|t| t.0),
+            keep_alive_tmo: self
+                .keep_alive_tmo
+                .map_or(policy::DEFAULT_KEEP_ALIVE_TMO, Duration::from_secs),
+            replug_window: self
+                .replug_window
+                .map_or(policy::DEFAULT_REPLUG_WINDOW, Duration::from_secs),
+            identity: self.identity.map_or(IdentityMatch::Both, Into::into),
+        };
+        Resolved {
+            policy,
+            io_timeout: self
+                .io_timeout
+                .map_or(policy::DEFAULT_IO_TIMEOUT, Duration::from_secs),
+        }
+    }
+
+    /// Linux's defaults (`connect`, `read`, `write`, `verify`).
+    fn resolve_default(&self) -> Resolved {
+        self.resolve(
+            policy::DEFAULT_RECONNECT_DELAY,
+            Some(policy::DEFAULT_CTRL_LOSS_TMO),
+        )
+    }
 }
 
 /// Block-device exports of the namespace `--nsid` while `connect` holds the controller.
@@ -287,9 +397,6 @@ fn options(s: &Subsys) -> Result<ConnectOptions> {
     if s.nr_io_queues == 0 || s.nr_io_queues > 128 {
         bail!("--nr-io-queues must be between 1 and 128");
     }
-    if s.ctrl_loss_tmo < -1 || s.fast_io_fail_tmo < -1 {
-        bail!("timeouts take seconds, or -1");
-    }
     let mut o = ConnectOptions::new(s.fabric.traddr, &s.nqn);
     o.trsvcid = s.fabric.trsvcid;
     if let Some(h) = &s.fabric.hostnqn {
@@ -298,14 +405,31 @@ fn options(s: &Subsys) -> Result<ConnectOptions> {
     }
     o.nr_io_queues = s.nr_io_queues;
     o.queue_size = s.queue_size;
-    o.keep_alive_tmo = Duration::from_secs(s.keep_alive_tmo);
+    let r = s.policy.resolve_default();
+    o.keep_alive_tmo = r.policy.keep_alive_tmo;
+    o.policy = r.policy;
+    o.io_timeout = r.io_timeout;
     Ok(o)
+}
+
+/// The name of the host HCA in the device manager of `connect`, `read`, `write`, `verify`.
+const HOST_HCA: &str = "srxe0";
+
+/// A host soft-HCA plugged into a device manager, on the local address that routes to
+/// `target`. A controller on it comes back after the device is reset or re-plugged.
+async fn host_device(target: SocketAddr) -> Result<DeviceManager> {
+    let ip = local_ip_for(target).context("no route to the target address")?;
+    let mgr = DeviceManager::new(target.ip().is_loopback());
+    mgr.plug(device_config(HOST_HCA, SocketAddr::new(ip, 0), 1))
+        .await
+        .context("cannot start the host soft-HCA")?;
+    Ok(mgr)
 }
 
 async fn connect(s: &Subsys) -> Result<Controller> {
     let o = options(s)?;
-    let (hca, cm) = host_stack(s.fabric.traddr).await?;
-    Controller::connect(hca, cm, o)
+    let mgr = host_device(s.fabric.traddr).await?;
+    Controller::connect_managed(mgr, HOST_HCA, o)
         .await
         .with_context(|| format!("connect to {} at {}", s.nqn, s.fabric.traddr))
 }
@@ -935,16 +1059,13 @@ mod tests {
             panic!("not connect")
         };
         assert_eq!(s.fabric.traddr, "127.0.0.1:4791".parse().unwrap());
-        assert_eq!(
-            (
-                s.nr_io_queues,
-                s.queue_size,
-                s.ctrl_loss_tmo,
-                s.fast_io_fail_tmo
-            ),
-            (2, 64, -1, 3)
-        );
-        assert!(options(&s).is_ok());
+        assert_eq!((s.nr_io_queues, s.queue_size), (2, 64));
+        let o = options(&s).unwrap();
+        assert_eq!(o.policy.ctrl_loss_tmo, None, "-1 = forever");
+        assert_eq!(o.policy.fast_io_fail_tmo, Some(Duration::from_secs(3)));
+        assert_eq!(o.policy.reconnect_delay, Duration::from_secs(1));
+        assert_eq!(o.policy.keep_alive_tmo, Duration::from_secs(5));
+        assert_eq!(o.keep_alive_tmo, Duration::from_secs(5));
         let bad = Cli::try_parse_from(["nvmf-rdma", "connect", "-a", "nowhere", "-n", "x"]);
         assert!(bad.is_err());
         let c = Cli::try_parse_from([
@@ -962,6 +1083,81 @@ mod tests {
             panic!()
         };
         assert!(options(&s).unwrap_err().to_string().contains("only rdma"));
+    }
+
+    fn connect_args(extra: &[&str]) -> Result<Subsys, clap::Error> {
+        let mut v = vec!["nvmf-rdma", "connect", "-a", "127.0.0.1", "-n", "nqn.a:b"];
+        v.extend_from_slice(extra);
+        match Cli::try_parse_from(v)?.cmd {
+            Cmd::Connect { sub, .. } => Ok(sub),
+            _ => panic!("not connect"),
+        }
+    }
+
+    #[test]
+    fn connect_policy_flags_fill_the_policy() {
+        // Linux's defaults when nothing is given.
+        let o = options(&connect_args(&[]).unwrap()).unwrap();
+        assert_eq!(o.policy, Policy::default());
+        assert_eq!(o.io_timeout, Duration::from_secs(30));
+        let s = connect_args(&[
+            "-c",
+            "0",
+            "-l",
+            "60",
+            "--fast-io-fail-tmo",
+            "-1",
+            "--replug-window",
+            "5",
+            "--identity",
+            "pci",
+            "--io-timeout",
+            "7",
+            "-k",
+            "0",
+        ])
+        .unwrap();
+        let o = options(&s).unwrap();
+        assert_eq!(
+            o.policy,
+            Policy {
+                ctrl_loss_tmo: Some(Duration::from_secs(60)),
+                reconnect_delay: Duration::ZERO,
+                fast_io_fail_tmo: None,
+                keep_alive_tmo: Duration::ZERO,
+                replug_window: Duration::from_secs(5),
+                identity: IdentityMatch::Pci,
+            }
+        );
+        assert_eq!(o.io_timeout, Duration::from_secs(7));
+        // Chaos defaults apply only where no flag was given.
+        let r = connect_args(&["-l", "-1"])
+            .unwrap()
+            .policy
+            .resolve(Duration::ZERO, Some(Duration::from_secs(60)));
+        assert_eq!(r.policy.ctrl_loss_tmo, None);
+        assert_eq!(r.policy.reconnect_delay, Duration::ZERO);
+    }
+
+    #[test]
+    fn bad_policy_values_are_clap_errors() {
+        for (args, want) in [
+            (&["-l", "-2"][..], "forever"),
+            (&["-l", "ten"][..], "whole number"),
+            (&["--fast_io_fail_tmo", "-5"][..], "forever"),
+            (&["-c", "-1"][..], ">= 0"),
+            (&["-k", "-1"][..], ">= 0"),
+            (&["--identity", "serial"][..], "possible values"),
+            (&["--io-timeout", "0"][..], ">= 1"),
+            (&["--replug-window", "x"][..], "whole number"),
+        ] {
+            let e = connect_args(args).expect_err(&format!("{args:?} accepted"));
+            let msg = e.to_string();
+            assert!(
+                msg.contains(want) && msg.contains("invalid value"),
+                "{args:?}: {msg}"
+            );
+        }
     }
 
     #[test]
