@@ -5,7 +5,8 @@ use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::reconnect::Policy;
+use crate::reconnect::{CtrlState, Policy};
+use crate::transport::CtrlStatus;
 use crate::wire_json::JsonObj;
 
 /// The UDP port a soft-HCA (like any RoCEv2 device) listens on unless told otherwise.
@@ -92,11 +93,202 @@ pub struct CtrlInfo {
     pub traddr: String,
     pub trsvcid: u16,
     pub cntlid: u16,
+    /// live, resetting, connecting, deleting, dead (Linux's names).
     pub state: String,
     pub io_queues: usize,
     pub namespaces: Vec<(u32, u32, u64)>,
     pub model: String,
     pub serial: String,
+    pub health: Health,
+}
+
+/// The recovery side of a controller, as `list` shows it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Health {
+    /// Cause of the last failure (`device-fatal`, `keep-alive-lost`, ...).
+    pub cause: Option<String>,
+    /// Reconnect attempts in the current (or last) episode.
+    pub attempt: u32,
+    /// The attempt budget; `None`: unbounded (ctrl_loss_tmo -1).
+    pub max_attempts: Option<u32>,
+    /// Time left before ctrl_loss_tmo deletes the controller; only while recovering, and
+    /// `None` then too when ctrl_loss_tmo is -1.
+    pub loss_in: Option<Duration>,
+    pub recoveries: u64,
+    /// Failure to LIVE, of the last completed recovery.
+    pub last_recovery: Option<Duration>,
+    pub device_present: bool,
+    /// A card that is not ours (other GUID / PCI address) showed up in the slot.
+    pub foreign_device: bool,
+    /// fast_io_fail_tmo passed: I/O fails at once while the controller keeps trying.
+    pub failfast: bool,
+    /// Why pending I/O was failed (fast_io_fail_tmo, ctrl_loss_tmo, ...).
+    pub fail_reason: Option<String>,
+}
+
+/// Is `state` one of the recovering states (resetting, connecting)?
+pub fn recovering(state: &str) -> bool {
+    state == CtrlState::Resetting.name() || state == CtrlState::Connecting.name()
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.3}", d.as_secs_f64() * 1e3)
+}
+
+fn human_duration(d: Duration) -> String {
+    if d >= Duration::from_secs(10) {
+        format!("{} s", d.as_secs())
+    } else if d >= Duration::from_secs(1) {
+        format!("{:.1} s", d.as_secs_f64())
+    } else if d >= Duration::from_millis(1) {
+        format!("{:.1} ms", d.as_secs_f64() * 1e3)
+    } else {
+        format!("{} us", d.as_micros())
+    }
+}
+
+impl Health {
+    /// The state name and the health of a controller, from its status.
+    pub fn from_status(st: &CtrlStatus) -> (String, Health) {
+        let m = &st.machine;
+        let state = m.state.name().to_string();
+        let h = Health {
+            cause: m.cause.map(|c| c.name().to_string()),
+            attempt: m.attempt,
+            max_attempts: m.max_attempts,
+            loss_in: if recovering(&state) { m.loss_in } else { None },
+            recoveries: m.recoveries,
+            last_recovery: st.last_recovery,
+            device_present: m.device_present,
+            foreign_device: m.foreign_device,
+            failfast: m.failfast,
+            fail_reason: m.fail_reason.map(|r| r.name().to_string()),
+        };
+        (state, h)
+    }
+
+    /// "attempt N of M" (M is "inf" without a budget).
+    pub fn attempts(&self) -> String {
+        match self.max_attempts {
+            Some(m) => format!("attempt {} of {m}", self.attempt),
+            None => format!("attempt {} of inf", self.attempt),
+        }
+    }
+
+    /// One line for `list`: what the controller is doing about failures, and how it went.
+    pub fn describe(&self, state: &str) -> String {
+        let mut parts = Vec::new();
+        if recovering(state) {
+            let mut p = format!(
+                "cause {}, {}",
+                self.cause.as_deref().unwrap_or("-"),
+                self.attempts()
+            );
+            match self.loss_in {
+                Some(d) => p += &format!(", ctrl_loss_tmo in {}", human_duration(d)),
+                None => p += ", ctrl_loss_tmo off",
+            }
+            if self.failfast {
+                p += ", failing I/O fast";
+            }
+            parts.push(p);
+        } else if let Some(r) = &self.fail_reason {
+            parts.push(format!(
+                "failed: {r} (cause {}, {})",
+                self.cause.as_deref().unwrap_or("-"),
+                self.attempts()
+            ));
+        } else if let Some(c) = &self.cause {
+            parts.push(format!("last failure {c}"));
+        }
+        let mut r = format!("recoveries {}", self.recoveries);
+        if let Some(d) = self.last_recovery {
+            r += &format!(" (last {})", human_duration(d));
+        }
+        parts.push(r);
+        let mut d = String::from(if self.device_present {
+            "device present"
+        } else {
+            "device absent"
+        });
+        if self.foreign_device {
+            d += ", foreign device seen";
+        }
+        parts.push(d);
+        parts.join("; ")
+    }
+
+    fn write_json(&self, o: &mut JsonObj) {
+        let opt_str = |v: &Option<String>| v.as_deref().map_or("null".to_string(), quote_str);
+        let opt_num = |v: Option<u64>| v.map_or("null".to_string(), |n| n.to_string());
+        let opt_ms = |v: Option<Duration>| v.map_or("null".to_string(), ms);
+        o.raw("cause", &opt_str(&self.cause))
+            .num("attempt", self.attempt as u64)
+            .raw("max_attempts", &opt_num(self.max_attempts.map(u64::from)))
+            .raw("ctrl_loss_in_ms", &opt_ms(self.loss_in))
+            .num("recoveries", self.recoveries)
+            .raw("last_recovery_ms", &opt_ms(self.last_recovery))
+            .raw("device_present", bool_str(self.device_present))
+            .raw("foreign_device", bool_str(self.foreign_device))
+            .raw("failfast", bool_str(self.failfast))
+            .raw("fail_reason", &opt_str(&self.fail_reason));
+    }
+
+    /// Read the fields back from a controller's JSON (missing ones keep their defaults, as
+    /// from an older `connect`).
+    pub fn from_json(j: &str) -> Health {
+        let s = |k| {
+            json_field(j, k)
+                .filter(|v| *v != "null")
+                .map(str::to_string)
+        };
+        let n = |k| json_field(j, k).and_then(|v| v.trim().parse::<u64>().ok());
+        let d = |k| {
+            json_field(j, k)
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .filter(|v| v.is_finite() && *v >= 0.0)
+                .map(|v| Duration::from_secs_f64(v / 1e3))
+        };
+        let b = |k| json_field(j, k).is_some_and(|v| v.trim() == "true");
+        Health {
+            cause: s("cause"),
+            attempt: n("attempt").unwrap_or(0) as u32,
+            max_attempts: n("max_attempts").map(|m| m.min(u32::MAX as u64) as u32),
+            loss_in: d("ctrl_loss_in_ms"),
+            recoveries: n("recoveries").unwrap_or(0),
+            last_recovery: d("last_recovery_ms"),
+            device_present: json_field(j, "device_present").is_none_or(|v| v.trim() == "true"),
+            foreign_device: b("foreign_device"),
+            failfast: b("failfast"),
+            fail_reason: s("fail_reason"),
+        }
+    }
+}
+
+fn bool_str(b: bool) -> &'static str {
+    if b {
+        "true"
+    } else {
+        "false"
+    }
+}
+
+fn quote_str(s: &str) -> String {
+    crate::wire_json::quote(s)
+}
+
+/// The value of `key` in a flat JSON object: a string's contents, or a number, `true`,
+/// `false`, `null` as written.
+pub fn json_field<'a>(j: &'a str, key: &str) -> Option<&'a str> {
+    let k = format!("\"{key}\":");
+    let i = j.find(&k)? + k.len();
+    let rest = &j[i..];
+    if let Some(r) = rest.strip_prefix('"') {
+        r.find('"').map(|e| &r[..e])
+    } else {
+        let e = rest.find([',', '}']).unwrap_or(rest.len());
+        Some(&rest[..e])
+    }
 }
 
 impl CtrlInfo {
@@ -113,6 +305,7 @@ impl CtrlInfo {
             .num("io_queues", self.io_queues as u64)
             .str("model", &self.model)
             .str("serial", &self.serial);
+        self.health.write_json(&mut o);
         let ns: Vec<String> = self
             .namespaces
             .iter()
@@ -126,5 +319,134 @@ impl CtrlInfo {
             .collect();
         o.raw("namespaces", &format!("[{}]", ns.join(",")));
         o.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reconnect::{Cause, FailReason, Status};
+
+    fn status(state: CtrlState) -> CtrlStatus {
+        CtrlStatus {
+            machine: Status {
+                state,
+                cause: Some(Cause::DeviceFatal),
+                attempt: 3,
+                max_attempts: Some(60),
+                loss_in: Some(Duration::from_secs(571)),
+                device_present: false,
+                foreign_device: true,
+                failfast: false,
+                recoveries: 2,
+                fail_reason: None,
+            },
+            cntlid: 1,
+            at: crate::hca::Instant(0),
+            last_recovery: Some(Duration::from_micros(48_250)),
+        }
+    }
+
+    fn info(state: &str, health: Health) -> CtrlInfo {
+        CtrlInfo {
+            name: "nvmf0".into(),
+            subnqn: "nqn.a:b".into(),
+            hostnqn: "nqn.h".into(),
+            traddr: "127.0.0.1:4791".into(),
+            trsvcid: 4420,
+            cntlid: 1,
+            state: state.into(),
+            io_queues: 2,
+            namespaces: vec![(1, 512, 1024)],
+            model: "m".into(),
+            serial: "s".into(),
+            health,
+        }
+    }
+
+    #[test]
+    fn health_of_a_recovering_controller_round_trips_and_reads_well() {
+        let (state, h) = Health::from_status(&status(CtrlState::Connecting));
+        assert_eq!(state, "connecting");
+        let j = info(&state, h.clone()).to_json();
+        assert!(
+            j.contains(r#""max_attempts":60,"ctrl_loss_in_ms":571000.000,"#),
+            "{j}"
+        );
+        assert!(
+            j.contains(r#""device_present":false,"foreign_device":true"#),
+            "{j}"
+        );
+        assert_eq!(json_field(&j, "state"), Some("connecting"));
+        assert_eq!(Health::from_json(&j), h);
+        assert_eq!(
+            h.describe(&state),
+            "cause device-fatal, attempt 3 of 60, ctrl_loss_tmo in 571 s; \
+             recoveries 2 (last 48.2 ms); device absent, foreign device seen"
+        );
+    }
+
+    #[test]
+    fn health_when_live_dead_or_unbounded() {
+        let mut st = status(CtrlState::Live);
+        st.machine.device_present = true;
+        st.machine.foreign_device = false;
+        let (state, h) = Health::from_status(&st);
+        assert_eq!(h.loss_in, None, "no countdown while live");
+        assert_eq!(
+            h.describe(&state),
+            "last failure device-fatal; recoveries 2 (last 48.2 ms); device present"
+        );
+        let mut st = status(CtrlState::Connecting);
+        st.machine.max_attempts = None;
+        st.machine.loss_in = None;
+        let (state, h) = Health::from_status(&st);
+        assert!(h
+            .describe(&state)
+            .starts_with("cause device-fatal, attempt 3 of inf, ctrl_loss_tmo off;"));
+        let j = info(&state, h.clone()).to_json();
+        assert!(
+            j.contains(r#""max_attempts":null,"ctrl_loss_in_ms":null"#),
+            "{j}"
+        );
+        assert_eq!(Health::from_json(&j), h);
+        let mut st = status(CtrlState::Dead);
+        st.machine.fail_reason = Some(FailReason::CtrlLoss);
+        let (state, h) = Health::from_status(&st);
+        assert_eq!(
+            h.describe(&state).split(';').next().unwrap(),
+            "failed: ctrl_loss_tmo expired (cause device-fatal, attempt 3 of 60)"
+        );
+        assert_eq!(Health::from_json(&info(&state, h.clone()).to_json()), h);
+    }
+
+    #[test]
+    fn fields_from_json() {
+        let j = r#"{"name":"nvmf0","cntlid":3,"subnqn":"nqn.x","max_attempts":7}"#;
+        assert_eq!(json_field(j, "name"), Some("nvmf0"));
+        assert_eq!(json_field(j, "cntlid"), Some("3"));
+        assert_eq!(json_field(j, "attempts"), None);
+        assert_eq!(json_field(j, "nope"), None);
+        // An older `connect` without health fields: defaults.
+        assert_eq!(
+            Health::from_json(j),
+            Health {
+                device_present: true,
+                max_attempts: Some(7),
+                ..Health::default()
+            }
+        );
+    }
+
+    #[test]
+    fn seconds_and_timeouts() {
+        assert_eq!(parse_tmo("-1"), Ok(Tmo(None)));
+        assert_eq!(parse_tmo("5"), Ok(Tmo(Some(Duration::from_secs(5)))));
+        assert!(parse_tmo("-3").is_err());
+        assert_eq!(Tmo(None).to_string(), "-1");
+        assert_eq!(parse_secs("0"), Ok(0));
+        assert!(parse_secs("-1").unwrap_err().contains(">= 0"));
+        assert!(parse_pos_secs("0").is_err());
+        assert_eq!(parse_pos_secs("30"), Ok(30));
     }
 }

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use nvmf_rdma::cli_support::{
-    local_ip_for, parse_pos_secs, parse_secs, parse_tmo, parse_traddr, run_dir, CtrlInfo, Tmo,
+    json_field, local_ip_for, parse_pos_secs, parse_secs, parse_tmo, parse_traddr, run_dir,
+    CtrlInfo, Health, Tmo,
 };
 use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::export::{self, ExportAddr};
@@ -18,7 +19,7 @@ use nvmf_rdma::nvme::Nqn;
 use nvmf_rdma::nvmf_perf::{self, Job, LocalTarget, Pattern, DEMO_NQN};
 use nvmf_rdma::perf;
 use nvmf_rdma::reconnect::policy;
-use nvmf_rdma::reconnect::{IdentityMatch, Policy};
+use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
 use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{discover, CmService, ConnectOptions, Controller};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -791,23 +792,28 @@ async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
             perf::human(ns.bytes() as usize)
         );
     }
-    let info = |state: &str| CtrlInfo {
-        name: name.clone(),
-        subnqn: s.nqn.clone(),
-        hostnqn: c.opts.hostnqn.clone(),
-        traddr: s.fabric.traddr.to_string(),
-        trsvcid: s.fabric.trsvcid,
-        cntlid: c.cntlid,
-        state: state.to_string(),
-        io_queues: c.io_queue_count(),
-        namespaces: c
-            .namespaces()
-            .iter()
-            .map(|n| (n.nsid, n.block_size, n.blocks))
-            .collect(),
-        model: c.ident.mn.text().trim().to_string(),
-        serial: c.ident.sn.text().trim().to_string(),
+    let info = || {
+        let (state, health) = Health::from_status(&c.status());
+        CtrlInfo {
+            name: name.clone(),
+            subnqn: s.nqn.clone(),
+            hostnqn: c.opts.hostnqn.clone(),
+            traddr: s.fabric.traddr.to_string(),
+            trsvcid: s.fabric.trsvcid,
+            cntlid: c.cntlid,
+            state,
+            io_queues: c.io_queue_count(),
+            namespaces: c
+                .namespaces()
+                .iter()
+                .map(|n| (n.nsid, n.block_size, n.blocks))
+                .collect(),
+            model: c.ident.mn.text().trim().to_string(),
+            serial: c.ident.sn.text().trim().to_string(),
+            health,
+        }
     };
+    let watcher = tokio::spawn(report_state_changes(name.clone(), c.watch_status()));
     let stop = tokio::sync::Notify::new();
     loop {
         tokio::select! {
@@ -818,9 +824,8 @@ async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
                 let (r, mut w) = stream.into_split();
                 let mut line = String::new();
                 let _ = BufReader::new(r).read_line(&mut line).await;
-                let state = if c.keep_alive_failed() { "connecting" } else { "live" };
                 match line.trim() {
-                    "info" => { let _ = w.write_all(format!("{}\n", info(state).to_json()).as_bytes()).await; }
+                    "info" => { let _ = w.write_all(format!("{}\n", info().to_json()).as_bytes()).await; }
                     "disconnect" => {
                         let _ = w.write_all(b"ok\n").await;
                         stop.notify_one();
@@ -831,12 +836,57 @@ async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
         }
     }
     let _ = std::fs::remove_file(&path);
+    watcher.abort();
     exports.stop().await;
     if let Ok(c) = Arc::try_unwrap(c) {
         c.disconnect().await;
     }
     println!("{name}: disconnected");
     Ok(())
+}
+
+/// Print the controller's state changes as `connect` holds it: failures, attempts, LIVE
+/// again, given up.
+async fn report_state_changes(
+    name: String,
+    mut rx: tokio::sync::watch::Receiver<nvmf_rdma::transport::CtrlStatus>,
+) {
+    let mut last = (rx.borrow().machine.state, rx.borrow().machine.attempt);
+    while rx.changed().await.is_ok() {
+        let st = *rx.borrow_and_update();
+        let m = st.machine;
+        let (was, _) = last;
+        if (m.state, m.attempt) == last {
+            continue;
+        }
+        last = (m.state, m.attempt);
+        let (state, h) = Health::from_status(&st);
+        match m.state {
+            CtrlState::Live if was != CtrlState::Live => println!(
+                "{name}: live again (recovery {}{})",
+                m.recoveries,
+                st.last_recovery.map_or(String::new(), |d| format!(
+                    ", {:.1} ms after the failure",
+                    d.as_secs_f64() * 1e3
+                ))
+            ),
+            CtrlState::Resetting | CtrlState::Connecting => {
+                if matches!(was, CtrlState::Live | CtrlState::New) {
+                    println!(
+                        "{name}: {}; recovering",
+                        m.cause.map_or("failed", |c| c.name())
+                    );
+                }
+                if m.attempt > 0 {
+                    println!("{name}: reconnecting, {}", h.attempts());
+                }
+            }
+            CtrlState::Deleting | CtrlState::Dead if was != m.state => {
+                println!("{name}: {state}: {}", h.describe(&state));
+            }
+            _ => {}
+        }
+    }
 }
 
 /// The exports `connect` runs next to the controller (stopped before it disconnects).
@@ -937,18 +987,6 @@ async fn controllers() -> Vec<(PathBuf, String)> {
     out
 }
 
-fn json_field<'a>(j: &'a str, key: &str) -> Option<&'a str> {
-    let k = format!("\"{key}\":");
-    let i = j.find(&k)? + k.len();
-    let rest = &j[i..];
-    if let Some(r) = rest.strip_prefix('"') {
-        r.find('"').map(|e| &r[..e])
-    } else {
-        let e = rest.find([',', '}']).unwrap_or(rest.len());
-        Some(&rest[..e])
-    }
-}
-
 async fn run_list(output: &str) -> Result<()> {
     let ctrls = controllers().await;
     match output {
@@ -962,15 +1000,17 @@ async fn run_list(output: &str) -> Result<()> {
                 "Name", "SubNQN", "Address", "CNTLID", "State", "IOQ"
             );
             for (_, j) in &ctrls {
+                let state = json_field(j, "state").unwrap_or("?");
                 println!(
                     "{:<8} {:<40} {:<22} {:>6} {:<10} {:>3}",
                     json_field(j, "name").unwrap_or("?"),
                     json_field(j, "subnqn").unwrap_or("?"),
                     json_field(j, "traddr").unwrap_or("?"),
                     json_field(j, "cntlid").unwrap_or("?"),
-                    json_field(j, "state").unwrap_or("?"),
+                    state,
                     json_field(j, "io_queues").unwrap_or("?"),
                 );
+                println!("{:<8} {}", "", Health::from_json(j).describe(state));
             }
         }
         o => bail!("unknown output format '{o}': use normal or json"),
@@ -1018,14 +1058,6 @@ mod tests {
         assert!(parse_size("12Q").is_err());
         assert!(parse_size("-1").is_err());
         assert!(parse_size("99999999999999999999G").is_err());
-    }
-
-    #[test]
-    fn fields_from_json() {
-        let j = r#"{"name":"nvmf0","cntlid":3,"subnqn":"nqn.x"}"#;
-        assert_eq!(json_field(j, "name"), Some("nvmf0"));
-        assert_eq!(json_field(j, "cntlid"), Some("3"));
-        assert_eq!(json_field(j, "nope"), None);
     }
 
     #[test]
