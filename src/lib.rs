@@ -10,6 +10,7 @@ pub mod cm;
 pub mod driver;
 pub mod export;
 pub mod hca;
+pub mod metrics_http;
 pub mod nvme;
 pub mod nvmf_perf;
 pub mod perf;

@@ -15,6 +15,7 @@ use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::export::{self, ExportAddr};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::PciAddr;
+use nvmf_rdma::metrics_http;
 use nvmf_rdma::nvme::Nqn;
 use nvmf_rdma::nvmf_perf::{self, Job, LocalTarget, Pattern, DEMO_NQN};
 use nvmf_rdma::perf;
@@ -31,8 +32,30 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
     about = "User-space NVMe-over-RDMA initiator with its own soft RoCEv2 HCA"
 )]
 struct Cli {
+    /// Serve Prometheus metrics (controller state, reconnects, recoveries, recovery time,
+    /// device counters) over HTTP at IP:PORT, e.g. 127.0.0.1:9464; for connect, chaos, demo
+    /// and target.
+    #[arg(long, global = true, value_name = "IP:PORT")]
+    metrics_addr: Option<SocketAddr>,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+impl Cli {
+    /// Start what the global options ask for, before any device or controller exists.
+    fn setup(&self) -> Result<()> {
+        if let Some(addr) = self.metrics_addr {
+            if !matches!(
+                self.cmd,
+                Cmd::Connect { .. } | Cmd::Demo { .. } | Cmd::Target(_)
+            ) {
+                bail!("--metrics-addr is for connect, demo and target");
+            }
+            metrics_http::install(addr)?;
+            eprintln!("metrics: http://{addr}/metrics");
+        }
+        Ok(())
+    }
 }
 
 /// Where the target is (nvme-cli's fabrics arguments).
@@ -441,6 +464,7 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    cli.setup()?;
     match cli.cmd {
         Cmd::Demo { size, seconds } => demo(size, seconds),
         Cmd::HcaDemo { size, chunk } => hca_demo(size, chunk),
@@ -1190,6 +1214,62 @@ mod tests {
                 "{args:?}: {msg}"
             );
         }
+    }
+
+    /// GET `addr` over plain HTTP/1.1; the body.
+    fn scrape(addr: SocketAddr) -> String {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        out
+    }
+
+    /// The only test here that installs the (process-global) recorder.
+    #[test]
+    fn metrics_addr_serves_the_controller_metrics() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let cli = Cli::try_parse_from(["nvmf-rdma", "demo", "--metrics-addr", &addr.to_string()])
+            .unwrap();
+        cli.setup().unwrap();
+        // A second install is refused: the port is taken (and a recorder is in place).
+        assert!(metrics_http::install(addr).is_err());
+        let t = LocalTarget::start(16 << 20, 9).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let body = rt.block_on(async {
+            let c = nvmf_perf::connect_host(t.addr, DEMO_NQN, 1, 32)
+                .await
+                .unwrap();
+            c.write(1, 0, &[1u8; 4096]).await.unwrap();
+            let body = tokio::task::spawn_blocking(move || scrape(addr))
+                .await
+                .unwrap();
+            c.disconnect().await;
+            body
+        });
+        let live = format!("nvmf_ctrl_state{{subnqn=\"{DEMO_NQN}\"}} 1");
+        assert!(body.contains(&live), "{body}");
+        assert!(body.contains("# HELP nvmf_ctrl_recoveries_total"), "{body}");
+        assert!(
+            body.contains("nvmf_ctrl_reconnect_attempts_total"),
+            "{body}"
+        );
+        assert!(body.contains("softhca_tx_packets_total"), "{body}");
+        // Other commands refuse the flag.
+        let cli = Cli::try_parse_from(["nvmf-rdma", "list", "--metrics-addr", "127.0.0.1:1"]);
+        assert!(cli.unwrap().setup().is_err());
     }
 
     #[test]

@@ -1,0 +1,75 @@
+//! `--metrics-addr`: the `metrics` facade the controller and driver record through, served
+//! in Prometheus text format over HTTP (any path answers) by `metrics-exporter-prometheus`.
+//!
+//! The recorder is process-global and must be installed before the first controller or
+//! device exists: their handles are bound to the recorder present when they were made.
+
+use std::net::SocketAddr;
+
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+
+/// Buckets of `nvmf_ctrl_recovery_seconds`: from a fast reset (milliseconds) to a card that
+/// comes back after minutes. Buckets, not quantiles, so the histogram sums across hosts.
+pub const RECOVERY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    300.0, 600.0,
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    /// The address could not be bound, or a recorder is already installed. Permanent.
+    #[error("cannot serve metrics on {addr}")]
+    Install {
+        addr: SocketAddr,
+        #[source]
+        source: BuildError,
+    },
+}
+
+/// Install the Prometheus recorder and its HTTP listener on `addr`. The listener is bound
+/// before this returns; it runs on the current tokio runtime if there is one, else on a
+/// thread of its own.
+pub fn install(addr: SocketAddr) -> Result<(), MetricsError> {
+    let err = |source| MetricsError::Install { addr, source };
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets_for_metric(
+            Matcher::Full("nvmf_ctrl_recovery_seconds".into()),
+            RECOVERY_BUCKETS,
+        )
+        .map_err(err)?
+        .install()
+        .map_err(err)?;
+    describe();
+    Ok(())
+}
+
+/// HELP lines for what the controller records.
+fn describe() {
+    describe_gauge!(
+        "nvmf_ctrl_state",
+        "Controller state: 0 new, 1 live, 2 resetting, 3 connecting, 4 deleting, 5 dead"
+    );
+    describe_counter!(
+        "nvmf_ctrl_reconnect_attempts_total",
+        "Reconnect attempts, over all recoveries"
+    );
+    describe_counter!(
+        "nvmf_ctrl_recoveries_total",
+        "Recoveries completed (failure to LIVE)"
+    );
+    describe_counter!(
+        "nvmf_ctrl_requeued_io_total",
+        "I/Os held across a failure and resubmitted after reconnecting"
+    );
+    describe_counter!(
+        "nvmf_ctrl_failed_io_total",
+        "I/Os failed by the recovery path (fast_io_fail_tmo, ctrl_loss_tmo, delete)"
+    );
+    describe_histogram!(
+        "nvmf_ctrl_recovery_seconds",
+        Unit::Seconds,
+        "Time from a failure to LIVE again"
+    );
+}
