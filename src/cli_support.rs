@@ -73,6 +73,65 @@ pub fn local_ip_for(peer: SocketAddr) -> std::io::Result<IpAddr> {
     Ok(s.local_addr()?.ip())
 }
 
+/// `--mlock`: lock every page the process has and will map (`mlockall(MCL_CURRENT |
+/// MCL_FUTURE)`), so the recovery path never waits for a page fault. Returns the
+/// RLIMIT_MEMLOCK that still applies (`None`: unlimited, or ignored under CAP_IPC_LOCK);
+/// with MCL_FUTURE, allocations past it fail.
+pub fn lock_all_memory() -> Result<Option<u64>, String> {
+    let limit = memlock_limit();
+    // SAFETY: mlockall takes flags only and touches no memory of ours.
+    let r = unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(mlock_error(&e, limit));
+    }
+    Ok(limit.filter(|_| !has_cap_ipc_lock()))
+}
+
+/// The soft RLIMIT_MEMLOCK in bytes; `None` when unlimited or unknown.
+fn memlock_limit() -> Option<u64> {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we pass and nothing else.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut l) } == 0;
+    (ok && l.rlim_cur != libc::RLIM_INFINITY).then_some(l.rlim_cur)
+}
+
+/// CAP_IPC_LOCK (bit 14) in the effective set: RLIMIT_MEMLOCK does not apply.
+fn has_cap_ipc_lock() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << 14) != 0)
+}
+
+/// Why `mlockall` failed, and what to do about it.
+pub fn mlock_error(e: &std::io::Error, limit: Option<u64>) -> String {
+    let lim = match limit {
+        Some(b) => format!("{b} bytes"),
+        None => "unlimited".into(),
+    };
+    let fix = "raise it (ulimit -l unlimited, or LimitMEMLOCK=infinity under systemd) \
+               or grant CAP_IPC_LOCK";
+    match e.raw_os_error() {
+        Some(libc::ENOMEM) => format!(
+            "--mlock: mlockall failed ({e}): the process maps more than RLIMIT_MEMLOCK \
+             ({lim}) allows; {fix}"
+        ),
+        Some(libc::EPERM) => format!(
+            "--mlock: mlockall not permitted ({e}): RLIMIT_MEMLOCK is {lim} and the process \
+             lacks CAP_IPC_LOCK; {fix}"
+        ),
+        _ => format!("--mlock: mlockall failed: {e} (RLIMIT_MEMLOCK {lim})"),
+    }
+}
+
 /// Where running controllers keep their control sockets.
 pub fn run_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("NVMF_RDMA_RUN_DIR") {
@@ -436,6 +495,19 @@ mod tests {
                 ..Health::default()
             }
         );
+    }
+
+    #[test]
+    fn mlock_errors_say_what_to_do() {
+        let e = std::io::Error::from_raw_os_error(libc::ENOMEM);
+        let m = mlock_error(&e, Some(8 << 20));
+        assert!(m.contains("RLIMIT_MEMLOCK (8388608 bytes)"), "{m}");
+        assert!(
+            m.contains("ulimit -l unlimited") && m.contains("CAP_IPC_LOCK"),
+            "{m}"
+        );
+        let e = std::io::Error::from_raw_os_error(libc::EPERM);
+        assert!(mlock_error(&e, Some(0)).contains("not permitted"));
     }
 
     #[test]

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use nvmf_rdma::cli_support::{
-    json_field, local_ip_for, parse_pos_secs, parse_secs, parse_tmo, parse_traddr, run_dir,
-    CtrlInfo, Health, Tmo,
+    json_field, local_ip_for, lock_all_memory, parse_pos_secs, parse_secs, parse_tmo, parse_traddr,
+    run_dir, CtrlInfo, Health, Tmo,
 };
 use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::export::{self, ExportAddr};
@@ -37,6 +37,11 @@ struct Cli {
     /// and target.
     #[arg(long, global = true, value_name = "IP:PORT")]
     metrics_addr: Option<SocketAddr>,
+    /// Lock all of the process's memory, now and future (mlockall), so the I/O and recovery
+    /// paths never wait on a page fault. Needs RLIMIT_MEMLOCK (ulimit -l) large enough, or
+    /// CAP_IPC_LOCK.
+    #[arg(long, global = true)]
+    mlock: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -44,6 +49,16 @@ struct Cli {
 impl Cli {
     /// Start what the global options ask for, before any device or controller exists.
     fn setup(&self) -> Result<()> {
+        if self.mlock {
+            match lock_all_memory().map_err(anyhow::Error::msg)? {
+                None => tracing::debug!("memory locked"),
+                Some(limit) => eprintln!(
+                    "--mlock: memory locked up to RLIMIT_MEMLOCK ({}); allocations past it \
+                     will fail (ulimit -l unlimited lifts it)",
+                    perf::human(limit.min(usize::MAX as u64) as usize)
+                ),
+            }
+        }
         if let Some(addr) = self.metrics_addr {
             if !matches!(
                 self.cmd,
