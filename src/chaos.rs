@@ -317,6 +317,7 @@ pub fn error_kind(e: &HostError) -> String {
         HostError::Invalid(_) => "invalid request".into(),
         HostError::Gone(_) => "controller gone".into(),
         HostError::Timeout(_) => "timeout".into(),
+        HostError::Step(_) => "reconnect step".into(),
     }
 }
 

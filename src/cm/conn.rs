@@ -821,13 +821,15 @@ impl CmEndpoint {
         // (reset, crash). Refuse as stale and disconnect the old connection
         // (cm_match_req: cm_insert_remote_qpn → REJ stale + ib_send_cm_dreq). Connections in
         // TimeWait do not count, as Linux drops them from the QPN table when they enter it;
-        // otherwise a reconnect after a reset could reuse the QPN only after TimeWait.
+        // otherwise a reconnect after a reset could reuse the QPN only after TimeWait. Nor do
+        // connections already being torn down (DreqSent): we declared them stale once, so
+        // the peer's next REQ is accepted instead of being refused until the DREQ times out.
         let stale = self.conns.iter().find_map(|(&k, c)| {
             (c.remote_qpn == Some(r.local_qpn)
                 && c.remote_guid == r.local_ca_guid
                 && c.peer.ip() == from.ip()
-                && c.state != ConnState::TimeWait)
-                .then_some((k, c.state))
+                && !matches!(c.state, ConnState::TimeWait | ConnState::DreqSent))
+            .then_some((k, c.state))
         });
         if let Some((old, old_state)) = stale {
             self.stats.rej_stale += 1;
@@ -843,6 +845,10 @@ impl CmEndpoint {
             self.send(from, m);
             if old_state == ConnState::Established {
                 self.start_dreq(now, old, &[]);
+                // The owner learns now that the connection is dead (its peer lost it), so
+                // it stops sending on a QP whose remote end has been reborn.
+                self.events
+                    .push_back(CmEvent::Disconnected { id: ConnId(old) });
             }
             return;
         }

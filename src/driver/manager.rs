@@ -62,7 +62,14 @@ impl DeviceManager {
     /// Plug a device and start its context. Its address is fixed at the first bind, so a
     /// reset or re-plug comes back on the same UDP port.
     pub async fn plug(&self, mut config: DeviceConfig) -> Result<SoftHca, ManagerError> {
-        let hca = SoftHca::start_with(config.clone(), self.offload).await?;
+        let mut fresh = config.clone();
+        let next_gen = self
+            .lock()
+            .list
+            .last_generation(&config.identity.name)
+            .map_or(0, |g| g + 1);
+        fresh.seed = config.seed ^ next_gen.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let hca = SoftHca::start_with(fresh, self.offload).await?;
         config.addr = hca.addr();
         let info = match self.lock().list.plug(config.identity.clone()) {
             Ok(i) => i,
@@ -113,7 +120,11 @@ impl DeviceManager {
         if !down_for.is_zero() {
             tokio::time::sleep(down_for).await;
         }
-        let hca = SoftHca::start_with(config.clone(), self.offload).await?;
+        // A new life: new memory keys and QP numbers (the seed moves with the generation).
+        let mut fresh = config.clone();
+        let next_gen = self.lock().list.get(name).map_or(0, |i| i.generation + 1);
+        fresh.seed = config.seed ^ next_gen.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let hca = SoftHca::start_with(fresh, self.offload).await?;
         let info = self.lock().list.reset(name)?;
         self.lock().running.insert(
             name.to_string(),

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 
 use rand::rngs::SmallRng;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 
 use super::cq::{Cq, CqId, WorkCompletion};
 use super::mr::{Access, HostMem, MrInfo, MrTable, PdId};
@@ -144,7 +144,11 @@ pub struct Device {
 
 impl Device {
     pub fn new(config: DeviceConfig) -> Device {
-        let rng = SmallRng::seed_from_u64(config.seed);
+        let mut rng = SmallRng::seed_from_u64(config.seed);
+        // QP0 and QP1 are special; rxe starts regular QPs at 17. A context starts at a
+        // point of its own so a reset device does not hand out the QPNs its previous life
+        // used (a peer still holding those connections would refuse ours as stale).
+        let first_qpn = 17 + rng.random_range(0..0x1000);
         let mut d = Device {
             config,
             lifecycle: Lifecycle::Live,
@@ -154,8 +158,7 @@ impl Device {
             cqs: HashMap::new(),
             next_cq: 1,
             qps: HashMap::new(),
-            // QP0 and QP1 are special; rxe starts regular QPs at 17.
-            next_qpn: 17,
+            next_qpn: first_qpn,
             rng,
             stats: Stats::default(),
             events: VecDeque::new(),

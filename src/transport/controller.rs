@@ -342,7 +342,7 @@ impl Supervisor {
         }
         self.dev = None;
         let Some((hca, cm, id, generation)) = self.find_device() else {
-            return Err(HostError::Transport("device is not present".into()));
+            return Err(HostError::Step("device is not present"));
         };
         if !self.sm.policy().identity.accepts(&self.ours, &id) {
             return Err(HostError::Transport(
@@ -366,10 +366,7 @@ impl Supervisor {
 
     /// A new PD on the current context.
     fn alloc_pd(&mut self) -> Result<PdId, HostError> {
-        let d = self
-            .dev
-            .as_mut()
-            .ok_or_else(|| HostError::Transport("no device".into()))?;
+        let d = self.dev.as_mut().ok_or(HostError::Step("no device"))?;
         if let Some(pd) = d.pd {
             return Ok(pd);
         }
@@ -384,7 +381,7 @@ impl Supervisor {
         let pd = self.alloc_pd()?;
         let (hca, cm) = match &self.dev {
             Some(d) => (d.hca.clone(), d.cm.clone()),
-            None => return Err(HostError::Transport("no device".into())),
+            None => return Err(HostError::Step("no device")),
         };
         let ctl = self.queue(qi);
         let qpn = ctl.lock().attach(&hca, pd)?;
@@ -472,16 +469,14 @@ impl Supervisor {
                     .await? as u32,
             );
             if csts.cfs() {
-                return Err(HostError::Connect(
-                    "controller fatal status while enabling".into(),
-                ));
+                return Err(HostError::Step("controller fatal status while enabling"));
             }
             if csts.rdy() {
                 return Ok(cap);
             }
             if tokio::time::Instant::now() > deadline {
-                return Err(HostError::Timeout(
-                    "controller did not become ready (CSTS.RDY)".into(),
+                return Err(HostError::Step(
+                    "controller did not become ready (CSTS.RDY)",
                 ));
             }
             // CAP.TO is the bound; poll quickly first, then back off.
@@ -506,8 +501,8 @@ impl Supervisor {
         if self.nr_io > 0 {
             let n = self.negotiate_queues(self.nr_io as u32).await?;
             if (n as usize) < self.nr_io {
-                return Err(HostError::Connect(
-                    "the controller now grants fewer I/O queues".into(),
+                return Err(HostError::Step(
+                    "the controller now grants fewer I/O queues",
                 ));
             }
             for qi in 1..=self.nr_io {

@@ -31,6 +31,10 @@ pub enum HostError {
     /// max_reconnects or the replug window ended it (the controller is deleted).
     #[error("host path error: {}", .0.name())]
     Path(crate::reconnect::FailReason),
+    /// A step of connecting or recovering failed; the message is static so the recovery
+    /// path allocates nothing even when an attempt fails. Transient.
+    #[error("reconnect step failed: {0}")]
+    Step(&'static str),
     /// A command did not complete in time. Transient.
     #[error("timed out: {0}")]
     Timeout(String),

@@ -344,7 +344,7 @@ impl QueueCore {
     /// slot may be used until [`QueueCore::resume`].
     pub fn connected(&mut self, peer: PeerInfo, psn: Psn) -> Result<(), HostError> {
         let Some(v) = &self.verbs else {
-            return Err(HostError::Transport("queue has no QP".into()));
+            return Err(HostError::Step("queue has no QP"));
         };
         let o = RcOptions {
             mtu: self.spec.mtu,
@@ -447,7 +447,7 @@ impl QueueCore {
         data_in: usize,
     ) -> Result<(), HostError> {
         if self.verbs.is_none() || matches!(self.phase, Phase::Down | Phase::Closed(_)) {
-            return Err(HostError::Transport("queue is not connected".into()));
+            return Err(HostError::Step("queue is not connected"));
         }
         let i = self.control_slot();
         if self.slots[i].state != SlotState::Free {
@@ -456,7 +456,7 @@ impl QueueCore {
             ));
         }
         if data_out.len() > self.spec.max_io || data_in > self.spec.max_io {
-            return Err(HostError::Invalid("controller command too large".into()));
+            return Err(HostError::Step("controller command too large"));
         }
         self.control = None;
         let off = i * self.spec.max_io;
@@ -918,16 +918,14 @@ impl QueueCtl {
                             Err(HostError::from_status(st, sqe.opcode))
                         }
                     }
-                    ControlDone::Lost => {
-                        Err(HostError::Transport("connection lost under command".into()))
-                    }
+                    ControlDone::Lost => Err(HostError::Step("connection lost under command")),
                 };
             }
             if tokio::time::timeout_at(deadline, done.as_mut())
                 .await
                 .is_err()
             {
-                return Err(HostError::Timeout("controller command".into()));
+                return Err(HostError::Step("controller command timed out"));
             }
             done.set(self.control_done.notified());
             done.as_mut().enable();
