@@ -86,6 +86,11 @@ impl SoftHca {
         self.addr
     }
 
+    /// Is `other` a handle to this same context (not merely the same address)?
+    pub fn same(&self, other: &SoftHca) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
     /// The device's virtual "now".
     pub fn now(&self) -> Instant {
         Instant(self.shared.epoch.elapsed().as_nanos() as u64)

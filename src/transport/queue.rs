@@ -833,6 +833,11 @@ impl QueueCore {
         self.verbs.as_ref().map(|v| (v.hca.clone(), v.cq))
     }
 
+    /// The current CQ, whether or not it is still polled.
+    fn cq_any(&self) -> Option<(SoftHca, CqId)> {
+        self.verbs.as_ref().map(|v| (v.hca.clone(), v.cq))
+    }
+
     /// Whether the controller should hear about a new reserved-slot completion.
     fn take_control_fresh(&mut self) -> bool {
         std::mem::take(&mut self.control_fresh)
@@ -1055,11 +1060,19 @@ async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
                 }
             } => {
                 let mut c = ctl.lock();
-                if n == 0 {
-                    c.on_device_gone();
-                } else {
-                    for wc in &wcs {
-                        c.on_wc(wc);
+                // The controller may have swapped the verbs while we waited: what came from
+                // an old CQ belongs to a connection that is already gone.
+                let current = match (&cq, c.cq_any()) {
+                    (Some((h0, q0)), Some((h1, q1))) => h0.same(&h1) && *q0 == q1,
+                    _ => false,
+                };
+                if current {
+                    if n == 0 {
+                        c.on_device_gone();
+                    } else {
+                        for wc in &wcs {
+                            c.on_wc(wc);
+                        }
                     }
                 }
             }
@@ -1075,7 +1088,9 @@ async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
         let mut c = ctl.lock();
         c.flush_posts();
         if c.take_control_fresh() {
-            ctl.control_done.notify_one();
+            // Every enabled waiter: the controller's keep-alive watch and a bring-up
+            // command can both be registered; a single permit could go to the wrong one.
+            ctl.control_done.notify_waiters();
         }
     }
 }
