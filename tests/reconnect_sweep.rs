@@ -14,10 +14,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nvmf_rdma::chaos::{
-    connect_host, host_options, verify_worker, Fault, Region, TargetRig, WorkerReport,
+    host_config, host_options, verify_worker, Fault, Region, TargetRig, WorkerReport, HOST_DEV,
 };
 use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
+use nvmf_rdma::transport::Controller;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -35,7 +36,7 @@ fn policy() -> Policy {
     }
 }
 
-fn completed(c: &nvmf_rdma::transport::Controller) -> u64 {
+fn completed(c: &Controller) -> u64 {
     c.queue_stats().iter().map(|s| s.completed).sum()
 }
 
@@ -44,10 +45,19 @@ async fn run_seed(seed: u64, target: &mut TargetRig) -> Result<(u64, u64), Strin
     let mut rng = SmallRng::seed_from_u64(seed);
     let mgr = DeviceManager::new(true);
     let queues = rng.random_range(1..=2);
+    // Each seed's host is a new machine: its own keys and QP numbers (the target may still
+    // hold connections of an earlier seed's reset host until their keep-alive expires).
+    let mut cfg = host_config(IP);
+    cfg.seed ^= seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
+    mgr.plug(cfg).await.map_err(|e| format!("plug: {e}"))?;
     let c = Arc::new(
-        connect_host(&mgr, IP, host_options(target.addr, queues, 16, policy()))
-            .await
-            .map_err(|e| format!("connect: {e}"))?,
+        Controller::connect_managed(
+            mgr.clone(),
+            HOST_DEV,
+            host_options(target.addr, queues, 16, policy()),
+        )
+        .await
+        .map_err(|e| format!("connect: {e}"))?,
     );
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..2u64)
