@@ -910,7 +910,9 @@ impl Controller {
             nr_io: 0,
             failed_at: None,
             last_recovery: None,
-            seed: 0x5EED,
+            // CM comm IDs must not repeat across controllers (a peer in TimeWait would
+            // take a repeated one for a duplicate REQ): a random start per controller.
+            seed: rand::random(),
             metrics: CtrlMetrics::new(&o.subnqn),
             opts: o.clone(),
         };
