@@ -61,6 +61,35 @@ pub fn parse_pos_secs(s: &str) -> Result<u64, String> {
     }
 }
 
+/// Parse a duration: `500ms`, `2s`, `1.5s`, `2` (seconds), `100us`, `1m`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a duration (try 500ms, 2s, 1m)"))?;
+    let mult = match unit.trim() {
+        "" | "s" => 1.0,
+        "ms" => 1e-3,
+        "us" => 1e-6,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        u => {
+            return Err(format!(
+                "unknown unit '{u}' in '{s}': use us, ms, s, m or h"
+            ))
+        }
+    };
+    let secs = v * mult;
+    if !secs.is_finite() || secs > 1e7 {
+        return Err(format!("duration '{s}' out of range"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
 /// The local address the kernel would use to reach `peer` (no packet is sent).
 pub fn local_ip_for(peer: SocketAddr) -> std::io::Result<IpAddr> {
     let bind: SocketAddr = if peer.is_ipv4() {
@@ -508,6 +537,20 @@ mod tests {
         );
         let e = std::io::Error::from_raw_os_error(libc::EPERM);
         assert!(mlock_error(&e, Some(0)).contains("not permitted"));
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("100us"), Ok(Duration::from_micros(100)));
+        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
+        assert!(parse_duration("2 weeks").is_err());
+        assert!(parse_duration("-1s").is_err());
+        assert!(parse_duration("ms").is_err());
+        assert!(parse_duration("1e300h").is_err());
     }
 
     #[test]
