@@ -999,8 +999,8 @@ async fn report_state_changes(
                 "{name}: live again (recovery {}{})",
                 m.recoveries,
                 st.last_recovery.map_or(String::new(), |d| format!(
-                    ", {:.1} ms after the failure",
-                    d.as_secs_f64() * 1e3
+                    ", {} after the failure",
+                    human_dur(d)
                 ))
             ),
             CtrlState::Resetting | CtrlState::Connecting => {
