@@ -191,11 +191,16 @@ impl Fault {
                 mgr.reset(HOST_DEV, down).await?;
             }
             Fault::Replug { down } => {
+                // The same card goes back in: whatever identity is plugged now.
+                let id = mgr
+                    .open(HOST_DEV)
+                    .map(|(h, _)| h.with_quiet(|d, _| d.identity().clone()))
+                    .unwrap_or_else(|| host_identity(0));
                 mgr.unplug(HOST_DEV).await?;
                 if !down.is_zero() {
                     tokio::time::sleep(down).await;
                 }
-                mgr.replug(host_identity(0)).await?;
+                mgr.replug(id).await?;
             }
             Fault::TargetRestart => target.restart().await?,
             Fault::UserReset => ctrl.reset(),

@@ -17,6 +17,8 @@ use nvmf_rdma::chaos::{
     host_config, host_options, verify_worker, Fault, Region, TargetRig, WorkerReport, HOST_DEV,
 };
 use nvmf_rdma::driver::DeviceManager;
+use nvmf_rdma::hca::device::DeviceIdentity;
+use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
 use nvmf_rdma::transport::Controller;
 use rand::rngs::SmallRng;
@@ -49,6 +51,12 @@ async fn run_seed(seed: u64, target: &mut TargetRig) -> Result<(u64, u64), Strin
     // hold connections of an earlier seed's reset host until their keep-alive expires).
     let mut cfg = host_config(IP);
     cfg.seed ^= seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
+    let b = seed.to_be_bytes();
+    cfg.identity = DeviceIdentity::from_mac(
+        HOST_DEV,
+        [0x52, 0x55, b[4], b[5], b[6], b[7]],
+        PciAddr::new(0, 0x31, 0, 0),
+    );
     mgr.plug(cfg).await.map_err(|e| format!("plug: {e}"))?;
     let c = Arc::new(
         Controller::connect_managed(
