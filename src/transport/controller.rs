@@ -619,6 +619,8 @@ impl Supervisor {
             }
             Action::Connect { attempt } => {
                 self.metrics.attempts.increment(1);
+                // `list` shows the attempt while it runs.
+                self.publish();
                 tracing::info!(subnqn = %self.opts.subnqn, attempt, "reconnecting");
                 let ok = self.attempt().await;
                 q.push(if ok {
