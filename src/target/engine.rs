@@ -153,6 +153,9 @@ struct Engine {
     stalled: Vec<(Qpn, usize)>,
     /// The device's clock as of the current turn.
     now: crate::hca::Instant,
+    /// Queues the engine dropped on its own (keep-alive expiry, transport error): the CM
+    /// side forgets their connections.
+    dropped: Option<tokio::sync::mpsc::UnboundedSender<Qpn>>,
 }
 
 /// A running target on one soft-HCA.
@@ -183,6 +186,7 @@ impl Target {
             stall_io: false,
             stalled: Vec::new(),
             now: crate::hca::Instant(0),
+            dropped: None,
         }));
         let t = Target { hca, engine };
         let task = t.clone();
@@ -247,6 +251,12 @@ impl Target {
     /// I/O commands held by [`Target::stall_io`].
     pub fn stalled_io(&self) -> usize {
         self.lock().stalled.len()
+    }
+
+    /// Be told the QPN of every queue that goes away (the CM side uses it to forget the
+    /// connection of a queue the engine dropped by itself).
+    pub fn on_drop(&self, tx: tokio::sync::mpsc::UnboundedSender<Qpn>) {
+        self.lock().dropped = Some(tx);
     }
 
     /// Number of live queues.
@@ -438,6 +448,9 @@ impl Engine {
             let _ = d.dereg_mr(mr.lkey);
         }
         self.stats.queues_dropped += 1;
+        if let Some(tx) = &self.dropped {
+            let _ = tx.send(qpn);
+        }
         if let Some(c) = q.cntlid {
             if q.qid == 0 {
                 if let Some(ctrl) = self.ctrls.remove(&c) {

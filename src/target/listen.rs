@@ -19,6 +19,8 @@ pub fn serve_cm(target: Target, cm: CmService) {
     let mut requests = cm.listen(port);
     tokio::spawn(async move {
         let (gone_tx, mut gone_rx) = mpsc::unbounded_channel::<ConnId>();
+        let (drop_tx, mut drop_rx) = mpsc::unbounded_channel::<Qpn>();
+        target.on_drop(drop_tx);
         let mut by_conn: HashMap<ConnId, Qpn> = HashMap::new();
         loop {
             tokio::select! {
@@ -64,6 +66,22 @@ pub fn serve_cm(target: Target, cm: CmService) {
                     if let Some(id) = id {
                         if let Some(qpn) = by_conn.remove(&id) {
                             target.drop_queue(qpn);
+                        }
+                    }
+                }
+                // The engine dropped a queue by itself (its host went silent past KATO, or
+                // the transport failed): its peer is gone, so forget the connection rather
+                // than keep it established forever.
+                qpn = drop_rx.recv() => {
+                    if let Some(qpn) = qpn {
+                        let ids: Vec<ConnId> = by_conn
+                            .iter()
+                            .filter(|(_, q)| **q == qpn)
+                            .map(|(id, _)| *id)
+                            .collect();
+                        for id in ids {
+                            by_conn.remove(&id);
+                            cm.abort(id);
                         }
                     }
                 }
