@@ -281,7 +281,16 @@ async fn keep_alive_loss_recovers_once_the_target_answers_again() {
         .wait_status(Duration::from_secs(5), |s| s.state() != CtrlState::Live)
         .await
         .unwrap();
-    assert_eq!(st.machine.cause, Some(Cause::KeepAliveLost));
+    // The host misses its keep-alive; the frozen target, hearing nothing, also expires the
+    // controller after KATO (as nvmet does) and may drop the connection first. Either way
+    // the same recovery path runs.
+    assert!(
+        matches!(
+            st.machine.cause,
+            Some(Cause::KeepAliveLost | Cause::CmDisconnect)
+        ),
+        "{st:?}"
+    );
     // Held while the target hangs.
     let c2 = c.clone();
     let read = tokio::spawn(async move { c2.read(1, 0, 4096).await });
