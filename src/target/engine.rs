@@ -120,6 +120,8 @@ struct TQueue {
     cmds: Vec<Cmd>,
     free: Vec<usize>,
     dead: bool,
+    /// When the queue was accepted: one that never completes Fabrics Connect is dropped.
+    born: crate::hca::Instant,
 }
 
 struct Ctrl {
@@ -297,6 +299,9 @@ impl Target {
     }
 }
 
+/// A queue without a controller this long after it was accepted is dropped.
+const ORPHAN_QUEUE_NS: u64 = 10_000_000_000;
+
 /// How often controllers are checked for keep-alive expiry.
 const KATO_CHECK: std::time::Duration = std::time::Duration::from_millis(250);
 
@@ -321,6 +326,17 @@ impl Engine {
             if c.kato_ms > 0 && now.0.saturating_sub(seen.0) > c.kato_ms as u64 * 1_000_000 {
                 dead.push((*id, c.queues.first().copied()));
             }
+        }
+        // A queue whose host never sent Fabrics Connect (it died mid-connect) belongs to no
+        // controller that could expire; give it the longest KATO we allow.
+        let orphans: Vec<Qpn> = self
+            .queues
+            .iter()
+            .filter(|(_, q)| q.cntlid.is_none() && now.0.saturating_sub(q.born.0) > ORPHAN_QUEUE_NS)
+            .map(|(qpn, _)| *qpn)
+            .collect();
+        for qpn in orphans {
+            self.remove_queue(d, qpn);
         }
         for (id, admin) in dead {
             tracing::info!(cntlid = id, "keep-alive timeout: controller torn down");
@@ -425,6 +441,7 @@ impl Engine {
                 qid: p.qid,
                 size,
                 cntlid: None,
+                born: self.now,
                 capsule_len,
                 staging_len,
                 recv: (recv, recv_mr),
