@@ -225,6 +225,19 @@ pub struct WorkerReport {
     pub lat_ns: Vec<u64>,
 }
 
+impl WorkerReport {
+    /// Add another worker's report to this one.
+    pub fn absorb(&mut self, r: WorkerReport) {
+        self.writes += r.writes;
+        self.reads += r.reads;
+        self.bytes_verified += r.bytes_verified;
+        self.mismatches += r.mismatches;
+        self.hangs += r.hangs;
+        self.errors.extend(r.errors);
+        self.lat_ns.extend(r.lat_ns);
+    }
+}
+
 /// A worker's range: `blocks` blocks from `first`.
 #[derive(Debug, Clone, Copy)]
 pub struct Region {

@@ -67,13 +67,7 @@ fn spawn_workers(
 async fn join(ws: Vec<tokio::task::JoinHandle<WorkerReport>>) -> WorkerReport {
     let mut all = WorkerReport::default();
     for w in ws {
-        let r = w.await.unwrap();
-        all.writes += r.writes;
-        all.reads += r.reads;
-        all.bytes_verified += r.bytes_verified;
-        all.mismatches += r.mismatches;
-        all.hangs += r.hangs;
-        all.errors.extend(r.errors);
+        all.absorb(w.await.unwrap());
     }
     all
 }

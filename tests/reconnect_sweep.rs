@@ -107,11 +107,7 @@ async fn run_seed(seed: u64, target: &mut TargetRig) -> Result<(u64, u64), Strin
             .await
             .map_err(|_| "a worker hung past ctrl_loss_tmo".to_string())?
             .map_err(|e| format!("worker panicked: {e}"))?;
-        all.writes += r.writes;
-        all.reads += r.reads;
-        all.mismatches += r.mismatches;
-        all.hangs += r.hangs;
-        all.errors.extend(r.errors);
+        all.absorb(r);
     }
     if all.mismatches > 0 {
         return Err(format!(

@@ -1722,17 +1722,10 @@ async fn run_chaos(a: ChaosArgs) -> Result<()> {
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut io = WorkerReport::default();
-    let mut lat = Vec::new();
     for w in workers {
-        let r = w.await.context("a worker panicked")?;
-        io.writes += r.writes;
-        io.reads += r.reads;
-        io.bytes_verified += r.bytes_verified;
-        io.mismatches += r.mismatches;
-        io.hangs += r.hangs;
-        io.errors.extend(r.errors);
-        lat.extend(r.lat_ns.into_iter().map(Duration::from_nanos));
+        io.absorb(w.await.context("a worker panicked")?);
     }
+    let lat: Vec<Duration> = io.lat_ns.iter().map(|&n| Duration::from_nanos(n)).collect();
     let elapsed = t0.elapsed();
     let st = c.status();
     let (final_state, final_health) = Health::from_status(&st);

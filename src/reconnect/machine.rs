@@ -270,10 +270,6 @@ pub struct Machine {
     pub last: Option<(CtrlState, &'static str, CtrlState)>,
 }
 
-fn add(t: Instant, d: Duration) -> Instant {
-    Instant(t.0.saturating_add(d.as_nanos().min(u64::MAX as u128) as u64))
-}
-
 fn due(t: Option<Instant>, now: Instant) -> bool {
     t.is_some_and(|t| t <= now)
 }
@@ -322,9 +318,7 @@ impl Machine {
             cause: self.cause,
             attempt: self.attempts,
             max_attempts: self.policy.max_reconnects(),
-            loss_in: self
-                .loss_at
-                .map(|t| Duration::from_nanos(t.0.saturating_sub(now.0))),
+            loss_in: self.loss_at.map(|t| t.saturating_since(now)),
             device_present: self.device_present,
             foreign_device: self.foreign,
             failfast: self.failfast,
@@ -422,7 +416,7 @@ impl Machine {
                 }
                 self.ka_deadline = None;
                 self.ka_next = (!self.policy.keep_alive_tmo.is_zero())
-                    .then(|| add(now, self.policy.keep_alive_tmo / 2));
+                    .then(|| now + self.policy.keep_alive_tmo / 2);
             }
             (New, Event::ConnectFailed) => {
                 self.goto(Deleting, trigger::CONNECT_FAILED);
@@ -453,12 +447,12 @@ impl Machine {
             (Live, Event::KeepAliveOk) => self.ka_deadline = None,
             (Resetting, Event::TornDown) => {
                 self.goto(Connecting, trigger::TORN_DOWN);
-                self.next_attempt_at = Some(add(now, self.policy.reconnect_delay));
+                self.next_attempt_at = Some(now + self.policy.reconnect_delay);
             }
             (Resetting | Connecting, ev) if device_loss(ev).is_some() => {
                 self.device_present = false;
                 if device_loss(ev) == Some(true) && self.replug_at.is_none() {
-                    self.replug_at = Some(add(now, self.policy.replug_window));
+                    self.replug_at = Some(now + self.policy.replug_window);
                 }
             }
             (_, Event::DeviceUp(id)) => {
@@ -484,13 +478,13 @@ impl Machine {
         self.fail_reason = None;
         self.ka_next = None;
         self.ka_deadline = None;
-        self.loss_at = self.policy.ctrl_loss_tmo.map(|d| add(now, d));
-        self.failfast_at = self.policy.fast_io_fail_tmo.map(|d| add(now, d));
+        self.loss_at = self.policy.ctrl_loss_tmo.map(|d| now + d);
+        self.failfast_at = self.policy.fast_io_fail_tmo.map(|d| now + d);
         self.failfast = false;
         match c {
             Cause::DeviceRemoved => {
                 self.device_present = false;
-                self.replug_at = Some(add(now, self.policy.replug_window));
+                self.replug_at = Some(now + self.policy.replug_window);
             }
             Cause::DeviceFatal => self.device_present = false,
             _ => {}
@@ -517,8 +511,8 @@ impl Machine {
                 }
                 if self.ka_deadline.is_none() && due(self.ka_next, now) {
                     let kato = self.policy.keep_alive_tmo;
-                    self.ka_deadline = Some(add(now, kato));
-                    self.ka_next = Some(add(now, kato / 2));
+                    self.ka_deadline = Some(now + kato);
+                    self.ka_next = Some(now + kato / 2);
                     a.push(Action::SendKeepAlive);
                 }
             }

@@ -635,7 +635,7 @@ impl Supervisor {
                     c.poke();
                 }
                 if let Some(t) = self.failed_at.take() {
-                    let d = Duration::from_nanos(now.0.saturating_sub(t.0));
+                    let d = now.saturating_since(t);
                     self.last_recovery = Some(d);
                     self.metrics.recovery_secs.record(d.as_secs_f64());
                 }
@@ -675,7 +675,7 @@ impl Supervisor {
         let sleep = async move {
             match deadline {
                 Some(t) => {
-                    let d = Duration::from_nanos(t.0.saturating_sub(clock.now().0));
+                    let d = t.saturating_since(clock.now());
                     tokio::time::sleep(d).await
                 }
                 None => std::future::pending().await,
@@ -769,7 +769,7 @@ impl Supervisor {
             let sleep_for = self
                 .sm
                 .poll_timeout()
-                .map(|t| Duration::from_nanos(t.0.saturating_sub(self.now().0)));
+                .map(|t| t.saturating_since(self.now()));
             tokio::select! {
                 _ = &mut changed_fut => {}
                 _ = &mut delete_fut => { q.push(Event::Delete); }
@@ -1025,7 +1025,7 @@ impl Controller {
     pub fn status(&self) -> CtrlStatus {
         let mut s = *self.shared.status.borrow();
         let now = self.shared.clock.now();
-        let passed = Duration::from_nanos(now.0.saturating_sub(s.at.0));
+        let passed = now.saturating_since(s.at);
         s.machine.loss_in = s.machine.loss_in.map(|d| d.saturating_sub(passed));
         s.at = now;
         s

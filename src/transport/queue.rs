@@ -193,10 +193,6 @@ pub struct QueueCore {
     max_retries: u8,
 }
 
-fn add(t: Instant, d: Duration) -> Instant {
-    Instant(t.0.saturating_add(d.as_nanos().min(u64::MAX as u128) as u64))
-}
-
 impl QueueCore {
     /// Allocate the queue's host memory: rings, data buffers, slots. Nothing is registered.
     pub fn new(
@@ -795,7 +791,7 @@ impl QueueCore {
             let s = &mut self.slots[i];
             if s.state == SlotState::Posted
                 && s.cqe.is_none()
-                && add(s.posted_at, self.io_timeout) <= now
+                && s.posted_at + self.io_timeout <= now
             {
                 expired = true;
                 self.stats.timeouts += 1;
@@ -822,7 +818,7 @@ impl QueueCore {
         self.slots
             .iter()
             .filter(|s| s.state == SlotState::Posted && s.cqe.is_none())
-            .map(|s| add(s.posted_at, self.io_timeout))
+            .map(|s| s.posted_at + self.io_timeout)
             .min()
     }
 
@@ -1029,7 +1025,7 @@ async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
         if closed && !open {
             break;
         }
-        let sleep_for = next_timeout.map(|t| Duration::from_nanos(t.0.saturating_sub(ctl.now().0)));
+        let sleep_for = next_timeout.map(|t| t.saturating_since(ctl.now()));
         wcs.clear();
         tokio::select! {
             req = rx.recv(), if open && accepting => match req {
