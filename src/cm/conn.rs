@@ -405,8 +405,10 @@ impl CmEndpoint {
             tid_hi,
             conns: BTreeMap::new(),
             listening: BTreeSet::new(),
-            transmits: VecDeque::new(),
-            events: VecDeque::new(),
+            // Sized for a burst (one MAD per connection of a host that went away), so a
+            // long-lived endpoint's footprint does not depend on its history.
+            transmits: VecDeque::with_capacity(32),
+            events: VecDeque::with_capacity(32),
             stats: CmStats::default(),
         }
     }

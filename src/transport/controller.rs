@@ -515,6 +515,8 @@ impl Supervisor {
     /// Drop every HCA resource, whatever state it is in. In-flight I/O stays held in its
     /// slot. Releases on a zombie device always succeed.
     fn teardown(&mut self) {
+        // Whatever the old connection's queues still report is about the old connection.
+        self.shared.alarm.new_epoch();
         for q in self.io.iter().rev() {
             q.lock().teardown();
             q.poke();

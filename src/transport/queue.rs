@@ -18,7 +18,7 @@
 //! The last slot is reserved for the controller's own commands (Fabrics Connect, Property
 //! Get/Set, keep-alive), like Linux's reserved tags; it can be used while user I/O is held.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -91,26 +91,62 @@ pub struct QueueSpec {
 }
 
 /// Where recovery is told that something broke: the first cause wins until taken.
+///
+/// Every cause is stamped with the connection epoch it was seen under. Recovery starts a new
+/// epoch when it drops the HCA resources, so a cause raised by another queue of the old
+/// connection (the same reset seen by several queues at once, on other threads) is dropped
+/// instead of breaking the new connection a second time.
 #[derive(Default)]
 pub struct Alarm {
-    cause: AtomicU8,
+    /// `epoch << 8 | cause code`; code 0 is "nothing raised".
+    pending: AtomicU64,
+    epoch: AtomicU32,
     pub notify: Notify,
 }
 
 impl Alarm {
+    /// The current connection epoch; a queue stamps its causes with the epoch it attached in.
+    pub fn epoch(&self) -> u32 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    /// Start a new epoch: whatever the old connection still raises is stale.
+    pub fn new_epoch(&self) -> u32 {
+        self.epoch.fetch_add(1, Ordering::SeqCst).wrapping_add(1)
+    }
+
+    /// Raise `c` for the current epoch (the user's reset, the supervisor's own findings).
     pub fn raise(&self, c: Cause) {
-        let code = Cause::ALL.iter().position(|x| *x == c).unwrap_or(0) as u8 + 1;
+        self.raise_in(self.epoch(), c);
+    }
+
+    /// Raise `c`, seen on the connection of `epoch`. A cause from an older connection is
+    /// dropped here, or at [`take`](Self::take) if the epoch moved on in between.
+    pub fn raise_in(&self, epoch: u32, c: Cause) {
+        let current = self.epoch();
+        if epoch != current {
+            return;
+        }
+        let code = Cause::ALL.iter().position(|x| *x == c).unwrap_or(0) as u64 + 1;
+        let stamped = (epoch as u64) << 8 | code;
         let _ = self
-            .cause
-            .compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
+            .pending
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |old| {
+                let (old_epoch, old_code) = ((old >> 8) as u32, old & 0xFF);
+                // The first cause of an epoch wins; a stale pending one is replaced.
+                (old_code == 0 || old_epoch != current).then_some(stamped)
+            });
         self.notify.notify_one();
     }
 
+    /// The pending cause of the current epoch, if any; stale ones are discarded.
     pub fn take(&self) -> Option<Cause> {
-        match self.cause.swap(0, Ordering::SeqCst) {
-            0 => None,
-            n => Cause::ALL.get(n as usize - 1).copied(),
+        let v = self.pending.swap(0, Ordering::SeqCst);
+        let (epoch, code) = ((v >> 8) as u32, v & 0xFF);
+        if code == 0 || epoch != self.epoch() {
+            return None;
         }
+        Cause::ALL.get(code as usize - 1).copied()
     }
 }
 
@@ -189,6 +225,8 @@ pub struct QueueCore {
     sends: Vec<SendWr>,
     recvs: Vec<RecvWr>,
     alarm: Arc<Alarm>,
+    /// The alarm epoch this queue attached in; its causes are stamped with it.
+    epoch: u32,
     io_timeout: Duration,
     max_retries: u8,
 }
@@ -242,6 +280,7 @@ impl QueueCore {
             sends: Vec::with_capacity(n),
             recvs: Vec::with_capacity(n),
             alarm,
+            epoch: 0,
             io_timeout,
             max_retries,
         })
@@ -274,6 +313,7 @@ impl QueueCore {
     #[allow(clippy::result_large_err)] // the error carries the partial objects back out
     pub fn attach(&mut self, hca: &SoftHca, pd: PdId) -> Result<Qpn, HostError> {
         self.teardown();
+        self.epoch = self.alarm.epoch();
         let size = self.spec.size;
         let (cmd, rsp, data) = (&self.cmd, &self.rsp, &self.data);
         let max_io = self.spec.max_io;
@@ -648,7 +688,7 @@ impl QueueCore {
     fn fail_connection(&mut self, c: Cause) {
         if matches!(self.phase, Phase::Attached | Phase::Live) {
             self.go_down(c == Cause::Transport);
-            self.alarm.raise(c);
+            self.alarm.raise_in(self.epoch, c);
         }
     }
 
@@ -1088,5 +1128,34 @@ async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
             // command can both be registered; a single permit could go to the wrong one.
             ctl.control_done.notify_waiters();
         }
+    }
+}
+
+#[cfg(test)]
+mod alarm_tests {
+    use super::*;
+
+    #[test]
+    fn a_cause_from_the_old_connection_does_not_break_the_new_one() {
+        let a = Alarm::default();
+        let old = a.epoch();
+        a.raise_in(old, Cause::DeviceFatal);
+        assert_eq!(a.take(), Some(Cause::DeviceFatal));
+        // A second queue of the same connection saw the same reset, after it was taken.
+        a.raise_in(old, Cause::DeviceFatal);
+        // Recovery drops the resources: a new epoch. The late report is stale.
+        let new = a.new_epoch();
+        assert_ne!(new, old);
+        assert_eq!(a.take(), None);
+        // One raised now is about the new connection; a stale one cannot displace it.
+        a.raise_in(new, Cause::CmDisconnect);
+        a.raise_in(old, Cause::Transport);
+        assert_eq!(a.take(), Some(Cause::CmDisconnect));
+        a.raise_in(old, Cause::Transport);
+        assert_eq!(a.take(), None);
+        a.raise(Cause::UserReset);
+        a.raise(Cause::IoTimeout);
+        assert_eq!(a.take(), Some(Cause::UserReset), "the first cause wins");
+        assert_eq!(a.take(), None);
     }
 }
