@@ -46,11 +46,17 @@ fn main() {
             })
         };
         let mut samples = Vec::with_capacity(resets);
-        for _ in 0..resets {
+        for k in 1..=resets as u64 {
             tokio::time::sleep(Duration::from_millis(5)).await;
             let t0 = epoch.elapsed().as_nanos() as u64;
             mgr.reset(HOST_DEV, Duration::ZERO).await.unwrap();
-            while done.load(Ordering::SeqCst) <= t0 {
+            // A read that finished before the reset took hold is not the resubmitted one:
+            // count the first completion after this reset's recovery.
+            while c.status().machine.recoveries < k {
+                tokio::time::sleep(Duration::from_micros(100)).await;
+            }
+            let live = epoch.elapsed().as_nanos() as u64;
+            while done.load(Ordering::SeqCst) <= live.max(t0) {
                 tokio::time::sleep(Duration::from_micros(100)).await;
             }
             samples.push(done.load(Ordering::SeqCst) - t0);

@@ -332,3 +332,46 @@ async fn a_reset_storm_is_survived_without_leaks() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_during_a_reconnect_attempt_does_not_wait_out_the_connect_timeout() {
+    // A connect timeout far longer than the test may wait: an attempt that sat on a dead
+    // device's CM request until its timeout would fail this test.
+    let t = TargetRig::start(IP, NS_BYTES).await.unwrap();
+    let mgr = DeviceManager::new(true);
+    let mut o = host_options(t.addr, 2, 32, policy());
+    o.connect_timeout = Duration::from_secs(60);
+    let c = Arc::new(connect_host(&mgr, IP, o).await.unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let ws = spawn_workers(&c, 2, &stop);
+    let mut hits = 0;
+    for i in 0..20u64 {
+        progress(&c).await;
+        let before = c.status().machine.recoveries;
+        mgr.reset(HOST_DEV, Duration::ZERO).await.unwrap();
+        // Reset again while the controller is reconnecting, if we catch it there.
+        let s = c
+            .wait_status(Duration::from_secs(20), |s| {
+                s.state() == CtrlState::Connecting
+                    || (s.state() == CtrlState::Live && s.machine.recoveries > before)
+            })
+            .await
+            .unwrap();
+        if s.state() == CtrlState::Connecting {
+            hits += 1;
+            // At different points of the attempt: device open, CM request out, queues.
+            tokio::time::sleep(Duration::from_micros(500 * (i % 5))).await;
+            mgr.reset(HOST_DEV, Duration::ZERO).await.unwrap();
+        }
+        recovered(&c, before + 1).await;
+        if hits >= 5 {
+            break;
+        }
+    }
+    assert!(hits > 0, "never caught the controller reconnecting");
+    progress(&c).await;
+    stop.store(true, Ordering::Relaxed);
+    let r = join(ws).await;
+    assert_eq!((r.mismatches, r.hangs), (0, 0), "{r:?}");
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+}

@@ -93,10 +93,16 @@ impl CmService {
                 .insert(id, tx);
             id
         };
+        // A device that died before the pump saw this request never answers: fail now rather
+        // than at the timeout (the pump drops the waiters of a dead device as it stops).
+        if self.sh.hca.lifecycle() != crate::hca::Lifecycle::Live {
+            self.abort(id);
+            return Err(HostError::Step("the device died while connecting"));
+        }
         self.sh.kick.notify_one();
         let ev = match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(ev)) => ev,
-            Ok(Err(_)) => return Err(HostError::Connect("CM stopped".into())),
+            Ok(Err(_)) => return Err(HostError::Step("the device died while connecting")),
             Err(_) => {
                 self.abort(id);
                 return Err(HostError::Connect(format!(
@@ -209,6 +215,8 @@ async fn pump(sh: Arc<Shared>) {
                 d.is_live()
             });
             if !alive {
+                // Nobody will answer through a dead device: wake every connect waiting here.
+                sh.waiters.lock().unwrap_or_else(|e| e.into_inner()).clear();
                 return;
             }
             if cm.poll_timeout().is_some_and(|t| t <= now) {
