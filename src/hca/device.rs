@@ -81,9 +81,18 @@ pub struct DeviceConfig {
     /// The address this device's UDP socket is bound to; source of every packet.
     pub addr: SocketAddr,
     pub icrc: IcrcCheck,
+    /// Where the peers listen. `None`: at the address their packets come from (soft-HCAs,
+    /// which send from the port they are bound to, so several share a host). `Some(4791)`:
+    /// peers are RoCEv2 devices (rxe, NICs) that send from a per-QP source port (0xC000 +
+    /// hash) but receive only on 4791 (anchors §7.4): every packet's sender is answered at
+    /// its IP and this port, CM replies and QP traffic alike.
+    pub peer_port: Option<u16>,
     /// Seed for memory keys; a simulator run fixes it to replay exactly.
     pub seed: u64,
 }
+
+/// The UDP port every RoCEv2 device receives on (IANA "roce", include/rdma/ib_verbs.h).
+pub const ROCE_V2_PORT: u16 = 4791;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lifecycle {
@@ -526,6 +535,11 @@ impl Device {
                 self.stats.rx_malformed += 1;
                 return;
             }
+        };
+        // After the ICRC check, which covers the real UDP source port.
+        let src = match self.config.peer_port {
+            Some(port) => SocketAddr::new(src.ip(), port),
+            None => src,
         };
         let qpn = pkt.hdrs.bth.dest_qp;
         if qpn == Qpn::GSI {
