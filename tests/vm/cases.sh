@@ -147,3 +147,16 @@ PY
   local rc=$?; sed 's/^/    ours  | /' "$OUT/bench-ours.txt"
   check "bench: our initiator's jobs ran without errors" test $rc = 0
 }
+
+# The kernel host in the same guest under the comparable faults (not in CI): for the
+# side-by-side table in the README. (No pipes after gx: it must run in this shell.)
+case_linux_chaos() {
+  log "linux chaos: kernel host, nvmet port disabled for 8 s (reconnect_delay=2, ctrl_loss_tmo=60)"
+  GX_TIMEOUT=150 gx 'linux_chaos port_disable port_enable 8' > "$OUT/linux-chaos-port.txt"
+  cat "$OUT/linux-chaos-port.txt"
+  log "linux chaos: kernel host, its rxe device deleted for 6 s, re-added, port re-enabled"
+  GX_TIMEOUT=150 gx 'linux_chaos "rdma link delete rxe0" "rdma link add rxe0 type rxe netdev $IF; sleep 1; port_cycle" 6' \
+    > "$OUT/linux-chaos-rxe.txt"
+  cat "$OUT/linux-chaos-rxe.txt"
+  check "linux chaos: ran" grep -q 'controller:' "$OUT/linux-chaos-port.txt"
+}

@@ -69,3 +69,31 @@ kdev() {  # the block device of the kernel controller connected to traddr $1
 }
 kdisconnect_all() { nvme disconnect-all; }
 ctrl_states() { local c; for c in /sys/class/nvme/nvme*; do [ -e "$c/state" ] && echo "${c##*/}: $(cat $c/state) $(cat $c/address)"; done; }
+
+# The kernel host's side of the chaos comparison: nvme-rdma -> nvmet-rdma over rxe0 in
+# this guest, fio 4 KiB randread QD32 for 30 s, BREAK at 5 s, RESTORE after OUTAGE s.
+# Prints when the controller was live again (if it was) and how fio ended.
+linux_chaos() {  # linux_chaos BREAK RESTORE OUTAGE
+  local brk=$1 restore=$2 outage=$3 d p t0 st left=0 back=""
+  kconnect "$IP" "$KNQN" "reconnect_delay=2,ctrl_loss_tmo=60" >/dev/null || return 1
+  d=$(kdev "$IP"); dmesg -c >/dev/null
+  fio --name=lx --filename="$d" --rw=randread --bs=4k --iodepth=32 --ioengine=libaio --direct=1 \
+    --time_based --runtime=30 > /tmp/lx-fio.txt 2>&1 & p=$!
+  sleep 5; t0=$EPOCHREALTIME
+  eval "$brk"
+  local i; for ((i = 0; i < 10 * (outage + 30); i++)); do
+    [ $i = $((10 * outage)) ] && eval "$restore"
+    st=$(cat /sys/class/nvme/nvme*/state 2>/dev/null | head -1); st=${st:-gone}
+    [ "$st" != live ] && left=1
+    if [ $left = 1 ] && [ "$st" = live ]; then back=$(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $t0}"); break; fi
+    [ $i -ge $((10 * outage)) ] && [ "$st" = gone ] && break
+    sleep 0.1
+  done
+  if [ -n "$back" ]; then echo "controller: live again $back s after the break"
+  else echo "controller: $st (not live again)"; fi
+  timeout 60 bash -c "while kill -0 $p 2>/dev/null; do sleep 1; done"
+  if kill -0 $p 2>/dev/null; then echo "fio: still blocked 60 s after its runtime"; kill -9 $p
+  else wait $p; echo "fio: exit $?, $(grep -oE 'err= *[0-9]+' /tmp/lx-fio.txt | head -1), $(grep -oE 'IOPS=[0-9.k]+' /tmp/lx-fio.txt | head -1)"; fi
+  dmesg | grep -E 'nvme nvme[0-9]|nvmet' | grep -vE 'requeuing|failing I/O' | sed 's/^\[ *[0-9.]*\] //' | sort -u | head -8
+  timeout 20 nvme disconnect-all >/dev/null 2>&1
+}
