@@ -11,6 +11,7 @@ use crate::wire_json::JsonObj;
 
 /// The UDP port a soft-HCA (like any RoCEv2 device) listens on unless told otherwise.
 pub const DEFAULT_ROCE_PORT: u16 = crate::hca::device::ROCE_V2_PORT;
+pub use crate::hca::device::roce_peer;
 
 /// Parse `-a/--traddr`: `IP` (RoCEv2 port 4791) or `IP:PORT` / `[IPv6]:PORT` for a soft-HCA
 /// bound elsewhere.
@@ -100,16 +101,6 @@ pub fn local_ip_for(peer: SocketAddr) -> std::io::Result<IpAddr> {
     let s = UdpSocket::bind(bind)?;
     s.connect(peer)?;
     Ok(s.local_addr()?.ip())
-}
-
-/// Is the peer at `ip` possibly a real RoCEv2 device (Linux rxe, a NIC) rather than one of
-/// our soft-HCAs? Loopback peers are ours (several share 127.0.0.1 on their own ports);
-/// anything else is treated as the real thing: no UDP GSO (each segment would carry its
-/// own IP identification, which the peer's ICRC check covers), received ICRCs not checked
-/// (a UDP socket does not show the sender's IP identification), peers answered at port
-/// 4791, and path MTU 1024 (what rxe derives from a 1500-byte Ethernet MTU).
-pub fn roce_peer(ip: IpAddr) -> bool {
-    !ip.is_loopback()
 }
 
 /// Where the host's soft-HCA binds to reach `target`: `host_traddr` when given (nvme-cli's

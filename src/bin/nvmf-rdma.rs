@@ -15,7 +15,7 @@ use nvmf_rdma::cli_support::{
 use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::export::{self, ExportAddr};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
-use nvmf_rdma::hca::{Mtu, PciAddr};
+use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::metrics_http;
 use nvmf_rdma::nvme::Nqn;
 use nvmf_rdma::nvmf_perf::{self, Job, LocalTarget, Pattern, DEMO_NQN};
@@ -577,9 +577,6 @@ fn options(s: &Subsys) -> Result<ConnectOptions> {
     }
     o.nr_io_queues = s.nr_io_queues;
     o.queue_size = s.queue_size;
-    if roce_peer(s.fabric.traddr.ip()) {
-        o.mtu = Mtu::Mtu1024;
-    }
     let r = s.policy.resolve_default();
     o.keep_alive_tmo = r.policy.keep_alive_tmo;
     o.policy = r.policy;
@@ -682,9 +679,6 @@ async fn run_async(cmd: Cmd) -> Result<()> {
             let (hca, cm) = host_stack(f.traddr, f.host_traddr).await?;
             let mut o = ConnectOptions::new(f.traddr, nvmf_rdma::nvme::fabrics::DISCOVERY_NQN);
             o.trsvcid = f.trsvcid;
-            if roce_peer(f.traddr.ip()) {
-                o.mtu = Mtu::Mtu1024;
-            }
             if let Some(h) = f.hostnqn {
                 o.hostnqn = h;
             }
@@ -1785,9 +1779,6 @@ async fn run_chaos(a: ChaosArgs) -> Result<()> {
             o.trsvcid = a.trsvcid;
             if let Some(n) = &a.nqn {
                 o.subnqn = n.clone();
-            }
-            if roce_peer(traddr.ip()) {
-                o.mtu = Mtu::Mtu1024;
             }
             let c = Controller::connect_managed(mgr.clone(), chaos::HOST_DEV, o)
                 .await

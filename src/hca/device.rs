@@ -8,7 +8,7 @@
 //! or change device state fails with [`VerbsError::DeviceGone`].
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -93,6 +93,16 @@ pub struct DeviceConfig {
 
 /// The UDP port every RoCEv2 device receives on (IANA "roce", include/rdma/ib_verbs.h).
 pub const ROCE_V2_PORT: u16 = 4791;
+
+/// Is the peer at `ip` possibly a real RoCEv2 device (Linux rxe, a NIC) rather than one of
+/// our soft-HCAs? Loopback peers are ours (several share 127.0.0.1 on their own ports);
+/// anything else is treated as the real thing: no UDP GSO (each segment would carry its
+/// own IP identification, which the peer's ICRC check covers), received ICRCs not checked
+/// (a UDP socket does not show the sender's IP identification), peers answered at port
+/// 4791, and path MTU 1024 (what rxe derives from a 1500-byte Ethernet MTU).
+pub fn roce_peer(ip: IpAddr) -> bool {
+    !ip.is_loopback()
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lifecycle {
