@@ -5,8 +5,8 @@
 #
 #   netns vmnet: tap0 192.168.100.1/24  <-- virtio-net -->  guest eth0 192.168.100.2/24 (rxe0)
 #
-# Usage (root): tests/vm/run.sh [CASE...]     cases: interop1 interop2 chaos bench (default:
-# all but bench). Prints one PASS/FAIL line per check and exits non-zero if any failed.
+# Usage (root): tests/vm/run.sh [CASE...]   cases: interop1 interop2 chaos bench linux_chaos (default:
+# the first three, as CI runs). One PASS/FAIL line per check; exits non-zero if any failed.
 # Knobs: VM=/tmp/nvmf-vm (work dir), NVMF_BIN (default target/release/nvmf-rdma, built if
 # missing), KEEP=1 (leave the guest running at the end), ACCEL (qemu accelerator args).
 set -uo pipefail
