@@ -45,6 +45,7 @@ fn target_config(addr: SocketAddr, generation: u64) -> DeviceConfig {
         ),
         addr,
         icrc: IcrcCheck::Verify,
+        peer_port: None,
         seed: 0x7A46E7 + generation,
     }
 }
@@ -106,6 +107,7 @@ pub fn host_config(ip: [u8; 4]) -> DeviceConfig {
         identity: host_identity(0),
         addr: SocketAddr::from((ip, 0)),
         icrc: IcrcCheck::Verify,
+        peer_port: None,
         seed: 0x4057,
     }
 }
@@ -179,12 +181,12 @@ impl Fault {
         }
     }
 
-    /// Do it.
+    /// Do it. `target` is the built-in target, if the run has one (a target restart needs it).
     pub async fn inflict(
         &self,
         mgr: &DeviceManager,
         ctrl: &Controller,
-        target: &mut TargetRig,
+        target: Option<&mut TargetRig>,
     ) -> anyhow::Result<()> {
         match *self {
             Fault::Reset { down } => {
@@ -202,7 +204,10 @@ impl Fault {
                 }
                 mgr.replug(id).await?;
             }
-            Fault::TargetRestart => target.restart().await?,
+            Fault::TargetRestart => match target {
+                Some(t) => t.restart().await?,
+                None => anyhow::bail!("no built-in target to restart"),
+            },
             Fault::UserReset => ctrl.reset(),
         }
         Ok(())

@@ -10,7 +10,8 @@ use crate::transport::CtrlStatus;
 use crate::wire_json::JsonObj;
 
 /// The UDP port a soft-HCA (like any RoCEv2 device) listens on unless told otherwise.
-pub const DEFAULT_ROCE_PORT: u16 = 4791;
+pub const DEFAULT_ROCE_PORT: u16 = crate::hca::device::ROCE_V2_PORT;
+pub use crate::hca::device::roce_peer;
 
 /// Parse `-a/--traddr`: `IP` (RoCEv2 port 4791) or `IP:PORT` / `[IPv6]:PORT` for a soft-HCA
 /// bound elsewhere.
@@ -100,6 +101,25 @@ pub fn local_ip_for(peer: SocketAddr) -> std::io::Result<IpAddr> {
     let s = UdpSocket::bind(bind)?;
     s.connect(peer)?;
     Ok(s.local_addr()?.ip())
+}
+
+/// Where the host's soft-HCA binds to reach `target`: `host_traddr` when given (nvme-cli's
+/// `--host-traddr`), else the local address that routes there, on port 4791 towards a
+/// RoCEv2 peer (it sends every response there) and any free port on loopback.
+pub fn host_bind_addr(
+    target: SocketAddr,
+    host_traddr: Option<SocketAddr>,
+) -> std::io::Result<SocketAddr> {
+    if let Some(a) = host_traddr {
+        return Ok(a);
+    }
+    let ip = local_ip_for(target)?;
+    let port = if roce_peer(target.ip()) {
+        DEFAULT_ROCE_PORT
+    } else {
+        0
+    };
+    Ok(SocketAddr::new(ip, port))
 }
 
 /// `--mlock`: lock every page the process has and will map (`mlockall(MCL_CURRENT |

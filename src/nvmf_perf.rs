@@ -26,6 +26,7 @@ fn dev_config(name: &str, i: u8, ip: [u8; 4]) -> DeviceConfig {
         ),
         addr: SocketAddr::from((ip, 0)),
         icrc: IcrcCheck::Verify,
+        peer_port: None,
         seed: 0xC0FFEE + i as u64,
     }
 }

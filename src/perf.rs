@@ -67,6 +67,7 @@ fn config(name: &str, i: u8) -> DeviceConfig {
         ),
         addr: SocketAddr::from(([127, 0, 0, 1], 0)),
         icrc: IcrcCheck::Verify,
+        peer_port: None,
         seed: 0x1234_5678 + i as u64,
     }
 }

@@ -270,7 +270,8 @@ fn handshake_establishes_both_sides_with_the_negotiated_values() {
     assert_eq!(r.peer, p.a.addr);
     assert_eq!(r.service_id, 0x0000_0000_0106_1144);
     assert_eq!(r.remote_qpn, A_QPN);
-    assert_eq!(Some(r.remote_psn), p.a.ep.local_psn(a));
+    // Linux ib_cm: the REQ carries the PSN A receives with, so B sends with it.
+    let a_recv_psn = r.local_psn;
     assert_eq!(r.remote_ca_guid, Guid(0x0A00_00FF_FE00_000A));
     // Seen from B: A's initiator depth is what B must serve.
     assert_eq!((r.responder_resources, r.initiator_depth), (2, 4));
@@ -295,7 +296,9 @@ fn handshake_establishes_both_sides_with_the_negotiated_values() {
     let ea = established(&mut p.a);
     assert_eq!(ea.id, a);
     assert_eq!(ea.remote_qpn, B_QPN);
-    assert_eq!(ea.remote_psn, Psn::new(0x00B0B0));
+    // ... and the REP the PSN B receives with, so A sends with it.
+    assert_eq!(ea.local_psn, Psn::new(0x00B0B0));
+    assert_eq!(ea.remote_psn, a_recv_psn);
     assert_eq!(Some(ea.local_psn), p.a.ep.local_psn(a));
     assert_eq!(ea.accept, Some(NvmeCmAccept { crqsize: 128 }));
     assert_eq!((ea.responder_resources, ea.initiator_depth), (4, 2));

@@ -34,6 +34,7 @@ fn cfg(name: &str, i: u8) -> DeviceConfig {
         identity: DeviceIdentity::from_mac(name, [2, 0, 0, 7, 0, i], PciAddr::new(0, 7, i, 0)),
         addr: SocketAddr::from(([127, 0, 0, 1], 0)),
         icrc: IcrcCheck::Verify,
+        peer_port: None,
         seed: 700 + i as u64,
     }
 }

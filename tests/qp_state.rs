@@ -35,6 +35,7 @@ fn fixture() -> Fixture {
         identity: sim_identity(0),
         addr: sim_addr(0),
         icrc: IcrcCheck::Verify,
+        peer_port: None,
         seed: 7,
     });
     let pd = dev.alloc_pd().unwrap();

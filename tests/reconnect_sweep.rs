@@ -96,7 +96,7 @@ async fn run_seed(seed: u64, target: &mut TargetRig) -> Result<(u64, u64), Strin
             break;
         }
         let f = Fault::random(&mut rng, Duration::from_millis(20));
-        f.inflict(&mgr, &c, target)
+        f.inflict(&mgr, &c, Some(&mut *target))
             .await
             .map_err(|e| format!("{}: {e}", f.name()))?;
         faults += 1;

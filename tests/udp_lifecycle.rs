@@ -18,6 +18,7 @@ fn cfg(i: u8) -> DeviceConfig {
         ),
         addr: SocketAddr::from(([127, 0, 0, 1], 0)),
         icrc: IcrcCheck::Verify,
+        peer_port: None,
         seed: i as u64,
     }
 }

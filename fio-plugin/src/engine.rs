@@ -175,6 +175,7 @@ async fn connect(o: &CtrlOptions, addr: SocketAddr, n: u8) -> Result<Controller,
         ),
         addr: SocketAddr::new(ip, 0),
         icrc: IcrcCheck::Verify,
+        peer_port: None,
         seed: pid as u64 ^ ((n as u64) << 32),
     };
     // The device lives in a device manager, so the controller survives its resets.

@@ -9,8 +9,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use nvmf_rdma::chaos::{self, Region, TargetRig, WorkerReport};
 use nvmf_rdma::cli_support::{
-    json_field, local_ip_for, lock_all_memory, parse_duration, parse_pos_secs, parse_secs,
-    parse_tmo, parse_traddr, run_dir, CtrlInfo, Health, Tmo,
+    host_bind_addr, json_field, lock_all_memory, parse_duration, parse_pos_secs, parse_secs,
+    parse_tmo, parse_traddr, roce_peer, run_dir, CtrlInfo, Health, Tmo, DEFAULT_ROCE_PORT,
 };
 use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::export::{self, ExportAddr};
@@ -90,6 +90,10 @@ struct Fabric {
     /// Host NQN (default: from the host ID).
     #[arg(short = 'q', long = "hostnqn")]
     hostnqn: Option<String>,
+    /// Address of the host's soft-HCA (IP, port 4791, or IP:PORT). Default: the local
+    /// address that routes to the target, on port 4791 unless the target is on loopback.
+    #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr)]
+    host_traddr: Option<SocketAddr>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -273,6 +277,20 @@ enum Cmd {
         /// I/O queues for the NVMe-oF table.
         #[arg(long, default_value_t = 1)]
         queues: usize,
+        /// Benchmark this target instead of a built-in one (IP or IP:PORT): 4 KiB random
+        /// reads at QD1 and QD32 and 128 KiB sequential reads at QD16 on namespace 1, the
+        /// jobs `tests/vm/run.sh bench` gives fio through the Linux host.
+        #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
+        traddr: Option<SocketAddr>,
+        /// NVMe-oF service port of --traddr.
+        #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
+        trsvcid: u16,
+        /// Subsystem NQN at --traddr.
+        #[arg(short = 'n', long = "nqn", requires = "traddr")]
+        nqn: Option<String>,
+        /// Address of the host's soft-HCA towards --traddr (as connect's --host-traddr).
+        #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr, requires = "traddr")]
+        host_traddr: Option<SocketAddr>,
     },
     /// Run the built-in NVMe-oF target until interrupted.
     Target(TargetArgs),
@@ -351,9 +369,24 @@ enum Cmd {
 
 #[derive(Args, Debug, Clone)]
 struct ChaosArgs {
-    /// RAM namespace size; the workers share it out.
+    /// RAM namespace size; the workers share it out. With --traddr: how much of the
+    /// target's namespace 1 the workers use (from LBA 0; its data is overwritten).
     #[arg(long, default_value = "256M", value_parser = parse_size)]
     size: usize,
+    /// Run against this target instead of a built-in one (IP, RoCEv2 port 4791, or
+    /// IP:PORT): Linux nvmet-rdma, SPDK, another `nvmf-rdma target`. Only host-side faults
+    /// then (not target-restart); faults on the target side are yours to make.
+    #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
+    traddr: Option<SocketAddr>,
+    /// NVMe-oF service port of --traddr.
+    #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
+    trsvcid: u16,
+    /// Subsystem NQN at --traddr.
+    #[arg(short = 'n', long = "nqn", requires = "traddr")]
+    nqn: Option<String>,
+    /// Address of the host's soft-HCA towards --traddr (as connect's --host-traddr).
+    #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr, requires = "traddr")]
+    host_traddr: Option<SocketAddr>,
     /// Verifying workers, each on its own range of blocks.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
     workers: u64,
@@ -490,25 +523,32 @@ fn parse_size(s: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("size '{s}' out of range"))
 }
 
+/// A device on `addr`; off loopback its peers may be rxe or NICs (see `roce_peer`).
 fn device_config(name: &str, addr: SocketAddr, n: u8) -> DeviceConfig {
     let mac = [0x52, 0x54, 0x00, 0x30, (std::process::id() & 0xFF) as u8, n];
+    let roce = roce_peer(addr.ip());
     DeviceConfig {
         identity: DeviceIdentity::from_mac(name, mac, PciAddr::new(0, 0x30, n, 0)),
         addr,
-        icrc: IcrcCheck::Verify,
+        icrc: if roce {
+            IcrcCheck::Skip
+        } else {
+            IcrcCheck::Verify
+        },
+        peer_port: roce.then_some(DEFAULT_ROCE_PORT),
         seed: std::process::id() as u64 ^ ((n as u64) << 32),
     }
 }
 
 /// A host soft-HCA on the local address that routes to `target`.
-async fn host_stack(target: SocketAddr) -> Result<(SoftHca, CmService)> {
-    let ip = local_ip_for(target).context("no route to the target address")?;
-    let hca = SoftHca::start_with(
-        device_config("srxe0", SocketAddr::new(ip, 0), 1),
-        target.ip().is_loopback(),
-    )
-    .await
-    .context("cannot start the host soft-HCA")?;
+async fn host_stack(
+    target: SocketAddr,
+    host_traddr: Option<SocketAddr>,
+) -> Result<(SoftHca, CmService)> {
+    let addr = host_bind_addr(target, host_traddr).context("no route to the target address")?;
+    let hca = SoftHca::start_with(device_config("srxe0", addr, 1), !roce_peer(target.ip()))
+        .await
+        .with_context(|| format!("cannot start the host soft-HCA on {addr}"))?;
     let cm = CmService::start(hca.clone(), std::process::id() as u64);
     Ok((hca, cm))
 }
@@ -549,18 +589,18 @@ const HOST_HCA: &str = "srxe0";
 
 /// A host soft-HCA plugged into a device manager, on the local address that routes to
 /// `target`. A controller on it comes back after the device is reset or re-plugged.
-async fn host_device(target: SocketAddr) -> Result<DeviceManager> {
-    let ip = local_ip_for(target).context("no route to the target address")?;
-    let mgr = DeviceManager::new(target.ip().is_loopback());
-    mgr.plug(device_config(HOST_HCA, SocketAddr::new(ip, 0), 1))
+async fn host_device(target: SocketAddr, host_traddr: Option<SocketAddr>) -> Result<DeviceManager> {
+    let addr = host_bind_addr(target, host_traddr).context("no route to the target address")?;
+    let mgr = DeviceManager::new(!roce_peer(target.ip()));
+    mgr.plug(device_config(HOST_HCA, addr, 1))
         .await
-        .context("cannot start the host soft-HCA")?;
+        .with_context(|| format!("cannot start the host soft-HCA on {addr}"))?;
     Ok(mgr)
 }
 
 async fn connect(s: &Subsys) -> Result<Controller> {
     let o = options(s)?;
-    let mgr = host_device(s.fabric.traddr).await?;
+    let mgr = host_device(s.fabric.traddr, s.fabric.host_traddr).await?;
     Controller::connect_managed(mgr, HOST_HCA, o)
         .await
         .with_context(|| format!("connect to {} at {}", s.nqn, s.fabric.traddr))
@@ -580,9 +620,30 @@ fn main() -> Result<()> {
             seconds,
             hca,
             queues,
+            traddr,
+            trsvcid,
+            nqn,
+            host_traddr,
         } => {
             if !(0.05..=600.0).contains(&seconds) {
                 bail!("--seconds must be between 0.05 and 600");
+            }
+            if let Some(traddr) = traddr {
+                let sub = Subsys {
+                    fabric: Fabric {
+                        transport: "rdma".into(),
+                        traddr,
+                        trsvcid,
+                        hostnqn: None,
+                        host_traddr,
+                    },
+                    nqn: nqn.unwrap_or_else(|| DEMO_NQN.into()),
+                    nr_io_queues: queues.clamp(1, 64),
+                    queue_size: 128,
+                    policy: PolicyArgs::default(),
+                    nsid: 1,
+                };
+                return remote_bench(&sub, Duration::from_secs_f64(seconds));
             }
             if hca {
                 perf::print_table(&perf::standard_table(Duration::from_secs_f64(seconds))?);
@@ -615,7 +676,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
         Cmd::Target(t) => run_target(t).await,
         Cmd::Discover(f) => {
             check_transport(&f)?;
-            let (hca, cm) = host_stack(f.traddr).await?;
+            let (hca, cm) = host_stack(f.traddr, f.host_traddr).await?;
             let mut o = ConnectOptions::new(f.traddr, nvmf_rdma::nvme::fabrics::DISCOVERY_NQN);
             o.trsvcid = f.trsvcid;
             if let Some(h) = f.hostnqn {
@@ -689,6 +750,40 @@ async fn run_async(cmd: Cmd) -> Result<()> {
         }
         _ => unreachable!("handled synchronously"),
     }
+}
+
+/// `bench --traddr`: the fio jobs of `tests/vm/run.sh bench` through our host.
+fn remote_bench(sub: &Subsys, runtime: Duration) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let c = Arc::new(connect(sub).await?);
+        let mut rows = Vec::new();
+        for (pattern, bs, iodepth) in [
+            (Pattern::RandRead, 4096, 1),
+            (Pattern::RandRead, 4096, 32),
+            (Pattern::SeqRead, 128 << 10, 16),
+        ] {
+            let job = Job {
+                pattern,
+                bs,
+                iodepth,
+                runtime,
+            };
+            rows.push(nvmf_perf::run_job(c.clone(), job).await);
+        }
+        nvmf_perf::print_results(&rows);
+        let errors: u64 = rows.iter().map(|r| r.errors).sum();
+        if let Ok(c) = Arc::try_unwrap(c) {
+            c.disconnect().await;
+        }
+        if errors > 0 {
+            bail!("{errors} I/O errors");
+        }
+        Ok(())
+    })
 }
 
 fn hexdump(data: &[u8]) {
@@ -1224,7 +1319,7 @@ async fn inflict(
     down: Duration,
     mgr: &DeviceManager,
     c: &Controller,
-    target: &mut TargetRig,
+    target: Option<&mut TargetRig>,
     bound: Duration,
     other_is_ours: bool,
 ) -> FaultOutcome {
@@ -1588,6 +1683,9 @@ fn check_chaos_args(a: &ChaosArgs) -> Result<()> {
     if a.faults.is_empty() {
         bail!("--faults needs at least one fault");
     }
+    if a.traddr.is_some() && a.faults.contains(&FaultKind::TargetRestart) {
+        bail!("--faults target-restart needs the built-in target (no --traddr)");
+    }
     if !(16..=1024).contains(&a.queue_size) {
         bail!("--queue-size must be between 16 and 1024");
     }
@@ -1619,12 +1717,22 @@ async fn run_chaos(a: ChaosArgs) -> Result<()> {
     let fault_names: Vec<&str> = a.faults.iter().map(|f| f.name()).collect();
     let p = &r.policy;
     let header = format!(
-        "nvmf-rdma chaos: {} workers on a {} RAM namespace over loopback, {} I/O queues of {}\n\
+        "nvmf-rdma chaos: {} workers on {}, {} I/O queues of {}\n\
          faults {} every {} (HCA down 0..={}), seed {seed}\n\
          policy: reconnect_delay {} s, ctrl_loss_tmo {}, fast_io_fail_tmo {}, replug_window {} s, \
          identity {}, keep-alive {} s, io_timeout {} s",
         a.workers,
-        human_bytes(a.size as u64),
+        match (a.traddr, &a.nqn) {
+            (None, _) => format!(
+                "a {} RAM namespace over loopback",
+                human_bytes(a.size as u64)
+            ),
+            (Some(t), n) => format!(
+                "{} of namespace 1 of {} at {t}",
+                human_bytes(a.size as u64),
+                n.as_deref().unwrap_or(chaos::CHAOS_NQN)
+            ),
+        },
         a.nr_io_queues,
         a.queue_size,
         fault_names.join(","),
@@ -1644,19 +1752,48 @@ async fn run_chaos(a: ChaosArgs) -> Result<()> {
         println!("{header}");
     }
 
-    let mut target = TargetRig::start(CHAOS_IP, a.size as u64)
-        .await
-        .context("cannot start the built-in target")?;
-    let mgr = DeviceManager::new(true);
-    let mut o = chaos::host_options(target.addr, a.nr_io_queues, a.queue_size, r.policy);
-    o.io_timeout = r.io_timeout;
-    let c = Arc::new(
-        chaos::connect_host(&mgr, CHAOS_IP, o)
-            .await
-            .context("the host cannot connect to the built-in target")?,
-    );
+    let (mut target, mgr, c) = match a.traddr {
+        None => {
+            let target = TargetRig::start(CHAOS_IP, a.size as u64)
+                .await
+                .context("cannot start the built-in target")?;
+            let mgr = DeviceManager::new(true);
+            let mut o = chaos::host_options(target.addr, a.nr_io_queues, a.queue_size, r.policy);
+            o.io_timeout = r.io_timeout;
+            let c = chaos::connect_host(&mgr, CHAOS_IP, o)
+                .await
+                .context("the host cannot connect to the built-in target")?;
+            (Some(target), mgr, c)
+        }
+        Some(traddr) => {
+            let addr =
+                host_bind_addr(traddr, a.host_traddr).context("no route to the target address")?;
+            let mgr = DeviceManager::new(!roce_peer(traddr.ip()));
+            let mut cfg = device_config(chaos::HOST_DEV, addr, 1);
+            cfg.identity = chaos::host_identity(0);
+            mgr.plug(cfg)
+                .await
+                .with_context(|| format!("cannot start the host soft-HCA on {addr}"))?;
+            let mut o = chaos::host_options(traddr, a.nr_io_queues, a.queue_size, r.policy);
+            o.io_timeout = r.io_timeout;
+            o.trsvcid = a.trsvcid;
+            if let Some(n) = &a.nqn {
+                o.subnqn = n.clone();
+            }
+            let c = Controller::connect_managed(mgr.clone(), chaos::HOST_DEV, o)
+                .await
+                .with_context(|| format!("the host cannot connect to {traddr}"))?;
+            (None, mgr, c)
+        }
+    };
+    let c = Arc::new(c);
     let ns = c.namespaces()[0];
-    let per = ns.blocks / a.workers;
+    // Against an external target, only the first --size bytes of its namespace.
+    let blocks = ns.blocks.min(a.size as u64 / ns.block_size as u64);
+    let per = blocks / a.workers;
+    if per == 0 {
+        bail!("the namespace is too small for {} workers", a.workers);
+    }
     let max_blocks = (a.max_io as u64 / ns.block_size as u64).clamp(1, per);
     // An I/O may wait as long as the policy lets the controller try, and then some.
     let hang_after = p.ctrl_loss_tmo.unwrap_or(Duration::from_secs(120)) + Duration::from_secs(10);
@@ -1708,7 +1845,16 @@ async fn run_chaos(a: ChaosArgs) -> Result<()> {
         let kind = a.faults[rng.random_range(0..a.faults.len())];
         let down = Duration::from_micros(rng.random_range(0..=a.down_max.as_micros() as u64));
         let at = t0.elapsed();
-        let mut f = inflict(kind, down, &mgr, &c, &mut target, hang_after, other_is_ours).await;
+        let mut f = inflict(
+            kind,
+            down,
+            &mgr,
+            &c,
+            target.as_mut(),
+            hang_after,
+            other_is_ours,
+        )
+        .await;
         f.at = at;
         eprintln!("{}", f.describe());
         let bad = f.to_live.is_none();

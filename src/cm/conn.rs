@@ -167,7 +167,8 @@ impl ConnectParams {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AcceptParams {
     pub local_qpn: Qpn,
-    /// Our starting PSN; `None` draws one from the endpoint RNG.
+    /// The PSN the peer is to start sending with (our receive PSN), which the REP carries;
+    /// `None`: the one the CM drew at the REQ ([`ConnectRequest::remote_psn`]).
     pub starting_psn: Option<Psn>,
     pub responder_resources: u8,
     pub initiator_depth: u8,
@@ -198,8 +199,14 @@ pub struct ConnectRequest {
     pub service_id: u64,
     pub remote_ca_guid: Guid,
     pub remote_qpn: Qpn,
-    /// The PSN the peer will start sending with: our receive PSN.
+    /// The PSN the peer will start sending with (our receive PSN): drawn by the CM, sent back
+    /// in the REP unless [`AcceptParams::starting_psn`] overrides it.
     pub remote_psn: Psn,
+    /// The PSN we send with: the REQ's starting PSN. Linux ib_cm gives the starting PSN of
+    /// each message to the *other* side's sender: the active side puts its receive PSN in
+    /// the REQ (`ib_send_cm_req`: `rq_psn = REQ starting PSN`; `cm_req_handler`: `sq_psn =`
+    /// it), the passive side its receive PSN in the REP.
+    pub local_psn: Psn,
     /// From our side, as Linux `cm_format_req_event` swaps them: the peer's initiator depth
     /// is how many reads we must be able to serve ...
     pub responder_resources: u8,
@@ -428,7 +435,8 @@ impl CmEndpoint {
     pub fn state(&self, id: ConnId) -> Option<ConnState> {
         self.conns.get(&id.0).map(|c| c.state)
     }
-    /// Our starting PSN on `id` (known from `connect` / `accept` on).
+    /// The PSN we send with on `id`: from the REQ on the passive side, from the REP on the
+    /// active side (0 before it).
     pub fn local_psn(&self, id: ConnId) -> Option<Psn> {
         self.conns.get(&id.0).map(|c| c.local_psn)
     }
@@ -475,7 +483,9 @@ impl CmEndpoint {
     ) -> Result<ConnId, CmError> {
         check_len(ulp_private, REQ_ULP_LEN)?;
         let local_id = self.alloc_id();
-        let local_psn = Psn::new(self.rng.random());
+        // Our receive PSN: the REQ carries it (see `ConnectRequest::local_psn`); the REP
+        // will say what we send with.
+        let recv_psn = Psn::new(self.rng.random());
         let src_port = if params.src_port == 0 {
             self.rng.random_range(32768..61000)
         } else {
@@ -494,7 +504,7 @@ impl CmEndpoint {
             remote_cm_response_timeout: self.config.cm_response_timeout,
             transport: TransportType::Rc,
             flow_control: params.flow_control,
-            starting_psn: local_psn,
+            starting_psn: recv_psn,
             local_cm_response_timeout: self.config.cm_response_timeout,
             retry_count: params.retry_count.min(7),
             pkey: self.config.pkey,
@@ -525,8 +535,8 @@ impl CmEndpoint {
             tid,
             local_qpn: params.local_qpn,
             remote_qpn: None,
-            local_psn,
-            remote_psn: Psn::new(0),
+            local_psn: Psn::new(0),
+            remote_psn: recv_psn,
             responder_resources: params.responder_resources,
             initiator_depth: params.initiator_depth,
             retry_count: params.retry_count.min(7),
@@ -566,10 +576,6 @@ impl CmEndpoint {
     ) -> Result<(), CmError> {
         check_len(private, RepRepr::PRIVATE_LEN)?;
         self.check(id, Input::Accept, "accept")?;
-        let starting_psn = match params.starting_psn {
-            Some(p) => p,
-            None => Psn::new(self.rng.random()),
-        };
         let mut pd = [0u8; RepRepr::PRIVATE_LEN];
         fill_private(&mut pd, private);
         let config = self.config;
@@ -577,7 +583,9 @@ impl CmEndpoint {
             return Err(CmError::UnknownConnection(id));
         };
         conn.local_qpn = params.local_qpn;
-        conn.local_psn = starting_psn;
+        // The REP carries our receive PSN (the peer's send PSN).
+        let starting_psn = params.starting_psn.unwrap_or(conn.remote_psn);
+        conn.remote_psn = starting_psn;
         conn.responder_resources = params.responder_resources;
         conn.initiator_depth = params.initiator_depth;
         let rep = RepRepr {
@@ -893,6 +901,7 @@ impl CmEndpoint {
         };
 
         let local_id = self.alloc_id();
+        let recv_psn = Psn::new(self.rng.random());
         let conn = Conn {
             state: ConnState::Idle,
             passive: true,
@@ -902,8 +911,9 @@ impl CmEndpoint {
             tid,
             local_qpn: Qpn::new(0),
             remote_qpn: Some(r.local_qpn),
-            local_psn: Psn::new(0),
-            remote_psn: r.starting_psn,
+            // The REQ's PSN is what we send with; we pick what we receive with (REP).
+            local_psn: r.starting_psn,
+            remote_psn: recv_psn,
             // Linux cm_req_handler / cm_format_req_event swap these to our point of view.
             responder_resources: r.initiator_depth,
             initiator_depth: r.responder_resources,
@@ -930,7 +940,8 @@ impl CmEndpoint {
                 service_id: r.service_id,
                 remote_ca_guid: r.local_ca_guid,
                 remote_qpn: r.local_qpn,
-                remote_psn: r.starting_psn,
+                remote_psn: recv_psn,
+                local_psn: r.starting_psn,
                 responder_resources: r.initiator_depth,
                 initiator_depth: r.responder_resources,
                 path_mtu: r.path_mtu,
@@ -981,7 +992,8 @@ impl CmEndpoint {
         conn.remote_id = r.local_comm_id;
         conn.remote_guid = r.local_ca_guid;
         conn.remote_qpn = Some(r.local_qpn);
-        conn.remote_psn = r.starting_psn;
+        // The REP's PSN is what we send with (the peer's receive PSN).
+        conn.local_psn = r.starting_psn;
         // cm_rep_handler: our initiator depth is the peer's responder resources and back.
         conn.initiator_depth = r.responder_resources;
         conn.responder_resources = r.initiator_depth;
@@ -1006,8 +1018,8 @@ impl CmEndpoint {
             peer,
             remote_ca_guid: r.local_ca_guid,
             remote_qpn: r.local_qpn,
-            remote_psn: r.starting_psn,
-            local_psn: conn.local_psn,
+            remote_psn: conn.remote_psn,
+            local_psn: r.starting_psn,
             responder_resources: conn.responder_resources,
             initiator_depth: conn.initiator_depth,
             retry_count: conn.retry_count,

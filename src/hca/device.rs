@@ -8,7 +8,7 @@
 //! or change device state fails with [`VerbsError::DeviceGone`].
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -81,8 +81,27 @@ pub struct DeviceConfig {
     /// The address this device's UDP socket is bound to; source of every packet.
     pub addr: SocketAddr,
     pub icrc: IcrcCheck,
+    /// Where the peers listen. `None`: at the address their packets come from (soft-HCAs,
+    /// which send from the port they are bound to, so several share a host). `Some(4791)`:
+    /// peers are RoCEv2 devices (rxe, NICs) that send from a per-QP source port (0xC000 +
+    /// hash) but receive only on 4791 (anchors §7.4): every packet's sender is answered at
+    /// its IP and this port, CM replies and QP traffic alike.
+    pub peer_port: Option<u16>,
     /// Seed for memory keys; a simulator run fixes it to replay exactly.
     pub seed: u64,
+}
+
+/// The UDP port every RoCEv2 device receives on (IANA "roce", include/rdma/ib_verbs.h).
+pub const ROCE_V2_PORT: u16 = 4791;
+
+/// Is the peer at `ip` possibly a real RoCEv2 device (Linux rxe, a NIC) rather than one of
+/// our soft-HCAs? Loopback peers are ours (several share 127.0.0.1 on their own ports);
+/// anything else is treated as the real thing: no UDP GSO (each segment would carry its
+/// own IP identification, which the peer's ICRC check covers), received ICRCs not checked
+/// (a UDP socket does not show the sender's IP identification), peers answered at port
+/// 4791, and path MTU 1024 (what rxe derives from a 1500-byte Ethernet MTU).
+pub fn roce_peer(ip: IpAddr) -> bool {
+    !ip.is_loopback()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -526,6 +545,11 @@ impl Device {
                 self.stats.rx_malformed += 1;
                 return;
             }
+        };
+        // After the ICRC check, which covers the real UDP source port.
+        let src = match self.config.peer_port {
+            Some(port) => SocketAddr::new(src.ip(), port),
+            None => src,
         };
         let qpn = pkt.hdrs.bth.dest_qp;
         if qpn == Qpn::GSI {

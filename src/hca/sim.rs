@@ -121,6 +121,7 @@ impl Sim {
                     identity: sim_identity(i),
                     addr: sim_addr(i),
                     icrc: IcrcCheck::Verify,
+                    peer_port: None,
                     seed: rng.random(),
                 })
             })
@@ -157,6 +158,7 @@ impl Sim {
             identity,
             addr: sim_addr(i),
             icrc: IcrcCheck::Verify,
+            peer_port: None,
             seed,
         });
     }

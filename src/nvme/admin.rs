@@ -48,6 +48,9 @@ pub mod cns {
     pub const NAMESPACE: u8 = 0x00;
     pub const CONTROLLER: u8 = 0x01;
     pub const ACTIVE_NAMESPACE_LIST: u8 = 0x02;
+    /// Namespace Identification Descriptor list (NVMe 1.3). Linux reads it from every
+    /// controller that reports version 1.3 or later and drops the namespace if it fails.
+    pub const NS_ID_DESCRIPTORS: u8 = 0x03;
 }
 
 /// Feature identifiers.

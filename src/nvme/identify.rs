@@ -422,9 +422,70 @@ pub fn emit_active_namespace_ids(ids: &[u32], out: &mut [u8; 4096]) -> usize {
     n
 }
 
+/// Namespace identifier type UUID (NIDT 3) in a descriptor list.
+pub const NIDT_UUID: u8 = 3;
+
+/// Write a Namespace Identification Descriptor list (CNS 0x03) holding one UUID descriptor:
+/// NIDT, NIDL (16), two reserved bytes, the UUID; a zero NIDT ends the list.
+pub fn emit_ns_id_descriptors(uuid: [u8; 16], out: &mut [u8; 4096]) {
+    *out = [0; 4096];
+    out[0] = NIDT_UUID;
+    out[1] = 16;
+    out[4..20].copy_from_slice(&uuid);
+}
+
+/// The (NIDT, identifier) pairs of a descriptor list, up to the first zero NIDT or the end.
+pub fn ns_id_descriptors(b: &[u8]) -> Vec<(u8, &[u8])> {
+    let mut v = Vec::new();
+    let mut at = 0;
+    while at + 4 <= b.len() && b[at] != 0 {
+        let len = b[at + 1] as usize;
+        let Some(id) = b.get(at + 4..at + 4 + len) else {
+            break;
+        };
+        v.push((b[at], id));
+        at += 4 + len;
+    }
+    v
+}
+
+/// A stable RFC 4122 (version 4 layout) UUID for namespace `nsid` of subsystem `nqn`: the
+/// same target gives the same namespace the same identity across restarts, which is what
+/// Linux multipath matches paths by.
+pub fn namespace_uuid(nqn: &str, nsid: u32) -> [u8; 16] {
+    let fnv = |seed: u64| {
+        let mut h = seed;
+        for b in nqn.bytes().chain(nsid.to_le_bytes()) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h
+    };
+    let mut u = [0u8; 16];
+    u[..8].copy_from_slice(&fnv(0xcbf2_9ce4_8422_2325).to_be_bytes());
+    u[8..].copy_from_slice(&fnv(0x6c62_272e_07bb_0142).to_be_bytes());
+    u[6] = (u[6] & 0x0F) | 0x40;
+    u[8] = (u[8] & 0x3F) | 0x80;
+    u
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ns_id_descriptor_list_round_trips() {
+        let uuid = namespace_uuid("nqn.2026-11.io.nvmf-rdma:ours", 1);
+        assert_eq!(uuid, namespace_uuid("nqn.2026-11.io.nvmf-rdma:ours", 1));
+        assert_ne!(uuid, namespace_uuid("nqn.2026-11.io.nvmf-rdma:ours", 2));
+        assert_eq!(uuid[6] >> 4, 4);
+        let mut page = [0u8; 4096];
+        emit_ns_id_descriptors(uuid, &mut page);
+        assert_eq!(&page[..4], &[3, 16, 0, 0]);
+        assert_eq!(ns_id_descriptors(&page), vec![(NIDT_UUID, &uuid[..])]);
+        assert!(ns_id_descriptors(&[0u8; 8]).is_empty());
+        assert!(ns_id_descriptors(&[3, 16, 0, 0, 1]).is_empty());
+    }
 
     fn ctrl() -> IdentifyController {
         IdentifyController {

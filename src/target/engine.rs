@@ -46,6 +46,12 @@ pub struct ConnParams {
     pub hrqsize: u16,
     /// Host send queue size, 0's based.
     pub hsqsize: u16,
+    /// The path MTU the host's REQ carries: what its HCA derived from its netdev (1024 on
+    /// 1500-byte Ethernet for rxe). Our RDMA WRITEs and READ responses must not exceed it,
+    /// and FIRST/MIDDLE packets must be exactly this long, or rxe drops them.
+    pub path_mtu: Mtu,
+    /// The PSN we send with: the REQ's starting PSN (see `ConnectRequest::local_psn`).
+    pub local_psn: Psn,
 }
 
 /// Why a queue connection was refused (the NVMe-oF RDMA CM reject status).
@@ -147,7 +153,6 @@ struct Engine {
     ctrls: HashMap<u16, Ctrl>,
     next_cntlid: u16,
     stats: TargetStats,
-    psn_seed: u32,
     /// A hung controller: commands are taken off the wire and never answered.
     frozen: bool,
     /// A stalled backend: I/O commands are held until the stall ends, then executed.
@@ -183,7 +188,6 @@ impl Target {
             ctrls: HashMap::new(),
             next_cntlid: 1,
             stats: TargetStats::default(),
-            psn_seed: 0x5A5A5,
             frozen: false,
             stall_io: false,
             stalled: Vec::new(),
@@ -214,7 +218,7 @@ impl Target {
 
     /// Accept a queue connection: create its QP and rings, bring the QP to RTS, post the
     /// receive ring. Returns our QPN, our starting PSN and the receive queue size (crqsize).
-    pub fn accept(&self, p: ConnParams) -> Result<(Qpn, Psn, u16), ConnReject> {
+    pub fn accept(&self, p: ConnParams) -> Result<(Qpn, u16), ConnReject> {
         let mut e = self.lock();
         self.hca.with(|d, _| e.add_queue(d, p))
     }
@@ -350,7 +354,7 @@ impl Engine {
         }
     }
 
-    fn add_queue(&mut self, d: &mut Device, p: ConnParams) -> Result<(Qpn, Psn, u16), ConnReject> {
+    fn add_queue(&mut self, d: &mut Device, p: ConnParams) -> Result<(Qpn, u16), ConnReject> {
         let size = p.hsqsize as usize + 1;
         if p.qid == 0 && !(fabrics::MIN_ADMIN_SQ_ENTRIES as usize..=4096).contains(&size) {
             return Err(ConnReject::InvalidHsqsize);
@@ -401,12 +405,8 @@ impl Engine {
                 return Err(ConnReject::NoResources);
             }
         };
-        self.psn_seed = self
-            .psn_seed
-            .wrapping_mul(1_103_515_245)
-            .wrapping_add(12_345);
-        let psn = Psn::new(self.psn_seed >> 4);
-        let ok = qp_to_rts(d, qpn, p.peer, psn, &rdma_opts(Mtu::Mtu4096)).is_ok()
+        let psn = p.local_psn;
+        let ok = qp_to_rts(d, qpn, p.peer, psn, &rdma_opts(p.path_mtu)).is_ok()
             && (0..size).all(|i| {
                 let sgl = Sgl::one(
                     recv_mr.addr + (i * capsule_len) as u64,
@@ -453,7 +453,7 @@ impl Engine {
             },
         );
         self.stats.queues_connected += 1;
-        Ok((qpn, psn, size as u16))
+        Ok((qpn, size as u16))
     }
 
     fn remove_queue(&mut self, d: &mut Device, qpn: Qpn) {
@@ -959,6 +959,15 @@ impl Engine {
                             .and_then(|s| s.namespaces.iter().find(|n| n.nsid == sqe.nsid))
                             .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())?;
                         IdentifyNamespace::simple(ns.blocks, ns.lbads).emit(&mut page);
+                    }
+                    cns::NS_ID_DESCRIPTORS => {
+                        let sub = self
+                            .subsystem(ctrl)
+                            .filter(|s| s.namespaces.iter().any(|n| n.nsid == sqe.nsid))
+                            .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())?;
+                        let uuid =
+                            crate::nvme::identify::namespace_uuid(sub.nqn.as_str(), sqe.nsid);
+                        crate::nvme::identify::emit_ns_id_descriptors(uuid, &mut page);
                     }
                     cns::ACTIVE_NAMESPACE_LIST => {
                         let ids: Vec<u32> = self

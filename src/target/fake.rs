@@ -164,13 +164,12 @@ impl FakeTarget {
                 };
                 let size = nvme.hsqsize as usize + 1;
                 let seed = sh.cfg.seed ^ psn as u64;
-                let q = FakeQueue::create(&hca, pd, peer, Psn::new(psn), size, nvme.qid, seed);
+                let q = FakeQueue::create(&hca, pd, peer, req.local_psn, size, nvme.qid, seed);
                 let Ok(q) = q else {
                     cm.reject(req.id, &[]);
                     continue;
                 };
-                let mut ap = AcceptParams::new(q.qpn);
-                ap.starting_psn = Some(Psn::new(psn));
+                let ap = AcceptParams::new(q.qpn);
                 let private = NvmeCmAccept {
                     crqsize: size as u16,
                 }

@@ -38,11 +38,12 @@ pub fn serve_cm(target: Target, cm: CmService) {
                         qid: nvme.qid,
                         hrqsize: nvme.hrqsize,
                         hsqsize: nvme.hsqsize,
+                        path_mtu: req.path_mtu,
+                        local_psn: req.local_psn,
                     };
                     match target.accept(p) {
-                        Ok((qpn, psn, crqsize)) => {
-                            let mut ap = AcceptParams::new(qpn);
-                            ap.starting_psn = Some(psn);
+                        Ok((qpn, crqsize)) => {
+                            let ap = AcceptParams::new(qpn);
                             let private = NvmeCmAccept { crqsize }.emit();
                             if cm.accept(req.id, ap, &private).is_ok() {
                                 cm.watch(req.id, gone_tx.clone());

@@ -83,7 +83,12 @@ impl ConnectOptions {
             queue_size: 128,
             keep_alive_tmo: Duration::from_secs(5),
             max_io: 128 << 10,
-            mtu: Mtu::Mtu4096,
+            // rxe on 1500-byte Ethernet uses 1024; soft-HCAs on loopback take 4096.
+            mtu: if crate::hca::device::roce_peer(traddr.ip()) {
+                Mtu::Mtu1024
+            } else {
+                Mtu::Mtu4096
+            },
             connect_timeout: Duration::from_secs(5),
             policy: Policy::default(),
             io_timeout: crate::reconnect::policy::DEFAULT_IO_TIMEOUT,

@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# The cases of run.sh (sourced by it). Each prints PASS/FAIL lines through check().
+
+# Interop 1: our initiator (host netns) -> Linux nvmet-rdma on rxe in the guest.
+case_interop1() {
+  log "interop 1: our initiator -> nvmet-rdma on rxe in the guest ($GUEST_IP:4420)"
+  timeout 60 ip netns exec "$NETNS" "$BIN" discover -a "$GUEST_IP" > "$OUT/discover.txt" 2>&1
+  sed 's/^/    /' "$OUT/discover.txt" | grep -E 'Records|subnqn|Error|Caused' 
+  check "interop1: discovery log lists $KNQN" grep -q "subnqn:  $KNQN" "$OUT/discover.txt"
+  timeout 120 ip netns exec "$NETNS" "$BIN" verify -a "$GUEST_IP" -n "$KNQN" -i 1 --size 32M \
+    > "$OUT/interop1-verify.txt" 2>&1
+  tr '\r' '\n' < "$OUT/interop1-verify.txt" | grep -v '^$' | tail -2 | sed 's/^/    /'
+  check "interop1: connect + identify + write 32 MiB + read back, every byte matches" \
+    grep -q "every byte read back matches" "$OUT/interop1-verify.txt"
+  # odd sizes: 512 B (inline in the capsule) and 4.5 KiB (keyed SGL, split at MTU 1024)
+  local n
+  for n in 512 4608; do
+    head -c $n /dev/urandom > "$OUT/odd.bin"; rm -f "$OUT/odd.back"
+    timeout 60 ip netns exec "$NETNS" "$BIN" write -a "$GUEST_IP" -n "$KNQN" -i 1 --lba 200000 \
+      --input "$OUT/odd.bin" >/dev/null 2>&1 &&
+    timeout 60 ip netns exec "$NETNS" "$BIN" read -a "$GUEST_IP" -n "$KNQN" -i 1 --lba 200000 \
+      --size $n --output "$OUT/odd.back" >/dev/null 2>&1
+    check "interop1: $n-byte write at LBA 200000 reads back the same" cmp -s "$OUT/odd.bin" "$OUT/odd.back"
+  done
+  # ... and the kernel sees the same bytes on its block device
+  gx "dd if=/dev/ram0 bs=512 skip=200000 count=9 2>/dev/null > /tmp/k.bin; cmp /tmp/k.bin /mnt/out/odd.bin" >/dev/null
+  check "interop1: /dev/ram0 in the guest holds the bytes we wrote" test $? = 0
+}
+
+# Interop 2: the kernel nvme-rdma host in the guest -> our target (host netns).
+case_interop2() {
+  log "interop 2: Linux nvme-rdma in the guest -> our target on $HOST_IP:4420"
+  ip netns exec "$NETNS" "$BIN" target --listen "$HOST_IP" --ram 128M -n "$ONQN" \
+    > "$OUT/our-target.log" 2>&1 &
+  local tpid=$!; BG_PIDS+=("$tpid")
+  local i; for i in $(seq 50); do grep -q listening "$OUT/our-target.log" && break; sleep 0.2; done
+  GX_TIMEOUT=90 gx "kconnect $HOST_IP $ONQN && nvme list | grep -E 'nvme|Node'"
+  check "interop2: nvme connect -t rdma to our target, namespace appears" test $? = 0
+  GX_TIMEOUT=180 gx "d=\$(kdev $HOST_IP); fio --name=verify --filename=\$d --rw=randwrite --bs=4k \
+      --iodepth=16 --ioengine=libaio --direct=1 --size=24m --verify=crc32c --do_verify=1 \
+      --verify_fatal=1 > /tmp/fio.txt 2>&1; r=\$?; grep -E 'err=|IOPS' /tmp/fio.txt; exit \$r"
+  check "interop2: fio 4 KiB randwrite 24 MiB + verify=crc32c through the kernel host" test $? = 0
+  GX_TIMEOUT=180 gx "d=\$(kdev $HOST_IP); fio --name=verify128k --filename=\$d --rw=write --bs=128k \
+      --iodepth=8 --ioengine=libaio --direct=1 --offset=32m --size=32m --verify=crc32c --do_verify=1 \
+      --verify_fatal=1 > /tmp/fio.txt 2>&1; r=\$?; grep -E 'err=|IOPS' /tmp/fio.txt; exit \$r"
+  check "interop2: fio 128 KiB seq write 32 MiB + verify=crc32c" test $? = 0
+  gx "nvme disconnect-all; dmesg | grep -E 'nvme nvme|nvmet' | tail -4" >/dev/null
+  kill -INT "$tpid"; wait "$tpid" 2>/dev/null
+  grep -E 'stopping' "$OUT/our-target.log" | cut -c1-200 | sed 's/^/    /'
+}
+
+# Chaos against nvmet-rdma: our own HCA reset / unplug+replug mid-I/O, then faults on the
+# guest's side (nvmet port disabled, guest link down, the target's rxe device deleted)
+# while our workers write and verify.
+ours_chaos_bg() {  # ours_chaos_bg NAME SECONDS ARGS...: chaos with no own faults, in the background
+  local name=$1 secs=$2; shift 2
+  timeout $((secs + 120)) ip netns exec "$NETNS" "$BIN" chaos -a "$GUEST_IP" -n "$KNQN" \
+    --size 16M --workers 4 -i 1 --seconds "$secs" "$@" > "$OUT/chaos-$name.txt" 2>&1 &
+  CHAOS_PID=$!
+}
+chaos_result() {  # chaos_result NAME: wait, show the summary, PASS/FAIL on "result PASS"
+  wait "$CHAOS_PID"; local rc=$?
+  grep -E '^\[|^(I/Os|verified|recoveries|recovery time|failed I/Os|mismatches|hangs|controller|result) ' \
+    "$OUT/chaos-$1.txt" | sed 's/^/    /'
+  grep -q '^result *PASS' "$OUT/chaos-$1.txt" && [ $rc = 0 ]
+}
+clean_giveup() {  # the run gave up at ctrl_loss_tmo and nothing else went wrong
+  grep -q 'ctrl_loss_tmo expired' "$1" && grep -qE '^mismatches +0 ' "$1" && grep -qE '^hangs +0$' "$1" &&
+    grep -qE '^failed I/Os .*; 0 within ctrl_loss_tmo' "$1"
+}
+guest_fault() {  # guest_fault NAME BREAK RESTORE OUTAGE: external fault during a chaos run
+  local name=$1 brk=$2 restore=$3 outage=$4
+  ours_chaos_bg "$name" 40 --every 3600s --faults user-reset -c 2 -l 60
+  sleep 8
+  log "  break: $brk (for ${outage}s)"; gx "$brk" >/dev/null
+  sleep "$outage"
+  log "  restore: $restore"; gx "$restore" >/dev/null
+  chaos_result "$name"
+}
+
+case_chaos() {
+  log "chaos 1: our HCA reset / unplug+replug every 5 s under verified I/O against nvmet-rdma"
+  timeout 200 ip netns exec "$NETNS" "$BIN" chaos -a "$GUEST_IP" -n "$KNQN" --size 16M \
+    --workers 4 -i 1 --seconds 30 --every 5s --faults reset,replug > "$OUT/chaos-hca.txt" 2>&1 &
+  CHAOS_PID=$!
+  check "chaos: HCA reset + replug mid-I/O, reconnects to nvmet-rdma, 0 lost or failed I/Os" chaos_result hca
+
+  log "chaos 2: nvmet port disabled for 8 s (subsystem unlinked from port 1), then re-enabled"
+  check "chaos: nvmet port disable/re-enable, ours reconnects, 0 lost or failed I/Os" \
+    guest_fault port "port_disable" "port_enable" 8
+
+  # The 6.1 guest sometimes comes back from a link flap with a CM that no longer answers
+  # REQs (the kernel host then stays "connecting" for good); ours must then give up at
+  # ctrl_loss_tmo without hanging or losing an acknowledged write. When the guest's CM
+  # survives, ours must simply reconnect.
+  log "chaos 3: guest link down for 8 s, then up"
+  ours_chaos_bg link 40 --every 3600s --faults user-reset -c 2 -l 20
+  sleep 8; gx 'ip link set $IF down' >/dev/null; sleep 8; gx 'ip link set $IF up' >/dev/null
+  local outcome=reconnected
+  chaos_result link || outcome=gave-up
+  timeout 30 ip netns exec "$NETNS" "$BIN" discover -a "$GUEST_IP" > "$OUT/discover-after-flap.txt" 2>&1 ||
+    outcome="$outcome, guest CM deaf after the flap"
+  log "  outcome: $outcome"
+  if [[ $outcome == reconnected* ]]; then
+    pass "chaos: guest eth0 down/up, ours reconnects, 0 lost or failed I/Os"
+  else
+    check "chaos: guest eth0 down/up, target unreachable: ours gives up at ctrl_loss_tmo (20 s), no hang, no lost write" \
+      clean_giveup "$OUT/chaos-link.txt"
+  fi
+  gx 'rdma link delete rxe0; rdma link add rxe0 type rxe netdev $IF; sleep 1; port_cycle' >/dev/null
+
+  log "chaos 3b: guest link down for 8 s, up, and the target repaired (rxe0 re-created, port re-enabled)"
+  check "chaos: guest eth0 down/up + target repair, ours reconnects, 0 lost or failed I/Os" \
+    guest_fault link2 "ip link set \$IF down" \
+      "ip link set \$IF up; rdma link delete rxe0; rdma link add rxe0 type rxe netdev \$IF; sleep 1; port_cycle" 8
+
+  log "chaos 4: the target's rxe device deleted, re-added, nvmet port re-enabled (as Linux needs)"
+  check "chaos: target rxe0 delete/re-add + port re-enable, ours reconnects, 0 lost or failed I/Os" \
+    guest_fault rxe "rdma link delete rxe0" "rdma link add rxe0 type rxe netdev \$IF; sleep 1; port_cycle" 6
+}
+
+# Benchmark: the Linux host in the guest (over rxe loopback) and ours (over the tap) against
+# the same nvmet-rdma target. Under TCG the numbers measure the emulation, not RDMA.
+case_bench() {
+  local secs=${BENCH_SECS:-10}
+  log "bench: Linux nvme-rdma host (guest, rxe loopback) -> nvmet-rdma, fio ${secs}s per job"
+  rm -f "$OUT"/fio-*.json
+  GX_TIMEOUT=$((secs * 6 + 120)) gx "kconnect $GUEST_IP $KNQN >/dev/null && d=\$(kdev $GUEST_IP) &&
+    for j in 'randread 4k 1' 'randread 4k 32' 'read 128k 16'; do set -- \$j
+      fio --name=\$1-\$2-qd\$3 --filename=\$d --rw=\$1 --bs=\$2 --iodepth=\$3 --ioengine=libaio \
+        --direct=1 --size=64m --time_based --runtime=$secs --ramp_time=1 --output-format=json \
+        --output=/mnt/out/fio-\$1-\$2-qd\$3.json || exit 1
+    done; nvme disconnect-all >/dev/null"
+  python3 - "$OUT" > "$OUT/bench-linux.txt" <<'PY'
+import json, sys, glob
+print(f"{'job':<18} {'IOPS':>8} {'MB/s':>8} {'p50 us':>9} {'p99 us':>9}")
+for f in sorted(glob.glob(sys.argv[1] + "/fio-*.json")):
+    j = json.load(open(f))["jobs"][0]; r = j["read"]; p = r["clat_ns"]["percentile"]
+    print(f"{j['jobname']:<18} {r['iops']:>8.0f} {r['bw_bytes']/1e6:>8.1f} "
+          f"{p['50.000000']/1e3:>9.0f} {p['99.000000']/1e3:>9.0f}")
+PY
+  sed 's/^/    linux | /' "$OUT/bench-linux.txt"
+  check "bench: fio through the Linux host ran" grep -q 'randread-4k-qd32' "$OUT/bench-linux.txt"
+  log "bench: our initiator (host netns, soft-HCA over the tap) -> the same nvmet-rdma"
+  timeout $((secs * 3 + 120)) ip netns exec "$NETNS" "$BIN" bench -a "$GUEST_IP" -n "$KNQN" \
+    --seconds "$secs" > "$OUT/bench-ours.txt" 2>&1
+  local rc=$?; sed 's/^/    ours  | /' "$OUT/bench-ours.txt"
+  check "bench: our initiator's jobs ran without errors" test $rc = 0
+}
+
+# The kernel host in the same guest under the comparable faults (not in CI): for the
+# side-by-side table in the README. (No pipes after gx: it must run in this shell.)
+case_linux_chaos() {
+  log "linux chaos: kernel host, nvmet port disabled for 8 s (reconnect_delay=2, ctrl_loss_tmo=60)"
+  GX_TIMEOUT=150 gx 'linux_chaos port_disable port_enable 8' > "$OUT/linux-chaos-port.txt"
+  cat "$OUT/linux-chaos-port.txt"
+  log "linux chaos: kernel host, its rxe device deleted for 6 s, re-added, port re-enabled"
+  GX_TIMEOUT=150 gx 'linux_chaos "rdma link delete rxe0" "rdma link add rxe0 type rxe netdev $IF; sleep 1; port_cycle" 6' \
+    > "$OUT/linux-chaos-rxe.txt"
+  cat "$OUT/linux-chaos-rxe.txt"
+  check "linux chaos: ran" grep -q 'controller:' "$OUT/linux-chaos-port.txt"
+}

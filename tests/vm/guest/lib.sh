@@ -1,0 +1,99 @@
+#!/bin/bash
+# Helpers for the command files run by agent.sh: rxe, the nvmet-rdma target in configfs,
+# and the kernel nvme-rdma host.
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+IF=${IF:-$(ls /sys/class/net | grep -v '^lo$' | head -1)}
+IP=$(ip -4 -o addr show dev "$IF" 2>/dev/null | awk '{print $4}' | cut -d/ -f1 | head -1)
+IP=${IP:-192.168.100.2}
+CIDR=${IP}/24
+NVMET=/sys/kernel/config/nvmet
+KNQN=nqn.2026-11.io.nvmf-rdma:linux-nvmet
+
+rxe_up() {  # modules, a 128 MiB brd ramdisk, and rxe0 on the NIC
+  modprobe rdma_rxe && modprobe ib_uverbs && modprobe nvmet-rdma && modprobe nvme-rdma || return 1
+  [ -b /dev/ram0 ] || modprobe brd rd_nr=1 rd_size=131072 || return 1
+  rdma link show rxe0/1 >/dev/null 2>&1 || rdma link add rxe0 type rxe netdev "$IF" || return 1
+  rdma link show rxe0/1
+  gid_table
+}
+
+gid_table() {  # the non-empty GIDs of rxe0 with their type
+  local g i v
+  for g in /sys/class/infiniband/rxe0/ports/1/gids/*; do
+    i=${g##*/}; v=$(cat "$g" 2>/dev/null) || continue
+    [ "$v" = "0000:0000:0000:0000:0000:0000:0000:0000" ] && continue
+    echo "gid $i: $v $(cat /sys/class/infiniband/rxe0/ports/1/gid_attrs/types/$i 2>/dev/null)"
+  done
+  echo "active_mtu: $(ibv_devinfo -d rxe0 2>/dev/null | awk '/active_mtu/{print $2, $3}')"
+}
+
+nvmet_up() {  # subsystem $KNQN, namespace 1 = /dev/ram0, port 1 on $IP:4420 (rdma)
+  local s=$NVMET/subsystems/$KNQN p=$NVMET/ports/1
+  [ -d "$s" ] || {
+    mkdir "$s" && echo 1 > "$s/attr_allow_any_host" &&
+    mkdir "$s/namespaces/1" && echo /dev/ram0 > "$s/namespaces/1/device_path" &&
+    echo 1 > "$s/namespaces/1/enable"; } || return 1
+  [ -d "$p" ] || {
+    mkdir "$p" && echo rdma > "$p/addr_trtype" && echo ipv4 > "$p/addr_adrfam" &&
+    echo "$IP" > "$p/addr_traddr" && echo 4420 > "$p/addr_trsvcid"; } || return 1
+  port_enable
+}
+port_enable() {  # (re-)link the subsystem to the port: nvmet starts listening
+  [ -e "$NVMET/ports/1/subsystems/$KNQN" ] || ln -s "$NVMET/subsystems/$KNQN" "$NVMET/ports/1/subsystems/$KNQN"
+}
+port_disable() { rm -f "$NVMET/ports/1/subsystems/$KNQN"; }
+port_cycle() { port_disable; sleep 0.5; port_enable; }
+
+hostnqn() {  # no DMI in the guest: a random UUID host NQN, made once
+  [ -s /etc/nvme/hostnqn ] || { mkdir -p /etc/nvme
+    echo "nqn.2014-08.org.nvmexpress:uuid:$(cat /proc/sys/kernel/random/uuid)" > /etc/nvme/hostnqn; }
+  cat /etc/nvme/hostnqn
+}
+
+kconnect() {  # kernel host: connect to $1 (address) subsystem $2 with extra options $3 (k=v,...)
+  local opts="transport=rdma,traddr=$1,trsvcid=4420,nqn=$2,hostnqn=$(hostnqn)${3:+,$3}" r
+  exec 3<>/dev/nvme-fabrics || return 1
+  echo "$opts" >&3 || { exec 3>&-; echo "connect failed: $opts"; return 1; }
+  read -r r <&3; exec 3>&-
+  echo "connected: $r"
+  local dev=/dev/$(echo "$r" | sed -n 's/.*instance=\([0-9]*\).*/nvme\1/p')n1 i
+  for i in $(seq 100); do [ -b "$dev" ] && break; sleep 0.1; done
+  [ -b "$dev" ] || { echo "no $dev"; return 1; }
+  echo "device: $dev"
+}
+kdev() {  # the block device of the kernel controller connected to traddr $1
+  local c
+  for c in /sys/class/nvme/nvme*; do
+    grep -q "traddr=$1," "$c/address" 2>/dev/null && { ls -d /sys/block/"${c##*/}"n* 2>/dev/null | head -1 | sed 's|/sys/block|/dev|'; return; }
+  done
+}
+kdisconnect_all() { nvme disconnect-all; }
+ctrl_states() { local c; for c in /sys/class/nvme/nvme*; do [ -e "$c/state" ] && echo "${c##*/}: $(cat $c/state) $(cat $c/address)"; done; }
+
+# The kernel host's side of the chaos comparison: nvme-rdma -> nvmet-rdma over rxe0 in
+# this guest, fio 4 KiB randread QD32 for 30 s, BREAK at 5 s, RESTORE after OUTAGE s.
+# Prints when the controller was live again (if it was) and how fio ended.
+linux_chaos() {  # linux_chaos BREAK RESTORE OUTAGE
+  local brk=$1 restore=$2 outage=$3 d p t0 st left=0 back=""
+  kconnect "$IP" "$KNQN" "reconnect_delay=2,ctrl_loss_tmo=60" >/dev/null || return 1
+  d=$(kdev "$IP"); dmesg -c >/dev/null
+  fio --name=lx --filename="$d" --rw=randread --bs=4k --iodepth=32 --ioengine=libaio --direct=1 \
+    --time_based --runtime=30 > /tmp/lx-fio.txt 2>&1 & p=$!
+  sleep 5; t0=$EPOCHREALTIME
+  eval "$brk"
+  local i; for ((i = 0; i < 10 * (outage + 30); i++)); do
+    [ $i = $((10 * outage)) ] && eval "$restore"
+    st=$(cat /sys/class/nvme/nvme*/state 2>/dev/null | head -1); st=${st:-gone}
+    [ "$st" != live ] && left=1
+    if [ $left = 1 ] && [ "$st" = live ]; then back=$(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $t0}"); break; fi
+    [ $i -ge $((10 * outage)) ] && [ "$st" = gone ] && break
+    sleep 0.1
+  done
+  if [ -n "$back" ]; then echo "controller: live again $back s after the break"
+  else echo "controller: $st (not live again)"; fi
+  timeout 60 bash -c "while kill -0 $p 2>/dev/null; do sleep 1; done"
+  if kill -0 $p 2>/dev/null; then echo "fio: still blocked 60 s after its runtime"; kill -9 $p
+  else wait $p; echo "fio: exit $?, $(grep -oE 'err= *[0-9]+' /tmp/lx-fio.txt | head -1), $(grep -oE 'IOPS=[0-9.k]+' /tmp/lx-fio.txt | head -1)"; fi
+  dmesg | grep -E 'nvme nvme[0-9]|nvmet' | grep -vE 'requeuing|failing I/O' | sed 's/^\[ *[0-9.]*\] //' | sort -u | head -8
+  timeout 20 nvme disconnect-all >/dev/null 2>&1
+}
