@@ -658,12 +658,16 @@ impl Supervisor {
             Action::FailAll(why) => {
                 self.teardown();
                 self.dev = None;
+                // The controller is DEAD before anyone hears of it: whoever gets the error
+                // and then asks for the status sees the end, not DELETING.
+                let more = self.sm.handle(now, Event::Deleted);
+                debug_assert!(more.is_empty());
+                self.publish();
                 for c in self.all_queues() {
                     c.lock().fail_held(why, true);
                     c.poke();
                 }
                 tracing::warn!(subnqn = %self.opts.subnqn, reason = why.name(), "controller deleted");
-                q.push(Event::Deleted);
             }
         }
     }
