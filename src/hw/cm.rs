@@ -313,6 +313,10 @@ impl CmId {
         let e = self.event(timeout, "CONNECT_RESPONSE").await?;
         let accept = connect_outcome(&e)?;
         if e.kind == ev::CONNECT_RESPONSE {
+            // INIT -> INIT first, as librdmacm's ucma_modify_qp_rtr does: before the REP the
+            // CM computed INIT with no remote access; now that the responder resources are
+            // agreed it grants REMOTE_WRITE/READ, which the target's RDMA READ/WRITE need.
+            self.modify_qp(qp, 1)?;
             self.modify_qp(qp, 2)?;
             self.modify_qp(qp, 3)?;
             // SAFETY: connected id; sends the RTU.
