@@ -46,7 +46,10 @@ fn devices_open_and_have_identity() {
             let by_name = HwDevice::open(&Selector::Name(info.name.clone())).unwrap();
             assert_eq!(by_name.info().guid, info.guid);
             if let Some(p) = info.pci {
-                assert_eq!(HwDevice::open(&Selector::Pci(p)).unwrap().info().guid, info.guid);
+                assert_eq!(
+                    HwDevice::open(&Selector::Pci(p)).unwrap().info().guid,
+                    info.guid
+                );
             }
             // verbs objects come up; an idle device has no async event pending
             let cq = dev.create_cq(16).unwrap();
@@ -68,8 +71,13 @@ fn unknown_device_is_an_error() {
 
 #[test]
 fn target_write_verify_when_configured() {
-    let (Ok(addr), Ok(nqn)) = (std::env::var("NVMF_HW_TARGET"), std::env::var("NVMF_HW_NQN")) else {
-        eprintln!("target_write_verify_when_configured: skipping: NVMF_HW_TARGET/NVMF_HW_NQN not set");
+    let (Ok(addr), Ok(nqn)) = (
+        std::env::var("NVMF_HW_TARGET"),
+        std::env::var("NVMF_HW_NQN"),
+    ) else {
+        eprintln!(
+            "target_write_verify_when_configured: skipping: NVMF_HW_TARGET/NVMF_HW_NQN not set"
+        );
         return;
     };
     if devices_or_skip("target_write_verify_when_configured").is_none() {

@@ -135,8 +135,8 @@ pub async fn run(c: &mut HwController, w: &Workload) -> Result<Report, HwError> 
     let mut lats: Vec<u64> = Vec::with_capacity(1 << 16);
     let t0 = Instant::now();
     loop {
-        let stop = w.duration.is_some_and(|d| t0.elapsed() >= d)
-            || w.count.is_some_and(|n| issued >= n);
+        let stop =
+            w.duration.is_some_and(|d| t0.elapsed() >= d) || w.count.is_some_and(|n| issued >= n);
         while !stop && n_inflight < qd && w.count.is_none_or(|n| issued < n) {
             let Some(cid) = c.io.free_slot() else { break };
             let pos = if w.random {
@@ -223,31 +223,40 @@ pub async fn verify(c: &mut HwController, bytes: u64, seed: u64) -> Result<Vec<R
     };
     let mut out = Vec::new();
     out.push(
-        run(c, &Workload {
-            name: format!("verify: write {} KiB seq", big / 1024),
-            ..base.clone()
-        })
+        run(
+            c,
+            &Workload {
+                name: format!("verify: write {} KiB seq", big / 1024),
+                ..base.clone()
+            },
+        )
         .await?,
     );
     out.push(
-        run(c, &Workload {
-            name: format!("verify: read {} KiB seq", big / 1024),
-            write: false,
-            ..base.clone()
-        })
+        run(
+            c,
+            &Workload {
+                name: format!("verify: read {} KiB seq", big / 1024),
+                write: false,
+                ..base.clone()
+            },
+        )
         .await?,
     );
     let small = 4096u32.max(c.block_size);
     out.push(
-        run(c, &Workload {
-            name: format!("verify: read {} KiB random", small / 1024),
-            write: false,
-            random: true,
-            bytes: small,
-            qd: 32,
-            count: Some(count * 4),
-            ..base
-        })
+        run(
+            c,
+            &Workload {
+                name: format!("verify: read {} KiB random", small / 1024),
+                write: false,
+                random: true,
+                bytes: small,
+                qd: 32,
+                count: Some(count * 4),
+                ..base
+            },
+        )
         .await?,
     );
     Ok(out)

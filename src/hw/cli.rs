@@ -143,7 +143,10 @@ async fn run_target(r: RunArgs) -> Result<(), HwError> {
         for rep in bench::verify(&mut c, r.verify_size, seed).await? {
             println!("{rep}");
         }
-        println!("HW-VERIFY ok bytes={}", r.verify_size.min(c.blocks * u64::from(c.block_size)));
+        println!(
+            "HW-VERIFY ok bytes={}",
+            r.verify_size.min(c.blocks * u64::from(c.block_size))
+        );
     }
     if r.seconds > 0.0 {
         let d = Duration::from_secs_f64(r.seconds);

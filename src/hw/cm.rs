@@ -17,8 +17,8 @@ use rdma_mummy_sys::{
     ibv_get_device_guid, ibv_qp_attr, rdma_ack_cm_event, rdma_cm_event, rdma_cm_id,
     rdma_conn_param, rdma_connect, rdma_create_event_channel, rdma_create_id,
     rdma_destroy_event_channel, rdma_destroy_id, rdma_disconnect, rdma_establish,
-    rdma_event_channel, rdma_get_cm_event, rdma_init_qp_attr, rdma_port_space,
-    rdma_resolve_addr, rdma_resolve_route,
+    rdma_event_channel, rdma_get_cm_event, rdma_init_qp_attr, rdma_port_space, rdma_resolve_addr,
+    rdma_resolve_route,
 };
 use sideway::ibverbs::queue_pair::{BasicQueuePair, QueuePair, QueuePairAttribute};
 use tokio::io::unix::AsyncFd;
@@ -218,7 +218,12 @@ impl CmId {
             .map_err(|_| HwError::CmTimeout(what))?
     }
 
-    async fn expect(&self, kind: u32, timeout: Duration, what: &'static str) -> Result<(), HwError> {
+    async fn expect(
+        &self,
+        kind: u32,
+        timeout: Duration,
+        what: &'static str,
+    ) -> Result<(), HwError> {
         let e = self.event(timeout, what).await?;
         if e.kind == kind {
             Ok(())
@@ -352,7 +357,9 @@ mod tests {
         };
         assert_eq!(connect_outcome(&e).unwrap(), acc);
         // nvmet-rdma rejects with a consumer REJ (reason 28) carrying nvme_rdma_cm_rej.
-        let rej = NvmeCmReject::new(NvmeRejectStatus::InvalidQid).emit().to_vec();
+        let rej = NvmeCmReject::new(NvmeRejectStatus::InvalidQid)
+            .emit()
+            .to_vec();
         let e = CmEvent {
             kind: ev::REJECTED,
             status: 28,
@@ -373,7 +380,10 @@ mod tests {
         };
         assert!(matches!(
             connect_outcome(&e),
-            Err(HwError::Rejected { status: 8, nvme: None })
+            Err(HwError::Rejected {
+                status: 8,
+                nvme: None
+            })
         ));
         let e = CmEvent {
             kind: 7,
@@ -382,7 +392,10 @@ mod tests {
         };
         assert!(matches!(
             connect_outcome(&e),
-            Err(HwError::CmUnexpected { got: "UNREACHABLE", .. })
+            Err(HwError::CmUnexpected {
+                got: "UNREACHABLE",
+                ..
+            })
         ));
     }
 

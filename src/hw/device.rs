@@ -89,7 +89,9 @@ impl std::str::FromStr for Selector {
                 .map(Selector::Pci)
                 .map_err(|_| format!("bad PCI address {p:?}"));
         }
-        Ok(Selector::Name(s.strip_prefix("name:").unwrap_or(s).to_string()))
+        Ok(Selector::Name(
+            s.strip_prefix("name:").unwrap_or(s).to_string(),
+        ))
     }
 }
 
@@ -151,7 +153,9 @@ pub struct HwDevice {
 
 impl fmt::Debug for HwDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HwDevice").field("info", &self.info).finish()
+        f.debug_struct("HwDevice")
+            .field("info", &self.info)
+            .finish()
     }
 }
 
@@ -173,7 +177,9 @@ impl HwDevice {
             .iter()
             .find(|d| map::guid_from_be64(d.guid().as_u64()) == info.guid)
             .ok_or_else(|| HwError::NoSuchDevice(format!("guid:{}", info.guid)))?;
-        let ctx = dev.open().map_err(|e| HwError::sideway("ibv_open_device", e))?;
+        let ctx = dev
+            .open()
+            .map_err(|e| HwError::sideway("ibv_open_device", e))?;
         let pd = ctx
             .alloc_pd()
             .map_err(|e| HwError::sideway("ibv_alloc_pd", e))?;
@@ -327,8 +333,16 @@ mod tests {
     #[test]
     fn selectors_parse_and_pick() {
         let devs = vec![
-            dev("mlx5_0", 0x0c42_a103_00aa_bb01, Some(PciAddr::new(0, 0x3b, 0, 0))),
-            dev("mlx5_1", 0x0c42_a103_00aa_bb02, Some(PciAddr::new(0, 0x3b, 0, 1))),
+            dev(
+                "mlx5_0",
+                0x0c42_a103_00aa_bb01,
+                Some(PciAddr::new(0, 0x3b, 0, 0)),
+            ),
+            dev(
+                "mlx5_1",
+                0x0c42_a103_00aa_bb02,
+                Some(PciAddr::new(0, 0x3b, 0, 1)),
+            ),
             dev("rxe0", 0x5054_00ff_fe12_3456, None),
         ];
         let pick = |s: &str| {
@@ -357,7 +371,11 @@ mod tests {
 
     #[test]
     fn identity_carries_guid_and_pci() {
-        let d = dev("mlx5_0", 0x0c42_a103_00aa_bb01, Some(PciAddr::new(0, 0x3b, 0, 0)));
+        let d = dev(
+            "mlx5_0",
+            0x0c42_a103_00aa_bb01,
+            Some(PciAddr::new(0, 0x3b, 0, 0)),
+        );
         let id = d.identity();
         assert_eq!(id.guid, Guid(0x0c42_a103_00aa_bb01));
         assert_eq!(id.pci, PciAddr::new(0, 0x3b, 0, 0));

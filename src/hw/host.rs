@@ -160,13 +160,17 @@ impl HwController {
         let nsid = if cfg.nsid != 0 {
             cfg.nsid
         } else {
-            let cqe = admin.exec(admin::identify_active_namespaces(0, 0), 4096, t).await?;
+            let cqe = admin
+                .exec(admin::identify_active_namespaces(0, 0), 4096, t)
+                .await?;
             check("Identify Active Namespaces", &cqe)?;
             active_namespace_ids(admin.data(cqe.cid, 4096))
                 .next()
                 .ok_or_else(|| HwError::Invalid("the subsystem has no active namespace".into()))?
         };
-        let cqe = admin.exec(admin::identify_namespace(0, nsid), 4096, t).await?;
+        let cqe = admin
+            .exec(admin::identify_namespace(0, nsid), 4096, t)
+            .await?;
         check("Identify Namespace", &cqe)?;
         let ns = IdentifyNamespace::parse(admin.data(cqe.cid, 4096))?;
         let block_size = ns
@@ -174,7 +178,9 @@ impl HwController {
             .ok_or_else(|| HwError::Invalid(format!("namespace {nsid}: unusable LBA format")))?;
         let blocks = ns.nsze;
         if blocks == 0 {
-            return Err(HwError::Invalid(format!("namespace {nsid} is empty or inactive")));
+            return Err(HwError::Invalid(format!(
+                "namespace {nsid} is empty or inactive"
+            )));
         }
         // Largest transfer: ours, capped by MDTS.
         let mut max_io = cfg.max_io;
@@ -236,7 +242,9 @@ impl HwController {
             tracing::warn!(?ev, device = %self.dev.info(), "async event");
             if matches!(
                 ev,
-                HwEvent::Known(AsyncEvent::DeviceFatal | AsyncEvent::DeviceRemoved | AsyncEvent::PortError)
+                HwEvent::Known(
+                    AsyncEvent::DeviceFatal | AsyncEvent::DeviceRemoved | AsyncEvent::PortError
+                )
             ) {
                 return Err(HwError::CmUnexpected {
                     expected: "no fatal device event",
@@ -258,7 +266,10 @@ impl HwController {
         }
         if let Some(k) = self.kato {
             if self.ka_cid.is_none() && self.last_ka.elapsed() >= k / 2 {
-                let cid = self.admin.free_slot().ok_or_else(|| HwError::Invalid("admin queue full".into()))?;
+                let cid = self
+                    .admin
+                    .free_slot()
+                    .ok_or_else(|| HwError::Invalid("admin queue full".into()))?;
                 self.admin.submit(admin::keep_alive(0), cid, 0)?;
                 self.ka_cid = Some(cid);
                 self.last_ka = Instant::now();
@@ -335,7 +346,9 @@ async fn fabrics_connect(
     data: &ConnectData,
     t: Duration,
 ) -> Result<u16, HwError> {
-    let cid = q.free_slot().ok_or_else(|| HwError::Invalid("queue full".into()))?;
+    let cid = q
+        .free_slot()
+        .ok_or_else(|| HwError::Invalid("queue full".into()))?;
     q.data_mut(cid, ConnectData::LEN)
         .copy_from_slice(&data.to_bytes());
     let sqe = FabricsCmd::Connect {
@@ -363,6 +376,8 @@ async fn prop_get(q: &mut HwQueue, offset: u32, t: Duration) -> Result<u64, HwEr
 }
 
 async fn prop_set(q: &mut HwQueue, offset: u32, value: u64, t: Duration) -> Result<(), HwError> {
-    let cqe = q.exec(FabricsCmd::set(offset, value).to_sqe(0), 0, t).await?;
+    let cqe = q
+        .exec(FabricsCmd::set(offset, value).to_sqe(0), 0, t)
+        .await?;
     check("Property Set", &cqe)
 }

@@ -218,7 +218,10 @@ mod tests {
 
     #[test]
     fn async_events_decode() {
-        assert_eq!(async_event(8, 0, 0), HwEvent::Known(AsyncEvent::DeviceFatal));
+        assert_eq!(
+            async_event(8, 0, 0),
+            HwEvent::Known(AsyncEvent::DeviceFatal)
+        );
         assert_eq!(async_event(10, 0, 0), HwEvent::Known(AsyncEvent::PortError));
         assert_eq!(async_event(9, 0, 0), HwEvent::Known(AsyncEvent::PortActive));
         assert_eq!(

@@ -87,7 +87,9 @@ pub enum HwError {
     ControllerFatal,
     #[error("invalid request: {0}")]
     Invalid(String),
-    #[error("data mismatch at byte {offset} (LBA {lba}): expected {expected:#04x}, read {got:#04x}")]
+    #[error(
+        "data mismatch at byte {offset} (LBA {lba}): expected {expected:#04x}, read {got:#04x}"
+    )]
     Mismatch {
         offset: u64,
         lba: u64,

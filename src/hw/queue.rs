@@ -45,7 +45,8 @@ impl AlignedBuf {
             .map_err(|e| HwError::Invalid(format!("buffer of {len} bytes: {e}")))?;
         // SAFETY: non-zero size.
         let p = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(p).ok_or_else(|| HwError::Invalid(format!("out of memory ({len} bytes)")))?;
+        let ptr = NonNull::new(p)
+            .ok_or_else(|| HwError::Invalid(format!("out of memory ({len} bytes)")))?;
         Ok(AlignedBuf { ptr, layout })
     }
     fn as_ptr(&self) -> *mut u8 {
@@ -215,7 +216,10 @@ impl HwQueue {
     fn check_slot(&self, cid: u16) -> Result<usize, HwError> {
         let i = usize::from(cid);
         if i >= self.slots.len() {
-            return Err(HwError::Invalid(format!("cid {cid} >= depth {}", self.slots.len())));
+            return Err(HwError::Invalid(format!(
+                "cid {cid} >= depth {}",
+                self.slots.len()
+            )));
         }
         Ok(i)
     }
@@ -223,7 +227,8 @@ impl HwQueue {
     /// The data slot of `cid` (read it after a read completes).
     pub fn data(&self, cid: u16, len: usize) -> &[u8] {
         let len = len.min(self.cfg.max_io as usize);
-        self.data.slice(usize::from(cid) * self.cfg.max_io as usize, len)
+        self.data
+            .slice(usize::from(cid) * self.cfg.max_io as usize, len)
     }
 
     /// The data slot of `cid`, to fill before submitting a write. Only for a free slot.
@@ -256,7 +261,9 @@ impl HwQueue {
         sqe.set_sgl(&sgl)?;
         let mut bytes = [0u8; 64];
         sqe.emit(&mut bytes);
-        self.cmd.slice_mut(i * Sqe::LEN, Sqe::LEN).copy_from_slice(&bytes);
+        self.cmd
+            .slice_mut(i * Sqe::LEN, Sqe::LEN)
+            .copy_from_slice(&bytes);
         let addr = self.cmd.as_ptr() as u64 + (i * Sqe::LEN) as u64;
         let lkey = self.cmd_mr.lkey().0;
         let mut g = self.qp.start_post_send();
@@ -298,7 +305,13 @@ impl HwQueue {
         match self.cq.cq.start_poll() {
             Ok(p) => {
                 for wc in p {
-                    wcs.push((wc.wr_id(), wc.status(), wc.opcode(), wc.byte_len(), wc.vendor_err()));
+                    wcs.push((
+                        wc.wr_id(),
+                        wc.status(),
+                        wc.opcode(),
+                        wc.byte_len(),
+                        wc.vendor_err(),
+                    ));
                 }
             }
             Err(PollCompletionQueueError::CompletionQueueEmpty) => {}
@@ -331,7 +344,9 @@ impl HwQueue {
                 self.finish(i);
             } else {
                 if map::wc_opcode(opcode) != Some(WcOpcode::Send) {
-                    return Err(HwError::Invalid(format!("unexpected send-side opcode {opcode}")));
+                    return Err(HwError::Invalid(format!(
+                        "unexpected send-side opcode {opcode}"
+                    )));
                 }
                 let i = (wr_id & 0xFFFF) as usize;
                 match self.slots.get_mut(i) {
@@ -404,8 +419,15 @@ impl HwQueue {
     }
 
     /// Submit and wait for one command (for admin use: the queue must be otherwise idle).
-    pub async fn exec(&mut self, sqe: Sqe, data_len: u32, timeout: Duration) -> Result<Cqe, HwError> {
-        let cid = self.free_slot().ok_or_else(|| HwError::Invalid("queue full".into()))?;
+    pub async fn exec(
+        &mut self,
+        sqe: Sqe,
+        data_len: u32,
+        timeout: Duration,
+    ) -> Result<Cqe, HwError> {
+        let cid = self
+            .free_slot()
+            .ok_or_else(|| HwError::Invalid("queue full".into()))?;
         self.submit(sqe, cid, data_len)?;
         let r = tokio::time::timeout(timeout, async {
             loop {

@@ -11,9 +11,9 @@ export VM=${VM:-/tmp/vm-hw}
 W=${W:-/tmp/vm-hw-scripts}
 rm -rf "$W"; mkdir -p "$W"; cp -r "$REF/." "$W/"; chmod -R u+w "$W"
 cp "$REPO"/tests/vm-hw/guest/*.sh "$W/guest/"
-# Our own copy of qemu under another name: other jobs on a shared CI box may clean up
+# qemu through a symlink of another name: other jobs on a shared CI box may clean up
 # "qemu-system-*" processes by name, which must not take this run down.
-mkdir -p "$VM/bin"; cp -f "$(command -v qemu-system-x86_64)" "$VM/bin/qemu-hw-x86_64"
+mkdir -p "$VM/bin"; ln -sf "$(command -v qemu-system-x86_64)" "$VM/bin/qemu-hw-x86_64"
 sed -i 's|qemu-system-x86_64 \$ACCEL|"$VM/bin/qemu-hw-x86_64" $ACCEL|' "$W/run-vm.sh"
 grep -q qemu-hw-x86_64 "$W/run-vm.sh"
 [ -e "$VM/vmlinuz" ] || "$W/install-deps.sh"
