@@ -132,8 +132,8 @@ impl HwController {
         let data = ConnectData {
             hostid: cfg.hostid,
             cntlid: CNTLID_DYNAMIC,
-            subnqn: subnqn.clone(),
-            hostnqn: hostnqn.clone(),
+            subnqn,
+            hostnqn,
         };
         let cntlid = fabrics_connect(&mut admin, 0, ADMIN_DEPTH - 1, cfg.kato_ms, &data, t).await?;
 
