@@ -18,10 +18,14 @@ sed -i 's|qemu-system-x86_64 \$ACCEL|"$VM/bin/qemu-hw-x86_64" $ACCEL|' "$W/run-v
 grep -q qemu-hw-x86_64 "$W/run-vm.sh"
 [ -e "$VM/vmlinuz" ] || "$W/install-deps.sh"
 (cd "$REPO" && cargo build --release --features hw --bin nvmf-rdma)
+# the device tests (tests/hw_backend.rs) run in the guest too, against rxe
+TESTBIN=$(cd "$REPO" && cargo test --release --features hw --test hw_backend --no-run 2>&1 |
+  grep -o 'target/release/deps/hw_backend-[0-9a-f]*' | tail -1)
 "$W/build-initramfs.sh"
 # second archive: the stripped binary and the libraries it links (the kernel unpacks both)
 X=$VM/extra; rm -rf "$X"; mkdir -p "$X/usr/bin"
 strip -o "$X/usr/bin/nvmf-rdma" "$REPO/target/release/nvmf-rdma"
+strip -o "$X/usr/bin/hw_backend" "$REPO/$TESTBIN"
 ldd "$REPO/target/release/nvmf-rdma" | awk '/=> \//{print $3}' | while read -r l; do
   mkdir -p "$X$(dirname "$l")"; cp -L "$l" "$X$l"; done
 (cd "$X" && find . -print0 | cpio --null -o -H newc --quiet) >> "$VM/initramfs.cpio"

@@ -7,13 +7,13 @@
 #   2. kernel host: nvme connect + fio 4k randread qd32 and 128k seqread qd16 on ns1
 #   3. ours (hw backend): connect, write+verify, same two workloads on ns1; verify on ns2
 # Knobs (kernel cmdline via EXTRA_APPEND): vmrt=<seconds per workload, default 10>,
-#   vmcases=<comma list of: events,kernel,hw,hwfile,devremove> (default all but devremove)
+#   vmcases=<comma list of: events,devtests,kernel,hw,hwfile,devremove> (default all but devremove)
 set -u
 IF=${IF:-eth0}
 IP=$(ip -4 -o addr show dev "$IF" | awk '{print $4}' | cut -d/ -f1)
 NQN=nqn.2024-01.io.example:hw-test
 RT=${vmrt:-10}
-CASES=${vmcases:-events,kernel,hw,hwfile}; CASES=" ${CASES//,/ } "
+CASES=${vmcases:-events,devtests,kernel,hw,hwfile}; CASES=" ${CASES//,/ } "
 wants() { [[ "$CASES" == *" $1 "* ]]; }
 up() { cut -d' ' -f1 /proc/uptime; }
 section() { echo; echo "=================== [$(up)] $* ==================="; }
@@ -56,6 +56,12 @@ if wants events; then
   wait $EPID; echo "hw events rc=$?"
   for i in $(seq 30); do rdma link show rxe0/1 | grep -q 'state ACTIVE' && break; sleep 0.5; done
   rdma link show rxe0/1
+fi
+
+if wants devtests; then
+  section "cargo test --test hw_backend, in the guest against rxe0 and the nvmet target"
+  NVMF_HW_TARGET="$IP:4420" NVMF_HW_NQN="$NQN" timeout 180 /usr/bin/hw_backend --test-threads=1 --nocapture
+  echo "hw_backend tests rc=$?"
 fi
 
 if wants kernel; then
