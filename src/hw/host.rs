@@ -234,7 +234,8 @@ impl HwController {
     }
 
     /// Housekeeping between I/Os, never blocking: send a Keep Alive every KATO/2, reap its
-    /// completion, and surface a pending device async event as an error when it is fatal.
+    /// completion, and surface a pending device async event as an error when it is fatal
+    /// (DEVICE_FATAL); others (PORT_ERR, GID_CHANGE, ...) are logged, the QP decides.
     pub fn tick(&mut self) -> Result<(), HwError> {
         if let Some(ev) = self.events.try_next()? {
             use super::map::HwEvent;
@@ -242,19 +243,9 @@ impl HwController {
             tracing::warn!(?ev, device = %self.dev.info(), "async event");
             if matches!(
                 ev,
-                HwEvent::Known(
-                    AsyncEvent::DeviceFatal | AsyncEvent::DeviceRemoved | AsyncEvent::PortError
-                )
+                HwEvent::Known(AsyncEvent::DeviceFatal | AsyncEvent::DeviceRemoved)
             ) {
-                return Err(HwError::CmUnexpected {
-                    expected: "no fatal device event",
-                    got: match ev {
-                        HwEvent::Known(AsyncEvent::DeviceFatal) => "DEVICE_FATAL",
-                        HwEvent::Known(AsyncEvent::PortError) => "PORT_ERR",
-                        _ => "DEVICE_REMOVAL",
-                    },
-                    status: 0,
-                });
+                return Err(HwError::DeviceEvent(ev));
             }
         }
         self.admin.poll()?;

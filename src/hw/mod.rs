@@ -62,6 +62,13 @@ pub enum HwError {
         status: i32,
         nvme: Option<NvmeRejectStatus>,
     },
+    #[error("connection lost: rdma_cm reported {event}{}", if *device_removed { " (the RDMA device was removed)" } else { "" })]
+    ConnectionLost {
+        event: &'static str,
+        device_removed: bool,
+    },
+    #[error("fatal device async event: {0:?}")]
+    DeviceEvent(map::HwEvent),
     #[error("rdma_cm: {0} timed out")]
     CmTimeout(&'static str),
     #[error("rdma_cm bound the address to device {got}, not the selected {want}")]

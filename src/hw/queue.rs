@@ -411,7 +411,13 @@ impl HwQueue {
                 e = self.cm.event(Duration::from_secs(3600), "connection event") => {
                     let e = e?;
                     if matches!(e.kind, ev::DISCONNECTED | ev::DEVICE_REMOVAL) {
-                        return Err(HwError::CmUnexpected { expected: "no CM event during I/O", got: e.name(), status: e.status });
+                        // The target drops its queues when the device goes, so DISCONNECTED
+                        // often comes first; a DEVICE_REMOVAL right behind it says why.
+                        let mut device_removed = e.kind == ev::DEVICE_REMOVAL;
+                        while let Ok(Some(more)) = self.cm.try_event() {
+                            device_removed |= more.kind == ev::DEVICE_REMOVAL;
+                        }
+                        return Err(HwError::ConnectionLost { event: e.name(), device_removed });
                     }
                 }
             }
