@@ -414,8 +414,11 @@ impl HwQueue {
                         // The target drops its queues when the device goes, so DISCONNECTED
                         // often comes first; a DEVICE_REMOVAL right behind it says why.
                         let mut device_removed = e.kind == ev::DEVICE_REMOVAL;
-                        while let Ok(Some(more)) = self.cm.try_event() {
-                            device_removed |= more.kind == ev::DEVICE_REMOVAL;
+                        if !device_removed {
+                            // bounded: a plain disconnect costs this much extra, once
+                            if let Ok(more) = self.cm.event(Duration::from_millis(250), "DEVICE_REMOVAL").await {
+                                device_removed = more.kind == ev::DEVICE_REMOVAL;
+                            }
                         }
                         return Err(HwError::ConnectionLost { event: e.name(), device_removed });
                     }
