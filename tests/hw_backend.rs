@@ -7,10 +7,12 @@
 
 use std::time::Duration;
 
+use nvmf_rdma::hca::verbs::conformance;
 use nvmf_rdma::hw::bench;
 use nvmf_rdma::hw::device::{list_devices, HwDevice, HwDeviceInfo, Selector};
 use nvmf_rdma::hw::events::AsyncEvents;
 use nvmf_rdma::hw::host::{HostConfig, HwController};
+use nvmf_rdma::hw::verbs::{roce_v2_ipv4_gid, HwLoopPair};
 use nvmf_rdma::hw::HwError;
 
 fn devices_or_skip(test: &str) -> Option<Vec<HwDeviceInfo>> {
@@ -58,6 +60,32 @@ fn devices_open_and_have_identity() {
             let _ = ev.try_next().unwrap();
         }
     });
+}
+
+/// The same checks `tests/verbs_conformance.rs` runs on the soft-HCA, through the same trait,
+/// on two QPs of each RoCE device connected to each other.
+#[test]
+fn hw_device_passes_the_verbs_conformance_checks() {
+    let Some(devs) = devices_or_skip("hw_device_passes_the_verbs_conformance_checks") else {
+        return;
+    };
+    let mut ran = 0;
+    for info in devs {
+        if roce_v2_ipv4_gid(std::path::Path::new("/sys"), &info.name).is_none() {
+            eprintln!(
+                "{}: no RoCE v2 IPv4 GID, not a loopback candidate",
+                info.name
+            );
+            continue;
+        }
+        let dev = HwDevice::open(&Selector::Guid(info.guid)).unwrap();
+        let mut pair = HwLoopPair::new(dev).unwrap();
+        conformance(&mut pair).unwrap_or_else(|e| panic!("{info}: {e}"));
+        ran += 1;
+    }
+    if ran == 0 {
+        eprintln!("hw_device_passes_the_verbs_conformance_checks: skipping: no RoCE v2 device with an IPv4 GID");
+    }
 }
 
 #[test]

@@ -253,13 +253,24 @@ impl HwDevice {
         max_send_wr: u32,
         max_recv_wr: u32,
     ) -> Result<BasicQueuePair, HwError> {
+        self.create_rc_qp_sge(cq, max_send_wr, max_recv_wr, 1)
+    }
+
+    /// [`HwDevice::create_rc_qp`] with `max_sge` scatter/gather entries per work request.
+    pub fn create_rc_qp_sge(
+        &self,
+        cq: &HwCq,
+        max_send_wr: u32,
+        max_recv_wr: u32,
+        max_sge: u32,
+    ) -> Result<BasicQueuePair, HwError> {
         self.pd
             .create_qp_builder()
             .setup_qp_type(QueuePairType::ReliableConnection)
             .setup_max_send_wr(max_send_wr)
             .setup_max_recv_wr(max_recv_wr)
-            .setup_max_send_sge(1)
-            .setup_max_recv_sge(1)
+            .setup_max_send_sge(max_sge)
+            .setup_max_recv_sge(max_sge)
             .setup_max_inline_data(0)
             .setup_send_cq(cq.cq.clone())
             .setup_recv_cq(cq.cq.clone())

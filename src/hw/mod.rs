@@ -28,6 +28,7 @@ pub mod events;
 pub mod host;
 pub mod map;
 pub mod queue;
+pub mod verbs;
 
 use std::io;
 

@@ -49,18 +49,18 @@ impl AlignedBuf {
             .ok_or_else(|| HwError::Invalid(format!("out of memory ({len} bytes)")))?;
         Ok(AlignedBuf { ptr, layout })
     }
-    fn as_ptr(&self) -> *mut u8 {
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.layout.size()
     }
-    fn slice(&self, off: usize, len: usize) -> &[u8] {
+    pub(crate) fn slice(&self, off: usize, len: usize) -> &[u8] {
         assert!(off + len <= self.len());
         // SAFETY: in bounds; the device writes only into slots we are not handing out.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
     }
-    fn slice_mut(&mut self, off: usize, len: usize) -> &mut [u8] {
+    pub(crate) fn slice_mut(&mut self, off: usize, len: usize) -> &mut [u8] {
         assert!(off + len <= self.len());
         // SAFETY: in bounds, exclusive borrow.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) }
