@@ -10,6 +10,8 @@ pub mod cm;
 pub mod driver;
 pub mod export;
 pub mod hca;
+#[cfg(feature = "hw")]
+pub mod hw;
 pub mod metrics_http;
 pub mod nvme;
 pub mod nvmf_perf;

@@ -294,6 +294,10 @@ enum Cmd {
     },
     /// Run the built-in NVMe-oF target until interrupted.
     Target(TargetArgs),
+    /// Hardware verbs backend (built with `--features hw`): kernel RDMA devices through
+    /// libibverbs/librdmacm instead of the soft-HCA.
+    #[cfg(feature = "hw")]
+    Hw(nvmf_rdma::hw::cli::HwArgs),
     /// Ask a discovery controller which subsystems it offers.
     Discover(Fabric),
     /// Connect to a subsystem and hold the controller until interrupted or `disconnect`.
@@ -674,6 +678,8 @@ fn main() -> Result<()> {
 async fn run_async(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Target(t) => run_target(t).await,
+        #[cfg(feature = "hw")]
+        Cmd::Hw(a) => Ok(nvmf_rdma::hw::cli::run(a).await?),
         Cmd::Discover(f) => {
             check_transport(&f)?;
             let (hca, cm) = host_stack(f.traddr, f.host_traddr).await?;

@@ -9,6 +9,7 @@ pub mod rc;
 pub mod registry;
 pub mod sim;
 pub mod types;
+pub mod verbs;
 pub mod wire;
 
 pub use cq::{CqId, WcOpcode, WcStatus, WorkCompletion};

@@ -1,0 +1,417 @@
+//! rdma_cm, active side, with private data: our own FFI over `rdma-mummy-sys`.
+//!
+//! sideway 0.4.3 wraps rdma_cm, but its `ConnectionParameter` has no private-data setter, its
+//! `Identifier` does not expose the raw `rdma_cm_id`, and its `Event` does not expose the
+//! private data of a response or reject. NVMe-oF needs all three (NVMe-oF 1.1, 7.3.x: the
+//! request carries qid/hrqsize/hsqsize, the accept crqsize, the reject an NVMe status), so
+//! connection management is done here directly; the QP stays a sideway object, moved through
+//! INIT/RTR/RTS with the attributes `rdma_init_qp_attr` computes (the QP is not attached to
+//! the id, so librdmacm reports CONNECT_RESPONSE and we call `rdma_establish` ourselves).
+
+use std::mem::MaybeUninit;
+use std::net::SocketAddr;
+use std::ptr::null_mut;
+use std::time::Duration;
+
+use rdma_mummy_sys::{
+    ibv_get_device_guid, ibv_qp_attr, rdma_ack_cm_event, rdma_cm_event, rdma_cm_id,
+    rdma_conn_param, rdma_connect, rdma_create_event_channel, rdma_create_id,
+    rdma_destroy_event_channel, rdma_destroy_id, rdma_disconnect, rdma_establish,
+    rdma_event_channel, rdma_get_cm_event, rdma_init_qp_attr, rdma_port_space, rdma_resolve_addr,
+    rdma_resolve_route,
+};
+use sideway::ibverbs::queue_pair::{BasicQueuePair, QueuePair, QueuePairAttribute};
+use tokio::io::unix::AsyncFd;
+
+use super::map;
+use super::{set_nonblocking, watch, BorrowedRawFd, HwError};
+use crate::cm::private::NvmeCmReject;
+use crate::hca::Guid;
+
+/// rdma_cm event types we act on (`enum rdma_cm_event_type`).
+pub mod ev {
+    pub const ADDR_RESOLVED: u32 = 0;
+    pub const ROUTE_RESOLVED: u32 = 2;
+    pub const CONNECT_RESPONSE: u32 = 5;
+    pub const REJECTED: u32 = 8;
+    pub const ESTABLISHED: u32 = 9;
+    pub const DISCONNECTED: u32 = 10;
+    pub const DEVICE_REMOVAL: u32 = 11;
+}
+
+/// One rdma_cm event, copied out before it is acked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CmEvent {
+    pub kind: u32,
+    pub status: i32,
+    pub private: Vec<u8>,
+}
+
+impl CmEvent {
+    pub fn name(&self) -> &'static str {
+        map::cm_event_name(self.kind)
+    }
+}
+
+/// What a connect attempt ended with, decided from the event alone (testable).
+pub fn connect_outcome(e: &CmEvent) -> Result<Vec<u8>, HwError> {
+    match e.kind {
+        ev::CONNECT_RESPONSE | ev::ESTABLISHED => Ok(e.private.clone()),
+        ev::REJECTED => Err(HwError::Rejected {
+            status: e.status,
+            nvme: NvmeCmReject::parse(&e.private).ok().map(|r| r.status),
+        }),
+        _ => Err(HwError::CmUnexpected {
+            expected: "CONNECT_RESPONSE",
+            got: e.name(),
+            status: e.status,
+        }),
+    }
+}
+
+/// An rdma_cm id with its own event channel.
+pub struct CmId {
+    /// Always `Some` until drop, which deregisters it before the channel's fd closes.
+    afd: Option<AsyncFd<BorrowedRawFd>>,
+    id: *mut rdma_cm_id,
+    chan: *mut rdma_event_channel,
+}
+
+// SAFETY: librdmacm calls are thread-safe; `CmId` is used by one task at a time (&mut / &).
+unsafe impl Send for CmId {}
+unsafe impl Sync for CmId {}
+
+impl Drop for CmId {
+    fn drop(&mut self) {
+        drop(self.afd.take());
+        // SAFETY: every event was acked when read, so destroy_id does not block.
+        unsafe {
+            rdma_destroy_id(self.id);
+            rdma_destroy_event_channel(self.chan);
+        }
+    }
+}
+
+fn sockaddr(addr: SocketAddr) -> libc::sockaddr_storage {
+    // SAFETY: all-zero is a valid sockaddr_storage.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than sockaddr_in and suitably aligned.
+            unsafe { std::ptr::write(std::ptr::addr_of_mut!(ss).cast(), sin) };
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: as above.
+            unsafe { std::ptr::write(std::ptr::addr_of_mut!(ss).cast(), sin6) };
+        }
+    }
+    ss
+}
+
+impl CmId {
+    /// A fresh id in the TCP port space (what NVMe-oF uses) on its own non-blocking channel.
+    pub fn new() -> Result<CmId, HwError> {
+        // SAFETY: plain librdmacm constructors; NULL / -1 mean failure with errno set.
+        unsafe {
+            let chan = rdma_create_event_channel();
+            if chan.is_null() {
+                return Err(HwError::verbs("rdma_create_event_channel"));
+            }
+            let fd = (*chan).fd;
+            if let Err(e) = set_nonblocking(fd) {
+                rdma_destroy_event_channel(chan);
+                return Err(e.into());
+            }
+            let mut id = null_mut();
+            if rdma_create_id(chan, &mut id, null_mut(), rdma_port_space::RDMA_PS_TCP) != 0 {
+                let e = HwError::verbs("rdma_create_id");
+                rdma_destroy_event_channel(chan);
+                return Err(e);
+            }
+            let afd = match watch(fd) {
+                Ok(a) => a,
+                Err(e) => {
+                    rdma_destroy_id(id);
+                    rdma_destroy_event_channel(chan);
+                    return Err(e.into());
+                }
+            };
+            Ok(CmId {
+                afd: Some(afd),
+                id,
+                chan,
+            })
+        }
+    }
+
+    /// The next event, if one is pending.
+    pub fn try_event(&self) -> Result<Option<CmEvent>, HwError> {
+        let mut e: *mut rdma_cm_event = null_mut();
+        // SAFETY: non-blocking channel; on success `e` is ours until acked.
+        let ret = unsafe { rdma_get_cm_event(self.chan, &mut e) };
+        if ret != 0 {
+            let err = std::io::Error::last_os_error();
+            return match err.kind() {
+                std::io::ErrorKind::WouldBlock => Ok(None),
+                _ => Err(HwError::Verbs {
+                    call: "rdma_get_cm_event",
+                    source: err,
+                }),
+            };
+        }
+        // SAFETY: `e` is a valid event; the conn param is the active union member for
+        // connection events, and for others private_data is NULL / len 0.
+        let out = unsafe {
+            let kind = std::ptr::addr_of!((*e).event).cast::<u32>().read();
+            let conn = &(*e).param.conn;
+            let private = if conn.private_data.is_null() || conn.private_data_len == 0 {
+                Vec::new()
+            } else {
+                std::slice::from_raw_parts(
+                    conn.private_data.cast::<u8>(),
+                    usize::from(conn.private_data_len),
+                )
+                .to_vec()
+            };
+            let ev = CmEvent {
+                kind,
+                status: (*e).status,
+                private,
+            };
+            rdma_ack_cm_event(e);
+            ev
+        };
+        Ok(Some(out))
+    }
+
+    /// Wait for the next event.
+    pub async fn event(&self, timeout: Duration, what: &'static str) -> Result<CmEvent, HwError> {
+        let wait = async {
+            loop {
+                let afd = self.afd.as_ref().ok_or(HwError::CmTimeout("closed id"))?;
+                let mut g = afd.readable().await?;
+                match self.try_event()? {
+                    Some(e) => return Ok::<_, HwError>(e),
+                    None => g.clear_ready(),
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait)
+            .await
+            .map_err(|_| HwError::CmTimeout(what))?
+    }
+
+    async fn expect(
+        &self,
+        kind: u32,
+        timeout: Duration,
+        what: &'static str,
+    ) -> Result<(), HwError> {
+        let e = self.event(timeout, what).await?;
+        if e.kind == kind {
+            Ok(())
+        } else {
+            Err(HwError::CmUnexpected {
+                expected: what,
+                got: e.name(),
+                status: e.status,
+            })
+        }
+    }
+
+    /// Resolve `dst` to a device/port and a route.
+    pub async fn resolve(&self, dst: SocketAddr, timeout: Duration) -> Result<(), HwError> {
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        let mut ss = sockaddr(dst);
+        // SAFETY: `ss` outlives the call; librdmacm copies the address.
+        let ret = unsafe { rdma_resolve_addr(self.id, null_mut(), (&raw mut ss).cast(), ms) };
+        if ret != 0 {
+            return Err(HwError::verbs("rdma_resolve_addr"));
+        }
+        self.expect(ev::ADDR_RESOLVED, timeout * 2, "ADDR_RESOLVED")
+            .await?;
+        // SAFETY: id is bound after ADDR_RESOLVED.
+        if unsafe { rdma_resolve_route(self.id, ms) } != 0 {
+            return Err(HwError::verbs("rdma_resolve_route"));
+        }
+        self.expect(ev::ROUTE_RESOLVED, timeout * 2, "ROUTE_RESOLVED")
+            .await
+    }
+
+    /// The node GUID of the device the id is bound to (after [`CmId::resolve`]).
+    pub fn device_guid(&self) -> Option<Guid> {
+        // SAFETY: `verbs` is set by librdmacm once bound, else NULL.
+        unsafe {
+            let verbs = (*self.id).verbs;
+            if verbs.is_null() || (*verbs).device.is_null() {
+                return None;
+            }
+            Some(map::guid_from_be64(ibv_get_device_guid((*verbs).device)))
+        }
+    }
+
+    /// The device port the id is bound to.
+    pub fn port(&self) -> u8 {
+        // SAFETY: plain field read.
+        unsafe { (*self.id).port_num }
+    }
+
+    /// Move `qp` to `state` (`ibv_qp_state`: 1 INIT, 2 RTR, 3 RTS) with rdma_cm's attributes.
+    pub fn modify_qp(&self, qp: &mut BasicQueuePair, state: u32) -> Result<(), HwError> {
+        let mut attr = MaybeUninit::<ibv_qp_attr>::zeroed();
+        let mut mask = 0;
+        // SAFETY: attr is zeroed and large enough; qp_state selects what is computed.
+        unsafe {
+            (*attr.as_mut_ptr()).qp_state = state;
+            if rdma_init_qp_attr(self.id, attr.as_mut_ptr(), &mut mask) != 0 {
+                return Err(HwError::verbs("rdma_init_qp_attr"));
+            }
+            let a = QueuePairAttribute::from(attr.assume_init_ref(), mask);
+            qp.modify(&a)
+                .map_err(|e| HwError::sideway("ibv_modify_qp", e))
+        }
+    }
+
+    /// Send the REQ carrying `private` (the NVMe-oF request, 32 bytes), wait for the REP and
+    /// return its private data; a REJ becomes [`HwError::Rejected`] with the NVMe status.
+    pub async fn connect(
+        &self,
+        qp: &mut BasicQueuePair,
+        private: &[u8],
+        responder_resources: u8,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, HwError> {
+        let len = u8::try_from(private.len())
+            .map_err(|_| HwError::Invalid(format!("{} bytes of private data", private.len())))?;
+        let mut p = rdma_conn_param {
+            private_data: private.as_ptr().cast(),
+            private_data_len: len,
+            responder_resources,
+            initiator_depth: 0,
+            flow_control: 1,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            srq: 0,
+            qp_num: qp.qp_number(),
+        };
+        // SAFETY: `p` and `private` outlive the call; librdmacm copies the private data.
+        if unsafe { rdma_connect(self.id, &mut p) } != 0 {
+            return Err(HwError::verbs("rdma_connect"));
+        }
+        let e = self.event(timeout, "CONNECT_RESPONSE").await?;
+        let accept = connect_outcome(&e)?;
+        if e.kind == ev::CONNECT_RESPONSE {
+            // INIT -> INIT first, as librdmacm's ucma_modify_qp_rtr does: before the REP the
+            // CM computed INIT with no remote access; now that the responder resources are
+            // agreed it grants REMOTE_WRITE/READ, which the target's RDMA READ/WRITE need.
+            self.modify_qp(qp, 1)?;
+            self.modify_qp(qp, 2)?;
+            self.modify_qp(qp, 3)?;
+            // SAFETY: connected id; sends the RTU.
+            if unsafe { rdma_establish(self.id) } != 0 {
+                return Err(HwError::verbs("rdma_establish"));
+            }
+        }
+        Ok(accept)
+    }
+
+    /// Send a DREQ (idempotent from the caller's point of view: errors are returned, not fatal).
+    pub fn disconnect(&self) -> Result<(), HwError> {
+        // SAFETY: plain call on a live id.
+        if unsafe { rdma_disconnect(self.id) } != 0 {
+            return Err(HwError::verbs("rdma_disconnect"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cm::private::{NvmeCmAccept, NvmeRejectStatus};
+
+    #[test]
+    fn outcome_of_accept_reject_and_other_events() {
+        let acc = NvmeCmAccept { crqsize: 128 }.emit().to_vec();
+        let e = CmEvent {
+            kind: ev::CONNECT_RESPONSE,
+            status: 0,
+            private: acc.clone(),
+        };
+        assert_eq!(connect_outcome(&e).unwrap(), acc);
+        // nvmet-rdma rejects with a consumer REJ (reason 28) carrying nvme_rdma_cm_rej.
+        let rej = NvmeCmReject::new(NvmeRejectStatus::InvalidQid)
+            .emit()
+            .to_vec();
+        let e = CmEvent {
+            kind: ev::REJECTED,
+            status: 28,
+            private: rej,
+        };
+        match connect_outcome(&e) {
+            Err(HwError::Rejected { status, nvme }) => {
+                assert_eq!(status, 28);
+                assert_eq!(nvme, Some(NvmeRejectStatus::InvalidQid));
+            }
+            other => panic!("{other:?}"),
+        }
+        // A reject with no / short private data (e.g. invalid service ID: nothing listens).
+        let e = CmEvent {
+            kind: ev::REJECTED,
+            status: 8,
+            private: vec![0],
+        };
+        assert!(matches!(
+            connect_outcome(&e),
+            Err(HwError::Rejected {
+                status: 8,
+                nvme: None
+            })
+        ));
+        let e = CmEvent {
+            kind: 7,
+            status: -110,
+            private: vec![],
+        };
+        assert!(matches!(
+            connect_outcome(&e),
+            Err(HwError::CmUnexpected {
+                got: "UNREACHABLE",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn sockaddr_encodes_v4_and_v6() {
+        let ss = sockaddr("10.0.2.15:4420".parse().unwrap());
+        // SAFETY: we just wrote a sockaddr_in there.
+        let sin: libc::sockaddr_in = unsafe { std::ptr::read((&raw const ss).cast()) };
+        assert_eq!(i32::from(sin.sin_family), libc::AF_INET);
+        assert_eq!(u16::from_be(sin.sin_port), 4420);
+        assert_eq!(sin.sin_addr.s_addr.to_ne_bytes(), [10, 0, 2, 15]);
+        let ss = sockaddr("[fe80::1]:4420".parse().unwrap());
+        // SAFETY: as above, sockaddr_in6.
+        let sin6: libc::sockaddr_in6 = unsafe { std::ptr::read((&raw const ss).cast()) };
+        assert_eq!(i32::from(sin6.sin6_family), libc::AF_INET6);
+        assert_eq!(u16::from_be(sin6.sin6_port), 4420);
+        assert_eq!(sin6.sin6_addr.s6_addr[0], 0xfe);
+    }
+}

@@ -1,0 +1,127 @@
+//! The `hw` backend against a real RDMA device. Skips (passing, with a message) when the host
+//! has no RDMA device; the qemu guest of `tests/vm-hw/` runs the full path against rxe.
+//!
+//! With `NVMF_HW_TARGET=<ip>:<port>` and `NVMF_HW_NQN=<subsystem>` it also connects to that
+//! NVMe-oF/RDMA target, writes and verifies 4 MiB and shuts the controller down.
+#![cfg(feature = "hw")]
+
+use std::time::Duration;
+
+use nvmf_rdma::hca::verbs::conformance;
+use nvmf_rdma::hw::bench;
+use nvmf_rdma::hw::device::{list_devices, HwDevice, HwDeviceInfo, Selector};
+use nvmf_rdma::hw::events::AsyncEvents;
+use nvmf_rdma::hw::host::{HostConfig, HwController};
+use nvmf_rdma::hw::verbs::{roce_v2_ipv4_gid, HwLoopPair};
+use nvmf_rdma::hw::HwError;
+
+fn devices_or_skip(test: &str) -> Option<Vec<HwDeviceInfo>> {
+    match list_devices() {
+        Ok(d) if !d.is_empty() => Some(d),
+        Ok(_) => {
+            eprintln!("{test}: skipping: no RDMA device on this host");
+            None
+        }
+        Err(HwError::NoVerbs(e)) => {
+            eprintln!("{test}: skipping: no RDMA support on this host ({e})");
+            None
+        }
+        Err(e) => panic!("{test}: listing devices failed: {e}"),
+    }
+}
+
+#[test]
+fn devices_open_and_have_identity() {
+    let Some(devs) = devices_or_skip("devices_open_and_have_identity") else {
+        return;
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        for info in devs {
+            assert_ne!(info.guid.0, 0, "{info}: zero GUID");
+            let dev = HwDevice::open(&Selector::Guid(info.guid)).unwrap();
+            assert_eq!(dev.info(), &info);
+            // the same device by name, and by PCI address when it has one
+            let by_name = HwDevice::open(&Selector::Name(info.name.clone())).unwrap();
+            assert_eq!(by_name.info().guid, info.guid);
+            if let Some(p) = info.pci {
+                assert_eq!(
+                    HwDevice::open(&Selector::Pci(p)).unwrap().info().guid,
+                    info.guid
+                );
+            }
+            // verbs objects come up; an idle device has no async event pending
+            let cq = dev.create_cq(16).unwrap();
+            let _qp = dev.create_rc_qp(&cq, 8, 8).unwrap();
+            let ev = AsyncEvents::new(&dev).unwrap();
+            let _ = ev.try_next().unwrap();
+        }
+    });
+}
+
+/// The same checks `tests/verbs_conformance.rs` runs on the soft-HCA, through the same trait,
+/// on two QPs of each RoCE device connected to each other.
+#[test]
+fn hw_device_passes_the_verbs_conformance_checks() {
+    let Some(devs) = devices_or_skip("hw_device_passes_the_verbs_conformance_checks") else {
+        return;
+    };
+    let mut ran = 0;
+    for info in devs {
+        if roce_v2_ipv4_gid(std::path::Path::new("/sys"), &info.name).is_none() {
+            eprintln!(
+                "{}: no RoCE v2 IPv4 GID, not a loopback candidate",
+                info.name
+            );
+            continue;
+        }
+        let dev = HwDevice::open(&Selector::Guid(info.guid)).unwrap();
+        let mut pair = HwLoopPair::new(dev).unwrap();
+        conformance(&mut pair).unwrap_or_else(|e| panic!("{info}: {e}"));
+        ran += 1;
+    }
+    if ran == 0 {
+        eprintln!("hw_device_passes_the_verbs_conformance_checks: skipping: no RoCE v2 device with an IPv4 GID");
+    }
+}
+
+#[test]
+fn unknown_device_is_an_error() {
+    if devices_or_skip("unknown_device_is_an_error").is_none() {
+        return;
+    }
+    let err = HwDevice::open(&Selector::Name("no-such-device".into())).unwrap_err();
+    assert!(matches!(err, HwError::NoSuchDevice(_)), "{err}");
+}
+
+#[test]
+fn target_write_verify_when_configured() {
+    let (Ok(addr), Ok(nqn)) = (
+        std::env::var("NVMF_HW_TARGET"),
+        std::env::var("NVMF_HW_NQN"),
+    ) else {
+        eprintln!(
+            "target_write_verify_when_configured: skipping: NVMF_HW_TARGET/NVMF_HW_NQN not set"
+        );
+        return;
+    };
+    if devices_or_skip("target_write_verify_when_configured").is_none() {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut cfg = HostConfig::new(addr.parse().expect("NVMF_HW_TARGET is ip:port"), &nqn);
+        cfg.timeout = Duration::from_secs(20);
+        let mut c = HwController::connect(&cfg).await.unwrap();
+        let reps = bench::verify(&mut c, 4 << 20, 42).await.unwrap();
+        assert_eq!(reps.len(), 3);
+        assert!(reps.iter().all(|r| r.verified && r.ios > 0));
+        c.shutdown().await.unwrap();
+    });
+}
