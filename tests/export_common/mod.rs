@@ -169,9 +169,35 @@ impl MountGuard {
         run(Command::new("mount").arg(dev).arg(at));
         MountGuard(at.to_path_buf())
     }
+    /// Unmount, and fail the test if that cannot be done. A process outside the test (a
+    /// file indexer, a scan of /tmp) can hold the mount for a moment: on "target is busy"
+    /// (exit 32) the holders are printed and the unmount is tried again, a few times.
     pub fn unmount(self) {
-        run(Command::new("umount").arg(&self.0));
-        std::mem::forget(self);
+        for _ in 0..10 {
+            let out = Command::new("umount")
+                .arg(&self.0)
+                .output()
+                .unwrap_or_else(|e| panic!("spawn umount: {e}"));
+            if out.status.success() {
+                std::mem::forget(self);
+                return;
+            }
+            let busy = out.status.code() == Some(32);
+            let holders = Command::new("fuser")
+                .arg("-vm")
+                .arg(&self.0)
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+                .unwrap_or_default();
+            eprintln!(
+                "umount {}: {}holders:\n{holders}",
+                self.0.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(busy, "umount {} failed: {}", self.0.display(), out.status);
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        }
+        panic!("{} stayed busy", self.0.display());
     }
 }
 
