@@ -119,7 +119,7 @@ main() {
   "$HERE/install-deps.sh" > "$VM/install.log" 2>&1 || { tail "$VM/install.log"; fail "install"; exit 1; }
   tail -1 "$VM/install.log"
   # first, as it may build target/release/nvmf-rdma (with --features hw: a superset)
-  if [[ " $CASES " == *" hw "* ]]; then hw_stage || { fail "hw: build + stage the hw binaries"; exit 1; }; fi
+  if [[ " $CASES " == *" hw"* ]]; then hw_stage || { fail "hw: build + stage the hw binaries"; exit 1; }; fi
   if [ ! -x "$BIN" ]; then
     log "build $BIN"
     (cd "$REPO" && cargo build --release --bin nvmf-rdma) || { fail "cargo build"; exit 1; }
