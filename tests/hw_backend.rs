@@ -1,5 +1,5 @@
 //! The `hw` backend against a real RDMA device. Skips (passing, with a message) when the host
-//! has no RDMA device; the qemu guest of `tests/vm-hw/` runs the full path against rxe.
+//! has no RDMA device; `tests/vm/run.sh hw` runs the full path in a qemu guest against rxe.
 //!
 //! With `NVMF_HW_TARGET=<ip>:<port>` and `NVMF_HW_NQN=<subsystem>` it also connects to that
 //! NVMe-oF/RDMA target, writes and verifies 4 MiB and shuts the controller down.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build the guest's initramfs ($VM/initramfs.cpio): busybox for the basics, real bash, ip,
-# rdma, nvme-cli, fio and tcpdump with their shared libraries, and the guest kernel's
-# modules for rdma_rxe, nvmet-rdma, nvme-rdma and brd (plus what they depend on, plus every
-# crypto module: rxe asks for its crc32 hash by name at device creation).
+# rdma, nvme-cli, fio and tcpdump with their shared libraries, libibverbs + librdmacm + the
+# rxe provider, and the guest kernel's modules for rdma_rxe, rdma_ucm, nvmet-rdma, nvme-rdma
+# and brd (plus what they depend on, plus every crypto module: rxe asks for its crc32 hash by
+# name at device creation).
 # Needs install-deps.sh first. Rebuilds only when this script or guest/ changed.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -35,13 +36,21 @@ add_bin() {   # a host binary and the libraries ldd says it needs; /usr/bin or /
 for b in bash ip rdma nvme fio tcpdump kmod ibv_devices ibv_devinfo; do add_bin "$b"; done
 add_file /lib64/ld-linux-x86-64.so.2
 for m in modprobe insmod rmmod lsmod modinfo depmod; do ln -sf /usr/bin/kmod "$ROOT/sbin/$m"; done
-# the rxe user-space provider (ibv_devices/ibv_devinfo dlopen it)
+add_lib() {   # a host library (by soname) and what ldd says it needs
+  local p=/usr/lib/x86_64-linux-gnu/$1
+  [ -e "$p" ] || { echo "missing on host: $p" >&2; exit 1; }
+  add_file "$p"
+  ldd "$p" | awk '/=> \//{print $3}' | while read -r l; do add_file "$l"; done
+}
+# rdma-core at run time: the rxe user-space provider (libibverbs dlopens it), and libibverbs +
+# librdmacm, which `nvmf-rdma hw` (the `hw` case) dlopens by soname
 mkdir -p "$ROOT/etc/libibverbs.d"; cp /etc/libibverbs.d/rxe.driver "$ROOT/etc/libibverbs.d/"
 for so in /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so; do add_file "$so"; done
+add_lib libibverbs.so.1; add_lib librdmacm.so.1
 printf '/lib/x86_64-linux-gnu\n/usr/lib/x86_64-linux-gnu\n' > "$ROOT/etc/ld.so.conf"
 ldconfig -r "$ROOT"
 
-MODS="rdma_rxe ib_uverbs nvme-rdma nvmet-rdma brd configfs virtio_pci virtio_net virtio_rng
+MODS="rdma_rxe ib_uverbs rdma_ucm nvme-rdma nvmet-rdma brd configfs virtio_pci virtio_net virtio_rng
       9p 9pnet_virtio crc32_generic crc32c_generic crc32c-intel"
 for m in $MODS; do
   modprobe -d "$KPKG" -S "$KVER" --show-depends "$m" | awk '$1=="insmod"{print $2}'

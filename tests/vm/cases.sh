@@ -160,3 +160,101 @@ case_linux_chaos() {
   cat "$OUT/linux-chaos-rxe.txt"
   check "linux chaos: ran" grep -q 'controller:' "$OUT/linux-chaos-port.txt"
 }
+
+# The hardware verbs backend (`--features hw`: libibverbs + librdmacm, dlopened) inside the
+# guest, on the guest's rxe0, against the guest's own nvmet-rdma (rxe loopback); then the
+# device tests (tests/hw_backend.rs) there, and the kernel nvme-rdma host's fio on the same
+# namespace for comparison. About 30 s in the guest. Knobs: HW_SECS=5 (seconds per benchmark
+# job, 0 = verify only), HW_DEVTESTS=1 (0 skips tests/hw_backend.rs).
+hw_stage() {  # on the host, before boot: build, strip and stage the binaries under $OUT/hw
+  local bin=${NVMF_HW_BIN:-$REPO/target/release/nvmf-rdma} t
+  if [ -z "${NVMF_HW_BIN:-}" ] && { command -v cargo >/dev/null || ! "$bin" hw --help >/dev/null 2>&1; }; then
+    # (without cargo, e.g. under sudo with another PATH, an existing hw build is used as is)
+    log "build $bin with --features hw"
+    (cd "$REPO" && cargo build --release --features hw --bin nvmf-rdma) || return 1
+  fi
+  "$bin" hw --help >/dev/null 2>&1 || { echo "$bin has no hw subcommand (build it with --features hw)"; return 1; }
+  rm -rf "$OUT/hw"; mkdir -p "$OUT/hw/lib"
+  strip -o "$OUT/hw/nvmf-rdma" "$bin" || return 1
+  if [ "${HW_DEVTESTS:-1}" != 0 ] && ! command -v cargo >/dev/null; then
+    log "no cargo: tests/hw_backend.rs not built, not run"; HW_DEVTESTS=0
+  fi
+  if [ "${HW_DEVTESTS:-1}" != 0 ]; then
+    log "build tests/hw_backend.rs with --features hw"
+    t=$(cd "$REPO" && cargo test --release --features hw --test hw_backend --no-run 2>&1 |
+      tee "$OUT/hw-testbuild.txt" | sed -n 's/.*Executable .*(\(.*hw_backend-[0-9a-f]*\))$/\1/p' | tail -1)
+    [ -n "$t" ] || { tail -5 "$OUT/hw-testbuild.txt"; return 1; }
+    case $t in /*) ;; *) t=$REPO/$t;; esac
+    strip -o "$OUT/hw/hw_backend" "$t" || return 1
+  fi
+  # their shared libraries (libc & co.; rdma-core itself is in the initramfs, dlopened)
+  ldd "$bin" | awk '/=> \//{print $3}' | while read -r l; do cp -L "$l" "$OUT/hw/lib/"; done
+  log "staged for the guest: $(cd "$OUT/hw" && find . -type f | sort | tr '\n' ' ')"
+}
+
+case_hw() {
+  local secs=${HW_SECS:-5} n
+  log "hw: our hw backend in the guest (libibverbs/librdmacm on rxe0) -> nvmet-rdma at $GUEST_IP (rxe loopback)"
+  GX_TIMEOUT=60 gx 'ours_hw list' > "$OUT/hw-list.txt"
+  cat "$OUT/hw-list.txt"
+  check "hw: nvmf-rdma hw list in the guest finds rxe0 (GUID, PCI address, netdev)" \
+    grep -qE 'rxe0 guid [0-9a-f:]+ pci [0-9a-f:.]+ netdev ' "$OUT/hw-list.txt"
+  GX_TIMEOUT=$((secs * 3 + 240)) gx "ours_hw run -a $GUEST_IP -n $KNQN --nsid 1 --verify-size 32M \
+    --seconds $secs --kato-ms 5000" > "$OUT/hw-run.txt"
+  local rc=$?
+  cut -c1-220 "$OUT/hw-run.txt"
+  check "hw: rdma_cm connect + write 32 MiB + read back through the hw backend, every byte matches" \
+    grep -q 'HW-VERIFY ok bytes=33554432' "$OUT/hw-run.txt"
+  if [ "$secs" != 0 ]; then
+    n=$(grep -c 'HW-RESULT' "$OUT/hw-run.txt")
+    check "hw: 4 KiB randread QD32 + 128 KiB seqread QD16 for ${secs}s each, clean disconnect (exit 0)" \
+      test "$rc" = 0 -a "$n" = 2
+    log "hw: the kernel nvme-rdma host in the guest, same namespace, same jobs (fio)"
+    GX_TIMEOUT=$((secs * 3 + 120)) gx "kconnect $GUEST_IP $KNQN >/dev/null && d=\$(kdev $GUEST_IP) &&
+      kfio_result \$d randread 4k 32 $secs && kfio_result \$d read 128k 16 $secs; r=\$?
+      nvme disconnect-all >/dev/null; exit \$r" > "$OUT/hw-kernel.txt"
+    cat "$OUT/hw-kernel.txt"
+    check "hw: the kernel host's fio jobs ran for comparison" test "$(grep -c KERNEL-RESULT "$OUT/hw-kernel.txt")" = 2
+  else
+    check "hw: clean disconnect (exit 0)" test "$rc" = 0
+  fi
+  if [ "${HW_DEVTESTS:-1}" != 0 ]; then
+    log "hw: tests/hw_backend.rs in the guest (device open by GUID/name/PCI, verbs conformance on rxe0, nvmet)"
+    GX_TIMEOUT=240 gx "NVMF_HW_TARGET=$GUEST_IP:4420 NVMF_HW_NQN=$KNQN LD_LIBRARY_PATH=/mnt/out/hw/lib \
+      /mnt/out/hw/hw_backend --test-threads=1 --nocapture" > "$OUT/hw-devtests.txt"
+    rc=$?
+    grep -E '^    guest\| (test |test result)' "$OUT/hw-devtests.txt"
+    check "hw: tests/hw_backend.rs passes on rxe0 in the guest" \
+      eval "[ $rc = 0 ] && grep -q 'test result: ok. [1-9]' '$OUT/hw-devtests.txt' && ! grep -q skipping: '$OUT/hw-devtests.txt'"
+  fi
+}
+
+# More of the hw backend in the guest (not in the default set; breaks and repairs the guest's
+# rxe0, so run it last): a file-backed namespace, async events across a link flap, and the
+# RDMA device deleted under our I/O.
+case_hw_extra() {
+  log "hw extra: verify on a file-backed namespace (nsid 2, 64 MiB file on the guest's tmpfs, buffered_io=1)"
+  GX_TIMEOUT=180 gx "nvmet_file_ns 2 /tmp/ns2.img 64M && ours_hw run -a $GUEST_IP -n $KNQN --nsid 2 \
+    --verify-size 16M --seconds 0" > "$OUT/hw-ns2.txt"
+  local rc=$?; cut -c1-220 "$OUT/hw-ns2.txt"
+  check "hw extra: 16 MiB written + read back on the file-backed namespace" \
+    eval "[ $rc = 0 ] && grep -q 'HW-VERIFY ok bytes=16777216' '$OUT/hw-ns2.txt'"
+
+  log "hw extra: nvmf-rdma hw events on rxe0 while the guest's eth0 goes down and up"
+  GX_TIMEOUT=90 gx 'ours_hw events --device rxe0 --seconds 8 & p=$!
+    sleep 3; ip link set $IF down; sleep 1.5; ip link set $IF up; wait $p; r=$?
+    rdma link delete rxe0; rdma link add rxe0 type rxe netdev $IF; sleep 1; port_cycle; exit $r' \
+    > "$OUT/hw-events.txt"
+  rc=$?; cat "$OUT/hw-events.txt"
+  check "hw extra: PORT_ERR and PORT_ACTIVE reported across the link flap" \
+    eval "[ $rc = 0 ] && grep -q PortError '$OUT/hw-events.txt' && grep -q PortActive '$OUT/hw-events.txt'"
+
+  log "hw extra: rdma link delete rxe0 while hw run reads (the run must end, the delete must not hang)"
+  GX_TIMEOUT=240 gx "ours_hw_timeout 120 run -a $GUEST_IP -n $KNQN --nsid 1 --verify-size 0 --seconds 30 & p=\$!
+    sleep 8; timeout 60 rdma link delete rxe0; echo \"rdma link delete rc=\$?\"
+    wait \$p; echo \"hw run rc=\$? (124: still running 120 s after its start)\"
+    rdma link add rxe0 type rxe netdev \$IF; sleep 1; port_cycle" > "$OUT/hw-devremove.txt"
+  cut -c1-220 "$OUT/hw-devremove.txt"
+  check "hw extra: device removed under I/O: the run ends with an error, the delete completes" \
+    eval "grep -q 'rdma link delete rc=0' '$OUT/hw-devremove.txt' && grep -qE 'hw run rc=([1-9]|1[0-9]|12[0-3]) ' '$OUT/hw-devremove.txt'"
+}

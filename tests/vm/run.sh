@@ -5,23 +5,27 @@
 #
 #   netns vmnet: tap0 192.168.100.1/24  <-- virtio-net -->  guest eth0 192.168.100.2/24 (rxe0)
 #
-# Usage (root): tests/vm/run.sh [CASE...]   cases: interop1 interop2 chaos bench linux_chaos (default:
-# the first three, as CI runs). One PASS/FAIL line per check; exits non-zero if any failed.
+# Usage (root): tests/vm/run.sh [CASE...]   cases: interop1 interop2 hw chaos bench linux_chaos
+# (default: the first four, as CI runs). One PASS/FAIL line per check; exits non-zero if any
+# failed. The case hw runs our `hw` backend (libibverbs/librdmacm) inside the guest instead.
 # Knobs: VM=/tmp/nvmf-vm (work dir), NVMF_BIN (default target/release/nvmf-rdma, built if
-# missing), KEEP=1 (leave the guest running at the end), ACCEL (qemu accelerator args).
+# missing), NVMF_HW_BIN (the hw case's binary; default: `cargo build --release --features hw`,
+# i.e. target/release/nvmf-rdma with the hw subcommand added), KEEP=1 (leave the guest running
+# at the end), ACCEL (qemu accelerator args), NETNS=vmnet (network namespace of the tap; use
+# another name to run beside another VM run).
 set -uo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 export VM=${VM:-/tmp/nvmf-vm}
 OUT=$VM/out
 CMD=$OUT/cmd
-NETNS=vmnet
+NETNS=${NETNS:-vmnet}
 HOST_IP=192.168.100.1
 GUEST_IP=192.168.100.2
 KNQN=nqn.2026-11.io.nvmf-rdma:linux-nvmet    # the guest's nvmet subsystem
 ONQN=nqn.2026-11.io.nvmf-rdma:ours           # our target on the host
 BIN=${NVMF_BIN:-$REPO/target/release/nvmf-rdma}
-CASES=${*:-interop1 interop2 chaos}
+CASES=${*:-interop1 interop2 hw chaos}
 T0=$SECONDS
 FAILS=0
 QEMU_PID=""
@@ -114,6 +118,8 @@ main() {
   log "install (packages + guest kernel)"
   "$HERE/install-deps.sh" > "$VM/install.log" 2>&1 || { tail "$VM/install.log"; fail "install"; exit 1; }
   tail -1 "$VM/install.log"
+  # first, as it may build target/release/nvmf-rdma (with --features hw: a superset)
+  if [[ " $CASES " == *" hw"* ]]; then hw_stage || { fail "hw: build + stage the hw binaries"; exit 1; }; fi
   if [ ! -x "$BIN" ]; then
     log "build $BIN"
     (cd "$REPO" && cargo build --release --bin nvmf-rdma) || { fail "cargo build"; exit 1; }

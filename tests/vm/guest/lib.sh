@@ -10,7 +10,8 @@ NVMET=/sys/kernel/config/nvmet
 KNQN=nqn.2026-11.io.nvmf-rdma:linux-nvmet
 
 rxe_up() {  # modules, a 128 MiB brd ramdisk, and rxe0 on the NIC
-  modprobe rdma_rxe && modprobe ib_uverbs && modprobe nvmet-rdma && modprobe nvme-rdma || return 1
+  modprobe rdma_rxe && modprobe ib_uverbs && modprobe rdma_ucm && modprobe nvmet-rdma &&
+    modprobe nvme-rdma || return 1
   [ -b /dev/ram0 ] || modprobe brd rd_nr=1 rd_size=131072 || return 1
   rdma link show rxe0/1 >/dev/null 2>&1 || rdma link add rxe0 type rxe netdev "$IF" || return 1
   rdma link show rxe0/1
@@ -96,4 +97,23 @@ linux_chaos() {  # linux_chaos BREAK RESTORE OUTAGE
   else wait $p; echo "fio: exit $?, $(grep -oE 'err= *[0-9]+' /tmp/lx-fio.txt | head -1), $(grep -oE 'IOPS=[0-9.k]+' /tmp/lx-fio.txt | head -1)"; fi
   dmesg | grep -E 'nvme nvme[0-9]|nvmet' | grep -vE 'requeuing|failing I/O' | sed 's/^\[ *[0-9.]*\] //' | sort -u | head -8
   timeout 20 nvme disconnect-all >/dev/null 2>&1
+}
+
+# The hw case: our binary built with --features hw, staged by the host in the out share with
+# the libraries it links (rdma-core itself is in the initramfs: libibverbs, librdmacm, rxe).
+ours_hw() { LD_LIBRARY_PATH=/mnt/out/hw/lib /mnt/out/hw/nvmf-rdma hw "$@"; }
+ours_hw_timeout() { local t=$1; shift; LD_LIBRARY_PATH=/mnt/out/hw/lib timeout "$t" /mnt/out/hw/nvmf-rdma hw "$@"; }
+kfio_result() {  # kfio_result DEV RW BS QD SECS: one fio job, one KERNEL-RESULT line
+  local f=/tmp/kfio-$2-$3.terse
+  fio --name="k-$2-$3-qd$4" --filename="$1" --rw="$2" --bs="$3" --iodepth="$4" --ioengine=libaio \
+    --direct=1 --time_based --runtime="$5" --output-format=terse --terse-version=3 > "$f" || return 1
+  # terse v3: 3 job name, 7 read KiB/s, 8 read IOPS, 40 read latency mean (us), 18-37 clat percentiles
+  awk -F';' '{p99=""; for (i = 18; i <= 37; i++) { split($i, a, "="); if (a[1] == "99.000000%") p99 = a[2] }
+    printf "KERNEL-RESULT job=\"%s\" iops=%s mibs=%.2f avg_us=%.0f p99_us=%s\n", $3, $8, $7/1024, $40, p99}' "$f"
+}
+nvmet_file_ns() {  # nvmet_file_ns NSID FILE SIZE: a file-backed namespace of $KNQN (tmpfs: no O_DIRECT, so buffered_io=1)
+  local n=$NVMET/subsystems/$KNQN/namespaces/$1
+  [ -d "$n" ] && return 0
+  truncate -s "$3" "$2" && mkdir "$n" && echo "$2" > "$n/device_path" && echo 1 > "$n/buffered_io" &&
+    echo 1 > "$n/enable"
 }
