@@ -59,8 +59,8 @@ impl FioBuf {
     unsafe fn bytes(&self) -> &'static [u8] {
         std::slice::from_raw_parts(self.ptr, self.len)
     }
-    unsafe fn fill(&self, data: &[u8]) {
-        std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr, data.len().min(self.len));
+    unsafe fn bytes_mut(&self) -> &'static mut [u8] {
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
     }
 }
 
@@ -384,10 +384,11 @@ async fn run(p: Pending, ring: Arc<Ring>, errors: Arc<ErrorLog>, job: Arc<str>) 
     let c = &p.ctrl;
     let r = match p.op {
         // SAFETY (both): the task owns the I/O until it completes it below.
-        Op::Read => c
-            .read(p.nsid, p.lba, p.buf.len)
-            .await
-            .map(|d| unsafe { p.buf.fill(&d) }),
+        // The data is copied once, from the command's response straight into fio's buffer.
+        Op::Read => {
+            c.read_into(p.nsid, p.lba, unsafe { p.buf.bytes_mut() })
+                .await
+        }
         Op::Write => c.write(p.nsid, p.lba, unsafe { p.buf.bytes() }).await,
         Op::Flush => c.flush(p.nsid).await,
         Op::Trim => c.deallocate(p.nsid, &[(p.lba, p.blocks as u32)]).await,
