@@ -1,9 +1,13 @@
 //! One fio job thread's side of the engine: `queue` gathers I/O, `commit` hands it to the
 //! runtime as tasks on the shared controller, each task puts its `io_u` into this thread's
-//! completion ring, and `getevents` waits on the ring (with fio's timeout) until enough are
+//! completion ring, and `getevents` takes from the ring (with fio's timeout) until enough are
 //! back, driving the runtime meanwhile when it is the inline kind. Nothing spins: a waiting
 //! thread parks in the runtime's epoll or on a futex.
-
+//!
+//! Inline, the runtime turns only in `getevents`, and only when the ring cannot answer it:
+//! completions already there are handed back at once, and the I/O fio committed meanwhile
+//! starts as one batch at the next turn. With fio's defaults (one completion reaped, one I/O
+//! submitted per call) this is what keeps the host stack sending commands in batches.
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -448,6 +452,48 @@ mod tests {
         assert_eq!((n, &out[..]), (1, &[Done { io_u: 7, error: 5 }][..]));
         let n = rt.block_on(ring.wait(0, 8, 0, Some(Duration::ZERO), &mut out));
         assert_eq!(n, 0);
+    }
+
+    #[test]
+    fn take_ready_only_takes_what_is_there() {
+        let ring = Ring::default();
+        let mut out = Vec::new();
+        assert_eq!(ring.take_ready(1, 8, &mut out), None, "empty");
+        ring.complete(Done { io_u: 1, error: 0 });
+        assert_eq!(ring.take_ready(2, 8, &mut out), None, "fewer than min");
+        assert!(out.is_empty());
+        ring.complete(Done { io_u: 2, error: 0 });
+        ring.complete(Done { io_u: 3, error: 0 });
+        assert_eq!(ring.take_ready(1, 2, &mut out), Some(2), "at most max");
+        assert_eq!(ring.take_ready(1, 2, &mut out), Some(1));
+        assert_eq!(out.iter().map(|d| d.io_u).collect::<Vec<_>>(), [1, 2, 3]);
+    }
+
+    #[test]
+    fn wait_gathers_completions_that_arrive_in_the_next_turns() {
+        let rt = rt();
+        let ring = Arc::new(Ring::default());
+        ring.complete(Done { io_u: 1, error: 0 });
+        let r2 = ring.clone();
+        let mut out = Vec::new();
+        let n = rt.block_on(async {
+            // Completes a second I/O a couple of runtime turns later, as a reply that arrives
+            // just after the first would.
+            tokio::spawn(async move {
+                tokio::task::yield_now().await;
+                r2.complete(Done { io_u: 2, error: 0 });
+            });
+            ring.wait(1, 8, 2, None, &mut out).await
+        });
+        assert_eq!(
+            n, 2,
+            "min was 1, but the second completion came while gathering"
+        );
+        assert_eq!(out.iter().map(|d| d.io_u).collect::<Vec<_>>(), [1, 2]);
+        // Nothing more out: it returns with what it has instead of waiting for more turns.
+        ring.complete(Done { io_u: 3, error: 0 });
+        out.clear();
+        assert_eq!(rt.block_on(ring.wait(1, 8, 1, None, &mut out)), 1);
     }
 
     #[test]
