@@ -160,3 +160,46 @@ async fn read_into_matches_read_and_rejects_bad_lengths() {
     c.disconnect().await;
     drop(t);
 }
+
+/// Writes borrow the caller's buffer: taken straight into a free slot, or queued (copied)
+/// when every slot is busy. Far more concurrent writes than slots must all land, in full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_concurrent_writes_than_slots_all_land() {
+    let (t, thca) = target(16 << 20).await;
+    let c = Arc::new(
+        tokio::time::timeout(Duration::from_secs(20), host(&thca, 1))
+            .await
+            .expect("connect in time")
+            .expect("connect"),
+    );
+    // The queue has 32 entries (one reserved): 200 writes of 4 KiB at once.
+    let writes: Vec<_> = (0..200u64)
+        .map(|i| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                let data = vec![(i % 251) as u8 + 1; 4096];
+                c.write(1, i * 8, &data).await
+            })
+        })
+        .collect();
+    for w in writes {
+        w.await.unwrap().unwrap();
+    }
+    for i in 0..200u64 {
+        let mut buf = vec![0u8; 4096];
+        c.read_into(1, i * 8, &mut buf).await.unwrap();
+        assert!(
+            buf.iter().all(|&b| b == (i % 251) as u8 + 1),
+            "write {i} did not land whole"
+        );
+    }
+    let io = &c.queue_stats()[1];
+    assert_eq!(io.submitted, io.completed, "{io:?}");
+    assert!(io.submitted >= 400, "{io:?}");
+    Arc::try_unwrap(c)
+        .ok()
+        .expect("last handle")
+        .disconnect()
+        .await;
+    drop(t);
+}

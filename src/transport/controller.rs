@@ -1207,7 +1207,7 @@ impl Controller {
             let n = chunk.min(bytes - done);
             let slba = lba + (done / bs) as u64;
             let sqe = admin::read(0, nsid, slba, (n / bs) as u32)?;
-            let r = self.pick().submit(sqe, None, n).await?;
+            let r = self.pick().submit_slice(sqe, None, n).await?;
             if r.data.len() != n {
                 return Err(HostError::Transport(format!(
                     "read of {n} bytes returned {}",
@@ -1228,7 +1228,7 @@ impl Controller {
         for (i, part) in data.chunks(chunk).enumerate() {
             let slba = lba + (i * chunk / bs) as u64;
             let sqe = admin::write(0, nsid, slba, (part.len() / bs) as u32, false)?;
-            self.pick().submit(sqe, Some(part.to_vec()), 0).await?;
+            self.pick().submit_slice(sqe, Some(part), 0).await?;
         }
         Ok(())
     }
