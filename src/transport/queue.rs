@@ -229,6 +229,8 @@ pub struct QueueCore {
     epoch: u32,
     io_timeout: Duration,
     max_retries: u8,
+    /// The task holds a request that found no free slot: direct submissions wait behind it.
+    backlog: bool,
 }
 
 impl QueueCore {
@@ -283,6 +285,7 @@ impl QueueCore {
             epoch: 0,
             io_timeout,
             max_retries,
+            backlog: false,
         })
     }
 
@@ -1051,7 +1054,7 @@ impl QueueHandle {
         let (reply, rx) = oneshot::channel();
         let reply = {
             let mut c = self.core.lock().unwrap_or_else(|e| e.into_inner());
-            if c.accepting() && self.tx.capacity() == self.tx.max_capacity() {
+            if c.accepting() && !c.backlog && self.tx.capacity() == self.tx.max_capacity() {
                 c.submit_parts(self.clock.now(), sqe, data_out, data_in, reply);
                 c.flush_posts();
                 None
@@ -1123,12 +1126,23 @@ pub fn spawn(
 async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
     let mut wcs: Vec<WorkCompletion> = Vec::with_capacity(256);
     let mut open = true;
+    // A request taken from the channel after callers filled the last free slot directly
+    // (`QueueHandle::submit_slice`): it goes first once a slot is free.
+    let mut stash: Option<Request> = None;
     loop {
         let (cq, accepting, next_timeout, closed) = {
-            let c = ctl.lock();
+            let mut c = ctl.lock();
+            if c.accepting() {
+                if let Some(r) = stash.take() {
+                    c.backlog = false;
+                    let now = ctl.now();
+                    c.submit(now, r);
+                    c.flush_posts();
+                }
+            }
             (
                 c.cq(),
-                c.accepting(),
+                c.accepting() && stash.is_none(),
                 c.next_timeout(),
                 matches!(c.phase, Phase::Closed(_)),
             )
@@ -1143,8 +1157,14 @@ async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
                 Some(r) => {
                     let mut c = ctl.lock();
                     let now = ctl.now();
-                    c.submit(now, r);
-                    while c.accepting() {
+                    if !c.accepting() {
+                        // Direct submissions took the slots since the loop looked.
+                        c.backlog = true;
+                        stash = Some(r);
+                    } else {
+                        c.submit(now, r);
+                    }
+                    while c.accepting() && stash.is_none() {
                         match rx.try_recv() {
                             Ok(r) => c.submit(now, r),
                             Err(_) => break,
