@@ -113,3 +113,93 @@ async fn connect_identify_write_read_back() {
         "target dropped the queues after disconnect"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_into_matches_read_and_rejects_bad_lengths() {
+    let (t, thca) = target(16 << 20).await;
+    let c = tokio::time::timeout(Duration::from_secs(20), host(&thca, 1))
+        .await
+        .expect("connect in time")
+        .expect("connect");
+    let max = c.max_transfer();
+    let mut rng = SmallRng::seed_from_u64(21);
+    // One block, a few, exactly the transfer limit, and more than it (several commands).
+    for bytes in [512, 4096, max, max * 2 + 1024] {
+        let lba = rng.random_range(0..1000u64);
+        let mut data = vec![0u8; bytes];
+        rng.fill(&mut data[..]);
+        c.write(1, lba, &data).await.unwrap();
+        let mut buf = vec![0xEEu8; bytes];
+        c.read_into(1, lba, &mut buf).await.unwrap();
+        assert!(
+            buf == data,
+            "read_into differs from what was written ({bytes} bytes)"
+        );
+        assert!(
+            c.read(1, lba, bytes).await.unwrap() == buf,
+            "read and read_into disagree ({bytes} bytes)"
+        );
+    }
+    // A length that is not a multiple of the block size, an empty buffer, and a range past
+    // the end are clean errors, and the buffer is left alone.
+    let blocks = c.namespaces()[0].blocks;
+    for (lba, len) in [(0, 1000), (0, 0), (blocks - 1, 1024)] {
+        let mut buf = vec![0xABu8; len];
+        match c.read_into(1, lba, &mut buf).await {
+            Err(HostError::Invalid(_)) => {}
+            other => panic!("read_into of {len} bytes at {lba}: {other:?}"),
+        }
+        assert!(
+            buf.iter().all(|&b| b == 0xAB),
+            "a refused read_into wrote the buffer"
+        );
+    }
+    // The queue still works after the refusals.
+    let mut buf = vec![0u8; 512];
+    c.read_into(1, 0, &mut buf).await.unwrap();
+    c.disconnect().await;
+    drop(t);
+}
+
+/// Writes borrow the caller's buffer: taken straight into a free slot, or queued (copied)
+/// when every slot is busy. Far more concurrent writes than slots must all land, in full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_concurrent_writes_than_slots_all_land() {
+    let (t, thca) = target(16 << 20).await;
+    let c = Arc::new(
+        tokio::time::timeout(Duration::from_secs(20), host(&thca, 1))
+            .await
+            .expect("connect in time")
+            .expect("connect"),
+    );
+    // The queue has 32 entries (one reserved): 200 writes of 4 KiB at once.
+    let writes: Vec<_> = (0..200u64)
+        .map(|i| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                let data = vec![(i % 251) as u8 + 1; 4096];
+                c.write(1, i * 8, &data).await
+            })
+        })
+        .collect();
+    for w in writes {
+        w.await.unwrap().unwrap();
+    }
+    for i in 0..200u64 {
+        let mut buf = vec![0u8; 4096];
+        c.read_into(1, i * 8, &mut buf).await.unwrap();
+        assert!(
+            buf.iter().all(|&b| b == (i % 251) as u8 + 1),
+            "write {i} did not land whole"
+        );
+    }
+    let io = &c.queue_stats()[1];
+    assert_eq!(io.submitted, io.completed, "{io:?}");
+    assert!(io.submitted >= 400, "{io:?}");
+    Arc::try_unwrap(c)
+        .ok()
+        .expect("last handle")
+        .disconnect()
+        .await;
+    drop(t);
+}

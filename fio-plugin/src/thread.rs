@@ -1,9 +1,13 @@
 //! One fio job thread's side of the engine: `queue` gathers I/O, `commit` hands it to the
 //! runtime as tasks on the shared controller, each task puts its `io_u` into this thread's
-//! completion ring, and `getevents` waits on the ring (with fio's timeout) until enough are
+//! completion ring, and `getevents` takes from the ring (with fio's timeout) until enough are
 //! back, driving the runtime meanwhile when it is the inline kind. Nothing spins: a waiting
 //! thread parks in the runtime's epoll or on a futex.
-
+//!
+//! Inline, the runtime turns only in `getevents`, and only when the ring cannot answer it:
+//! completions already there are handed back at once, and the I/O fio committed meanwhile
+//! starts as one batch at the next turn. With fio's defaults (one completion reaped, one I/O
+//! submitted per call) this is what keeps the host stack sending commands in batches.
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -59,8 +63,8 @@ impl FioBuf {
     unsafe fn bytes(&self) -> &'static [u8] {
         std::slice::from_raw_parts(self.ptr, self.len)
     }
-    unsafe fn fill(&self, data: &[u8]) {
-        std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr, data.len().min(self.len));
+    unsafe fn bytes_mut(&self) -> &'static mut [u8] {
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
     }
 }
 
@@ -125,11 +129,28 @@ impl Ring {
         Some(n)
     }
 
+    /// Take up to `max` if at least `min` (at least one) are there already, without waiting.
+    pub fn take_ready(&self, min: usize, max: usize, out: &mut Vec<Done>) -> Option<usize> {
+        let mut s = self.lock();
+        if s.done.is_empty() || s.done.len() < min {
+            return None;
+        }
+        let n = s.done.len().min(max);
+        out.extend(s.done.drain(..n));
+        Some(n)
+    }
+
     /// Wait until `min` completions are there or `timeout` passes; take up to `max`.
+    ///
+    /// `outstanding` is how many I/Os are out. Once `min` are in and more are still out, the
+    /// runtime gets a few more non-blocking turns (one `epoll_wait(0)` each) while they keep
+    /// bringing completions, so a batching fio (`iodepth_batch_complete_max`) reaps a batch
+    /// rather than the first completion of one.
     pub async fn wait(
         &self,
         min: usize,
         max: usize,
+        outstanding: usize,
         timeout: Option<Duration>,
         out: &mut Vec<Done>,
     ) -> usize {
@@ -137,10 +158,10 @@ impl Ring {
         // polling fio still makes progress when its own thread drives the runtime.
         tokio::task::yield_now().await;
         let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
-        loop {
+        let mut n = loop {
             let ready = self.ready.notified();
             if let Some(n) = self.take(min, max, out) {
-                return n;
+                break n;
             }
             match deadline {
                 None => ready.await,
@@ -150,9 +171,26 @@ impl Ring {
                     }
                 }
             }
+        };
+        if min == 0 {
+            return n;
         }
+        for _ in 0..COLLECT_TURNS {
+            if n >= max || n >= outstanding {
+                break;
+            }
+            tokio::task::yield_now().await;
+            match self.take(0, max - n, out) {
+                Some(m) if m > 0 => n += m,
+                _ => break,
+            }
+        }
+        n
     }
 }
+
+/// At most this many extra runtime turns to gather completions once `min` are in.
+const COLLECT_TURNS: usize = 4;
 
 /// I/O errors one job saw: how many, and the first one's text.
 #[derive(Default)]
@@ -195,6 +233,8 @@ pub struct Thread {
     events: Vec<Done>,
     /// Committed and not yet handed back to fio.
     inflight: usize,
+    /// Inline: how many of `pending` are committed, to be started by the next `getevents`.
+    staged: usize,
     pub errors: Arc<ErrorLog>,
 }
 
@@ -208,6 +248,7 @@ impl Thread {
             pending: Vec::with_capacity(iodepth),
             events: Vec::with_capacity(iodepth),
             inflight: 0,
+            staged: 0,
             errors: Arc::default(),
         }
     }
@@ -257,7 +298,17 @@ impl Thread {
     }
 
     /// Start everything queued since the last commit.
+    ///
+    /// Inline, nothing runs the host stack until a fio thread's next `getevents`, so the
+    /// I/O is only marked committed here and starts there, as one batch spawned on the
+    /// runtime's own queue: no cross-thread wakeup (eventfd write) per I/O, and the queue
+    /// task sends the whole batch in one turn (one datagram run).
     pub fn commit(&mut self) {
+        if matches!(self.driver, Driver::Inline(..)) {
+            self.inflight += self.pending.len() - self.staged;
+            self.staged = self.pending.len();
+            return;
+        }
         if self.pending.is_empty() {
             return;
         }
@@ -282,12 +333,33 @@ impl Thread {
     }
 
     /// fio's getevents: at least `min` (never more than are in flight), at most `max`.
+    ///
+    /// Completions already in the ring are handed back without turning the runtime: with
+    /// fio's defaults (`iodepth_batch_complete_max` = 1) fio reaps one I/O per call, and a
+    /// runtime turn per call would send the I/O it queues in between one at a time. This
+    /// way the runtime turns only once the ring is empty, with everything fio queued since
+    /// then to send at once.
     pub fn getevents(&mut self, min: usize, max: usize, timeout: Option<Duration>) -> usize {
         self.commit();
         self.events.clear();
-        let (ring, events) = (&self.ring, &mut self.events);
         let min = min.min(self.inflight);
-        let n = self.driver.block_on(ring.wait(min, max, timeout, events));
+        if min > 0 {
+            if let Some(n) = self.ring.take_ready(min, max, &mut self.events) {
+                self.inflight -= n;
+                return n;
+            }
+        }
+        let (ring, events, pending) = (&self.ring, &mut self.events, &mut self.pending);
+        let (errors, job) = (&self.errors, &self.job);
+        let outstanding = self.inflight;
+        self.staged = 0;
+        let n = self.driver.block_on(async {
+            // Inline: what commit staged starts now, from inside the runtime.
+            for p in pending.drain(..) {
+                tokio::spawn(run(p, ring.clone(), errors.clone(), job.clone()));
+            }
+            ring.wait(min, max, outstanding, timeout, events).await
+        });
         self.inflight -= n;
         n
     }
@@ -316,10 +388,11 @@ async fn run(p: Pending, ring: Arc<Ring>, errors: Arc<ErrorLog>, job: Arc<str>) 
     let c = &p.ctrl;
     let r = match p.op {
         // SAFETY (both): the task owns the I/O until it completes it below.
-        Op::Read => c
-            .read(p.nsid, p.lba, p.buf.len)
-            .await
-            .map(|d| unsafe { p.buf.fill(&d) }),
+        // The data is copied once, from the command's response straight into fio's buffer.
+        Op::Read => {
+            c.read_into(p.nsid, p.lba, unsafe { p.buf.bytes_mut() })
+                .await
+        }
         Op::Write => c.write(p.nsid, p.lba, unsafe { p.buf.bytes() }).await,
         Op::Flush => c.flush(p.nsid).await,
         Op::Trim => c.deallocate(p.nsid, &[(p.lba, p.blocks as u32)]).await,
@@ -358,7 +431,7 @@ mod tests {
         let r2 = ring.clone();
         let t = std::thread::spawn(move || {
             let mut out = Vec::new();
-            let n = rt().block_on(r2.wait(3, 8, None, &mut out));
+            let n = rt().block_on(r2.wait(3, 8, 3, None, &mut out));
             (n, out)
         });
         for i in 0..3 {
@@ -375,10 +448,52 @@ mod tests {
         ring.complete(Done { io_u: 7, error: 5 });
         let mut out = Vec::new();
         let rt = rt();
-        let n = rt.block_on(ring.wait(2, 8, Some(Duration::from_millis(20)), &mut out));
+        let n = rt.block_on(ring.wait(2, 8, 2, Some(Duration::from_millis(20)), &mut out));
         assert_eq!((n, &out[..]), (1, &[Done { io_u: 7, error: 5 }][..]));
-        let n = rt.block_on(ring.wait(0, 8, Some(Duration::ZERO), &mut out));
+        let n = rt.block_on(ring.wait(0, 8, 0, Some(Duration::ZERO), &mut out));
         assert_eq!(n, 0);
+    }
+
+    #[test]
+    fn take_ready_only_takes_what_is_there() {
+        let ring = Ring::default();
+        let mut out = Vec::new();
+        assert_eq!(ring.take_ready(1, 8, &mut out), None, "empty");
+        ring.complete(Done { io_u: 1, error: 0 });
+        assert_eq!(ring.take_ready(2, 8, &mut out), None, "fewer than min");
+        assert!(out.is_empty());
+        ring.complete(Done { io_u: 2, error: 0 });
+        ring.complete(Done { io_u: 3, error: 0 });
+        assert_eq!(ring.take_ready(1, 2, &mut out), Some(2), "at most max");
+        assert_eq!(ring.take_ready(1, 2, &mut out), Some(1));
+        assert_eq!(out.iter().map(|d| d.io_u).collect::<Vec<_>>(), [1, 2, 3]);
+    }
+
+    #[test]
+    fn wait_gathers_completions_that_arrive_in_the_next_turns() {
+        let rt = rt();
+        let ring = Arc::new(Ring::default());
+        ring.complete(Done { io_u: 1, error: 0 });
+        let r2 = ring.clone();
+        let mut out = Vec::new();
+        let n = rt.block_on(async {
+            // Completes a second I/O a couple of runtime turns later, as a reply that arrives
+            // just after the first would.
+            tokio::spawn(async move {
+                tokio::task::yield_now().await;
+                r2.complete(Done { io_u: 2, error: 0 });
+            });
+            ring.wait(1, 8, 2, None, &mut out).await
+        });
+        assert_eq!(
+            n, 2,
+            "min was 1, but the second completion came while gathering"
+        );
+        assert_eq!(out.iter().map(|d| d.io_u).collect::<Vec<_>>(), [1, 2]);
+        // Nothing more out: it returns with what it has instead of waiting for more turns.
+        ring.complete(Done { io_u: 3, error: 0 });
+        out.clear();
+        assert_eq!(rt.block_on(ring.wait(1, 8, 1, None, &mut out)), 1);
     }
 
     #[test]
@@ -389,9 +504,9 @@ mod tests {
         }
         let mut out = Vec::new();
         let rt = rt();
-        assert_eq!(rt.block_on(ring.wait(1, 2, None, &mut out)), 2);
+        assert_eq!(rt.block_on(ring.wait(1, 2, 5, None, &mut out)), 2);
         out.clear();
-        assert_eq!(rt.block_on(ring.wait(1, 8, None, &mut out)), 3);
+        assert_eq!(rt.block_on(ring.wait(1, 8, 3, None, &mut out)), 3);
         assert_eq!(out[0].io_u, 2);
     }
 }

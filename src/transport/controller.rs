@@ -1171,20 +1171,53 @@ impl Controller {
 
     /// Read `bytes` starting at block `lba`.
     pub async fn read(&self, nsid: u32, lba: u64, bytes: usize) -> Result<Vec<u8>, HostError> {
+        let mut out = Vec::with_capacity(bytes);
+        self.read_chunks(nsid, lba, bytes, |d| out.extend_from_slice(d))
+            .await?;
+        Ok(out)
+    }
+
+    /// Read `out.len()` bytes starting at block `lba` into `out`, with no buffer of its own
+    /// per request: each command's data is copied once from its slot's response into `out`.
+    /// A length that is not a positive multiple of the block size is `HostError::Invalid`
+    /// (nothing is sent). On an error `out` may hold part of the data.
+    pub async fn read_into(&self, nsid: u32, lba: u64, out: &mut [u8]) -> Result<(), HostError> {
+        let mut done = 0;
+        self.read_chunks(nsid, lba, out.len(), |d| {
+            out[done..done + d.len()].copy_from_slice(d);
+            done += d.len();
+        })
+        .await
+    }
+
+    /// Read `bytes` at `lba` in commands of at most the transfer limit, handing each one's
+    /// data to `sink` in order.
+    async fn read_chunks(
+        &self,
+        nsid: u32,
+        lba: u64,
+        bytes: usize,
+        mut sink: impl FnMut(&[u8]),
+    ) -> Result<(), HostError> {
         let (ns, _) = self.check(nsid, lba, bytes)?;
         let bs = ns.block_size as usize;
         let chunk = (self.max_io / bs).max(1) * bs;
-        let mut out = Vec::with_capacity(bytes);
         let mut done = 0;
         while done < bytes {
             let n = chunk.min(bytes - done);
             let slba = lba + (done / bs) as u64;
             let sqe = admin::read(0, nsid, slba, (n / bs) as u32)?;
-            let r = self.pick().submit(sqe, None, n).await?;
-            out.extend_from_slice(&r.data);
+            let r = self.pick().submit_slice(sqe, None, n).await?;
+            if r.data.len() != n {
+                return Err(HostError::Transport(format!(
+                    "read of {n} bytes returned {}",
+                    r.data.len()
+                )));
+            }
+            sink(&r.data);
             done += n;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Write `data` starting at block `lba`.
@@ -1195,7 +1228,7 @@ impl Controller {
         for (i, part) in data.chunks(chunk).enumerate() {
             let slba = lba + (i * chunk / bs) as u64;
             let sqe = admin::write(0, nsid, slba, (part.len() / bs) as u32, false)?;
-            self.pick().submit(sqe, Some(part.to_vec()), 0).await?;
+            self.pick().submit_slice(sqe, Some(part), 0).await?;
         }
         Ok(())
     }

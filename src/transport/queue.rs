@@ -229,6 +229,8 @@ pub struct QueueCore {
     epoch: u32,
     io_timeout: Duration,
     max_retries: u8,
+    /// The task holds a request that found no free slot: direct submissions wait behind it.
+    backlog: bool,
 }
 
 impl QueueCore {
@@ -283,6 +285,7 @@ impl QueueCore {
             epoch: 0,
             io_timeout,
             max_retries,
+            backlog: false,
         })
     }
 
@@ -557,40 +560,58 @@ impl QueueCore {
 
     /// Take a caller's request: it is sent now if LIVE, held otherwise.
     pub fn submit(&mut self, now: Instant, req: Request) {
+        self.submit_parts(
+            now,
+            req.sqe,
+            req.data_out.as_deref(),
+            req.data_in,
+            req.reply,
+        );
+    }
+
+    /// [`QueueCore::submit`] with the outgoing data borrowed: it is copied into the slot.
+    fn submit_parts(
+        &mut self,
+        now: Instant,
+        sqe: Sqe,
+        data_out: Option<&[u8]>,
+        data_in: usize,
+        reply: oneshot::Sender<Result<Response, HostError>>,
+    ) {
         if let Phase::Closed(why) = self.phase {
-            let _ = req.reply.send(Err(HostError::Path(why)));
+            let _ = reply.send(Err(HostError::Path(why)));
             return;
         }
         if let (Some(why), false) = (self.failfast, self.is_live()) {
-            let _ = req.reply.send(Err(HostError::Path(why)));
+            let _ = reply.send(Err(HostError::Path(why)));
             return;
         }
         let max_io = self.spec.max_io;
-        let out_len = req.data_out.as_ref().map_or(0, |v| v.len());
-        if out_len > max_io || req.data_in > max_io {
-            let _ = req.reply.send(Err(HostError::Invalid(format!(
+        let out_len = data_out.map_or(0, |v| v.len());
+        if out_len > max_io || data_in > max_io {
+            let _ = reply.send(Err(HostError::Invalid(format!(
                 "transfer larger than {max_io} bytes"
             ))));
             return;
         }
         let Some(i) = self.free.pop() else {
-            let _ = req.reply.send(Err(HostError::Invalid("queue full".into())));
+            let _ = reply.send(Err(HostError::Invalid("queue full".into())));
             return;
         };
         let off = i * max_io;
-        if let Some(data) = &req.data_out {
+        if let Some(data) = data_out {
             self.data.write(off, data);
-        } else if req.data_in > 0 {
+        } else if data_in > 0 {
             // A target that reports success without writing the data must not hand this
             // caller the bytes of the slot's previous request.
-            self.data.lock()[off..off + req.data_in].fill(0);
+            self.data.lock()[off..off + data_in].fill(0);
         }
         let s = &mut self.slots[i];
-        s.sqe = req.sqe;
+        s.sqe = sqe;
         s.data_out = out_len;
-        s.data_in = req.data_in;
+        s.data_in = data_in;
         s.retries = 0;
-        s.reply = Some(req.reply);
+        s.reply = Some(reply);
         s.state = SlotState::Held;
         self.stats.submitted += 1;
         if self.is_live() {
@@ -802,8 +823,8 @@ impl QueueCore {
         }
         let mut data = Vec::new();
         if st.is_success() && data_in > 0 {
-            data = vec![0u8; data_in];
-            self.data.read(i * self.spec.max_io, &mut data);
+            let off = i * self.spec.max_io;
+            data = self.data.lock()[off..off + data_in].to_vec();
         }
         self.stats.completed += 1;
         self.finish(i, Ok(Response { cqe, data }));
@@ -981,6 +1002,9 @@ pub struct QueueHandle {
     pub qid: u16,
     pub spec: QueueSpec,
     core: Arc<Mutex<QueueCore>>,
+    /// The queue task's notifier, and the clock it stamps posts with.
+    task: Arc<Notify>,
+    clock: Clock,
 }
 
 impl QueueHandle {
@@ -1012,6 +1036,54 @@ impl QueueHandle {
             })
             .await
             .map_err(|_| HostError::Gone(format!("queue {} stopped", self.qid)))?;
+        self.finish(opcode, rx).await
+    }
+
+    /// [`QueueHandle::submit`] with the outgoing data borrowed. When the queue has a free
+    /// slot and nothing waits in its channel (so requests keep their order), the command is
+    /// taken right here: `data_out` is copied once, straight into the slot's registered
+    /// buffer, and posted, with no buffer of its own and no hop through the queue task.
+    /// Otherwise it queues like `submit`.
+    pub async fn submit_slice(
+        &self,
+        sqe: Sqe,
+        data_out: Option<&[u8]>,
+        data_in: usize,
+    ) -> Result<Response, HostError> {
+        let opcode = sqe.opcode;
+        let (reply, rx) = oneshot::channel();
+        let reply = {
+            let mut c = self.core.lock().unwrap_or_else(|e| e.into_inner());
+            if c.accepting() && !c.backlog && self.tx.capacity() == self.tx.max_capacity() {
+                c.submit_parts(self.clock.now(), sqe, data_out, data_in, reply);
+                c.flush_posts();
+                None
+            } else {
+                Some(reply)
+            }
+        };
+        match reply {
+            // The task re-arms its I/O timeout for the new command.
+            None => self.task.notify_one(),
+            Some(reply) => self
+                .tx
+                .send(Request {
+                    sqe,
+                    data_out: data_out.map(<[u8]>::to_vec),
+                    data_in,
+                    reply,
+                })
+                .await
+                .map_err(|_| HostError::Gone(format!("queue {} stopped", self.qid)))?,
+        }
+        self.finish(opcode, rx).await
+    }
+
+    async fn finish(
+        &self,
+        opcode: u8,
+        rx: oneshot::Receiver<Result<Response, HostError>>,
+    ) -> Result<Response, HostError> {
         let r = rx
             .await
             .map_err(|_| HostError::Gone(format!("queue {} stopped", self.qid)))??;
@@ -1044,6 +1116,8 @@ pub fn spawn(
         qid: spec.qid,
         spec,
         core,
+        task: ctl.task.clone(),
+        clock,
     };
     let jh = tokio::spawn(run(ctl.clone(), rx));
     (handle, ctl, jh)
@@ -1052,12 +1126,23 @@ pub fn spawn(
 async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
     let mut wcs: Vec<WorkCompletion> = Vec::with_capacity(256);
     let mut open = true;
+    // A request taken from the channel after callers filled the last free slot directly
+    // (`QueueHandle::submit_slice`): it goes first once a slot is free.
+    let mut stash: Option<Request> = None;
     loop {
         let (cq, accepting, next_timeout, closed) = {
-            let c = ctl.lock();
+            let mut c = ctl.lock();
+            if c.accepting() {
+                if let Some(r) = stash.take() {
+                    c.backlog = false;
+                    let now = ctl.now();
+                    c.submit(now, r);
+                    c.flush_posts();
+                }
+            }
             (
                 c.cq(),
-                c.accepting(),
+                c.accepting() && stash.is_none(),
                 c.next_timeout(),
                 matches!(c.phase, Phase::Closed(_)),
             )
@@ -1072,8 +1157,14 @@ async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
                 Some(r) => {
                     let mut c = ctl.lock();
                     let now = ctl.now();
-                    c.submit(now, r);
-                    while c.accepting() {
+                    if !c.accepting() {
+                        // Direct submissions took the slots since the loop looked.
+                        c.backlog = true;
+                        stash = Some(r);
+                    } else {
+                        c.submit(now, r);
+                    }
+                    while c.accepting() && stash.is_none() {
                         match rx.try_recv() {
                             Ok(r) => c.submit(now, r),
                             Err(_) => break,
