@@ -922,6 +922,12 @@ async fn writes_outside_the_named_buffer_fail_only_their_queue() {
             .expect("queue 1 still works");
             assert!(r.data == truth(lba, 8 * BS));
         }
+        // The fake target counts its side of each refusal on its own task: the last one may
+        // land just after the host has seen its failure.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while f.stats().transport_errors < 6 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let fs = f.stats();
         assert_eq!(fs.transport_errors, 6, "one per try: {lie:?}: {fs:?}");
         within(10, "disconnect", c.disconnect()).await;
