@@ -267,7 +267,10 @@ enum Cmd {
         #[arg(long, default_value = "128K", value_parser = parse_size)]
         chunk: usize,
     },
-    /// Benchmark tables over loopback: NVMe-oF (default) or the raw soft-HCA (--hca).
+    /// Benchmark tables over loopback: NVMe-oF (default) or the raw soft-HCA (--hca). With
+    /// --traddr: 4 KiB random reads at QD1 and QD32 and 128 KiB sequential reads at QD16 on
+    /// namespace 1 of that target, the jobs `tests/vm/run.sh bench` gives fio through the
+    /// Linux host.
     Bench {
         /// Seconds per row.
         #[arg(long, default_value_t = 3.0)]
@@ -277,20 +280,8 @@ enum Cmd {
         /// I/O queues for the NVMe-oF table.
         #[arg(long, default_value_t = 1)]
         queues: usize,
-        /// Benchmark this target instead of a built-in one (IP or IP:PORT): 4 KiB random
-        /// reads at QD1 and QD32 and 128 KiB sequential reads at QD16 on namespace 1, the
-        /// jobs `tests/vm/run.sh bench` gives fio through the Linux host.
-        #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
-        traddr: Option<SocketAddr>,
-        /// NVMe-oF service port of --traddr.
-        #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
-        trsvcid: u16,
-        /// Subsystem NQN at --traddr.
-        #[arg(short = 'n', long = "nqn", requires = "traddr")]
-        nqn: Option<String>,
-        /// Address of the host's soft-HCA towards --traddr (as connect's --host-traddr).
-        #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr, requires = "traddr")]
-        host_traddr: Option<SocketAddr>,
+        #[command(flatten)]
+        ext: ExternalTarget,
     },
     /// Run the built-in NVMe-oF target until interrupted.
     Target(TargetArgs),
@@ -362,7 +353,9 @@ enum Cmd {
     },
     /// Chaos on loopback, no setup: a built-in RAM target and a host whose HCA is reset,
     /// unplugged and re-plugged (or replaced by another card), the target restarted, the
-    /// controller reset, while workers write and verify. Prints what survived.
+    /// controller reset, while workers write and verify. Prints what survived. With
+    /// --traddr, against another target: only host-side faults are made (not
+    /// target-restart); faults on the target side are yours to make.
     Chaos(ChaosArgs),
     /// Print the RC QP state transition table (or a Graphviz graph with --dot).
     QpStates {
@@ -371,15 +364,11 @@ enum Cmd {
     },
 }
 
+/// A target of someone else's for `bench` and `chaos`, instead of the built-in one.
 #[derive(Args, Debug, Clone)]
-struct ChaosArgs {
-    /// RAM namespace size; the workers share it out. With --traddr: how much of the
-    /// target's namespace 1 the workers use (from LBA 0; its data is overwritten).
-    #[arg(long, default_value = "256M", value_parser = parse_size)]
-    size: usize,
+struct ExternalTarget {
     /// Run against this target instead of a built-in one (IP, RoCEv2 port 4791, or
-    /// IP:PORT): Linux nvmet-rdma, SPDK, another `nvmf-rdma target`. Only host-side faults
-    /// then (not target-restart); faults on the target side are yours to make.
+    /// IP:PORT): Linux nvmet-rdma, SPDK, another `nvmf-rdma target`.
     #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
     traddr: Option<SocketAddr>,
     /// NVMe-oF service port of --traddr.
@@ -391,6 +380,16 @@ struct ChaosArgs {
     /// Address of the host's soft-HCA towards --traddr (as connect's --host-traddr).
     #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr, requires = "traddr")]
     host_traddr: Option<SocketAddr>,
+}
+
+#[derive(Args, Debug, Clone)]
+struct ChaosArgs {
+    /// RAM namespace size; the workers share it out. With --traddr: how much of the
+    /// target's namespace 1 the workers use (from LBA 0; its data is overwritten).
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    size: usize,
+    #[command(flatten)]
+    ext: ExternalTarget,
     /// Verifying workers, each on its own range of blocks.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
     workers: u64,
@@ -624,10 +623,13 @@ fn main() -> Result<()> {
             seconds,
             hca,
             queues,
-            traddr,
-            trsvcid,
-            nqn,
-            host_traddr,
+            ext:
+                ExternalTarget {
+                    traddr,
+                    trsvcid,
+                    nqn,
+                    host_traddr,
+                },
         } => {
             if !(0.05..=600.0).contains(&seconds) {
                 bail!("--seconds must be between 0.05 and 600");
@@ -1689,7 +1691,7 @@ fn check_chaos_args(a: &ChaosArgs) -> Result<()> {
     if a.faults.is_empty() {
         bail!("--faults needs at least one fault");
     }
-    if a.traddr.is_some() && a.faults.contains(&FaultKind::TargetRestart) {
+    if a.ext.traddr.is_some() && a.faults.contains(&FaultKind::TargetRestart) {
         bail!("--faults target-restart needs the built-in target (no --traddr)");
     }
     if !(16..=1024).contains(&a.queue_size) {
@@ -1728,7 +1730,7 @@ async fn run_chaos(a: ChaosArgs) -> Result<()> {
          policy: reconnect_delay {} s, ctrl_loss_tmo {}, fast_io_fail_tmo {}, replug_window {} s, \
          identity {}, keep-alive {} s, io_timeout {} s",
         a.workers,
-        match (a.traddr, &a.nqn) {
+        match (a.ext.traddr, &a.ext.nqn) {
             (None, _) => format!(
                 "a {} RAM namespace over loopback",
                 human_bytes(a.size as u64)
@@ -1758,7 +1760,7 @@ async fn run_chaos(a: ChaosArgs) -> Result<()> {
         println!("{header}");
     }
 
-    let (mut target, mgr, c) = match a.traddr {
+    let (mut target, mgr, c) = match a.ext.traddr {
         None => {
             let target = TargetRig::start(CHAOS_IP, a.size as u64)
                 .await
@@ -1772,8 +1774,8 @@ async fn run_chaos(a: ChaosArgs) -> Result<()> {
             (Some(target), mgr, c)
         }
         Some(traddr) => {
-            let addr =
-                host_bind_addr(traddr, a.host_traddr).context("no route to the target address")?;
+            let addr = host_bind_addr(traddr, a.ext.host_traddr)
+                .context("no route to the target address")?;
             let mgr = DeviceManager::new(!roce_peer(traddr.ip()));
             let mut cfg = device_config(chaos::HOST_DEV, addr, 1);
             cfg.identity = chaos::host_identity(0);
@@ -1782,8 +1784,8 @@ async fn run_chaos(a: ChaosArgs) -> Result<()> {
                 .with_context(|| format!("cannot start the host soft-HCA on {addr}"))?;
             let mut o = chaos::host_options(traddr, a.nr_io_queues, a.queue_size, r.policy);
             o.io_timeout = r.io_timeout;
-            o.trsvcid = a.trsvcid;
-            if let Some(n) = &a.nqn {
+            o.trsvcid = a.ext.trsvcid;
+            if let Some(n) = &a.ext.nqn {
                 o.subnqn = n.clone();
             }
             let c = Controller::connect_managed(mgr.clone(), chaos::HOST_DEV, o)
