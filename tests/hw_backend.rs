@@ -30,15 +30,19 @@ fn devices_or_skip(test: &str) -> Option<Vec<HwDeviceInfo>> {
     }
 }
 
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 #[test]
 fn devices_open_and_have_identity() {
     let Some(devs) = devices_or_skip("devices_open_and_have_identity") else {
         return;
     };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     rt.block_on(async {
         for info in devs {
             assert_ne!(info.guid.0, 0, "{info}: zero GUID");
@@ -111,10 +115,7 @@ fn target_write_verify_when_configured() {
     if devices_or_skip("target_write_verify_when_configured").is_none() {
         return;
     }
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     rt.block_on(async {
         let mut cfg = HostConfig::new(addr.parse().expect("NVMF_HW_TARGET is ip:port"), &nqn);
         cfg.timeout = Duration::from_secs(20);
