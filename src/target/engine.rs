@@ -163,6 +163,12 @@ struct Engine {
     /// Queues the engine dropped on its own (keep-alive expiry, transport error): the CM
     /// side forgets their connections.
     dropped: Option<tokio::sync::mpsc::UnboundedSender<Qpn>>,
+    /// Inside a batch of completions: response SENDs wait in `responses` until the batch
+    /// ends, so the batch's RDMA WRITEs leave back to back, then its responses (each
+    /// response still after its own data). Runs of equal-sized packets go out as one
+    /// segmented send instead of alternating data/response sends.
+    batching: bool,
+    responses: Vec<(Qpn, usize)>,
 }
 
 /// A running target on one soft-HCA.
@@ -193,6 +199,8 @@ impl Target {
             stalled: Vec::new(),
             now: crate::hca::Instant(0),
             dropped: None,
+            batching: false,
+            responses: Vec::with_capacity(256),
         }));
         let t = Target { hca, engine };
         let task = t.clone();
@@ -286,9 +294,12 @@ impl Target {
                     let mut e = self.lock();
                     self.hca.with(|d, now| {
                         e.now = now;
+                        e.batching = true;
                         for wc in &batch {
                             e.on_completion(d, wc);
                         }
+                        e.batching = false;
+                        e.post_responses(d);
                     });
                 }
                 _ = tick.tick() => {
@@ -723,22 +734,36 @@ impl Engine {
         cqe.emit(&mut c16);
         // sq_head is advisory with SQ flow control on; we consume in order, so report the slot.
         q.rsp.0.write(c * CQE_LEN, &c16);
-        let wr = SendWr {
-            wr_id: wr_id(WR_SEND, c),
-            op: SendOp::Send,
-            sgl: Sgl::one(
-                q.rsp.1.addr + (c * CQE_LEN) as u64,
-                CQE_LEN as u32,
-                q.rsp.1.lkey,
-            ),
-            signaled: true,
-            solicited: false,
-        };
+        let wr = response_wr(q, c);
         q.cmds[c].stage = Stage::Responding;
+        if self.batching {
+            self.responses.push((qpn, c));
+            return;
+        }
         if d.post_send(now, qpn, wr).is_err() {
             q.cmds[c].stage = Stage::Free;
             q.free.push(c);
         }
+    }
+
+    /// Post the response SENDs held back during a batch, in the order they were made.
+    fn post_responses(&mut self, d: &mut Device) {
+        for i in 0..self.responses.len() {
+            let (qpn, c) = self.responses[i];
+            // The queue may have gone (a transport error later in the batch).
+            let Some(q) = self.queues.get_mut(&qpn) else {
+                continue;
+            };
+            if q.cmds[c].stage != Stage::Responding {
+                continue;
+            }
+            let wr = response_wr(q, c);
+            if d.post_send(crate::hca::Instant::ZERO, qpn, wr).is_err() {
+                q.cmds[c].stage = Stage::Free;
+                q.free.push(c);
+            }
+        }
+        self.responses.clear();
     }
 
     fn staged(&self, qpn: Qpn, c: usize, len: usize) -> Vec<u8> {
@@ -1249,6 +1274,21 @@ enum Done {
 fn spaced<const N: usize>(v: &str) -> FixedStr<N> {
     let cut = &v[..v.len().min(N)];
     FixedStr::new_spaced(cut).unwrap_or_else(|_| FixedStr::zeroed())
+}
+
+/// The SEND of command slot `c`'s response capsule (already written to its buffer).
+fn response_wr(q: &TQueue, c: usize) -> SendWr {
+    SendWr {
+        wr_id: wr_id(WR_SEND, c),
+        op: SendOp::Send,
+        sgl: Sgl::one(
+            q.rsp.1.addr + (c * CQE_LEN) as u64,
+            CQE_LEN as u32,
+            q.rsp.1.lkey,
+        ),
+        signaled: true,
+        solicited: false,
+    }
 }
 
 fn repost(d: &mut Device, qpn: Qpn, q: &TQueue, r: usize) {
