@@ -203,3 +203,49 @@ async fn more_concurrent_writes_than_slots_all_land() {
         .await;
     drop(t);
 }
+
+/// At full queue depth the host sends its next command as soon as it has a response, ahead
+/// of its (coalesced) ACK of that response, so the target's command slot is still waiting
+/// for the ACK. The target holds such capsules until a slot frees: nothing is refused or
+/// lost, and every byte reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_queue_depth_commands_ahead_of_acks_are_held_not_dropped() {
+    let (t, thca) = target(16 << 20).await;
+    let c = Arc::new(
+        tokio::time::timeout(Duration::from_secs(20), host(&thca, 1))
+            .await
+            .expect("connect in time")
+            .expect("connect"),
+    );
+    let mut tasks = Vec::new();
+    for w in 0..64u64 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = SmallRng::seed_from_u64(w);
+            for round in 0..40u64 {
+                // Each worker owns its own 8 blocks.
+                let lba = w * 8;
+                let mut data = vec![0u8; 4096];
+                rng.fill(&mut data[..]);
+                c.write(1, lba, &data).await.unwrap();
+                let back = c.read(1, lba, 4096).await.unwrap();
+                assert!(back == data, "worker {w} round {round}: read back differs");
+            }
+        }));
+    }
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .expect("I/O finished in time")
+            .unwrap();
+    }
+    let s = t.stats();
+    assert_eq!(s.errors, 0, "{s:?}");
+    assert!(
+        s.held_capsules > 0,
+        "the queue never ran full of slots waiting for ACKs: {s:?}"
+    );
+    if let Ok(c) = Arc::try_unwrap(c) {
+        c.disconnect().await;
+    }
+}

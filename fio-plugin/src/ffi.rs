@@ -103,6 +103,8 @@ pub unsafe extern "C" fn nvmf_rs_setup(
 ) -> c_int {
     let r = guarded(err, errlen, || {
         let t = OptionText::from_raw(o)?;
+        // Before this job's controllers and targets start (they start on first use).
+        nvmf_rdma::driver::set_default_busy_poll(t.busy_poll()?);
         engine::register(td as usize, t.runtime_threads()?).map(|_| ())
     });
     if r.is_some() {

@@ -33,6 +33,7 @@ pub struct RawOptions {
     pub runtime_threads: *const c_char,
     pub chaos_reset_every: *const c_char,
     pub chaos_down_for: *const c_char,
+    pub busy_poll: *const c_char,
 }
 
 /// Where the target is: an address, or the built-in RAM target of this size in this process.
@@ -99,7 +100,7 @@ pub struct OptionText {
     pairs: Vec<(&'static str, String)>,
 }
 
-const KEYS: [&str; 15] = [
+const KEYS: [&str; 16] = [
     "traddr",
     "trsvcid",
     "subnqn",
@@ -115,6 +116,7 @@ const KEYS: [&str; 15] = [
     "runtime_threads",
     "chaos_reset_every",
     "chaos_down_for",
+    "busy_poll",
 ];
 
 /// Filename keys that only say what SPDK's transport ID says and we already are.
@@ -144,6 +146,7 @@ impl OptionText {
             raw.runtime_threads,
             raw.chaos_reset_every,
             raw.chaos_down_for,
+            raw.busy_poll,
         ];
         let mut t = OptionText::default();
         for (key, p) in KEYS.iter().zip(ptrs) {
@@ -309,6 +312,20 @@ impl OptionText {
             recovery,
             chaos,
         })
+    }
+
+    /// How long the soft-HCAs this job starts (its host device, a built-in target) keep
+    /// polling after packets move before they sleep; 0 turns polling off.
+    pub fn busy_poll(&self) -> Result<Duration, String> {
+        let d = self
+            .get("busy_poll")
+            .map(|v| parse_secs("busy_poll", v))
+            .transpose()?
+            .unwrap_or(nvmf_rdma::driver::TOOL_BUSY_POLL);
+        if d > Duration::from_secs(1) {
+            return Err(format!("busy_poll={d:?}: at most 1s"));
+        }
+        Ok(d)
     }
 
     /// Threads of the engine's own runtime, 0 = fio's threads drive it (engine-wide; the

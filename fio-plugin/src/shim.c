@@ -31,6 +31,7 @@ struct nvmf_rs_strs {
 	const char *runtime_threads;
 	const char *chaos_reset_every;
 	const char *chaos_down_for;
+	const char *busy_poll;
 };
 
 struct nvmf_fio_options {
@@ -221,6 +222,8 @@ static struct fio_option options[] = {
 		 "Reset the host soft-HCA this often while the job runs (e.g. 2s)"),
 	NVMF_OPT(chaos_down_for, "chaos down time",
 		 "How long each chaos reset keeps the device away (default 0)"),
+	NVMF_OPT(busy_poll, "busy poll",
+		 "Poll the soft-HCAs this long after packets move before sleeping, 0 = off (default 50us)"),
 	{ .name = NULL },
 };
 

@@ -8,6 +8,7 @@ mod metrics_pub;
 mod socket;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -21,6 +22,20 @@ use crate::hca::{AsyncEvent, WorkCompletion};
 pub use manager::{DeviceManager, ManagerError};
 pub use socket::{bind_roce_socket, RxBatch, TxBatch};
 
+/// The busy-poll window new contexts start with, in ns (see [`SoftHca::set_busy_poll`]).
+static DEFAULT_BUSY_POLL_NS: AtomicU64 = AtomicU64::new(0);
+
+/// The window the command-line tools and the fio plugin use unless told otherwise.
+pub const TOOL_BUSY_POLL: Duration = Duration::from_micros(50);
+
+/// Set the busy-poll window of every soft-HCA context this process starts from now on
+/// (also after resets and re-plugs). Off (zero) unless set; the CLI's `--busy-poll` and the
+/// fio plugin's `busy_poll` option set it.
+pub fn set_default_busy_poll(window: Duration) {
+    let ns = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
+    DEFAULT_BUSY_POLL_NS.store(ns, Ordering::Relaxed);
+}
+
 /// Shared between the handle(s) and the driver task.
 struct Shared {
     dev: Mutex<Device>,
@@ -32,6 +47,8 @@ struct Shared {
     epoch: std::time::Instant,
     /// Set when the driver task has ended and closed the socket.
     stopped: tokio::sync::watch::Sender<bool>,
+    /// Busy-poll window in ns (0: off); see [`SoftHca::set_busy_poll`].
+    busy_poll_ns: AtomicU64,
 }
 
 /// A handle to a running soft-HCA context. Cheap to clone.
@@ -66,6 +83,7 @@ impl SoftHca {
             wake: Arc::new(Notify::new()),
             epoch: std::time::Instant::now(),
             stopped: tokio::sync::watch::channel(false).0,
+            busy_poll_ns: AtomicU64::new(DEFAULT_BUSY_POLL_NS.load(Ordering::Relaxed)),
         });
         let task_shared = shared.clone();
         crate::alloc_audit::spawn(async move {
@@ -89,6 +107,16 @@ impl SoftHca {
     /// Is `other` a handle to this same context (not merely the same address)?
     pub fn same(&self, other: &SoftHca) -> bool {
         Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
+    /// Busy polling: after a turn that moved packets, the driver keeps polling its socket
+    /// for `window` (yielding to the runtime's other tasks between polls) before it sleeps.
+    /// A thread that sleeps has to be woken for the next packet, and on a virtual machine
+    /// that wakeup is most of a queue-depth-1 round trip; polling costs a core while I/O
+    /// flows and nothing once it stops. Zero (the default) turns it off.
+    pub fn set_busy_poll(&self, window: Duration) {
+        let ns = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
+        self.shared.busy_poll_ns.store(ns, Ordering::Relaxed);
     }
 
     /// The device's virtual "now".
@@ -200,6 +228,18 @@ async fn drive(
         .clone();
     let mut metrics = metrics_pub::Publisher::new(&name);
     let mut last_activity = u64::MAX;
+    // One timer for the life of the driver. It is moved earlier when the core's next
+    // deadline is earlier than what it is set to, and left alone when the deadline moved
+    // later (it then fires early, once, and is set again). Setting a timer earlier wakes
+    // tokio's time driver, which costs a syscall, so a deadline that slides forward every
+    // turn (an ACK's, a retransmit timer's) must not reset it every turn.
+    let timer = tokio::time::sleep(Duration::from_secs(3600));
+    tokio::pin!(timer);
+    let mut armed: Option<tokio::time::Instant> = None;
+    let epoch = tokio::time::Instant::from_std(shared.epoch);
+    // Busy polling: after a turn that moved packets, keep checking the socket (yielding to
+    // the runtime's other tasks in between) instead of sleeping, for `busy_poll`.
+    let mut spin_until: Option<std::time::Instant> = None;
     loop {
         let deadline = {
             let d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
@@ -209,19 +249,20 @@ async fn drive(
             }
             d.poll_timeout()
         };
-        let sleep_for = deadline.map(|t| {
-            let now = shared.epoch.elapsed().as_nanos() as u64;
-            Duration::from_nanos(t.0.saturating_sub(now))
-        });
+        if let Some(t) = deadline {
+            let at = epoch + Duration::from_nanos(t.0);
+            if armed.is_none_or(|a| at < a) {
+                timer.as_mut().reset(at);
+                armed = Some(at);
+            }
+        }
+        let spinning = spin_until.is_some_and(|t| std::time::Instant::now() < t);
         tokio::select! {
+            biased;
             r = sock.readable() => { r?; }
             _ = shared.kick.notified() => {}
-            _ = async {
-                match sleep_for {
-                    Some(d) => tokio::time::sleep(d).await,
-                    None => std::future::pending().await,
-                }
-            } => {}
+            _ = &mut timer, if armed.is_some() => { armed = None; }
+            _ = tokio::task::yield_now(), if spinning => {}
         }
         // Receive whatever is queued (bounded), then let the core react all at once: that
         // is where ACK coalescing comes from.
@@ -258,6 +299,10 @@ async fn drive(
         drop(d);
         if !tx.is_empty() {
             tracing::trace!(device = %name, n = tx.len(), "sending");
+        }
+        let busy_poll = shared.busy_poll_ns.load(Ordering::Relaxed);
+        if busy_poll > 0 && (n > 0 || !tx.is_empty()) {
+            spin_until = Some(std::time::Instant::now() + Duration::from_nanos(busy_poll));
         }
         tx.flush(&sock);
         if more {

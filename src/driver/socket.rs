@@ -27,6 +27,8 @@ const RX_SLOT: usize = 65_536;
 /// Most bytes in one GSO send (an IPv4 UDP datagram's limit, with room for headers).
 const GSO_MAX_BYTES: usize = 65_000;
 const GSO_MAX_SEGS: usize = 64;
+/// Runs handed to one `sendmmsg`.
+const MMSG_RUNS: usize = 64;
 
 fn setsockopt_int(
     fd: i32,
@@ -109,55 +111,106 @@ impl TxBatch {
         self.pkts.is_empty()
     }
 
-    /// Send everything queued. A full socket buffer drops the rest, as a congested link
-    /// would; the RC retransmit machinery recovers.
+    /// Send everything queued: consecutive packets to one destination with one size (the
+    /// last may be shorter) make a run, sent as one GSO datagram; the runs go to the kernel
+    /// in one `sendmmsg`. A full socket buffer drops the rest, as a congested link would;
+    /// the RC retransmit machinery recovers.
     pub fn flush(&mut self, sock: &tokio::net::UdpSocket) {
-        let mut i = 0;
-        while i < self.pkts.len() {
-            let (dst, start, seg) = self.pkts[i];
-            let mut j = i + 1;
-            let mut total = seg;
-            if self.gso {
-                // Packets are laid out back to back in `buf`, so a run is one slice.
-                while j < self.pkts.len() && j - i < GSO_MAX_SEGS {
-                    let (d, _, l) = self.pkts[j];
-                    if d != dst || l > seg || total + l > GSO_MAX_BYTES {
-                        break;
+        let fd = sock.as_raw_fd();
+        let mut first = 0;
+        'runs: while first < self.pkts.len() {
+            // Up to MMSG_RUNS runs from `first`: (first packet, one past the last, segment
+            // size, bytes).
+            let mut runs = [(0usize, 0usize, 0usize, 0usize); MMSG_RUNS];
+            let mut nruns = 0;
+            let mut i = first;
+            while i < self.pkts.len() && nruns < MMSG_RUNS {
+                let (dst, _, seg) = self.pkts[i];
+                let mut j = i + 1;
+                let mut total = seg;
+                if self.gso {
+                    // Packets are laid out back to back in `buf`, so a run is one slice.
+                    while j < self.pkts.len() && j - i < GSO_MAX_SEGS {
+                        let (d, _, l) = self.pkts[j];
+                        if d != dst || l > seg || total + l > GSO_MAX_BYTES {
+                            break;
+                        }
+                        total += l;
+                        j += 1;
+                        if l < seg {
+                            break; // only the last segment may be short
+                        }
                     }
-                    total += l;
-                    j += 1;
-                    if l < seg {
-                        break; // only the last segment may be short
+                }
+                runs[nruns] = (i, j, seg, total);
+                nruns += 1;
+                i = j;
+            }
+            let mut names: [libc::sockaddr_storage; MMSG_RUNS] = unsafe { std::mem::zeroed() };
+            let mut iovs: [libc::iovec; MMSG_RUNS] = unsafe { std::mem::zeroed() };
+            let mut controls = [[0u64; 4]; MMSG_RUNS];
+            let mut hdrs: [libc::mmsghdr; MMSG_RUNS] = unsafe { std::mem::zeroed() };
+            for (k, &(i, j, seg, total)) in runs[..nruns].iter().enumerate() {
+                let (dst, start, _) = self.pkts[i];
+                let (name, namelen) = sockaddr_from_std(dst);
+                names[k] = name;
+                iovs[k] = libc::iovec {
+                    iov_base: self.buf[start..start + total].as_ptr() as *mut libc::c_void,
+                    iov_len: total,
+                };
+                let h = &mut hdrs[k].msg_hdr;
+                h.msg_name = &mut names[k] as *mut _ as *mut libc::c_void;
+                h.msg_namelen = namelen;
+                h.msg_iov = &mut iovs[k];
+                h.msg_iovlen = 1;
+                if j - i > 1 {
+                    // SAFETY: the control buffer is 32 bytes, enough for one u16 cmsg.
+                    unsafe {
+                        h.msg_control = controls[k].as_mut_ptr() as *mut libc::c_void;
+                        h.msg_controllen =
+                            libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) as usize;
+                        let c = libc::CMSG_FIRSTHDR(h);
+                        (*c).cmsg_level = SOL_UDP;
+                        (*c).cmsg_type = UDP_SEGMENT;
+                        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as usize;
+                        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, seg as u16);
                     }
                 }
             }
-            let data = &self.buf[start..start + total];
             // Sends go straight to the kernel: tokio's readiness cache starts "not writable"
             // on a new socket, so its try_send_to would drop the very first datagram.
-            let r = if j - i > 1 {
-                send_gso(sock, data, dst, seg)
-            } else {
-                socket2::SockRef::from(sock)
-                    .send_to(data, &dst.into())
-                    .map(|_| ())
-            };
-            match r {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e)
-                    if j - i > 1
-                        && matches!(
-                            e.raw_os_error(),
-                            Some(libc::EIO) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)
-                        ) =>
-                {
-                    tracing::info!(error = %e, "UDP GSO refused; sending one datagram per packet");
-                    self.gso = false;
-                    continue; // resend this run packet by packet
+            let mut k = 0;
+            while k < nruns {
+                // SAFETY: every header points at live buffers sized as declared.
+                let n = unsafe {
+                    libc::sendmmsg(
+                        fd,
+                        hdrs[k..].as_mut_ptr(),
+                        (nruns - k) as u32,
+                        libc::MSG_DONTWAIT,
+                    )
+                };
+                if n > 0 {
+                    k += n as usize;
+                    continue;
                 }
-                Err(e) => tracing::debug!(error = %e, %dst, "send failed"),
+                let e = io::Error::last_os_error();
+                let (i, j, _, _) = runs[k];
+                match e.raw_os_error() {
+                    _ if e.kind() == io::ErrorKind::WouldBlock => break 'runs,
+                    Some(libc::EIO) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) if j - i > 1 => {
+                        tracing::info!(error = %e, "UDP GSO refused; sending one datagram per packet");
+                        self.gso = false;
+                        first = i; // resend from this run, packet by packet
+                        continue 'runs;
+                    }
+                    _ => {
+                        tracing::debug!(error = %e, dst = %self.pkts[i].0, "send failed");
+                        k += 1;
+                    }
+                }
             }
-            i = j;
+            first = runs[nruns - 1].1;
         }
         self.pkts.clear();
         self.buf.clear();
@@ -175,45 +228,6 @@ fn sockaddr_from_std(a: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t)
             s.len() as usize,
         );
         (st, s.len())
-    }
-}
-
-fn send_gso(
-    sock: &tokio::net::UdpSocket,
-    data: &[u8],
-    dst: SocketAddr,
-    seg: usize,
-) -> io::Result<()> {
-    let fd = sock.as_raw_fd();
-    let (mut name, namelen) = sockaddr_from_std(dst);
-    let mut iov = libc::iovec {
-        iov_base: data.as_ptr() as *mut libc::c_void,
-        iov_len: data.len(),
-    };
-    // SAFETY: CMSG_SPACE of a u16.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
-    let mut control = [0u64; 4];
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_name = &mut name as *mut _ as *mut libc::c_void;
-    msg.msg_namelen = namelen;
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space;
-    // SAFETY: the control buffer is 32 bytes, enough for one u16 cmsg.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = SOL_UDP;
-        (*c).cmsg_type = UDP_SEGMENT;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, seg as u16);
-    }
-    // SAFETY: msg points at live buffers for the duration of the call.
-    let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT) };
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
     }
 }
 

@@ -1,7 +1,7 @@
 //! The target's command engine: queues, controllers, and the capsule → data → execute →
 //! response pipeline. All of it runs under the device lock, driven by completions.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use crate::driver::SoftHca;
@@ -85,7 +85,8 @@ pub struct TargetStats {
     pub commands: u64,
     pub errors: u64,
     pub malformed_capsules: u64,
-    pub queue_overruns: u64,
+    /// Capsules that waited for a command slot (see `TQueue::held`).
+    pub held_capsules: u64,
     pub bytes_read: u64,
     pub bytes_written: u64,
     pub queues_connected: u64,
@@ -125,6 +126,12 @@ struct TQueue {
     data: (HostMem, MrInfo),
     cmds: Vec<Cmd>,
     free: Vec<usize>,
+    /// Capsules that arrived while every command slot was taken, by receive buffer (not
+    /// reposted until they get a slot). A host may send its next command as soon as it has
+    /// a response, before its ACK of that response reaches us and frees the slot; Linux
+    /// nvmet keeps twice the queue's response contexts for the same reason. Bounded by the
+    /// receive buffers, so it never grows past the queue size.
+    held: VecDeque<(usize, usize)>,
     dead: bool,
     /// When the queue was accepted: one that never completes Fabrics Connect is dropped.
     born: crate::hca::Instant,
@@ -460,6 +467,7 @@ impl Engine {
                 data: (data, data_mr),
                 cmds,
                 free: (0..size).rev().collect(),
+                held: VecDeque::with_capacity(size),
                 dead: false,
             },
         );
@@ -517,6 +525,9 @@ impl Engine {
                         if c.stage == Stage::Responding {
                             c.stage = Stage::Free;
                             q.free.push(slot);
+                            if let Some((r, len)) = q.held.pop_front() {
+                                self.on_capsule(d, wc.qpn, r, len);
+                            }
                         }
                     }
                 }
@@ -543,9 +554,10 @@ impl Engine {
         let at = r * q.capsule_len;
         let len = len.min(q.capsule_len);
         let Some(c) = q.free.pop() else {
-            // More commands than the queue holds: the host broke flow control.
-            self.stats.queue_overruns += 1;
-            repost(d, qpn, q, r);
+            // Every slot is busy, some only waiting for the ACK of their response: keep the
+            // capsule in its buffer until one frees.
+            self.stats.held_capsules += 1;
+            q.held.push_back((r, len));
             return;
         };
         {

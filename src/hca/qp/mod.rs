@@ -23,6 +23,15 @@ pub const MAX_SGE: usize = 4;
 /// Request packets between AckReq bits inside a long message (rxe uses 64).
 const ACK_EVERY: u32 = 16;
 
+/// How long an owed ACK may wait for a packet of ours to the same peer to go out with
+/// (see [`RespState::ack_due`]). A NIC coalesces ACKs the same way; the requester's
+/// retransmit timer (4.096 µs × 2^timeout, 67 ms at the usual 14) is far longer.
+pub const DEFAULT_ACK_DELAY_NS: u64 = 100_000;
+
+/// Request packets taken in since the last ACK after which the ACK leaves at once, so a
+/// requester's window of unacknowledged PSNs (128 by default) keeps moving.
+const ACK_NOW_PKTS: u32 = 64;
+
 /// One scatter/gather element: `len` bytes at `addr` under local key `lkey`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Sge {
@@ -307,6 +316,15 @@ pub(crate) struct RespState {
     /// A NAK was sent for the current gap; send no more until the expected PSN arrives.
     pub nak_sent: bool,
     pub ack: Option<Psn>,
+    /// When the owed ACK leaves even alone. Before then it waits for the next packet this
+    /// QP sends to the peer and goes out just ahead of it, in the same batch: at queue depth
+    /// 1 a command's ACK rides with its response and a response's ACK with the next
+    /// command, instead of each costing the peer a wakeup of its own.
+    pub ack_due: Option<Instant>,
+    /// Request packets taken in since the last ACK left.
+    pub ack_pkts: u32,
+    /// Request packets of ours went out while the ACK was owed: it leaves right after them.
+    pub ride: bool,
     pub nak: Option<(Psn, crate::hca::wire::AethSyndrome)>,
     pub reads: VecDeque<ReadCtx>,
 }
@@ -319,6 +337,8 @@ pub(crate) struct Ctx<'a> {
     pub events: &'a mut VecDeque<AsyncEvent>,
     pub local: SocketAddr,
     pub now: Instant,
+    /// The device's ACK coalescing delay in ns (0: every ACK leaves at once).
+    pub ack_delay: u64,
 }
 
 impl Ctx<'_> {
@@ -503,15 +523,15 @@ impl Qp {
 
     /// Earliest instant at which `handle_timeout` has work.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        match (self.comp.timer, self.comp.rnr_until) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [self.comp.timer, self.comp.rnr_until, self.ack_deadline()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// True if `poll_transmit` would produce a packet now.
     pub fn wants_transmit(&self, now: Instant) -> bool {
-        self.responder_wants_transmit() || self.requester_can_send(now)
+        self.responder_wants_transmit(now) || self.requester_can_send(now)
     }
 
     fn icrc_ctx(&self, local: SocketAddr) -> Option<crate::hca::wire::IcrcContext> {
@@ -525,7 +545,15 @@ impl Qp {
         let dest = self.attr.dest?;
         let icrc = self.icrc_ctx(ctx.local)?;
         let start = out.len();
-        if self.responder_poll(ctx, &icrc, out) || self.requester_poll(ctx, &icrc, out) {
+        let sent = if self.responder_poll(ctx, &icrc, out) {
+            true
+        } else if self.requester_poll(ctx, &icrc, out) {
+            self.resp.ride |= self.resp.ack.is_some();
+            true
+        } else {
+            self.responder_ack(ctx, &icrc, out)
+        };
+        if sent {
             ctx.stats.tx_packets += 1;
             ctx.stats.tx_bytes += (out.len() - start) as u64;
             return Some(dest);

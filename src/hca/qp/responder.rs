@@ -6,7 +6,7 @@ use super::requester::{packets_for, pos_of};
 use super::{Ctx, Qp, ReadCtx, RecvWr, RespMsg};
 use crate::hca::cq::{WcOpcode, WcStatus, WorkCompletion};
 use crate::hca::mr::Access;
-use crate::hca::types::{MemKey, Psn};
+use crate::hca::types::{Instant, MemKey, Psn};
 use crate::hca::wire::{
     finish_packet, AethRepr, AethSyndrome, BthRepr, IcrcContext, MsgPos, NakCode, OpClass, Opcode,
     PacketHeaders, ParsedPacket,
@@ -44,9 +44,10 @@ impl Qp {
         match self.execute(ctx, pkt) {
             Ok(consumed) => {
                 self.resp.epsn = psn.add(consumed);
+                self.resp.ack_pkts = self.resp.ack_pkts.saturating_add(consumed);
                 if pkt.hdrs.bth.ack_req && pkt.hdrs.bth.opcode.info().class != OpClass::ReadRequest
                 {
-                    self.resp.ack = Some(psn);
+                    self.owe_ack(ctx, psn);
                 }
             }
             Err(Fault::Rnr) => {
@@ -304,19 +305,51 @@ impl Qp {
                 let _ = self.exec_read(ctx, pkt, true);
             }
             _ => {
-                // Re-acknowledge the latest, so a requester whose ACK was lost moves on.
+                // Re-acknowledge the latest, at once, so a requester whose ACK was lost
+                // moves on.
                 self.resp.ack = Some(self.resp.epsn.add(Psn::MASK));
+                self.resp.ack_due = Some(ctx.now);
             }
         }
     }
 
-    pub(super) fn responder_wants_transmit(&self) -> bool {
-        self.attr.state != super::QpState::Reset
-            && (self.resp.nak.is_some() || !self.resp.reads.is_empty() || self.resp.ack.is_some())
+    /// Record that request `psn` asked for an ACK. It leaves with our next packet to the
+    /// peer, or alone once `ack_delay` has passed, or at once after `ACK_NOW_PKTS` packets.
+    fn owe_ack(&mut self, ctx: &Ctx<'_>, psn: Psn) {
+        self.resp.ack = Some(psn);
+        let due = if self.resp.ack_pkts >= super::ACK_NOW_PKTS {
+            ctx.now
+        } else {
+            Instant(ctx.now.0.saturating_add(ctx.ack_delay))
+        };
+        self.resp.ack_due = Some(self.resp.ack_due.map_or(due, |d| d.min(due)));
     }
 
-    /// Emit one responder packet: a NAK first, then read responses, then the coalesced ACK
-    /// (after the reads, so an ACK never overtakes the data of a READ before it).
+    /// When the owed ACK must leave even with nothing to ride on.
+    pub(super) fn ack_deadline(&self) -> Option<Instant> {
+        if self.attr.state == super::QpState::Reset || self.resp.ack.is_none() {
+            return None;
+        }
+        self.resp.ack_due
+    }
+
+    /// An owed ACK leaves now: it is due, or request packets of ours went out this turn
+    /// (it follows them).
+    fn ack_ready(&self, now: Instant) -> bool {
+        self.resp.ack.is_some()
+            && (self.resp.ack_due.is_none_or(|t| t <= now)
+                || self.resp.ride
+                || self.attr.state == super::QpState::Err)
+    }
+
+    pub(super) fn responder_wants_transmit(&self, now: Instant) -> bool {
+        self.attr.state != super::QpState::Reset
+            && (self.resp.nak.is_some() || !self.resp.reads.is_empty() || self.ack_ready(now))
+    }
+
+    /// Emit one responder packet: a NAK first, then read responses. The coalesced ACK comes
+    /// from [`Qp::responder_ack`], after these (so an ACK never overtakes the data of a READ
+    /// before it) and after the requester's packets.
     pub(super) fn responder_poll(
         &mut self,
         ctx: &mut Ctx<'_>,
@@ -341,6 +374,8 @@ impl Qp {
         if self.attr.state == super::QpState::Err {
             self.resp.reads.clear();
             self.resp.ack = None;
+            self.resp.ack_due = None;
+            self.resp.ride = false;
             return false;
         }
         if let Some(read) = self.resp.reads.front_mut() {
@@ -390,7 +425,24 @@ impl Qp {
             finish_packet(out, start, icrc);
             return true;
         }
+        false
+    }
+
+    /// Emit the coalesced ACK if it is ready to leave.
+    pub(super) fn responder_ack(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        icrc: &IcrcContext,
+        out: &mut Vec<u8>,
+    ) -> bool {
+        let start = out.len();
+        if self.attr.state == super::QpState::Reset || !self.ack_ready(ctx.now) {
+            return false;
+        }
         if let Some(psn) = self.resp.ack.take() {
+            self.resp.ack_due = None;
+            self.resp.ack_pkts = 0;
+            self.resp.ride = false;
             let mut h = PacketHeaders::new(BthRepr::new(
                 Opcode::RC_ACKNOWLEDGE,
                 self.attr.dest_qpn,
