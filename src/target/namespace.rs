@@ -7,6 +7,22 @@ use std::sync::Mutex;
 
 use crate::nvme::Status;
 
+/// Ask for transparent huge pages under a RAM namespace. Its memory is zero pages until
+/// written; the first write to each 4 KiB page would otherwise take a page fault, which on a
+/// virtual machine costs more than the rest of the write. With huge pages that is one fault
+/// per 2 MiB. Best effort: where THP is off the advice is ignored.
+fn advise_huge_pages(mem: &[u8]) {
+    const HUGE: usize = 2 << 20;
+    let start = (mem.as_ptr() as usize).next_multiple_of(HUGE);
+    let end = (mem.as_ptr() as usize + mem.len()) & !(HUGE - 1);
+    if end > start {
+        // SAFETY: advice on whole pages inside an allocation we own; it changes no contents.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
+    }
+}
+
 /// Where a namespace keeps its blocks.
 pub enum Backend {
     Ram(Mutex<Vec<u8>>),
@@ -31,11 +47,13 @@ impl Namespace {
     /// A RAM namespace of `bytes` (rounded down to whole blocks).
     pub fn ram(nsid: u32, bytes: u64, lbads: u8) -> Namespace {
         let blocks = bytes >> lbads;
+        let mem = vec![0u8; (blocks << lbads) as usize];
+        advise_huge_pages(&mem);
         Namespace {
             nsid,
             lbads,
             blocks,
-            backend: Backend::Ram(Mutex::new(vec![0u8; (blocks << lbads) as usize])),
+            backend: Backend::Ram(Mutex::new(mem)),
         }
     }
 

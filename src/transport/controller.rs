@@ -1207,7 +1207,8 @@ impl Controller {
             let n = chunk.min(bytes - done);
             let slba = lba + (done / bs) as u64;
             let sqe = admin::read(0, nsid, slba, (n / bs) as u32)?;
-            let r = self.pick().submit_slice(sqe, None, n).await?;
+            let q = self.pick();
+            let r = q.submit_slice(sqe, None, n).await?;
             if r.data.len() != n {
                 return Err(HostError::Transport(format!(
                     "read of {n} bytes returned {}",
@@ -1215,6 +1216,7 @@ impl Controller {
                 )));
             }
             sink(&r.data);
+            q.recycle(r.data);
             done += n;
         }
         Ok(())

@@ -231,7 +231,13 @@ pub struct QueueCore {
     max_retries: u8,
     /// The task holds a request that found no free slot: direct submissions wait behind it.
     backlog: bool,
+    /// Buffers of read data that callers gave back ([`QueueHandle::recycle`]), reused for
+    /// the next reads so a large read does not allocate (and fault in) fresh memory.
+    spare: Vec<Vec<u8>>,
 }
+
+/// Read buffers a queue keeps for reuse.
+const SPARE_BUFFERS: usize = 8;
 
 impl QueueCore {
     /// Allocate the queue's host memory: rings, data buffers, slots. Nothing is registered.
@@ -286,6 +292,7 @@ impl QueueCore {
             io_timeout,
             max_retries,
             backlog: false,
+            spare: Vec::with_capacity(SPARE_BUFFERS),
         })
     }
 
@@ -824,7 +831,9 @@ impl QueueCore {
         let mut data = Vec::new();
         if st.is_success() && data_in > 0 {
             let off = i * self.spec.max_io;
-            data = self.data.lock()[off..off + data_in].to_vec();
+            data = self.spare.pop().unwrap_or_default();
+            data.clear();
+            data.extend_from_slice(&self.data.lock()[off..off + data_in]);
         }
         self.stats.completed += 1;
         self.finish(i, Ok(Response { cqe, data }));
@@ -1008,6 +1017,18 @@ pub struct QueueHandle {
 }
 
 impl QueueHandle {
+    /// Give back the data buffer of a read's [`Response`] once its bytes are used, for the
+    /// queue to fill with a later read. Keeps a few, of at most the queue's transfer size.
+    pub fn recycle(&self, buf: Vec<u8>) {
+        if buf.capacity() == 0 || buf.capacity() > self.spec.max_io {
+            return;
+        }
+        let mut c = self.core.lock().unwrap_or_else(|e| e.into_inner());
+        if c.spare.len() < SPARE_BUFFERS {
+            c.spare.push(buf);
+        }
+    }
+
     /// The queue's counters.
     pub fn stats(&self) -> QueueStats {
         self.core
