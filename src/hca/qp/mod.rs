@@ -316,10 +316,10 @@ pub(crate) struct RespState {
     /// A NAK was sent for the current gap; send no more until the expected PSN arrives.
     pub nak_sent: bool,
     pub ack: Option<Psn>,
-    /// When the owed ACK leaves even alone. Before then it waits for the next packet this
-    /// QP sends to the peer and goes out just ahead of it, in the same batch: at queue depth
-    /// 1 a command's ACK rides with its response and a response's ACK with the next
-    /// command, instead of each costing the peer a wakeup of its own.
+    /// When the owed ACK leaves even alone. Before then it waits for the next request
+    /// packets this QP sends to the peer and goes out right behind them, in the same batch:
+    /// at queue depth 1 a command's ACK rides with its response and a response's ACK with
+    /// the next command, instead of each costing the peer a wakeup of its own.
     pub ack_due: Option<Instant>,
     /// Request packets taken in since the last ACK left.
     pub ack_pkts: u32,
@@ -490,6 +490,9 @@ impl Qp {
         self.comp.rnr_until = None;
         self.resp.reads.clear();
         self.resp.ack = None;
+        self.resp.ack_due = None;
+        self.resp.ack_pkts = 0;
+        self.resp.ride = false;
     }
 
     /// Move to ERR after a failed WQE or a fatal responder error.
