@@ -8,13 +8,14 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use nvmf_rdma::hca::qp::DEFAULT_ACK_DELAY_NS;
+use nvmf_rdma::hca::qp::DEFAULT_ACK_DELAY;
 use nvmf_rdma::hca::rc::RcOptions;
 use nvmf_rdma::hca::sim::Faults;
 use nvmf_rdma::hca::*;
 
 /// One-way link latency of `Faults::NONE`.
 const LATENCY_NS: u64 = 2_000;
+const DEFAULT_ACK_DELAY_NS: u64 = DEFAULT_ACK_DELAY.as_nanos() as u64;
 
 fn fresh(seed: u64) -> Pair {
     pair(seed, Faults::NONE, RcOptions::default())

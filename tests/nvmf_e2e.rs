@@ -47,13 +47,18 @@ async fn host(target: &SoftHca, queues: usize) -> Result<Controller, HostError> 
     Controller::connect(hca, cm, o).await
 }
 
+/// A host with `queues` I/O queues, connected within 20 s or the test fails.
+async fn connected(target: &SoftHca, queues: usize) -> Controller {
+    tokio::time::timeout(Duration::from_secs(20), host(target, queues))
+        .await
+        .expect("connect in time")
+        .expect("connect")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_identify_write_read_back() {
     let (t, thca) = target(64 << 20).await;
-    let c = tokio::time::timeout(Duration::from_secs(20), host(&thca, 2))
-        .await
-        .expect("connect in time")
-        .expect("connect");
+    let c = connected(&thca, 2).await;
     assert_eq!(c.io_queue_count(), 2);
     let ns = c.namespaces()[0];
     assert_eq!((ns.nsid, ns.block_size, ns.bytes()), (1, 512, 64 << 20));
@@ -117,10 +122,7 @@ async fn connect_identify_write_read_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_into_matches_read_and_rejects_bad_lengths() {
     let (t, thca) = target(16 << 20).await;
-    let c = tokio::time::timeout(Duration::from_secs(20), host(&thca, 1))
-        .await
-        .expect("connect in time")
-        .expect("connect");
+    let c = connected(&thca, 1).await;
     let max = c.max_transfer();
     let mut rng = SmallRng::seed_from_u64(21);
     // One block, a few, exactly the transfer limit, and more than it (several commands).
@@ -166,12 +168,7 @@ async fn read_into_matches_read_and_rejects_bad_lengths() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_concurrent_writes_than_slots_all_land() {
     let (t, thca) = target(16 << 20).await;
-    let c = Arc::new(
-        tokio::time::timeout(Duration::from_secs(20), host(&thca, 1))
-            .await
-            .expect("connect in time")
-            .expect("connect"),
-    );
+    let c = Arc::new(connected(&thca, 1).await);
     // The queue has 32 entries (one reserved): 200 writes of 4 KiB at once.
     let writes: Vec<_> = (0..200u64)
         .map(|i| {
@@ -211,12 +208,7 @@ async fn more_concurrent_writes_than_slots_all_land() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_queue_depth_commands_ahead_of_acks_are_held_not_dropped() {
     let (t, thca) = target(16 << 20).await;
-    let c = Arc::new(
-        tokio::time::timeout(Duration::from_secs(20), host(&thca, 1))
-            .await
-            .expect("connect in time")
-            .expect("connect"),
-    );
+    let c = Arc::new(connected(&thca, 1).await);
     let mut tasks = Vec::new();
     for w in 0..64u64 {
         let c = c.clone();
@@ -245,7 +237,9 @@ async fn full_queue_depth_commands_ahead_of_acks_are_held_not_dropped() {
         s.held_capsules > 0,
         "the queue never ran full of slots waiting for ACKs: {s:?}"
     );
-    if let Ok(c) = Arc::try_unwrap(c) {
-        c.disconnect().await;
-    }
+    Arc::try_unwrap(c)
+        .ok()
+        .expect("last handle")
+        .disconnect()
+        .await;
 }

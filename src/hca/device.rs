@@ -35,7 +35,7 @@ macro_rules! ctx {
             events: &mut $d.events,
             local: $d.config.addr,
             now: $now,
-            ack_delay: $d.ack_delay_ns,
+            ack_delay: $d.ack_delay,
         }
     };
 }
@@ -158,8 +158,8 @@ pub struct Device {
     gsi_psn: u32,
     /// Events and MADs handed out so far; with the queue lengths, a monotonic activity count.
     popped: u64,
-    /// ACK coalescing delay (see `qp::DEFAULT_ACK_DELAY_NS`).
-    ack_delay_ns: u64,
+    /// ACK coalescing delay (see `qp::DEFAULT_ACK_DELAY`).
+    ack_delay: std::time::Duration,
     /// CQs that received completions since the driver last asked.
     cq_dirty: Vec<CqId>,
 }
@@ -190,7 +190,7 @@ impl Device {
             gsi_tx: VecDeque::with_capacity(GSI_QUEUE),
             gsi_psn: 0,
             popped: 0,
-            ack_delay_ns: crate::hca::qp::DEFAULT_ACK_DELAY_NS,
+            ack_delay: crate::hca::qp::DEFAULT_ACK_DELAY,
         };
         d.events.push_back(AsyncEvent::PortActive);
         d
@@ -199,7 +199,7 @@ impl Device {
     /// How long an owed ACK may wait to go out with a packet of ours to the same peer
     /// before it leaves alone. Zero sends every ACK at once (one per receive batch).
     pub fn set_ack_delay(&mut self, delay: std::time::Duration) {
-        self.ack_delay_ns = u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX);
+        self.ack_delay = delay;
     }
 
     pub fn identity(&self) -> &DeviceIdentity {

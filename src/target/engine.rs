@@ -746,16 +746,12 @@ impl Engine {
         cqe.emit(&mut c16);
         // sq_head is advisory with SQ flow control on; we consume in order, so report the slot.
         q.rsp.0.write(c * CQE_LEN, &c16);
-        let wr = response_wr(q, c);
         q.cmds[c].stage = Stage::Responding;
         if self.batching {
             self.responses.push((qpn, c));
             return;
         }
-        if d.post_send(now, qpn, wr).is_err() {
-            q.cmds[c].stage = Stage::Free;
-            q.free.push(c);
-        }
+        send_response(d, qpn, q, c);
     }
 
     /// Post the response SENDs held back during a batch, in the order they were made.
@@ -766,13 +762,8 @@ impl Engine {
             let Some(q) = self.queues.get_mut(&qpn) else {
                 continue;
             };
-            if q.cmds[c].stage != Stage::Responding {
-                continue;
-            }
-            let wr = response_wr(q, c);
-            if d.post_send(crate::hca::Instant::ZERO, qpn, wr).is_err() {
-                q.cmds[c].stage = Stage::Free;
-                q.free.push(c);
+            if q.cmds[c].stage == Stage::Responding {
+                send_response(d, qpn, q, c);
             }
         }
         self.responses.clear();
@@ -1288,9 +1279,10 @@ fn spaced<const N: usize>(v: &str) -> FixedStr<N> {
     FixedStr::new_spaced(cut).unwrap_or_else(|_| FixedStr::zeroed())
 }
 
-/// The SEND of command slot `c`'s response capsule (already written to its buffer).
-fn response_wr(q: &TQueue, c: usize) -> SendWr {
-    SendWr {
+/// SEND command slot `c`'s response capsule (already in its buffer); a slot whose SEND
+/// cannot be posted is free again.
+fn send_response(d: &mut Device, qpn: Qpn, q: &mut TQueue, c: usize) {
+    let wr = SendWr {
         wr_id: wr_id(WR_SEND, c),
         op: SendOp::Send,
         sgl: Sgl::one(
@@ -1300,6 +1292,10 @@ fn response_wr(q: &TQueue, c: usize) -> SendWr {
         ),
         signaled: true,
         solicited: false,
+    };
+    if d.post_send(crate::hca::Instant::ZERO, qpn, wr).is_err() {
+        q.cmds[c].stage = Stage::Free;
+        q.free.push(c);
     }
 }
 

@@ -26,7 +26,7 @@ const ACK_EVERY: u32 = 16;
 /// How long an owed ACK may wait for a packet of ours to the same peer to go out with
 /// (see [`RespState::ack_due`]). A NIC coalesces ACKs the same way; the requester's
 /// retransmit timer (4.096 µs × 2^timeout, 67 ms at the usual 14) is far longer.
-pub const DEFAULT_ACK_DELAY_NS: u64 = 100_000;
+pub const DEFAULT_ACK_DELAY: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// Request packets taken in since the last ACK after which the ACK leaves at once, so a
 /// requester's window of unacknowledged PSNs (128 by default) keeps moving.
@@ -337,8 +337,8 @@ pub(crate) struct Ctx<'a> {
     pub events: &'a mut VecDeque<AsyncEvent>,
     pub local: SocketAddr,
     pub now: Instant,
-    /// The device's ACK coalescing delay in ns (0: every ACK leaves at once).
-    pub ack_delay: u64,
+    /// The device's ACK coalescing delay (zero: every ACK leaves at once).
+    pub ack_delay: std::time::Duration,
 }
 
 impl Ctx<'_> {

@@ -320,7 +320,7 @@ impl Qp {
         let due = if self.resp.ack_pkts >= super::ACK_NOW_PKTS {
             ctx.now
         } else {
-            Instant(ctx.now.0.saturating_add(ctx.ack_delay))
+            ctx.now + ctx.ack_delay
         };
         self.resp.ack_due = Some(self.resp.ack_due.map_or(due, |d| d.min(due)));
     }
