@@ -9,7 +9,7 @@
 //! - [`options`]: engine options and SPDK-style filenames, checked with clear messages.
 //! - [`engine`]: process-wide state: shared controllers, built-in targets, chaos.
 //! - [`runtime`]: who drives the async work (fio's own threads, or threads of ours).
-//! - [`thread`]: per-job queue / commit / completion ring / getevents.
+//! - [`thread`]: per-job queue / commit / getevents over the job's own I/O futures.
 
 pub mod engine;
 pub mod ffi;

@@ -1,20 +1,23 @@
-//! One fio job thread's side of the engine: `queue` gathers I/O, `commit` hands it to the
-//! runtime as tasks on the shared controller, each task puts its `io_u` into this thread's
-//! completion ring, and `getevents` takes from the ring (with fio's timeout) until enough are
-//! back, driving the runtime meanwhile when it is the inline kind. Nothing spins: a waiting
-//! thread parks in the runtime's epoll or on a futex.
+//! One fio job thread's side of the engine: `queue` gathers I/O, `commit` marks it
+//! committed, and `getevents` starts what was committed and polls the job's I/O futures
+//! (with fio's timeout) until enough are done, driving the runtime meanwhile when it is the
+//! inline kind. Nothing spins: a waiting thread parks in the runtime's epoll or on a futex.
 //!
-//! Inline, the runtime turns only in `getevents`, and only when the ring cannot answer it:
-//! completions already there are handed back at once, and the I/O fio committed meanwhile
-//! starts as one batch at the next turn. With fio's defaults (one completion reaped, one I/O
-//! submitted per call) this is what keeps the host stack sending commands in batches.
+//! The runtime turns only in `getevents`, and only when no finished I/O is left to hand
+//! back: completions already taken are returned at once, and the I/O fio committed
+//! meanwhile starts as one batch at the next turn. With fio's defaults (one completion
+//! reaped, one I/O submitted per call) this is what keeps the host stack sending commands
+//! in batches.
 use std::collections::VecDeque;
+use std::future::{poll_fn, Future};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use nvmf_rdma::transport::{Controller, HostError};
-use tokio::sync::Notify;
 
 use crate::engine::Ctrl;
 use crate::runtime::Driver;
@@ -86,106 +89,127 @@ pub struct Done {
     pub error: i32,
 }
 
-#[derive(Default)]
-struct RingState {
-    done: VecDeque<Done>,
-    /// How many completions the waiting `getevents` needs (0: nobody waits), so a completion
-    /// only wakes it when it can return.
-    want: usize,
+/// How one I/O ended, before it is handed to fio.
+struct Finished {
+    io_u: usize,
+    op: Op,
+    lba: u64,
+    blocks: u64,
+    result: Result<(), HostError>,
 }
 
-/// Completions from the I/O tasks to the fio thread.
-#[derive(Default)]
-pub struct Ring {
-    st: Mutex<RingState>,
-    ready: Notify,
+/// The I/O one fio job has started, and its completions not yet handed to fio.
+///
+/// The I/O futures belong to the job and are polled by its own thread in `getevents`, not
+/// spawned as tasks: a command is posted by the first poll, and its completion (data copied
+/// into fio's buffer) is taken by the poll that finds its response in. No task, channel or
+/// lock stands between the response and fio.
+pub struct Reaper<T> {
+    running: FuturesUnordered<Pin<Box<dyn Future<Output = T> + Send>>>,
+    done: VecDeque<T>,
 }
 
-impl Ring {
-    fn lock(&self) -> MutexGuard<'_, RingState> {
-        self.st.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub fn complete(&self, d: Done) {
-        let mut s = self.lock();
-        s.done.push_back(d);
-        if s.want > 0 && s.done.len() >= s.want {
-            s.want = 0;
-            drop(s);
-            self.ready.notify_one();
+impl<T> Default for Reaper<T> {
+    fn default() -> Self {
+        Reaper {
+            running: FuturesUnordered::new(),
+            done: VecDeque::new(),
         }
     }
+}
 
-    /// Take up to `max` if at least `min` are there; otherwise say how many are missing.
-    fn take(&self, min: usize, max: usize, out: &mut Vec<Done>) -> Option<usize> {
-        let mut s = self.lock();
-        if s.done.len() < min {
-            s.want = min;
+impl<T> Reaper<T> {
+    /// Take `fut` in; it starts at the next poll (the next `wait`).
+    pub fn start(&mut self, fut: Pin<Box<dyn Future<Output = T> + Send>>) {
+        self.running.push(fut);
+    }
+
+    /// Started and not yet taken.
+    pub fn outstanding(&self) -> usize {
+        self.running.len() + self.done.len()
+    }
+
+    /// Hand out up to `max` if at least `min` (and at least one) are done already, without
+    /// polling anything.
+    pub fn take_ready(&mut self, min: usize, max: usize, out: &mut Vec<T>) -> Option<usize> {
+        if self.done.is_empty() || self.done.len() < min {
             return None;
         }
-        s.want = 0;
-        let n = s.done.len().min(max);
-        out.extend(s.done.drain(..n));
-        Some(n)
+        Some(self.take(max, out))
     }
 
-    /// Take up to `max` if at least `min` (at least one) are there already, without waiting.
-    pub fn take_ready(&self, min: usize, max: usize, out: &mut Vec<Done>) -> Option<usize> {
-        let mut s = self.lock();
-        if s.done.is_empty() || s.done.len() < min {
-            return None;
+    fn take(&mut self, max: usize, out: &mut Vec<T>) -> usize {
+        let n = self.done.len().min(max);
+        out.extend(self.done.drain(..n));
+        n
+    }
+
+    /// Poll what is running once; what finished moves to `done`.
+    fn poll_some(&mut self, cx: &mut Context<'_>) {
+        while let Poll::Ready(Some(d)) = self.running.poll_next_unpin(cx) {
+            self.done.push_back(d);
         }
-        let n = s.done.len().min(max);
-        out.extend(s.done.drain(..n));
-        Some(n)
     }
 
-    /// Wait until `min` completions are there or `timeout` passes; take up to `max`.
+    /// Run until `min` are done or `timeout` passes; hand out up to `max`.
     ///
-    /// `outstanding` is how many I/Os are out. Once `min` are in and more are still out, the
-    /// runtime gets a few more non-blocking turns (one `epoll_wait(0)` each) while they keep
-    /// bringing completions, so a batching fio (`iodepth_batch_complete_max`) reaps a batch
-    /// rather than the first completion of one.
+    /// New I/O is polled (its commands posted) first, then the runtime gets a turn to send
+    /// them. Once `min` are in and more are still out, the runtime gets a few more
+    /// non-blocking turns while they keep finishing, so a batching fio
+    /// (`iodepth_batch_complete_max`) reaps a batch rather than the first completion of one.
     pub async fn wait(
-        &self,
+        &mut self,
         min: usize,
         max: usize,
-        outstanding: usize,
         timeout: Option<Duration>,
-        out: &mut Vec<Done>,
+        out: &mut Vec<T>,
     ) -> usize {
-        // Let the runtime turn once even when nothing needs waiting for (min = 0), so a
-        // polling fio still makes progress when its own thread drives the runtime.
-        tokio::task::yield_now().await;
         let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
-        let mut n = loop {
-            let ready = self.ready.notified();
-            if let Some(n) = self.take(min, max, out) {
-                break n;
+        poll_fn(|cx| {
+            self.poll_some(cx);
+            Poll::Ready(())
+        })
+        .await;
+        if min == 0 {
+            // Let the runtime turn once even though nothing needs waiting for, so a polling
+            // fio still makes progress when its own thread drives the runtime. With something
+            // to wait for, the runtime turns anyway.
+            tokio::task::yield_now().await;
+        }
+        let enough = poll_fn(|cx| {
+            self.poll_some(cx);
+            if self.done.len() >= min || self.running.is_empty() {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
             }
-            match deadline {
-                None => ready.await,
-                Some(d) => {
-                    if tokio::time::timeout_at(d, ready).await.is_err() {
-                        return self.take(0, max, out).unwrap_or(0);
-                    }
+        });
+        match deadline {
+            None => enough.await,
+            Some(d) => {
+                if tokio::time::timeout_at(d, enough).await.is_err() {
+                    return self.take(max, out);
                 }
             }
-        };
-        if min == 0 {
-            return n;
         }
-        for _ in 0..COLLECT_TURNS {
-            if n >= max || n >= outstanding {
-                break;
-            }
-            tokio::task::yield_now().await;
-            match self.take(0, max - n, out) {
-                Some(m) if m > 0 => n += m,
-                _ => break,
+        if min > 0 {
+            for _ in 0..COLLECT_TURNS {
+                if self.done.len() >= max || self.running.is_empty() {
+                    break;
+                }
+                tokio::task::yield_now().await;
+                let before = self.done.len();
+                poll_fn(|cx| {
+                    self.poll_some(cx);
+                    Poll::Ready(())
+                })
+                .await;
+                if self.done.len() == before {
+                    break;
+                }
             }
         }
-        n
+        self.take(max, out)
     }
 }
 
@@ -228,14 +252,14 @@ pub struct Thread {
     pub job: Arc<str>,
     pub driver: Driver,
     pub rt: tokio::runtime::Handle,
-    ring: Arc<Ring>,
+    /// Queued by fio since the last `getevents`: committed or not, they start there.
     pending: Vec<Pending>,
+    /// Of `pending`, how many fio has committed.
+    committed: usize,
+    reaper: Reaper<Finished>,
+    finished: Vec<Finished>,
     events: Vec<Done>,
-    /// Committed and not yet handed back to fio.
-    inflight: usize,
-    /// Inline: how many of `pending` are committed, to be started by the next `getevents`.
-    staged: usize,
-    pub errors: Arc<ErrorLog>,
+    pub errors: ErrorLog,
 }
 
 impl Thread {
@@ -244,12 +268,12 @@ impl Thread {
             job: job.into(),
             rt: driver.handle(),
             driver,
-            ring: Arc::default(),
             pending: Vec::with_capacity(iodepth),
+            committed: 0,
+            reaper: Reaper::default(),
+            finished: Vec::with_capacity(iodepth),
             events: Vec::with_capacity(iodepth),
-            inflight: 0,
-            staged: 0,
-            errors: Arc::default(),
+            errors: ErrorLog::default(),
         }
     }
 
@@ -297,97 +321,87 @@ impl Thread {
         Ok(())
     }
 
-    /// Start everything queued since the last commit.
+    /// fio's commit: everything queued since the last one is committed.
     ///
-    /// Inline, nothing runs the host stack until a fio thread's next `getevents`, so the
-    /// I/O is only marked committed here and starts there, as one batch spawned on the
-    /// runtime's own queue: no cross-thread wakeup (eventfd write) per I/O, and the queue
-    /// task sends the whole batch in one turn (one datagram run).
+    /// It starts at this thread's next `getevents`, as one batch: the I/O futures are polled
+    /// (their commands posted) together, and the host stack sends them in one datagram run.
+    /// fio always reaps after committing, so nothing waits long: at QD1 `getevents` follows
+    /// at once, and at depth the batch is what fio queued between two reaps.
     pub fn commit(&mut self) {
-        if matches!(self.driver, Driver::Inline(..)) {
-            self.inflight += self.pending.len() - self.staged;
-            self.staged = self.pending.len();
-            return;
-        }
-        if self.pending.is_empty() {
-            return;
-        }
-        self.inflight += self.pending.len();
-        let ring = self.ring.clone();
-        let errors = self.errors.clone();
-        let job = self.job.clone();
-        if self.pending.len() == 1 {
-            let p = self.pending.pop().expect("one pending I/O");
-            self.rt.spawn(run(p, ring, errors, job));
-        } else {
-            // One hand-off to the runtime for the whole batch; the tasks then start on the
-            // worker's local queue.
-            let batch = std::mem::take(&mut self.pending);
-            self.pending.reserve(batch.len());
-            self.rt.spawn(async move {
-                for p in batch {
-                    tokio::spawn(run(p, ring.clone(), errors.clone(), job.clone()));
-                }
-            });
-        }
+        self.committed = self.pending.len();
+    }
+
+    /// Committed and not yet handed back to fio.
+    fn inflight(&self) -> usize {
+        self.committed + self.reaper.outstanding()
     }
 
     /// fio's getevents: at least `min` (never more than are in flight), at most `max`.
     ///
-    /// Completions already in the ring are handed back without turning the runtime: with
-    /// fio's defaults (`iodepth_batch_complete_max` = 1) fio reaps one I/O per call, and a
+    /// Completions already taken are handed back without turning the runtime: with fio's
+    /// defaults (`iodepth_batch_complete_max` = 1) fio reaps one I/O per call, and a
     /// runtime turn per call would send the I/O it queues in between one at a time. This
-    /// way the runtime turns only once the ring is empty, with everything fio queued since
+    /// way the runtime turns only once none are left, with everything fio queued since
     /// then to send at once.
     pub fn getevents(&mut self, min: usize, max: usize, timeout: Option<Duration>) -> usize {
-        self.commit();
-        self.events.clear();
-        let min = min.min(self.inflight);
-        if min > 0 {
-            if let Some(n) = self.ring.take_ready(min, max, &mut self.events) {
-                self.inflight -= n;
-                return n;
+        let min = min.min(self.inflight());
+        self.finished.clear();
+        let reaped = self.reaper.take_ready(min.max(1), max, &mut self.finished);
+        if reaped.is_none() {
+            for p in self.pending.drain(..self.committed) {
+                self.reaper.start(Box::pin(run(p)));
             }
+            self.committed = 0;
+            let (reaper, finished) = (&mut self.reaper, &mut self.finished);
+            self.driver
+                .block_on(reaper.wait(min, max, timeout, finished));
         }
-        let (ring, events, pending) = (&self.ring, &mut self.events, &mut self.pending);
-        let (errors, job) = (&self.errors, &self.job);
-        let outstanding = self.inflight;
-        self.staged = 0;
-        let n = self.driver.block_on(async {
-            // Inline: what commit staged starts now, from inside the runtime.
-            for p in pending.drain(..) {
-                tokio::spawn(run(p, ring.clone(), errors.clone(), job.clone()));
-            }
-            ring.wait(min, max, outstanding, timeout, events).await
-        });
-        self.inflight -= n;
-        n
+        self.events.clear();
+        for f in self.finished.drain(..) {
+            let error = match &f.result {
+                Ok(()) => 0,
+                Err(e) => {
+                    self.errors.record(
+                        &self.job,
+                        &format!("{:?} of {} blocks at LBA {}", f.op, f.blocks, f.lba),
+                        e,
+                    );
+                    errno(e)
+                }
+            };
+            self.events.push(Done {
+                io_u: f.io_u,
+                error,
+            });
+        }
+        self.events.len()
     }
 
     pub fn event(&self, i: usize) -> Option<Done> {
         self.events.get(i).copied()
     }
 
-    /// Wait for every I/O still out: their tasks write into fio's buffers, which fio frees
-    /// after cleanup.
+    /// Wait for every I/O still out: they write into fio's buffers, which fio frees after
+    /// cleanup.
     pub fn drain(&mut self) {
         self.commit();
-        while self.inflight > 0 {
-            let n = self.getevents(self.inflight, usize::MAX, Some(Duration::from_secs(10)));
+        while self.inflight() > 0 {
+            let n = self.getevents(self.inflight(), usize::MAX, Some(Duration::from_secs(10)));
             if n == 0 {
                 eprintln!(
                     "nvmf-rdma: {}: waiting for {} I/Os still out",
-                    self.job, self.inflight
+                    self.job,
+                    self.inflight()
                 );
             }
         }
     }
 }
 
-async fn run(p: Pending, ring: Arc<Ring>, errors: Arc<ErrorLog>, job: Arc<str>) {
+async fn run(p: Pending) -> Finished {
     let c = &p.ctrl;
-    let r = match p.op {
-        // SAFETY (both): the task owns the I/O until it completes it below.
+    let result = match p.op {
+        // SAFETY (both): this future owns the I/O until it returns.
         // The data is copied once, from the command's response straight into fio's buffer.
         Op::Read => {
             c.read_into(p.nsid, p.lba, unsafe { p.buf.bytes_mut() })
@@ -397,26 +411,20 @@ async fn run(p: Pending, ring: Arc<Ring>, errors: Arc<ErrorLog>, job: Arc<str>) 
         Op::Flush => c.flush(p.nsid).await,
         Op::Trim => c.deallocate(p.nsid, &[(p.lba, p.blocks as u32)]).await,
     };
-    let error = match r {
-        Ok(()) => 0,
-        Err(e) => {
-            errors.record(
-                &job,
-                &format!("{:?} of {} blocks at LBA {}", p.op, p.blocks, p.lba),
-                &e,
-            );
-            errno(&e)
-        }
-    };
-    ring.complete(Done {
+    Finished {
         io_u: p.io_u,
-        error,
-    });
+        op: p.op,
+        lba: p.lba,
+        blocks: p.blocks,
+        result,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use tokio::sync::oneshot;
 
     fn rt() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread()
@@ -425,88 +433,160 @@ mod tests {
             .unwrap()
     }
 
-    #[test]
-    fn ring_wakes_only_when_enough_are_done() {
-        let ring = Arc::new(Ring::default());
-        let r2 = ring.clone();
-        let t = std::thread::spawn(move || {
-            let mut out = Vec::new();
-            let n = rt().block_on(r2.wait(3, 8, 3, None, &mut out));
-            (n, out)
-        });
-        for i in 0..3 {
-            ring.complete(Done { io_u: i, error: 0 });
-        }
-        let (n, out) = t.join().unwrap();
-        assert_eq!(n, 3);
-        assert_eq!(out.iter().map(|d| d.io_u).collect::<Vec<_>>(), [0, 1, 2]);
+    /// An I/O that finishes as `id` when its sender fires (or is dropped: id + 1000).
+    fn io(
+        id: usize,
+    ) -> (
+        oneshot::Sender<()>,
+        Pin<Box<dyn Future<Output = usize> + Send>>,
+    ) {
+        let (tx, rx) = oneshot::channel::<()>();
+        (
+            tx,
+            Box::pin(async move { rx.await.map_or(id + 1000, |_| id) }),
+        )
+    }
+
+    fn done(id: usize) -> Pin<Box<dyn Future<Output = usize> + Send>> {
+        Box::pin(async move { id })
     }
 
     #[test]
-    fn ring_timeout_returns_what_is_there() {
-        let ring = Ring::default();
-        ring.complete(Done { io_u: 7, error: 5 });
-        let mut out = Vec::new();
+    fn wait_returns_once_min_are_done_from_another_thread() {
         let rt = rt();
-        let n = rt.block_on(ring.wait(2, 8, 2, Some(Duration::from_millis(20)), &mut out));
-        assert_eq!((n, &out[..]), (1, &[Done { io_u: 7, error: 5 }][..]));
-        let n = rt.block_on(ring.wait(0, 8, 0, Some(Duration::ZERO), &mut out));
-        assert_eq!(n, 0);
+        let mut r = Reaper::default();
+        let mut txs = Vec::new();
+        for i in 0..4 {
+            let (tx, f) = io(i);
+            r.start(f);
+            txs.push(tx);
+        }
+        let last = txs.pop().unwrap();
+        let t = std::thread::spawn(move || {
+            for tx in txs {
+                tx.send(()).unwrap();
+            }
+        });
+        let mut out = Vec::new();
+        let n = rt.block_on(r.wait(3, 8, None, &mut out));
+        t.join().unwrap();
+        assert_eq!(n, 3);
+        out.sort();
+        assert_eq!(out, [0, 1, 2]);
+        assert_eq!(r.outstanding(), 1, "the fourth is still out");
+        last.send(()).unwrap();
+        out.clear();
+        assert_eq!(rt.block_on(r.wait(1, 8, None, &mut out)), 1);
+        assert_eq!(out, [3]);
+        assert_eq!(r.outstanding(), 0);
     }
 
     #[test]
-    fn take_ready_only_takes_what_is_there() {
-        let ring = Ring::default();
+    fn started_io_runs_only_when_waited_on_and_all_together() {
+        let rt = rt();
+        let polled = Arc::new(AtomicUsize::new(0));
+        let mut r = Reaper::default();
+        let mut txs = Vec::new();
+        for i in 0..3 {
+            let (tx, rx) = oneshot::channel::<()>();
+            let p = polled.clone();
+            r.start(Box::pin(async move {
+                p.fetch_add(1, Ordering::SeqCst);
+                let _ = rx.await;
+                i
+            }));
+            txs.push(tx);
+        }
+        assert_eq!(polled.load(Ordering::SeqCst), 0, "start does not poll");
         let mut out = Vec::new();
-        assert_eq!(ring.take_ready(1, 8, &mut out), None, "empty");
-        ring.complete(Done { io_u: 1, error: 0 });
-        assert_eq!(ring.take_ready(2, 8, &mut out), None, "fewer than min");
-        assert!(out.is_empty());
-        ring.complete(Done { io_u: 2, error: 0 });
-        ring.complete(Done { io_u: 3, error: 0 });
-        assert_eq!(ring.take_ready(1, 2, &mut out), Some(2), "at most max");
-        assert_eq!(ring.take_ready(1, 2, &mut out), Some(1));
-        assert_eq!(out.iter().map(|d| d.io_u).collect::<Vec<_>>(), [1, 2, 3]);
+        let n = rt.block_on(r.wait(0, 8, Some(Duration::ZERO), &mut out));
+        assert_eq!(n, 0);
+        assert_eq!(
+            polled.load(Ordering::SeqCst),
+            3,
+            "one wait starts the whole batch"
+        );
+        drop(txs);
+        assert_eq!(rt.block_on(r.wait(3, 8, None, &mut out)), 3);
+    }
+
+    #[test]
+    fn timeout_returns_what_is_there() {
+        let rt = rt();
+        let mut r = Reaper::default();
+        r.start(done(7));
+        let (_keep, f) = io(8);
+        r.start(f);
+        let mut out = Vec::new();
+        let n = rt.block_on(r.wait(2, 8, Some(Duration::from_millis(20)), &mut out));
+        assert_eq!((n, &out[..]), (1, &[7][..]));
+        out.clear();
+        let n = rt.block_on(r.wait(0, 8, Some(Duration::ZERO), &mut out));
+        assert_eq!(n, 0);
+        assert_eq!(r.outstanding(), 1);
+    }
+
+    #[test]
+    fn take_ready_only_takes_what_is_done() {
+        let rt = rt();
+        let mut r = Reaper::default();
+        let mut out = Vec::new();
+        assert_eq!(r.take_ready(1, 8, &mut out), None, "nothing done");
+        r.start(done(1));
+        assert_eq!(r.take_ready(1, 8, &mut out), None, "not polled yet");
+        // Collect it without handing it out (max 0), then add two more.
+        assert_eq!(rt.block_on(r.wait(1, 0, None, &mut out)), 0);
+        assert_eq!(r.take_ready(2, 8, &mut out), None, "fewer than min");
+        r.start(done(2));
+        r.start(done(3));
+        assert_eq!(rt.block_on(r.wait(3, 0, None, &mut out)), 0);
+        assert_eq!(r.take_ready(1, 2, &mut out), Some(2), "at most max");
+        assert_eq!(r.take_ready(1, 2, &mut out), Some(1));
+        assert_eq!(r.take_ready(1, 2, &mut out), None);
+        out.sort();
+        assert_eq!(out, [1, 2, 3]);
     }
 
     #[test]
     fn wait_gathers_completions_that_arrive_in_the_next_turns() {
         let rt = rt();
-        let ring = Arc::new(Ring::default());
-        ring.complete(Done { io_u: 1, error: 0 });
-        let r2 = ring.clone();
+        let mut r = Reaper::default();
+        r.start(done(1));
+        let (tx, f) = io(2);
+        r.start(f);
         let mut out = Vec::new();
         let n = rt.block_on(async {
-            // Completes a second I/O a couple of runtime turns later, as a reply that arrives
+            // Finishes the second I/O in the runtime's next turn, as a reply that arrives
             // just after the first would.
             tokio::spawn(async move {
-                tokio::task::yield_now().await;
-                r2.complete(Done { io_u: 2, error: 0 });
+                tx.send(()).unwrap();
             });
-            ring.wait(1, 8, 2, None, &mut out).await
+            r.wait(1, 8, None, &mut out).await
         });
         assert_eq!(
             n, 2,
             "min was 1, but the second completion came while gathering"
         );
-        assert_eq!(out.iter().map(|d| d.io_u).collect::<Vec<_>>(), [1, 2]);
+        out.sort();
+        assert_eq!(out, [1, 2]);
         // Nothing more out: it returns with what it has instead of waiting for more turns.
-        ring.complete(Done { io_u: 3, error: 0 });
+        r.start(done(3));
         out.clear();
-        assert_eq!(rt.block_on(ring.wait(1, 8, 1, None, &mut out)), 1);
+        assert_eq!(rt.block_on(r.wait(1, 8, None, &mut out)), 1);
     }
 
     #[test]
-    fn ring_respects_max() {
-        let ring = Ring::default();
+    fn wait_respects_max_and_keeps_the_rest() {
+        let rt = rt();
+        let mut r = Reaper::default();
         for i in 0..5 {
-            ring.complete(Done { io_u: i, error: 0 });
+            r.start(done(i));
         }
         let mut out = Vec::new();
-        let rt = rt();
-        assert_eq!(rt.block_on(ring.wait(1, 2, 5, None, &mut out)), 2);
-        out.clear();
-        assert_eq!(rt.block_on(ring.wait(1, 8, 3, None, &mut out)), 3);
-        assert_eq!(out[0].io_u, 2);
+        assert_eq!(rt.block_on(r.wait(1, 2, None, &mut out)), 2);
+        assert_eq!(r.outstanding(), 3);
+        assert_eq!(r.take_ready(1, 8, &mut out), Some(3));
+        out.sort();
+        assert_eq!(out, [0, 1, 2, 3, 4]);
     }
 }
