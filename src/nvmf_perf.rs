@@ -145,6 +145,18 @@ impl Pattern {
     }
 }
 
+impl Job {
+    /// The row's name as `fio-plugin/bench.sh` names its fio jobs: `randread-4k-qd32`.
+    pub fn name(&self) -> String {
+        format!(
+            "{}-{}k-qd{}",
+            self.pattern.name(),
+            self.bs >> 10,
+            self.iodepth
+        )
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct Job {
     pub pattern: Pattern,
@@ -278,8 +290,22 @@ pub fn print_results(rows: &[JobResult]) {
     }
 }
 
-/// Run the standard jobs against a fresh in-process target, one I/O queue.
-pub fn bench(runtime: Duration, queues: usize) -> anyhow::Result<Vec<JobResult>> {
+/// The standard jobs whose names are in `only` (all of them when it is empty). An unknown
+/// name is an error that lists the known ones.
+pub fn select_jobs(runtime: Duration, only: &[String]) -> anyhow::Result<Vec<Job>> {
+    let all = standard_jobs(runtime);
+    if let Some(bad) = only.iter().find(|n| !all.iter().any(|j| &j.name() == *n)) {
+        let known: Vec<String> = all.iter().map(Job::name).collect();
+        anyhow::bail!("no bench job {bad:?}; the jobs are {}", known.join(", "));
+    }
+    Ok(all
+        .into_iter()
+        .filter(|j| only.is_empty() || only.contains(&j.name()))
+        .collect())
+}
+
+/// Run `jobs` against a fresh in-process target, one I/O queue.
+pub fn bench(jobs: Vec<Job>, queues: usize) -> anyhow::Result<Vec<JobResult>> {
     let t = LocalTarget::start(1 << 30, 12)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -288,7 +314,7 @@ pub fn bench(runtime: Duration, queues: usize) -> anyhow::Result<Vec<JobResult>>
     let rows = rt.block_on(async move {
         let c = Arc::new(connect_host(addr, DEMO_NQN, queues, 128).await?);
         let mut rows = Vec::new();
-        for job in standard_jobs(runtime) {
+        for job in jobs {
             rows.push(run_job(c.clone(), job).await);
             if std::env::var_os("NVMF_DEBUG_STATS").is_some() {
                 eprintln!("{:?}", c.hca().with(|d, _| d.stats().clone()));

@@ -286,6 +286,11 @@ enum Cmd {
         /// I/O queues for the NVMe-oF table.
         #[arg(long, default_value_t = 1)]
         queues: usize,
+        /// Run only this row of the NVMe-oF table (repeatable), named as fio-plugin/bench.sh
+        /// names its fio jobs: randread-4k-qd1, randread-4k-qd32, randwrite-4k-qd1,
+        /// randwrite-4k-qd32, read-128k-qd8, write-128k-qd8.
+        #[arg(long = "job", value_name = "NAME")]
+        jobs: Vec<String>,
         #[command(flatten)]
         ext: ExternalTarget,
     },
@@ -629,6 +634,7 @@ fn main() -> Result<()> {
             seconds,
             hca,
             queues,
+            jobs,
             ext:
                 ExternalTarget {
                     traddr,
@@ -639,6 +645,9 @@ fn main() -> Result<()> {
         } => {
             if !(0.05..=600.0).contains(&seconds) {
                 bail!("--seconds must be between 0.05 and 600");
+            }
+            if !jobs.is_empty() && (hca || traddr.is_some()) {
+                bail!("--job picks rows of the built-in NVMe-oF table; not with --hca or --traddr");
             }
             if let Some(traddr) = traddr {
                 let sub = Subsys {
@@ -660,10 +669,8 @@ fn main() -> Result<()> {
             if hca {
                 perf::print_table(&perf::standard_table(Duration::from_secs_f64(seconds))?);
             } else {
-                nvmf_perf::print_results(&nvmf_perf::bench(
-                    Duration::from_secs_f64(seconds),
-                    queues.clamp(1, 64),
-                )?);
+                let jobs = nvmf_perf::select_jobs(Duration::from_secs_f64(seconds), &jobs)?;
+                nvmf_perf::print_results(&nvmf_perf::bench(jobs, queues.clamp(1, 64))?);
             }
             Ok(())
         }
