@@ -7,7 +7,9 @@
 //! at once, release calls succeed and free software state, and anything that would allocate
 //! or change device state fails with [`VerbsError::DeviceGone`].
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+use rustc_hash::FxHashMap;
 use std::net::{IpAddr, SocketAddr};
 
 use rand::rngs::SmallRng;
@@ -144,9 +146,9 @@ pub struct Device {
     pds: BTreeMap<u32, ()>,
     next_pd: u32,
     mrs: MrTable,
-    cqs: HashMap<CqId, Cq>,
+    cqs: FxHashMap<CqId, Cq>,
     next_cq: u32,
-    qps: HashMap<Qpn, Qp>,
+    qps: FxHashMap<Qpn, Qp>,
     next_qpn: u32,
     rng: SmallRng,
     stats: Stats,
@@ -177,9 +179,9 @@ impl Device {
             pds: BTreeMap::new(),
             next_pd: 1,
             mrs: MrTable::default(),
-            cqs: HashMap::new(),
+            cqs: FxHashMap::default(),
             next_cq: 1,
-            qps: HashMap::new(),
+            qps: FxHashMap::default(),
             next_qpn: first_qpn,
             rng,
             stats: Stats::default(),

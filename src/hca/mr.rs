@@ -5,7 +5,7 @@
 //! the device. Every access is checked for key, protection domain, bounds and access flags
 //! before a byte moves.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bitflags::bitflags;
@@ -160,7 +160,7 @@ pub(crate) struct Resolved<'a> {
 
 #[derive(Default)]
 pub(crate) struct MrTable {
-    by_key: HashMap<u32, Mr>,
+    by_key: FxHashMap<u32, Mr>,
 }
 
 impl MrTable {

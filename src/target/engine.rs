@@ -1,7 +1,9 @@
 //! The target's command engine: queues, controllers, and the capsule → data → execute →
 //! response pipeline. All of it runs under the device lock, driven by completions.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::driver::SoftHca;
@@ -156,8 +158,8 @@ struct Engine {
     cfg: Arc<TargetConfig>,
     pd: PdId,
     cq: CqId,
-    queues: HashMap<Qpn, TQueue>,
-    ctrls: HashMap<u16, Ctrl>,
+    queues: FxHashMap<Qpn, TQueue>,
+    ctrls: FxHashMap<u16, Ctrl>,
     next_cntlid: u16,
     stats: TargetStats,
     /// A hung controller: commands are taken off the wire and never answered.
@@ -197,8 +199,8 @@ impl Target {
             cfg: Arc::new(cfg),
             pd,
             cq,
-            queues: HashMap::new(),
-            ctrls: HashMap::new(),
+            queues: FxHashMap::default(),
+            ctrls: FxHashMap::default(),
             next_cntlid: 1,
             stats: TargetStats::default(),
             frozen: false,

@@ -8,7 +8,9 @@ mod requester;
 mod responder;
 pub mod state;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
 use std::net::SocketAddr;
 
 use super::cq::{Cq, CqId, WcOpcode, WcStatus, WorkCompletion};
@@ -332,7 +334,7 @@ pub(crate) struct RespState {
 /// Everything a QP may touch outside itself while handling an input.
 pub(crate) struct Ctx<'a> {
     pub mrs: &'a mut MrTable,
-    pub cqs: &'a mut HashMap<CqId, Cq>,
+    pub cqs: &'a mut FxHashMap<CqId, Cq>,
     pub stats: &'a mut Stats,
     pub events: &'a mut VecDeque<AsyncEvent>,
     pub local: SocketAddr,
