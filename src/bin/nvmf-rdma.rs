@@ -2084,6 +2084,20 @@ mod tests {
     }
 
     #[test]
+    fn busy_poll_default_is_the_tools_default_and_flags_parse() {
+        let c = Cli::try_parse_from(["nvmf-rdma", "list"]).unwrap();
+        assert_eq!(c.busy_poll, nvmf_rdma::driver::TOOL_BUSY_POLL);
+        let c = Cli::try_parse_from(["nvmf-rdma", "list", "--busy-poll", "0"]).unwrap();
+        assert_eq!(c.busy_poll, Duration::ZERO);
+        assert!(Cli::try_parse_from(["nvmf-rdma", "list", "--busy-poll", "fast"]).is_err());
+        let c = Cli::try_parse_from(["nvmf-rdma", "bench", "--job", "randread-4k-qd1"]).unwrap();
+        match c.cmd {
+            Cmd::Bench { jobs, .. } => assert_eq!(jobs, ["randread-4k-qd1"]),
+            _ => panic!("not bench"),
+        }
+    }
+
+    #[test]
     fn cli_parses_nvme_cli_style_flags() {
         let c = Cli::try_parse_from([
             "nvmf-rdma",
