@@ -991,3 +991,39 @@ async fn a_command_never_answered_does_not_block_others_or_disconnect() {
     assert_eq!((s.submitted, s.completed), (11, 10), "{s:?}");
     within(5, "disconnect with a command outstanding", c.disconnect()).await;
 }
+
+/// A command the target never answers times out after `io_timeout`: the host takes the
+/// connection for stuck and recovers (reconnects and sends the command again), and once the
+/// command has timed out more than `max_retries` times it fails with a timeout error instead
+/// of hanging. Reads before and after are unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_never_answered_times_out_and_fails_after_its_retries() {
+    let (_f, fhca) = fake(
+        28,
+        fake_cfg(),
+        script(|lba| if lba == 77 { Lie::Silence } else { Lie::Honest }),
+    )
+    .await;
+    let (hca, cm) = device("host", 29).await;
+    let mut o = host_opts(fhca.addr(), HOST_OK, 1, 16);
+    o.io_timeout = Duration::from_millis(300);
+    o.max_retries = 1;
+    let c = within(20, "connect to the fake", Controller::connect(hca, cm, o))
+        .await
+        .unwrap();
+    assert!(within(5, "read", c.read(1, 3, BS)).await.unwrap() == truth(3, BS));
+    let r = within(20, "a read nobody answers", c.read(1, 77, BS)).await;
+    assert!(matches!(r, Err(HostError::Timeout(_))), "{r:?}");
+    let s = c.queue(0).stats();
+    assert!(
+        s.timeouts >= 2,
+        "timed out once, retried on a new connection, timed out again: {s:?}"
+    );
+    for lba in 0..10u64 {
+        let got = within(10, "read after the timeouts", c.read(1, lba, BS))
+            .await
+            .unwrap();
+        assert!(got == truth(lba, BS), "lba {lba}");
+    }
+    within(5, "disconnect", c.disconnect()).await;
+}
