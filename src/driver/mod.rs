@@ -32,8 +32,12 @@ pub const TOOL_BUSY_POLL: Duration = Duration::from_micros(50);
 /// (also after resets and re-plugs). Off (zero) unless set; the CLI's `--busy-poll` and the
 /// fio plugin's `busy_poll` option set it.
 pub fn set_default_busy_poll(window: Duration) {
-    let ns = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
-    DEFAULT_BUSY_POLL_NS.store(ns, Ordering::Relaxed);
+    DEFAULT_BUSY_POLL_NS.store(window_ns(window), Ordering::Relaxed);
+}
+
+/// A busy-poll window as stored: nanoseconds, saturating.
+fn window_ns(window: Duration) -> u64 {
+    u64::try_from(window.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Shared between the handle(s) and the driver task.
@@ -115,8 +119,9 @@ impl SoftHca {
     /// that wakeup is most of a queue-depth-1 round trip; polling costs a core while I/O
     /// flows and nothing once it stops. Zero (the default) turns it off.
     pub fn set_busy_poll(&self, window: Duration) {
-        let ns = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
-        self.shared.busy_poll_ns.store(ns, Ordering::Relaxed);
+        self.shared
+            .busy_poll_ns
+            .store(window_ns(window), Ordering::Relaxed);
     }
 
     /// The device's virtual "now".

@@ -331,6 +331,17 @@ pub(crate) struct RespState {
     pub reads: VecDeque<ReadCtx>,
 }
 
+impl RespState {
+    /// Drop the owed ACK, if any, with its deadline, packet count and ride flag; return the
+    /// PSN it would have acknowledged.
+    pub fn forget_ack(&mut self) -> Option<Psn> {
+        self.ack_due = None;
+        self.ack_pkts = 0;
+        self.ride = false;
+        self.ack.take()
+    }
+}
+
 /// Everything a QP may touch outside itself while handling an input.
 pub(crate) struct Ctx<'a> {
     pub mrs: &'a mut MrTable,
@@ -491,10 +502,7 @@ impl Qp {
         self.comp.timer = None;
         self.comp.rnr_until = None;
         self.resp.reads.clear();
-        self.resp.ack = None;
-        self.resp.ack_due = None;
-        self.resp.ack_pkts = 0;
-        self.resp.ride = false;
+        self.resp.forget_ack();
     }
 
     /// Move to ERR after a failed WQE or a fatal responder error.

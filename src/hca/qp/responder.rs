@@ -358,24 +358,16 @@ impl Qp {
     ) -> bool {
         let start = out.len();
         if let Some((psn, syndrome)) = self.resp.nak.take() {
-            let mut h = PacketHeaders::new(BthRepr::new(
-                Opcode::RC_ACKNOWLEDGE,
-                self.attr.dest_qpn,
-                psn,
-            ));
-            h.aeth = Some(AethRepr {
+            let aeth = AethRepr {
                 syndrome,
                 msn: self.resp.msn,
-            });
-            h.emit_into(out);
-            finish_packet(out, start, icrc);
+            };
+            self.emit_acknowledge(psn, aeth, icrc, out);
             return true;
         }
         if self.attr.state == super::QpState::Err {
             self.resp.reads.clear();
-            self.resp.ack = None;
-            self.resp.ack_due = None;
-            self.resp.ride = false;
+            self.resp.forget_ack();
             return false;
         }
         if let Some(read) = self.resp.reads.front_mut() {
@@ -435,26 +427,28 @@ impl Qp {
         icrc: &IcrcContext,
         out: &mut Vec<u8>,
     ) -> bool {
-        let start = out.len();
         if self.attr.state == super::QpState::Reset || !self.ack_ready(ctx.now) {
             return false;
         }
-        if let Some(psn) = self.resp.ack.take() {
-            self.resp.ack_due = None;
-            self.resp.ack_pkts = 0;
-            self.resp.ride = false;
-            let mut h = PacketHeaders::new(BthRepr::new(
-                Opcode::RC_ACKNOWLEDGE,
-                self.attr.dest_qpn,
-                psn,
-            ));
-            h.aeth = Some(AethRepr::ack(self.resp.msn));
-            h.emit_into(out);
-            finish_packet(out, start, icrc);
-            ctx.stats.acks_tx += 1;
-            return true;
-        }
-        false
+        let Some(psn) = self.resp.forget_ack() else {
+            return false;
+        };
+        self.emit_acknowledge(psn, AethRepr::ack(self.resp.msn), icrc, out);
+        ctx.stats.acks_tx += 1;
+        true
+    }
+
+    /// Append an ACK or NAK packet for `psn` carrying `aeth`.
+    fn emit_acknowledge(&self, psn: Psn, aeth: AethRepr, icrc: &IcrcContext, out: &mut Vec<u8>) {
+        let start = out.len();
+        let mut h = PacketHeaders::new(BthRepr::new(
+            Opcode::RC_ACKNOWLEDGE,
+            self.attr.dest_qpn,
+            psn,
+        ));
+        h.aeth = Some(aeth);
+        h.emit_into(out);
+        finish_packet(out, start, icrc);
     }
 
     fn complete_recv(
