@@ -201,6 +201,66 @@ async fn more_concurrent_writes_than_slots_all_land() {
     drop(t);
 }
 
+/// A 4 KiB write fits the target's in-capsule size. While the queue is shallow it goes in
+/// the capsule; with more than `inline_depth` commands in flight it goes as a keyed SGL and
+/// the target reads it. Both kinds land whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shallow_writes_go_in_the_capsule_deep_ones_as_keyed_sgls() {
+    let (t, thca) = target(16 << 20).await;
+    let c = Arc::new(connected(&thca, 1).await);
+    let fill = |i: u64| vec![(i * 7 % 251) as u8 + 1; 4096];
+    // The I/O queue's Fabrics Connect sent its data in the capsule too.
+    let base = c.queue_stats()[1].in_capsule;
+    let in_capsule = |c: &Controller| c.queue_stats()[1].in_capsule - base;
+    for i in 0..10u64 {
+        c.write(1, i * 8, &fill(i)).await.unwrap();
+    }
+    assert_eq!(
+        in_capsule(&c),
+        10,
+        "one at a time, every write is in its capsule"
+    );
+
+    // The target holds the commands, so the queue only gets deeper: the first
+    // SOFT_INLINE_DEPTH are in the capsule, the rest keyed.
+    const N: u64 = 24;
+    t.stall_io(true);
+    let writes: Vec<_> = (10..10 + N)
+        .map(|i| {
+            let c = c.clone();
+            tokio::spawn(async move { c.write(1, i * 8, &fill(i)).await })
+        })
+        .collect();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while t.stalled_io() < N as usize {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("all writes reach the target");
+    t.stall_io(false);
+    for w in writes {
+        w.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        in_capsule(&c),
+        10 + nvmf_rdma::transport::SOFT_INLINE_DEPTH as u64,
+        "{:?}",
+        c.queue_stats()[1]
+    );
+    for i in 0..10 + N {
+        let mut buf = vec![0u8; 4096];
+        c.read_into(1, i * 8, &mut buf).await.unwrap();
+        assert_eq!(buf, fill(i), "write {i} did not land whole");
+    }
+    Arc::try_unwrap(c)
+        .ok()
+        .expect("last handle")
+        .disconnect()
+        .await;
+    drop(t);
+}
+
 /// At full queue depth the host sends its next command as soon as it has a response, ahead
 /// of its (coalesced) ACK of that response, so the target's command slot is still waiting
 /// for the ACK. The target holds such capsules until a slot frees: nothing is refused or

@@ -66,7 +66,23 @@ pub struct ConnectOptions {
     pub io_timeout: Duration,
     /// How often a command failing with a retryable status (DNR clear) is sent again.
     pub max_retries: u8,
+    /// A write that fits the target's in-capsule data size goes inside its command capsule
+    /// while at most this many commands are in flight on its queue, and as a keyed SGL
+    /// (the target reads the data) when the queue is deeper. In the capsule saves a round
+    /// trip, which is what a shallow queue waits on. On a soft-HCA it also makes each write
+    /// a full packet plus a short one, and since only a run of equal-size packets leaves in
+    /// one GSO send, deep queues of such writes cost a kernel send per write; as keyed SGLs
+    /// the commands, data and responses of many writes go out in a few sends each
+    /// (4 KiB randwrite at QD32 through fio: about 180 K -> 300 K IOPS).
+    /// Default: [`SOFT_INLINE_DEPTH`] towards soft-HCAs on loopback, unlimited (Linux's
+    /// rule: always in the capsule when it fits) towards RoCEv2 devices.
+    pub inline_depth: usize,
 }
+
+/// In-flight commands up to which a soft-HCA host puts fitting writes in the capsule
+/// ([`ConnectOptions::inline_depth`]). fio 4 KiB randwrite through the plugin: in the capsule
+/// wins at QD2 and QD4, keyed SGLs from QD8.
+pub const SOFT_INLINE_DEPTH: usize = 4;
 
 impl ConnectOptions {
     pub fn new(traddr: SocketAddr, subnqn: &str) -> ConnectOptions {
@@ -93,6 +109,11 @@ impl ConnectOptions {
             policy: Policy::default(),
             io_timeout: crate::reconnect::policy::DEFAULT_IO_TIMEOUT,
             max_retries: crate::reconnect::policy::DEFAULT_MAX_RETRIES,
+            inline_depth: if crate::hca::device::roce_peer(traddr.ip()) {
+                usize::MAX
+            } else {
+                SOFT_INLINE_DEPTH
+            },
         }
     }
 }
@@ -859,6 +880,7 @@ impl Controller {
             qid: 0,
             size: 32,
             inline: 0,
+            inline_depth: 0,
             max_io: 64 << 10,
             mtu: o.mtu,
         };
@@ -984,6 +1006,7 @@ impl Controller {
                 qid,
                 size,
                 inline,
+                inline_depth: self.opts.inline_depth,
                 max_io: self.max_io,
                 mtu: self.opts.mtu,
             };

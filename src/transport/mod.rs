@@ -9,6 +9,7 @@ pub mod queue;
 
 pub use controller::{
     default_hostid, discover, ConnectOptions, Controller, CtrlStatus, HostDevice, NsInfo,
+    SOFT_INLINE_DEPTH,
 };
 pub use error::HostError;
 pub use fabric::CmService;

@@ -75,6 +75,9 @@ pub struct QueueStats {
     pub unknown_cid: u64,
     pub duplicate_completion: u64,
     pub bad_response_len: u64,
+    /// Capsules sent with their data inside (shallow writes, an I/O queue's Fabrics
+    /// Connect); the other data went as keyed SGLs.
+    pub in_capsule: u64,
 }
 
 /// Sizes of one queue.
@@ -85,6 +88,11 @@ pub struct QueueSpec {
     pub size: usize,
     /// Bytes of in-capsule data allowed (0 on the admin queue).
     pub inline: usize,
+    /// Writes that fit `inline` go in the capsule while at most this many commands are
+    /// in flight on the queue; deeper, as keyed SGLs ([`ConnectOptions::inline_depth`]).
+    ///
+    /// [`ConnectOptions::inline_depth`]: super::ConnectOptions::inline_depth
+    pub inline_depth: usize,
     /// Largest data transfer of one command.
     pub max_io: usize,
     pub mtu: Mtu,
@@ -633,6 +641,8 @@ impl QueueCore {
         let spec = self.spec;
         let capsule = self.capsule();
         let mr = self.data_mrs[i];
+        // User slots in flight, this one included (the last slot is the reserved one).
+        let in_flight = self.slots.len() - 1 - self.free.len();
         let s = &mut self.slots[i];
         s.gen = (s.gen + 1) & ((1 << (16 - SLOT_BITS)) - 1);
         let mut sqe = s.sqe;
@@ -645,7 +655,8 @@ impl QueueCore {
         };
         let mut nsge = 1;
         let sgl = if s.data_out > 0 {
-            if spec.qid > 0 && s.data_out <= spec.inline {
+            if spec.qid > 0 && s.data_out <= spec.inline && in_flight <= spec.inline_depth {
+                self.stats.in_capsule += 1;
                 sges[1] = Sge {
                     addr: mr.addr,
                     len: s.data_out as u32,
