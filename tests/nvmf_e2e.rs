@@ -55,6 +55,15 @@ async fn connected(target: &SoftHca, queues: usize) -> Controller {
         .expect("connect")
 }
 
+/// Disconnect a controller the test shared between tasks, once they are done with it.
+async fn disconnect(c: Arc<Controller>) {
+    Arc::try_unwrap(c)
+        .ok()
+        .expect("last handle")
+        .disconnect()
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_identify_write_read_back() {
     let (t, thca) = target(64 << 20).await;
@@ -193,11 +202,7 @@ async fn more_concurrent_writes_than_slots_all_land() {
     let io = &c.queue_stats()[1];
     assert_eq!(io.submitted, io.completed, "{io:?}");
     assert!(io.submitted >= 400, "{io:?}");
-    Arc::try_unwrap(c)
-        .ok()
-        .expect("last handle")
-        .disconnect()
-        .await;
+    disconnect(c).await;
     drop(t);
 }
 
@@ -253,11 +258,7 @@ async fn shallow_writes_go_in_the_capsule_deep_ones_as_keyed_sgls() {
         c.read_into(1, i * 8, &mut buf).await.unwrap();
         assert_eq!(buf, fill(i), "write {i} did not land whole");
     }
-    Arc::try_unwrap(c)
-        .ok()
-        .expect("last handle")
-        .disconnect()
-        .await;
+    disconnect(c).await;
     drop(t);
 }
 
@@ -297,9 +298,5 @@ async fn full_queue_depth_commands_ahead_of_acks_are_held_not_dropped() {
         s.held_capsules > 0,
         "the queue never ran full of slots waiting for ACKs: {s:?}"
     );
-    Arc::try_unwrap(c)
-        .ok()
-        .expect("last handle")
-        .disconnect()
-        .await;
+    disconnect(c).await;
 }

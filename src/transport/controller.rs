@@ -73,7 +73,7 @@ pub struct ConnectOptions {
     /// a full packet plus a short one, and since only a run of equal-size packets leaves in
     /// one GSO send, deep queues of such writes cost a kernel send per write; as keyed SGLs
     /// the commands, data and responses of many writes go out in a few sends each
-    /// (4 KiB randwrite at QD32 through fio: about 180 K -> 300 K IOPS).
+    /// (4 KiB randwrite at QD32 through fio: about 170 K -> 290 K IOPS).
     /// Default: [`SOFT_INLINE_DEPTH`] towards soft-HCAs on loopback, unlimited (Linux's
     /// rule: always in the capsule when it fits) towards RoCEv2 devices.
     pub inline_depth: usize,
