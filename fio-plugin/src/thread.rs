@@ -151,6 +151,15 @@ impl<T> Reaper<T> {
         }
     }
 
+    /// Poll what is running once, from inside the runtime, without waiting.
+    async fn poll_now(&mut self) {
+        poll_fn(|cx| {
+            self.poll_some(cx);
+            Poll::Ready(())
+        })
+        .await
+    }
+
     /// Run until `min` are done or `timeout` passes; hand out up to `max`.
     ///
     /// New I/O is polled (its commands posted) first, then the runtime gets a turn to send
@@ -165,11 +174,7 @@ impl<T> Reaper<T> {
         out: &mut Vec<T>,
     ) -> usize {
         let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
-        poll_fn(|cx| {
-            self.poll_some(cx);
-            Poll::Ready(())
-        })
-        .await;
+        self.poll_now().await;
         if min == 0 {
             // Let the runtime turn once even though nothing needs waiting for, so a polling
             // fio still makes progress when its own thread drives the runtime. With something
@@ -199,11 +204,7 @@ impl<T> Reaper<T> {
                 }
                 tokio::task::yield_now().await;
                 let before = self.done.len();
-                poll_fn(|cx| {
-                    self.poll_some(cx);
-                    Poll::Ready(())
-                })
-                .await;
+                self.poll_now().await;
                 if self.done.len() == before {
                     break;
                 }
