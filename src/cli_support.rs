@@ -232,6 +232,9 @@ pub struct Health {
     pub failfast: bool,
     /// Why pending I/O was failed (fast_io_fail_tmo, ctrl_loss_tmo, ...).
     pub fail_reason: Option<String>,
+    /// While waiting between attempts: when the next one goes (the pacing gap after failed
+    /// attempts with reconnect_delay 0, or reconnect_delay).
+    pub next_attempt_in: Option<Duration>,
 }
 
 /// Is `state` one of the recovering states (resetting, connecting)?
@@ -271,6 +274,11 @@ impl Health {
             foreign_device: m.foreign_device,
             failfast: m.failfast,
             fail_reason: m.fail_reason.map(|r| r.name().to_string()),
+            next_attempt_in: if recovering(&state) {
+                m.next_attempt_in
+            } else {
+                None
+            },
         };
         (state, h)
     }
@@ -292,6 +300,9 @@ impl Health {
                 self.cause.as_deref().unwrap_or("-"),
                 self.attempts()
             );
+            if let Some(d) = self.next_attempt_in {
+                p += &format!(", next attempt in {}", human_duration(d));
+            }
             match self.loss_in {
                 Some(d) => p += &format!(", ctrl_loss_tmo in {}", human_duration(d)),
                 None => p += ", ctrl_loss_tmo off",
@@ -339,7 +350,8 @@ impl Health {
             .raw("device_present", bool_str(self.device_present))
             .raw("foreign_device", bool_str(self.foreign_device))
             .raw("failfast", bool_str(self.failfast))
-            .raw("fail_reason", &opt_str(&self.fail_reason));
+            .raw("fail_reason", &opt_str(&self.fail_reason))
+            .raw("next_attempt_in_ms", &opt_ms(self.next_attempt_in));
     }
 
     /// Read the fields back from a controller's JSON (missing ones keep their defaults, as
@@ -369,6 +381,7 @@ impl Health {
             foreign_device: b("foreign_device"),
             failfast: b("failfast"),
             fail_reason: s("fail_reason"),
+            next_attempt_in: d("next_attempt_in_ms"),
         }
     }
 }
@@ -441,7 +454,9 @@ mod tests {
                 state,
                 cause: Some(Cause::DeviceFatal),
                 attempt: 3,
+                failed_attempts: 2,
                 max_attempts: Some(60),
+                next_attempt_in: Some(Duration::from_millis(40)),
                 loss_in: Some(Duration::from_secs(571)),
                 device_present: false,
                 foreign_device: true,
@@ -489,9 +504,11 @@ mod tests {
         assert_eq!(Health::from_json(&j), h);
         assert_eq!(
             h.describe(&state),
-            "cause device-fatal, attempt 3 of 60, ctrl_loss_tmo in 571 s; \
-             recoveries 2 (last 48.2 ms); device absent, foreign device seen"
+            "cause device-fatal, attempt 3 of 60, next attempt in 40.0 ms, \
+             ctrl_loss_tmo in 571 s; recoveries 2 (last 48.2 ms); device absent, \
+             foreign device seen"
         );
+        assert!(j.contains(r#""next_attempt_in_ms":40.000"#), "{j}");
     }
 
     #[test]
@@ -508,6 +525,7 @@ mod tests {
         let mut st = status(CtrlState::Connecting);
         st.machine.max_attempts = None;
         st.machine.loss_in = None;
+        st.machine.next_attempt_in = None;
         let (state, h) = Health::from_status(&st);
         assert!(h
             .describe(&state)

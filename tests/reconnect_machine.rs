@@ -137,7 +137,7 @@ resetting   --resources dropped--> connecting
 resetting   --ctrl_loss_tmo / max_reconnects / replug_window--> deleting
 resetting   --delete (user)--> deleting
 connecting  --connected--> live
-connecting  --attempt failed, budget left--> resetting
+connecting  --attempt failed or cut, budget left--> resetting
 connecting  --ctrl_loss_tmo / max_reconnects / replug_window--> deleting
 connecting  --delete (user)--> deleting
 deleting    --deleted--> dead
@@ -320,31 +320,137 @@ fn failed_attempts_are_spaced_by_reconnect_delay_and_bounded() {
     );
 }
 
+/// Issue 18.2: with reconnect_delay 0, ctrl_loss_tmo is a time, not an attempt count.
+/// Failed attempts are paced (10 ms, doubling, at most 1 s) and only the loss timeout ends
+/// the controller. Before the fix the budget was ctrl_loss_tmo "attempts" and the
+/// controller died after three instant refusals, 3 ms in.
 #[test]
-fn max_reconnects_ends_a_forever_failing_target_even_with_zero_delay() {
+fn zero_delay_paces_failed_attempts_and_only_time_ends_the_controller() {
     let p = Policy {
         ctrl_loss_tmo: Some(Duration::from_secs(3)),
         reconnect_delay: Duration::ZERO,
         fast_io_fail_tmo: None,
         ..policy()
     };
-    assert_eq!(p.max_reconnects(), Some(3));
+    assert_eq!(
+        p.max_reconnects(),
+        None,
+        "no attempt budget with a zero delay"
+    );
     let mut d = Drive::new(p);
     d.ev(Event::Failed(Cause::Transport));
-    for _ in 0..10 {
-        if d.m.state() == CtrlState::Dead {
+    // Every attempt is refused 1 ms after it starts.
+    let mut answered = 0;
+    while d.m.state() != CtrlState::Dead {
+        if d.attempts().len() == answered {
+            let next = d.m.poll_timeout().expect("a deadline while recovering");
+            d.run_to(next.0);
+        }
+        if d.attempts().len() > answered && d.m.state() != CtrlState::Dead {
+            answered += 1;
+            let st = d.m.status(Instant(d.now));
+            assert_eq!(st.next_attempt_in, None, "an attempt is running");
+            d.now += MS;
+            d.ev(Event::ConnectFailed);
+            if d.m.state() == CtrlState::Connecting {
+                let st = d.m.status(Instant(d.now));
+                assert!(st.next_attempt_in.is_some(), "list shows the gap: {st:?}");
+            }
+        }
+    }
+    let at = d.attempts();
+    let gaps: Vec<u64> = at.windows(2).map(|w| (w[1] - w[0] - MS) / MS).collect();
+    // First at once, then 10 ms after the failure, doubling, capped at 1 s.
+    assert_eq!(at[0], 0);
+    assert_eq!(&gaps[..7], &[10, 20, 40, 80, 160, 320, 640]);
+    assert!(gaps[7..].iter().all(|g| *g == 1000), "{gaps:?}");
+    assert_eq!(
+        d.when(|a| matches!(a, Action::FailAll(_))),
+        vec![3 * S],
+        "ended by ctrl_loss_tmo, to the tick"
+    );
+    assert!(d
+        .when(|a| matches!(a, Action::FailAll(FailReason::CtrlLoss)))
+        .contains(&(3 * S)));
+    assert!(at.len() >= 9 && at.len() <= 12, "{} attempts", at.len());
+}
+
+/// Issue 18.2: a target that refuses us for 3 s and then comes back is reconnected within
+/// a pacing gap of its return, with reconnect_delay 0 and ctrl_loss_tmo 10 s.
+#[test]
+fn zero_delay_waits_out_a_target_that_refuses_for_a_while() {
+    let p = Policy {
+        ctrl_loss_tmo: Some(Duration::from_secs(10)),
+        reconnect_delay: Duration::ZERO,
+        fast_io_fail_tmo: None,
+        ..policy()
+    };
+    let mut d = Drive::new(p);
+    d.ev(Event::Failed(Cause::CmDisconnect));
+    let mut answered = 0;
+    while d.m.state() != CtrlState::Live {
+        assert_ne!(d.m.state(), CtrlState::Dead, "gave up at {} ms", d.now / MS);
+        if d.attempts().len() == answered {
+            let next = d.m.poll_timeout().expect("a deadline while recovering");
+            d.run_to(next.0);
+        }
+        if d.attempts().len() > answered {
+            answered += 1;
+            d.now += 2 * MS;
+            d.ev(if d.now < 3 * S {
+                Event::ConnectFailed
+            } else {
+                Event::Connected
+            });
+        }
+    }
+    assert!(
+        d.now >= 3 * S && d.now <= 4 * S + 2 * MS,
+        "live at {} ms",
+        d.now / MS
+    );
+    assert_eq!(d.when(|a| *a == Action::Resubmit).len(), 1);
+}
+
+/// Issue 18.2: attempts cut short by the device going away count against nothing but
+/// time: with delay 1 s and ctrl_loss_tmo 3 s (max_reconnects 3), a hundred cut attempts
+/// do not end the controller, and real failures still do.
+#[test]
+fn attempts_cut_by_the_device_count_against_nothing_but_time() {
+    let p = Policy {
+        ctrl_loss_tmo: Some(Duration::from_secs(3)),
+        reconnect_delay: Duration::from_secs(1),
+        fast_io_fail_tmo: None,
+        ..policy()
+    };
+    assert_eq!(p.max_reconnects(), Some(3));
+    let mut d = Drive::new(p);
+    d.ev(Event::Failed(Cause::DeviceFatal));
+    d.ev(Event::DeviceUp(ours()));
+    d.run_to(S);
+    for _ in 0..100 {
+        assert_eq!(d.m.state(), CtrlState::Connecting);
+        d.now += MS;
+        d.ev(Event::ConnectCut);
+        // The device is back at once; the next attempt waits reconnect_delay.
+        d.run_to(d.now + S);
+        if d.now >= 2 * S {
             break;
         }
-        d.now += MS;
-        d.ev(Event::ConnectFailed);
     }
-    assert_eq!(d.attempts().len(), 3);
+    let st = d.m.status(Instant(d.now));
+    assert_eq!(st.failed_attempts, 0, "{st:?}");
+    assert_eq!(d.m.state(), CtrlState::Connecting);
+    // Now the target refuses: the budget (3) is spent by refusals only; ctrl_loss_tmo
+    // (3 s after the failure) comes first.
+    d.now += MS;
+    d.ev(Event::ConnectFailed);
+    assert_eq!(d.m.status(Instant(d.now)).failed_attempts, 1);
+    d.run_to(10 * S);
     assert_eq!(
-        d.when(|a| matches!(a, Action::FailAll(FailReason::MaxReconnects)))
-            .len(),
-        1
+        d.when(|a| matches!(a, Action::FailAll(FailReason::CtrlLoss))),
+        vec![3 * S]
     );
-    assert_eq!(d.m.state(), CtrlState::Dead);
 }
 
 #[test]

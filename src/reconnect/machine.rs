@@ -126,8 +126,13 @@ impl FailReason {
 pub enum Event {
     /// The initial connect or a reconnect attempt brought every queue up.
     Connected,
-    /// A connect attempt failed.
+    /// A connect attempt failed (the target refused or did not answer, a step failed).
+    /// Counts against `max_reconnects` (when the delay is positive) and, with a zero delay,
+    /// lengthens the gap before the next attempt.
     ConnectFailed,
+    /// A connect attempt was cut short by something other than the target: the device went
+    /// away under it, or a deadline fired while it ran. Counts against nothing but time.
+    ConnectCut,
     /// Something broke (see [`Cause`]).
     Failed(Cause),
     /// Every HCA resource has been dropped and in-flight I/O is held.
@@ -200,7 +205,7 @@ pub mod trigger {
     pub const CONNECT_FAILED: &str = "connect failed";
     pub const FAILED: &str = "failure (any cause)";
     pub const TORN_DOWN: &str = "resources dropped";
-    pub const RETRY: &str = "attempt failed, budget left";
+    pub const RETRY: &str = "attempt failed or cut, budget left";
     pub const GIVE_UP: &str = "ctrl_loss_tmo / max_reconnects / replug_window";
     pub const DELETE: &str = "delete (user)";
     pub const DELETED: &str = "deleted";
@@ -234,7 +239,13 @@ pub struct Status {
     pub cause: Option<Cause>,
     /// Attempts made in this episode (Linux `nr_reconnects`).
     pub attempt: u32,
+    /// Failed attempts that count against `max_attempts` (attempts cut short by the device
+    /// going away do not).
+    pub failed_attempts: u32,
     pub max_attempts: Option<u32>,
+    /// When the next attempt goes, while waiting for one (the pacing gap, or
+    /// `reconnect_delay`).
+    pub next_attempt_in: Option<Duration>,
     /// Time left before ctrl_loss_tmo deletes the controller, while recovering.
     pub loss_in: Option<Duration>,
     pub device_present: bool,
@@ -259,6 +270,10 @@ pub struct Machine {
     replug_at: Option<Instant>,
     next_attempt_at: Option<Instant>,
     attempts: u32,
+    /// Failed attempts of this episode that count against max_reconnects.
+    charged: u32,
+    /// Consecutive failed attempts: the pacing gap grows with them.
+    streak: u32,
     in_attempt: bool,
     device_present: bool,
     foreign: bool,
@@ -288,6 +303,8 @@ impl Machine {
             replug_at: None,
             next_attempt_at: None,
             attempts: 0,
+            charged: 0,
+            streak: 0,
             in_attempt: false,
             device_present: true,
             foreign: false,
@@ -317,7 +334,12 @@ impl Machine {
             state: self.state,
             cause: self.cause,
             attempt: self.attempts,
+            failed_attempts: self.charged,
             max_attempts: self.policy.max_reconnects(),
+            next_attempt_in: (self.state == CtrlState::Connecting && !self.in_attempt)
+                .then_some(self.next_attempt_at)
+                .flatten()
+                .map(|t| t.saturating_since(now)),
             loss_in: self.loss_at.map(|t| t.saturating_since(now)),
             device_present: self.device_present,
             foreign_device: self.foreign,
@@ -404,6 +426,7 @@ impl Machine {
                 }
                 self.goto(Live, trigger::CONNECTED);
                 self.in_attempt = false;
+                self.streak = 0;
                 self.device_present = true;
                 self.foreign = false;
                 self.loss_at = None;
@@ -423,12 +446,17 @@ impl Machine {
                 a.push(Action::TearDown);
                 a.push(Action::FailAll(FailReason::Deleted));
             }
+            (Connecting, Event::ConnectCut) => {
+                self.in_attempt = false;
+                self.goto(Resetting, trigger::RETRY);
+                a.push(Action::TearDown);
+            }
             (Connecting, Event::ConnectFailed) => {
                 self.in_attempt = false;
+                self.charged = self.charged.saturating_add(1);
+                self.streak = self.streak.saturating_add(1);
                 match self.policy.max_reconnects() {
-                    Some(m) if self.attempts >= m => {
-                        self.give_up(FailReason::MaxReconnects, &mut a)
-                    }
+                    Some(m) if self.charged >= m => self.give_up(FailReason::MaxReconnects, &mut a),
                     _ => {
                         self.goto(Resetting, trigger::RETRY);
                         a.push(Action::TearDown);
@@ -447,7 +475,7 @@ impl Machine {
             (Live, Event::KeepAliveOk) => self.ka_deadline = None,
             (Resetting, Event::TornDown) => {
                 self.goto(Connecting, trigger::TORN_DOWN);
-                self.next_attempt_at = Some(now + self.policy.reconnect_delay);
+                self.next_attempt_at = Some(now + self.policy.retry_gap(self.streak));
             }
             (Resetting | Connecting, ev) if device_loss(ev).is_some() => {
                 self.device_present = false;
@@ -474,6 +502,8 @@ impl Machine {
         self.goto(CtrlState::Resetting, trigger::FAILED);
         self.cause = Some(c);
         self.attempts = 0;
+        self.charged = 0;
+        self.streak = 0;
         self.in_attempt = false;
         self.fail_reason = None;
         self.ka_next = None;

@@ -18,6 +18,10 @@ pub const DEFAULT_REPLUG_WINDOW: Duration = Duration::from_secs(600);
 /// Linux `nvme_max_retries`: how often a command that failed with a retryable NVMe status
 /// (DNR clear) is sent again.
 pub const DEFAULT_MAX_RETRIES: u8 = 5;
+/// With `reconnect_delay` 0: the gap after the first failed attempt of an episode.
+pub const RETRY_GAP_MIN: Duration = Duration::from_millis(10);
+/// With `reconnect_delay` 0: the longest gap between failed attempts.
+pub const RETRY_GAP_MAX: Duration = Duration::from_secs(1);
 /// Linux `NVME_IO_TIMEOUT`.
 pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -120,16 +124,32 @@ impl Default for Policy {
 impl Policy {
     /// `max_reconnects` as Linux derives it: `DIV_ROUND_UP(ctrl_loss_tmo, reconnect_delay)`,
     /// unbounded when ctrl_loss_tmo is -1. Linux refuses a zero delay; we allow it (reconnect
-    /// at once) and count it as one second for this budget, so a reset storm still ends.
+    /// at once, then paced by [`Policy::retry_gap`]) and then there is no attempt budget at
+    /// all: ctrl_loss_tmo is a time, and only time ends the controller.
     pub fn max_reconnects(&self) -> Option<u32> {
         let loss = self.ctrl_loss_tmo?;
-        let delay = if self.reconnect_delay.is_zero() {
-            Duration::from_secs(1)
-        } else {
-            self.reconnect_delay
-        };
-        let n = loss.as_nanos().div_ceil(delay.as_nanos());
+        if self.reconnect_delay.is_zero() {
+            return None;
+        }
+        let n = loss.as_nanos().div_ceil(self.reconnect_delay.as_nanos());
         Some(n.clamp(1, u32::MAX as u128) as u32)
+    }
+
+    /// The wait before the next attempt after `failures` consecutive failed attempts (0: the
+    /// first attempt of an episode). A positive `reconnect_delay` is the wait every time, as
+    /// in Linux. With a zero delay the first attempt goes at once and failed ones are paced:
+    /// [`RETRY_GAP_MIN`] after the first failure, doubling with each further one, at most
+    /// [`RETRY_GAP_MAX`]; so a target that refuses us for a while is neither hammered nor
+    /// given up on before ctrl_loss_tmo.
+    pub fn retry_gap(&self, failures: u32) -> Duration {
+        if !self.reconnect_delay.is_zero() {
+            return self.reconnect_delay;
+        }
+        if failures == 0 {
+            return Duration::ZERO;
+        }
+        let doublings = (failures - 1).min(16);
+        (RETRY_GAP_MIN * (1u32 << doublings)).min(RETRY_GAP_MAX)
     }
 
     /// Parse nvme-cli's seconds value where `-1` means forever (`ctrl_loss_tmo`).
@@ -174,7 +194,29 @@ mod tests {
             reconnect_delay: Duration::ZERO,
             ..Policy::default()
         };
-        assert_eq!(p.max_reconnects(), Some(600));
+        assert_eq!(
+            p.max_reconnects(),
+            None,
+            "a zero delay has no attempt budget"
+        );
+    }
+
+    #[test]
+    fn retry_gaps() {
+        let p = Policy::default();
+        for f in [0, 1, 7, 1000] {
+            assert_eq!(p.retry_gap(f), Duration::from_secs(10));
+        }
+        let p = Policy {
+            reconnect_delay: Duration::ZERO,
+            ..Policy::default()
+        };
+        let ms = |f| p.retry_gap(f).as_millis();
+        assert_eq!(
+            (0..10).map(ms).collect::<Vec<_>>(),
+            vec![0, 10, 20, 40, 80, 160, 320, 640, 1000, 1000]
+        );
+        assert_eq!(ms(u32::MAX), 1000);
     }
 
     #[test]
