@@ -83,8 +83,17 @@ impl TargetRig {
 
     /// Kill the target's device and start a new target on the same address and namespace.
     pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.restart_after(Duration::ZERO).await
+    }
+
+    /// [`TargetRig::restart`] with the target away for `down` in between: nothing answers
+    /// on its address meanwhile.
+    pub async fn restart_after(&mut self, down: Duration) -> anyhow::Result<()> {
         self.hca.fatal();
         self.hca.stopped().await;
+        if !down.is_zero() {
+            tokio::time::sleep(down).await;
+        }
         let next = Self::start_with(self.addr, self.ns.clone(), self.generation + 1).await?;
         *self = next;
         Ok(())
@@ -158,6 +167,9 @@ pub enum Fault {
     TargetRestart,
     /// The controller reset the user asks for.
     UserReset,
+    /// A storm: host HCA resets every 20-50 ms (gaps drawn from `seed`) for `lasting`,
+    /// whether or not the controller is live again in between.
+    Storm { lasting: Duration, seed: u64 },
 }
 
 impl Fault {
@@ -167,17 +179,22 @@ impl Fault {
             Fault::Replug { .. } => "unplug+replug",
             Fault::TargetRestart => "target restart",
             Fault::UserReset => "controller reset",
+            Fault::Storm { .. } => "reset storm",
         }
     }
 
     /// A random fault; `down` bounds how long the device stays away.
     pub fn random(rng: &mut impl Rng, down: Duration) -> Fault {
         let d = Duration::from_micros(rng.random_range(0..=down.as_micros() as u64));
-        match rng.random_range(0..10) {
+        match rng.random_range(0..12) {
             0..=4 => Fault::Reset { down: d },
             5..=6 => Fault::Replug { down: d },
             7..=8 => Fault::UserReset,
-            _ => Fault::TargetRestart,
+            9..=10 => Fault::TargetRestart,
+            _ => Fault::Storm {
+                lasting: Duration::from_millis(rng.random_range(200..=800)),
+                seed: rng.random(),
+            },
         }
     }
 
@@ -209,6 +226,14 @@ impl Fault {
                 None => anyhow::bail!("no built-in target to restart"),
             },
             Fault::UserReset => ctrl.reset(),
+            Fault::Storm { lasting, seed } => {
+                let mut rng = SmallRng::seed_from_u64(seed);
+                let t0 = tokio::time::Instant::now();
+                while t0.elapsed() < lasting {
+                    mgr.reset(HOST_DEV, Duration::ZERO).await?;
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(20..=50))).await;
+                }
+            }
         }
         Ok(())
     }

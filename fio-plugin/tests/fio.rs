@@ -246,3 +246,17 @@ fn chaos_reset_every_2s_for_20s() {
                [chaos]\nrw=randwrite\n";
     f.run_ok("chaos", job, &[("chaos", true, true)]);
 }
+
+/// Issue 18: a reset every 25 ms with reconnect_delay 0 and ctrl_loss_tmo 10 s. Attempts
+/// that the next reset cuts short count against nothing but time, so fio sees no I/O error
+/// (before the fix: EIO after 0.9-2.5 s, "max_reconnects used up"). The issue's 30 s run is
+/// `fio fio-plugin/examples/storm.fio`; here 10 s.
+#[test]
+fn chaos_reset_every_25ms_with_zero_delay_for_10s() {
+    let Some(f) = fio() else { return };
+    let job = "thread=1\nbuiltin_target=256M\nfilename=ns=1\nsize=64M\nbs=4k\niodepth=32\n\
+               chaos_reset_every=25ms\nctrl_loss_tmo=10\nreconnect_delay=0\n\
+               verify=crc32c\nverify_backlog=1024\ntime_based=1\nruntime=10\n\
+               [storm]\nrw=randwrite\n";
+    f.run_ok("storm", job, &[("storm", true, true)]);
+}

@@ -25,7 +25,7 @@ use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
 use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{discover, CmService, ConnectOptions, Controller};
 use nvmf_rdma::wire_json::JsonObj;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 #[derive(Parser)]
 #[command(
@@ -1006,13 +1006,78 @@ async fn run_target(a: TargetArgs) -> Result<()> {
         hca.addr(),
         a.trsvcid
     );
-    tokio::signal::ctrl_c().await?;
-    println!("stopping; {:?}", t.stats());
+    let sig = StopSignals::new()?.recv().await;
+    println!("{sig}: stopping; {:?}", t.stats());
     Ok(())
 }
 
+/// SIGINT, SIGTERM and SIGHUP, registered once: a signal that arrives while the process is
+/// busy elsewhere waits here and is never lost.
+struct StopSignals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn new() -> Result<StopSignals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let reg = |k| signal(k).context("cannot install signal handlers");
+        Ok(StopSignals {
+            int: reg(SignalKind::interrupt())?,
+            term: reg(SignalKind::terminate())?,
+            hup: reg(SignalKind::hangup())?,
+        })
+    }
+
+    /// The next stop signal's name.
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.int.recv() => "SIGINT",
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.hup.recv() => "SIGHUP",
+        }
+    }
+}
+
+/// Longest control-socket request line, and how long a client may take to send it.
+const CONTROL_LINE_MAX: u64 = 1024;
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One control-socket client: one request line, one answer. Runs in its own task, so a
+/// client that sends nothing (or too much) never holds up the controller or a signal.
+async fn serve_control_client(
+    stream: tokio::net::UnixStream,
+    info: String,
+    stop: Arc<tokio::sync::Notify>,
+) {
+    let (r, mut w) = stream.into_split();
+    let mut line = String::new();
+    let mut r = BufReader::new(r.take(CONTROL_LINE_MAX));
+    let read = r.read_line(&mut line);
+    let answer: &[u8] = match tokio::time::timeout(CONTROL_TIMEOUT, read).await {
+        Ok(Ok(_)) => match line.trim() {
+            "info" => {
+                let _ = w.write_all(format!("{info}\n").as_bytes()).await;
+                return;
+            }
+            "disconnect" => {
+                stop.notify_one();
+                b"ok\n"
+            }
+            _ => b"error: unknown request\n",
+        },
+        _ => b"error: no request line within 2 s\n",
+    };
+    let _ = w.write_all(answer).await;
+}
+
 async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
-    let c = Arc::new(connect(&s).await?);
+    let mut signals = StopSignals::new()?;
+    let c = tokio::select! {
+        c = connect(&s) => Arc::new(c?),
+        sig = signals.recv() => bail!("{sig} while connecting to {}: nothing was connected", s.nqn),
+    };
     let exports = start_exports(&c, &s, &x).await?;
     let dir = run_dir();
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
@@ -1063,35 +1128,50 @@ async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
         }
     };
     let watcher = tokio::spawn(report_state_changes(name.clone(), c.watch_status()));
-    let stop = tokio::sync::Notify::new();
-    loop {
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let mut clients = tokio::task::JoinSet::new();
+    let mut status = c.watch_status();
+    let dead = loop {
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => break,
-            _ = stop.notified() => break,
+            sig = signals.recv() => {
+                println!("{name}: {sig}: disconnecting");
+                break None;
+            }
+            _ = stop.notified() => break None,
+            st = status.wait_for(|s| s.state() == CtrlState::Dead) => {
+                break Some(st.map(|s| *s).ok());
+            }
             conn = listener.accept() => {
                 let Ok((stream, _)) = conn else { continue };
-                let (r, mut w) = stream.into_split();
-                let mut line = String::new();
-                let _ = BufReader::new(r).read_line(&mut line).await;
-                match line.trim() {
-                    "info" => { let _ = w.write_all(format!("{}\n", info().to_json()).as_bytes()).await; }
-                    "disconnect" => {
-                        let _ = w.write_all(b"ok\n").await;
-                        stop.notify_one();
-                    }
-                    _ => { let _ = w.write_all(b"error: unknown request\n").await; }
-                }
+                clients.spawn(serve_control_client(stream, info().to_json(), stop.clone()));
             }
+            Some(_) = clients.join_next(), if !clients.is_empty() => {}
         }
-    }
+    };
     let _ = std::fs::remove_file(&path);
+    clients.abort_all();
     watcher.abort();
     exports.stop().await;
     if let Ok(c) = Arc::try_unwrap(c) {
-        c.disconnect().await;
+        // Deleting ends at once whatever recovery is doing; a second signal still wins.
+        tokio::select! {
+            _ = c.disconnect() => {}
+            sig = signals.recv() => bail!("{sig}: stopped before {name} finished disconnecting"),
+        }
     }
-    println!("{name}: disconnected");
-    Ok(())
+    match dead {
+        None => {
+            println!("{name}: disconnected");
+            Ok(())
+        }
+        // Like Linux deleting a controller that gave up: the holder ends, with an error.
+        Some(st) => {
+            let why = st
+                .and_then(|s| s.machine.fail_reason)
+                .map_or("it gave up", |r| r.name());
+            bail!("{name}: the controller is dead ({why}); its pending I/O failed. Connect again once the target is reachable")
+        }
+    }
 }
 
 /// Print the controller's state changes as `connect` holds it: failures, attempts, LIVE

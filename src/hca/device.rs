@@ -170,9 +170,11 @@ impl Device {
     pub fn new(config: DeviceConfig) -> Device {
         let mut rng = SmallRng::seed_from_u64(config.seed);
         // QP0 and QP1 are special; rxe starts regular QPs at 17. A context starts at a
-        // point of its own so a reset device does not hand out the QPNs its previous life
-        // used (a peer still holding those connections would refuse ours as stale).
-        let first_qpn = 17 + rng.random_range(0..0x1000);
+        // random point of the whole 24-bit space so a reset device does not hand out the
+        // QPNs its previous lives used: a peer still holding those connections (until its
+        // keep-alive expires) would refuse ours as stale. Over a 4096-wide start range a
+        // reset storm hit that one attempt in four.
+        let first_qpn = rng.random_range(17..=Qpn::MASK);
         let mut d = Device {
             config,
             lifecycle: Lifecycle::Live,

@@ -167,6 +167,9 @@ struct Engine {
     /// A stalled backend: I/O commands are held until the stall ends, then executed.
     stall_io: bool,
     stalled: Vec<(Qpn, usize)>,
+    /// A test's trap: after the target has executed this many commands in all, wake the
+    /// test (and freeze, if asked) before anything else happens.
+    trap: Option<(u64, bool, Arc<tokio::sync::Notify>)>,
     /// The device's clock as of the current turn.
     now: crate::hca::Instant,
     /// Queues the engine dropped on its own (keep-alive expiry, transport error): the CM
@@ -206,6 +209,7 @@ impl Target {
             frozen: false,
             stall_io: false,
             stalled: Vec::new(),
+            trap: None,
             now: crate::hca::Instant(0),
             dropped: None,
             batching: false,
@@ -269,6 +273,16 @@ impl Target {
                 }
             });
         }
+    }
+
+    /// Tests: once the target has executed command number `after` (counted in
+    /// [`TargetStats::commands`], from 1), the returned notifier fires, with the target
+    /// frozen first if `freeze` (as [`Target::freeze`]). Faults can thus land between two
+    /// given commands of a host's bring-up.
+    pub fn trap_after(&self, after: u64, freeze: bool) -> Arc<tokio::sync::Notify> {
+        let hit = Arc::new(tokio::sync::Notify::new());
+        self.lock().trap = Some((after, freeze, hit.clone()));
+        hit
     }
 
     /// I/O commands held by [`Target::stall_io`].
@@ -579,6 +593,14 @@ impl Engine {
                     return;
                 }
                 self.start(d, qpn, c);
+                if let Some((after, freeze, _)) = &self.trap {
+                    if self.stats.commands >= *after {
+                        self.frozen |= *freeze;
+                        if let Some((_, _, hit)) = self.trap.take() {
+                            hit.notify_one();
+                        }
+                    }
+                }
             }
             Err(_) => {
                 self.stats.malformed_capsules += 1;

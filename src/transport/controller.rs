@@ -11,7 +11,7 @@
 //! buffer, slot and table was sized at the first connect (`tests/recovery_alloc.rs`).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -181,6 +181,10 @@ impl CtrlStatus {
 
 struct CtrlShared {
     source: HostDevice,
+    /// Deletion was asked for. A state, not a wake-up: the supervisor looks at it at the top
+    /// of every turn and while an attempt runs, so no request is lost to a race.
+    deleting: AtomicBool,
+    /// Wakes the supervisor when `deleting` is set.
     delete: Notify,
     alarm: Arc<Alarm>,
     status: watch::Sender<CtrlStatus>,
@@ -282,7 +286,6 @@ struct Supervisor {
     nr_io: usize,
     failed_at: Option<Instant>,
     last_recovery: Option<Duration>,
-    seed: u64,
     metrics: CtrlMetrics,
 }
 
@@ -294,6 +297,55 @@ fn dev_identity(hca: &SoftHca) -> Identity {
             pci: id.pci,
         }
     })
+}
+
+impl CtrlShared {
+    fn request_delete(&self) {
+        self.deleting.store(true, Ordering::SeqCst);
+        self.delete.notify_one();
+    }
+
+    fn delete_requested(&self) -> bool {
+        self.deleting.load(Ordering::SeqCst)
+    }
+
+    /// Resolves once deletion has been asked for (at once if it already was).
+    async fn deleted(&self) {
+        loop {
+            let n = self.delete.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.delete_requested() {
+                return;
+            }
+            n.await;
+        }
+    }
+
+    /// Resolves with the first cause raised on the current connection.
+    async fn alarmed(&self) -> Cause {
+        loop {
+            let n = self.alarm.notify.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if let Some(c) = self.alarm.take() {
+                return c;
+            }
+            n.await;
+        }
+    }
+}
+
+/// How a reconnect attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attempt {
+    Connected,
+    /// The target refused or did not answer, or a step failed.
+    Failed,
+    /// The device went away under it, or a deadline of the machine fired while it ran.
+    Cut,
+    /// Deletion was asked for: the attempt was abandoned.
+    Deleted,
 }
 
 impl Supervisor {
@@ -375,10 +427,9 @@ impl Supervisor {
                 "a different device took our place".into(),
             ));
         }
-        self.seed = self.seed.wrapping_add(1);
         let cm = match cm {
             Some(cm) => cm,
-            None => CmService::start(hca.clone(), self.seed),
+            None => CmService::for_device(&hca),
         };
         *self.shared.hca.lock().unwrap_or_else(|e| e.into_inner()) = hca.clone();
         self.dev = Some(DevCtx {
@@ -650,12 +701,13 @@ impl Supervisor {
                 // `list` shows the attempt while it runs.
                 self.publish();
                 tracing::info!(subnqn = %self.opts.subnqn, attempt, "reconnecting");
-                let ok = self.attempt().await;
-                q.push(if ok {
-                    Event::Connected
-                } else {
-                    Event::ConnectFailed
-                });
+                match self.attempt().await {
+                    Attempt::Connected => q.push(Event::Connected),
+                    Attempt::Failed => q.push(Event::ConnectFailed),
+                    Attempt::Cut => q.push(Event::ConnectCut),
+                    // The turn loop feeds Delete before anything else.
+                    Attempt::Deleted => {}
+                }
             }
             Action::Resubmit => {
                 for c in self.all_queues() {
@@ -694,15 +746,12 @@ impl Supervisor {
     }
 
     /// Run a reconnect attempt while still honouring the machine's deadlines and deletion.
-    /// Returns whether it succeeded; a deadline that ends the controller abandons it.
-    async fn attempt(&mut self) -> bool {
+    /// A deadline or a delete request abandons it.
+    async fn attempt(&mut self) -> Attempt {
         // The attempt borrows `self`; deadlines are watched from a copy of the machine's
-        // next timeout, and fast_io_fail is handled by failing held I/O directly.
+        // next timeout, and the machine fires them once the attempt is abandoned.
         let deadline = self.sm.poll_timeout();
         let shared = self.shared.clone();
-        let delete = shared.delete.notified();
-        tokio::pin!(delete);
-        delete.as_mut().enable();
         let clock = self.clock;
         let sleep = async move {
             match deadline {
@@ -717,22 +766,28 @@ impl Supervisor {
             let fut = self.reconnect();
             tokio::pin!(fut);
             tokio::select! {
+                biased;
+                _ = shared.deleted() => return Attempt::Deleted,
                 r = &mut fut => Some(r),
                 _ = sleep => None,
-                _ = &mut delete => {
-                    // Put the permit back for the main loop.
-                    shared.delete.notify_one();
-                    None
-                }
             }
         };
         match r {
-            Some(Ok(())) => true,
+            Some(Ok(())) => Attempt::Connected,
             Some(Err(e)) => {
                 tracing::info!(subnqn = %self.opts.subnqn, error = %e, "reconnect attempt failed");
-                false
+                // An attempt the device's death cut short says nothing about the target.
+                let device_gone = self
+                    .dev
+                    .as_ref()
+                    .is_none_or(|d| d.hca.lifecycle() != Lifecycle::Live);
+                if device_gone {
+                    Attempt::Cut
+                } else {
+                    Attempt::Failed
+                }
             }
-            None => false,
+            None => Attempt::Cut,
         }
     }
 
@@ -744,9 +799,8 @@ impl Supervisor {
             tokio::pin!(changed_fut);
             changed_fut.as_mut().enable();
             let shared = self.shared.clone();
-            let delete_fut = shared.delete.notified();
+            let delete_fut = shared.deleted();
             tokio::pin!(delete_fut);
-            delete_fut.as_mut().enable();
             let alarm = self.shared.alarm.clone();
             let alarm_fut = alarm.notify.notified();
             tokio::pin!(alarm_fut);
@@ -776,17 +830,25 @@ impl Supervisor {
             if self.sm.state() != CtrlState::Live {
                 self.scan(&mut q);
             }
-            // Feed and act until quiet.
+            // Feed and act until quiet. A delete request goes before anything queued, and is
+            // looked at again after every action (an attempt with no delay never leaves
+            // this loop on its own).
             loop {
                 let now = self.now();
-                let acts = match q.pop() {
-                    Some(ev) => self.sm.handle(now, ev),
-                    None => {
-                        let a = self.sm.handle_timeout(now);
-                        if a.is_empty() {
-                            break;
+                let deleting = matches!(self.sm.state(), CtrlState::Deleting | CtrlState::Dead);
+                let acts = if self.shared.delete_requested() && !deleting {
+                    while q.pop().is_some() {}
+                    self.sm.handle(now, Event::Delete)
+                } else {
+                    match q.pop() {
+                        Some(ev) => self.sm.handle(now, ev),
+                        None => {
+                            let a = self.sm.handle_timeout(now);
+                            if a.is_empty() {
+                                break;
+                            }
+                            a
                         }
-                        a
                     }
                 };
                 for a in acts.iter() {
@@ -804,7 +866,7 @@ impl Supervisor {
                 .map(|t| t.saturating_since(self.now()));
             tokio::select! {
                 _ = &mut changed_fut => {}
-                _ = &mut delete_fut => { q.push(Event::Delete); }
+                _ = &mut delete_fut => {}
                 _ = &mut alarm_fut => {}
                 _ = &mut ka_fut => {}
                 id = self.disc_rx.recv() => {
@@ -907,6 +969,7 @@ impl Controller {
         };
         let shared = Arc::new(CtrlShared {
             source: source.clone(),
+            deleting: AtomicBool::new(false),
             delete: Notify::new(),
             alarm: alarm.clone(),
             status: watch::channel(CtrlStatus {
@@ -945,9 +1008,6 @@ impl Controller {
             nr_io: 0,
             failed_at: None,
             last_recovery: None,
-            // CM comm IDs must not repeat across controllers (a peer in TimeWait would
-            // take a repeated one for a duplicate REQ): a random start per controller.
-            seed: rand::random(),
             metrics: CtrlMetrics::new(&o.subnqn),
             opts: o.clone(),
         };
@@ -963,7 +1023,19 @@ impl Controller {
             shared,
             sup: None,
         };
-        let r = c.bring_up(&mut sup, discovery).await;
+        // Bring-up runs under the rules of recovery: each step has a deadline, and a failure
+        // of the connection under it (device reset, transport error, I/O timeout) ends it
+        // at once. Nobody is recovering this controller yet, so that is a failed connect,
+        // as in Linux, with the cause; never a command held for a recovery that never comes.
+        let watch = sup.shared.clone();
+        let r = tokio::select! {
+            r = c.bring_up(&mut sup, discovery) => r,
+            cause = watch.alarmed() => Err(HostError::Connect(format!(
+                "the connection failed while it was being set up ({}); nothing is connected, \
+                 try again",
+                cause.name()
+            ))),
+        };
         let now = clock.now();
         if let Err(e) = r {
             let acts = sup.sm.handle(now, Event::ConnectFailed);
@@ -984,8 +1056,9 @@ impl Controller {
         sup.open_device()?;
         let cap = sup.connect_admin().await?;
         sup.admin.lock().resume(sup.now());
-        let a = self.admin.clone();
-        let r = a.submit(admin::identify_controller(0), None, 4096).await?;
+        let r = self
+            .bring_up_cmd(admin::identify_controller(0), 4096)
+            .await?;
         self.ident =
             IdentifyController::parse(&r.data).map_err(|e| HostError::Protocol(e.to_string()))?;
         self.max_io = self.opts.max_io;
@@ -1024,13 +1097,13 @@ impl Controller {
             sup.io[qid as usize - 1].lock().resume(sup.now());
         }
         // Namespaces.
-        let r = a
-            .submit(admin::identify_active_namespaces(0, 0), None, 4096)
+        let r = self
+            .bring_up_cmd(admin::identify_active_namespaces(0, 0), 4096)
             .await?;
         let ids: Vec<u32> = crate::nvme::identify::active_namespace_ids(&r.data).collect();
         for nsid in ids {
-            let r = a
-                .submit(admin::identify_namespace(0, nsid), None, 4096)
+            let r = self
+                .bring_up_cmd(admin::identify_namespace(0, nsid), 4096)
                 .await?;
             let ns = IdentifyNamespace::parse(&r.data)
                 .map_err(|e| HostError::Protocol(e.to_string()))?;
@@ -1044,6 +1117,25 @@ impl Controller {
             });
         }
         Ok(())
+    }
+
+    /// An admin command of bring-up, bounded by `connect_timeout`.
+    async fn bring_up_cmd(&self, sqe: Sqe, data_in: usize) -> Result<queue::Response, HostError> {
+        let what = match sqe.opcode {
+            admin::opcode::admin::IDENTIFY => "Identify",
+            _ => "an admin command",
+        };
+        tokio::time::timeout(
+            self.opts.connect_timeout,
+            self.admin.submit(sqe, None, data_in),
+        )
+        .await
+        .map_err(|_| {
+            HostError::Timeout(format!(
+                "{what} got no answer within the connect timeout ({} ms) while connecting",
+                self.opts.connect_timeout.as_millis()
+            ))
+        })?
     }
 
     /// The soft-HCA context this controller currently runs on.
@@ -1296,7 +1388,7 @@ impl Controller {
     /// Orderly disconnect: shut the controller down (CC.SHN), tear the queues down, release
     /// every resource. Pending I/O fails with "controller deleted".
     pub async fn disconnect(mut self) {
-        self.shared.delete.notify_one();
+        self.shared.request_delete();
         if let Some(t) = self.sup.take() {
             let _ = t.await;
         }
@@ -1307,7 +1399,7 @@ impl Drop for Controller {
     fn drop(&mut self) {
         if self.sup.is_some() {
             // The supervisor tears everything down in the background.
-            self.shared.delete.notify_one();
+            self.shared.request_delete();
         }
     }
 }

@@ -41,6 +41,31 @@ impl CmService {
         crate::alloc_audit::platform(|| Self::start_inner(hca, seed))
     }
 
+    /// The CM of `hca`'s device context: the one already running on it, or a new one. A
+    /// device's QP1 must have one CM (as the kernel has one `ib_cm` per device): two on the
+    /// same context take each other's MADs, and a REP read by the wrong one leaves the
+    /// other's connect waiting for an answer that never comes. Controllers that come and go
+    /// on a device (after a delete, or side by side) share it.
+    pub fn for_device(hca: &SoftHca) -> CmService {
+        crate::alloc_audit::platform(|| {
+            static RUNNING: Mutex<Vec<std::sync::Weak<Shared>>> = Mutex::new(Vec::new());
+            let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+            running.retain(|w| w.strong_count() > 0);
+            let found = running
+                .iter()
+                .filter_map(std::sync::Weak::upgrade)
+                .find(|sh| sh.hca.same(hca) && sh.hca.lifecycle() == crate::hca::Lifecycle::Live);
+            match found {
+                Some(sh) => CmService { sh },
+                None => {
+                    let cm = Self::start_inner(hca.clone(), rand::random());
+                    running.push(Arc::downgrade(&cm.sh));
+                    cm
+                }
+            }
+        })
+    }
+
     fn start_inner(hca: SoftHca, seed: u64) -> CmService {
         let id = hca.with(|d, _| d.identity().clone());
         let cfg = CmConfig::new(hca.addr().ip(), id.guid);

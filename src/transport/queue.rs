@@ -72,6 +72,9 @@ pub struct QueueStats {
     /// Commands failed by fast_io_fail_tmo, ctrl_loss_tmo or deletion.
     pub failed: u64,
     pub timeouts: u64,
+    /// Held commands (counted in `requeued`) whose answer from the failed connection came
+    /// in before they were sent again: completed with that answer, not run twice.
+    pub late_answers: u64,
     pub unknown_cid: u64,
     pub duplicate_completion: u64,
     pub bad_response_len: u64,
@@ -177,6 +180,9 @@ struct Slot {
     data_in: usize,
     retries: u8,
     posted_at: Instant,
+    /// Held by a failure after it was posted: the old connection may still deliver its
+    /// answer (until its QP is destroyed), and that answer completes it.
+    held_out: bool,
     reply: Option<oneshot::Sender<Result<Response, HostError>>>,
 }
 
@@ -239,10 +245,15 @@ pub struct QueueCore {
     max_retries: u8,
     /// The task holds a request that found no free slot: direct submissions wait behind it.
     backlog: bool,
+    /// Completions taken from the CQ at teardown ([`QueueCore::drain_answers`]), sized once.
+    drain: Vec<WorkCompletion>,
     /// Buffers of read data that callers gave back ([`QueueHandle::recycle`]), reused for
     /// the next reads so a large read does not allocate (and fault in) fresh memory.
     spare: Vec<Vec<u8>>,
 }
+
+/// Completions polled per call when draining a CQ at teardown.
+const DRAIN_BATCH: usize = 64;
 
 /// Read buffers a queue keeps for reuse.
 const SPARE_BUFFERS: usize = 8;
@@ -274,6 +285,7 @@ impl QueueCore {
                 data_in: 0,
                 retries: 0,
                 posted_at: Instant(0),
+                held_out: false,
                 reply: None,
             })
             .collect();
@@ -300,6 +312,7 @@ impl QueueCore {
             io_timeout,
             max_retries,
             backlog: false,
+            drain: Vec::with_capacity(DRAIN_BATCH),
             spare: Vec::with_capacity(SPARE_BUFFERS),
         })
     }
@@ -425,9 +438,14 @@ impl QueueCore {
     /// every release succeeds). Posted commands without a response are held for
     /// resubmission; those whose response arrived complete with it.
     pub fn teardown(&mut self) {
+        self.drain_answers();
         self.go_down(false);
         self.sends.clear();
         self.recvs.clear();
+        for s in self.slots.iter_mut() {
+            // The QP goes now: nothing more can be answered on it.
+            s.held_out = false;
+        }
         if let Some(v) = self.verbs.take() {
             let mrs = &self.data_mrs[..v.data_mrs];
             v.hca.with(|d, _| {
@@ -444,6 +462,26 @@ impl QueueCore {
                 }
             });
         }
+    }
+
+    /// Take the successful completions still in the CQ before the QP goes: an answer that
+    /// arrived is a command that ran, and it completes instead of running again after
+    /// recovery. Failed completions say nothing new here (the connection is going anyway).
+    fn drain_answers(&mut self) {
+        let Some((hca, cq)) = self.cq() else { return };
+        let mut wcs = std::mem::take(&mut self.drain);
+        loop {
+            wcs.clear();
+            let n = hca.with_quiet(|d, _| d.poll_cq(cq, DRAIN_BATCH, &mut wcs));
+            for wc in wcs.iter().filter(|wc| wc.status == WcStatus::Success) {
+                self.on_wc(wc);
+            }
+            if n < DRAIN_BATCH {
+                break;
+            }
+        }
+        wcs.clear();
+        self.drain = wcs;
     }
 
     /// Stop using the connection: posted commands are held (or completed, if their
@@ -486,6 +524,7 @@ impl QueueCore {
                 }
                 s.state = SlotState::Held;
                 s.send_done = false;
+                s.held_out = true;
                 self.stats.requeued += 1;
             }
         }
@@ -800,6 +839,17 @@ impl QueueCore {
             self.stats.unknown_cid += 1;
             return;
         };
+        if s.state == SlotState::Held && s.held_out && s.gen == gen {
+            // The connection failed while this command was out, but the target had run it:
+            // complete it with its answer rather than send it again.
+            s.state = SlotState::Posted;
+            s.send_done = true;
+            s.held_out = false;
+            s.cqe = Some(cqe);
+            self.stats.late_answers += 1;
+            self.try_finish(slot);
+            return;
+        }
         if s.state != SlotState::Posted || s.gen != gen {
             self.stats.unknown_cid += 1;
             tracing::warn!(
@@ -832,11 +882,20 @@ impl QueueCore {
         }
         let st = cqe.nvme_status();
         let (retries, posted_at, data_in) = (s.retries, s.posted_at, s.data_in);
-        if !st.is_success() && !st.dnr && retries < self.max_retries && self.is_live() {
-            // A retryable error: send it again (Linux nvme_decide_disposition).
-            self.slots[i].retries += 1;
+        if !st.is_success() && !st.dnr && retries < self.max_retries {
+            // A retryable error: send it again (Linux nvme_decide_disposition), now if the
+            // queue is live, else when it is again.
             self.stats.retried += 1;
-            self.post(i, posted_at);
+            let s = &mut self.slots[i];
+            s.retries += 1;
+            if self.phase == Phase::Live {
+                self.post(i, posted_at);
+            } else {
+                s.state = SlotState::Held;
+                s.cqe = None;
+                s.send_done = false;
+                s.held_out = false;
+            }
             return;
         }
         let mut data = Vec::new();
@@ -858,6 +917,7 @@ impl QueueCore {
         s.state = SlotState::Free;
         s.cqe = None;
         s.send_done = false;
+        s.held_out = false;
         self.free.push(i);
     }
 
