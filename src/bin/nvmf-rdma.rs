@@ -1148,7 +1148,6 @@ async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
             Some(_) = clients.join_next(), if !clients.is_empty() => {}
         }
     };
-    let _ = std::fs::remove_file(&path);
     clients.abort_all();
     watcher.abort();
     exports.stop().await;
@@ -1156,9 +1155,15 @@ async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
         // Deleting ends at once whatever recovery is doing; a second signal still wins.
         tokio::select! {
             _ = c.disconnect() => {}
-            sig = signals.recv() => bail!("{sig}: stopped before {name} finished disconnecting"),
+            sig = signals.recv() => {
+                let _ = std::fs::remove_file(&path);
+                bail!("{sig}: stopped before {name} finished disconnecting")
+            }
         }
     }
+    // Last: `nvmf-rdma disconnect` waits for the socket to go as the sign that it is done.
+    drop(listener);
+    let _ = std::fs::remove_file(&path);
     match dead {
         None => {
             println!("{name}: disconnected");
@@ -2121,6 +2126,9 @@ async fn run_list(output: &str) -> Result<()> {
     Ok(())
 }
 
+/// How long `disconnect` waits for a controller's `connect` to finish.
+const DISCONNECT_WAIT: Duration = Duration::from_secs(10);
+
 async fn run_disconnect(nqn: Option<String>, device: Option<String>) -> Result<()> {
     if nqn.is_none() && device.is_none() {
         bail!("give -n NQN or -d DEVICE");
@@ -2134,6 +2142,19 @@ async fn run_disconnect(nqn: Option<String>, device: Option<String>) -> Result<(
                 .as_deref()
                 .is_some_and(|d| json_field(&j, "name") == Some(d));
         if hit && ask(&p, "disconnect").await.as_deref() == Some("ok") {
+            // Done when its `connect` has let the controller go and removed its socket.
+            let deadline = Instant::now() + DISCONNECT_WAIT;
+            while p.exists() {
+                if Instant::now() > deadline {
+                    bail!(
+                        "{} was asked to disconnect but is still there after {} s; \
+                         its `connect` process may be stuck: stop it with a signal",
+                        json_field(&j, "name").unwrap_or("the controller"),
+                        DISCONNECT_WAIT.as_secs()
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             n += 1;
         }
     }

@@ -1,0 +1,235 @@
+//! `nvmf-rdma connect` as a process, against a target process that is killed (issue 18):
+//! `disconnect` ends a `connect` whose controller retries forever, a controller that gives
+//! up ends `connect` with an error exit, and SIGTERM / SIGHUP stop it cleanly, at any time.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const NQN: &str = "nqn.2026-11.io.nvmf-rdma:cli-connect";
+const BIN: &str = env!("CARGO_BIN_EXE_nvmf-rdma");
+
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    fn start(args: &[&str], run_dir: &Path) -> Proc {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .env("NVMF_RDMA_RUN_DIR", run_dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start nvmf-rdma");
+        let (tx, lines) = mpsc::channel();
+        for out in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for l in BufReader::new(out).lines().map_while(Result::ok) {
+                    let _ = tx.send(l);
+                }
+            });
+        }
+        Proc { child, lines }
+    }
+
+    /// The first output line containing `what`, within `limit`.
+    fn expect(&self, what: &str, limit: Duration) -> String {
+        let deadline = Instant::now() + limit;
+        let mut seen = Vec::new();
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.contains(what) => return l,
+                Ok(l) => seen.push(l),
+                Err(_) => break,
+            }
+        }
+        panic!(
+            "no line with {what:?} within {limit:?}; saw:\n{}",
+            seen.join("\n")
+        );
+    }
+
+    /// The exit status, within `limit`.
+    fn exits(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("still running {limit:?} later");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn rest(&self) -> String {
+        self.lines.try_iter().collect::<Vec<_>>().join("\n")
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill(2) on our own child's PID.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Rig {
+    target: Proc,
+    addr: String,
+    dir: PathBuf,
+}
+
+impl Rig {
+    fn new(tag: &str) -> Rig {
+        let dir = std::env::temp_dir().join(format!("nvmf-cli-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let target = Proc::start(
+            &[
+                "target",
+                "--listen",
+                "127.0.0.1:0",
+                "--ram",
+                "16M",
+                "-n",
+                NQN,
+            ],
+            &dir,
+        );
+        let line = target.expect("listening on", Duration::from_secs(20));
+        let addr = line
+            .split_whitespace()
+            .skip_while(|w| *w != "on")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_string();
+        Rig { target, addr, dir }
+    }
+
+    fn connect(&self, policy: &[&str]) -> Proc {
+        let mut args = vec![
+            "connect",
+            "-a",
+            &self.addr,
+            "-n",
+            NQN,
+            "-i",
+            "1",
+            "-Q",
+            "32",
+            "--io-timeout",
+            "1",
+        ];
+        args.extend_from_slice(policy);
+        let c = Proc::start(&args, &self.dir);
+        c.expect("connected to", Duration::from_secs(20));
+        c
+    }
+
+    fn kill_target(&mut self) {
+        let _ = self.target.child.kill();
+        let _ = self.target.child.wait();
+    }
+
+    fn sockets(&self) -> usize {
+        std::fs::read_dir(&self.dir)
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .filter(|e| e.path().extension().is_some_and(|x| x == "sock"))
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Before the fix `disconnect` printed "disconnected 1 controller(s)" while `connect` kept
+/// running (and ignored SIGINT) once its controller was recovering against a dead target.
+#[test]
+fn disconnect_ends_connect_while_it_retries_forever() {
+    let mut rig = Rig::new("forever");
+    let mut c = rig.connect(&["-l", "-1", "-c", "0"]);
+    rig.kill_target();
+    c.expect("recovering", Duration::from_secs(20));
+    c.expect("reconnecting", Duration::from_secs(20));
+    let out = Command::new(BIN)
+        .args(["disconnect", "-n", NQN])
+        .env("NVMF_RDMA_RUN_DIR", &rig.dir)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("disconnected 1 controller(s)"), "{said}");
+    // `disconnect` returns once `connect` is done: it is gone, or going, now.
+    let st = c.exits(Duration::from_secs(2));
+    assert!(st.success(), "exit {st}: {}", c.rest());
+    assert_eq!(rig.sockets(), 0, "control socket left behind");
+}
+
+/// A controller that gives up (ctrl_loss_tmo) ends `connect` with an error exit, as Linux
+/// deletes the controller; before the fix `connect` stayed running until killed.
+#[test]
+fn a_dead_controller_ends_connect_with_an_error() {
+    let mut rig = Rig::new("dead");
+    let mut c = rig.connect(&["-l", "1", "-c", "0"]);
+    rig.kill_target();
+    let st = c.exits(Duration::from_secs(20));
+    assert!(!st.success(), "exit {st}: {}", c.rest());
+    let rest = c.rest();
+    assert!(
+        rest.contains("controller is dead (ctrl_loss_tmo expired)"),
+        "{rest}"
+    );
+    assert_eq!(rig.sockets(), 0, "control socket left behind");
+}
+
+/// SIGTERM and SIGHUP stop `connect` cleanly (exit 0, socket gone), also while its
+/// controller is recovering; before, they killed it outright and left the socket.
+#[test]
+fn sigterm_and_sighup_stop_connect_cleanly_at_any_time() {
+    for (sig, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGHUP, "SIGHUP")] {
+        let rig = Rig::new(name);
+        let mut c = rig.connect(&["-l", "-1", "-c", "0"]);
+        c.signal(sig);
+        c.expect(&format!("{name}: disconnecting"), Duration::from_secs(10));
+        let st = c.exits(Duration::from_secs(5));
+        assert!(st.success(), "{name}: exit {st}: {}", c.rest());
+        assert_eq!(rig.sockets(), 0, "{name}: control socket left behind");
+    }
+    let mut rig = Rig::new("sigint-recovering");
+    let mut c = rig.connect(&["-l", "-1", "-c", "0"]);
+    rig.kill_target();
+    c.expect("reconnecting", Duration::from_secs(20));
+    c.signal(libc::SIGINT);
+    let st = c.exits(Duration::from_secs(5));
+    assert!(
+        st.success(),
+        "SIGINT while recovering: exit {st}: {}",
+        c.rest()
+    );
+}
