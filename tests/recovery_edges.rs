@@ -279,8 +279,10 @@ async fn a_reset_storm_with_zero_delay_is_lived_through_until_ctrl_loss_tmo() {
         for s in c.queue_stats() {
             assert_eq!((s.unknown_cid, s.duplicate_completion), (0, 0), "{s:?}");
         }
+        let late: u64 = c.queue_stats().iter().map(|s| s.late_answers).sum();
         println!(
-            "seed {seed}: {resets} resets, {} recoveries, {} verified I/Os",
+            "seed {seed}: {resets} resets, {} recoveries, {} verified I/Os, {late} answers \
+             taken from a failed connection",
             c.status().machine.recoveries,
             r.writes + r.reads
         );
@@ -462,4 +464,51 @@ async fn disconnect_ends_a_controller_retrying_forever() {
             .unwrap_or_else(|_| panic!("round {round}: disconnect hung while retrying"));
         ended(reads).await;
     }
+}
+
+/// Issue 18, "also": answers that are in flight when a reset strikes complete their command
+/// once: never a stray or double completion, never a lost write. 150 resets with the device
+/// away 0-3 ms, under verified I/O from four workers. How many answers come in after their
+/// command was held varies from run to run (0 to 6 seen here; before the fix those ran a
+/// second time after recovery), so it is printed, not asserted; this test guards the
+/// accounting (`submitted == completed + failed`, no strays), and it passes on the code
+/// before the fix too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_in_flight_at_a_reset_complete_their_command_once() {
+    let t = TargetRig::start(IP, NS_BYTES).await.unwrap();
+    let mgr = host().await;
+    let c = Arc::new(
+        Controller::connect_managed(
+            mgr.clone(),
+            HOST_DEV,
+            opts(&t, policy(Some(Duration::from_secs(30)))),
+        )
+        .await
+        .unwrap(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let ws = spawn_workers(&c, 4, 5, &stop);
+    let mut rng = SmallRng::seed_from_u64(5);
+    for _ in 0..150 {
+        progress(&c).await;
+        let down = Duration::from_micros(rng.random_range(0..3000));
+        mgr.reset(HOST_DEV, down).await.unwrap();
+    }
+    c.wait_status(BOUND, |s| s.state() == CtrlState::Live)
+        .await
+        .unwrap();
+    progress(&c).await;
+    stop.store(true, Ordering::Relaxed);
+    let r = join(ws).await;
+    assert_eq!((r.mismatches, r.hangs), (0, 0), "{r:?}");
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let stats = c.queue_stats();
+    let late: u64 = stats.iter().map(|s| s.late_answers).sum();
+    let requeued: u64 = stats.iter().map(|s| s.requeued).sum();
+    println!("150 resets: {requeued} commands held, {late} completed by an answer in flight");
+    for s in &stats {
+        assert_eq!((s.unknown_cid, s.duplicate_completion), (0, 0), "{s:?}");
+        assert_eq!(s.submitted, s.completed + s.failed, "{s:?}");
+    }
+    Arc::try_unwrap(c).ok().unwrap().disconnect().await;
 }
