@@ -185,6 +185,16 @@ async fn a_target_frozen_during_bring_up_ends_connect_in_bounded_time() {
     }
 }
 
+/// A controller with `ctrl_loss_tmo`, to share with workers.
+async fn shared(mgr: &DeviceManager, t: &TargetRig, ctrl_loss_tmo: Duration) -> Arc<Controller> {
+    let o = opts(t, policy(Some(ctrl_loss_tmo)));
+    Arc::new(
+        Controller::connect_managed(mgr.clone(), HOST_DEV, o)
+            .await
+            .unwrap(),
+    )
+}
+
 /// Verified I/O from `workers` tasks until `stop`.
 fn spawn_workers(
     c: &Arc<Controller>,
@@ -240,15 +250,7 @@ async fn a_reset_storm_with_zero_delay_is_lived_through_until_ctrl_loss_tmo() {
     let t = TargetRig::start(IP, NS_BYTES).await.unwrap();
     for seed in 1..=2u64 {
         let mgr = host().await;
-        let c = Arc::new(
-            Controller::connect_managed(
-                mgr.clone(),
-                HOST_DEV,
-                opts(&t, policy(Some(Duration::from_secs(4)))),
-            )
-            .await
-            .unwrap(),
-        );
+        let c = shared(&mgr, &t, Duration::from_secs(4)).await;
         let stop = Arc::new(AtomicBool::new(false));
         let ws = spawn_workers(&c, 2, seed, &stop);
         let mut rng = SmallRng::seed_from_u64(seed);
@@ -477,15 +479,7 @@ async fn disconnect_ends_a_controller_retrying_forever() {
 async fn answers_in_flight_at_a_reset_complete_their_command_once() {
     let t = TargetRig::start(IP, NS_BYTES).await.unwrap();
     let mgr = host().await;
-    let c = Arc::new(
-        Controller::connect_managed(
-            mgr.clone(),
-            HOST_DEV,
-            opts(&t, policy(Some(Duration::from_secs(30)))),
-        )
-        .await
-        .unwrap(),
-    );
+    let c = shared(&mgr, &t, Duration::from_secs(30)).await;
     let stop = Arc::new(AtomicBool::new(false));
     let ws = spawn_workers(&c, 4, 5, &stop);
     let mut rng = SmallRng::seed_from_u64(5);

@@ -235,16 +235,24 @@ fn bad_options_are_reported() {
     }
 }
 
+/// A verifying 4 KiB random-write job named `name` at QD32 while the host device is reset
+/// every `every`, with reconnect_delay 0: fio must see no verify error and no I/O error.
+fn chaos_run(f: &Fio, name: &str, every: &str, ctrl_loss_tmo: u32, runtime: u32) {
+    let job = format!(
+        "thread=1\nbuiltin_target=256M\nfilename=ns=1\nsize=64M\nbs=4k\niodepth=32\n\
+         chaos_reset_every={every}\nctrl_loss_tmo={ctrl_loss_tmo}\nreconnect_delay=0\n\
+         verify=crc32c\nverify_backlog=1024\ntime_based=1\nruntime={runtime}\n\
+         [{name}]\nrw=randwrite\n"
+    );
+    f.run_ok(name, &job, &[(name, true, true)]);
+}
+
 /// The issue's chaos run: the host device is reset every 2 s for 20 s under a verifying
-/// write load; fio must see no verify error and no I/O error.
+/// write load.
 #[test]
 fn chaos_reset_every_2s_for_20s() {
     let Some(f) = fio() else { return };
-    let job = "thread=1\nbuiltin_target=256M\nfilename=ns=1\nsize=64M\nbs=4k\niodepth=32\n\
-               chaos_reset_every=2s\nctrl_loss_tmo=600\nreconnect_delay=0\n\
-               verify=crc32c\nverify_backlog=1024\ntime_based=1\nruntime=20\n\
-               [chaos]\nrw=randwrite\n";
-    f.run_ok("chaos", job, &[("chaos", true, true)]);
+    chaos_run(&f, "chaos", "2s", 600, 20);
 }
 
 /// Issue 18: a reset every 25 ms with reconnect_delay 0 and ctrl_loss_tmo 10 s. Attempts
@@ -254,9 +262,5 @@ fn chaos_reset_every_2s_for_20s() {
 #[test]
 fn chaos_reset_every_25ms_with_zero_delay_for_10s() {
     let Some(f) = fio() else { return };
-    let job = "thread=1\nbuiltin_target=256M\nfilename=ns=1\nsize=64M\nbs=4k\niodepth=32\n\
-               chaos_reset_every=25ms\nctrl_loss_tmo=10\nreconnect_delay=0\n\
-               verify=crc32c\nverify_backlog=1024\ntime_based=1\nruntime=10\n\
-               [storm]\nrw=randwrite\n";
-    f.run_ok("storm", job, &[("storm", true, true)]);
+    chaos_run(&f, "storm", "25ms", 10, 10);
 }
