@@ -18,7 +18,20 @@ struct Proc {
 
 impl Proc {
     fn start(args: &[&str], run_dir: &Path) -> Proc {
-        let mut child = Command::new(BIN)
+        Self::start_umask(args, run_dir, None)
+    }
+
+    /// Started through `sh` with `umask` set first, when given.
+    fn start_umask(args: &[&str], run_dir: &Path, umask: Option<&str>) -> Proc {
+        let mut cmd = match umask {
+            None => Command::new(BIN),
+            Some(m) => {
+                let mut c = Command::new("sh");
+                c.args(["-c", &format!("umask {m}; exec \"$0\" \"$@\""), BIN]);
+                c
+            }
+        };
+        let mut child = cmd
             .args(args)
             .env("NVMF_RDMA_RUN_DIR", run_dir)
             .stdout(Stdio::piped())
@@ -232,4 +245,45 @@ fn sigterm_and_sighup_stop_connect_cleanly_at_any_time() {
         "SIGINT while recovering: exit {st}: {}",
         c.rest()
     );
+}
+
+/// Security review #14: under umask 000 the run directory is 0700 and the control socket
+/// 0600, and another user cannot disconnect the controller (before: both 0777, and user
+/// `nobody` disconnected a root-owned controller).
+#[test]
+fn the_control_socket_is_private_whatever_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    let rig = Rig::new("umask");
+    let dir = rig.dir.join("run");
+    let args = [
+        "connect", "-a", &rig.addr, "-n", NQN, "-i", "1", "-Q", "32", "-l", "5",
+    ];
+    let mut c = Proc::start_umask(&args, &dir, Some("000"));
+    c.expect("connected to", Duration::from_secs(20));
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dir), 0o700, "run dir");
+    let sock = dir.join("nvmf0.sock");
+    assert_eq!(mode(&sock), 0o600, "control socket");
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let setpriv = Command::new("setpriv").arg("--version").output().is_ok();
+    if root && setpriv {
+        // The parent must be passable for the other user to reach the run dir at all.
+        std::fs::set_permissions(&rig.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN])
+            .args(["disconnect", "-n", NQN])
+            .env("NVMF_RDMA_RUN_DIR", &dir)
+            .output()
+            .unwrap();
+        assert!(
+            !out.status.success(),
+            "another user disconnected our controller"
+        );
+        assert!(c.child.try_wait().unwrap().is_none(), "connect ended");
+    } else {
+        eprintln!("SKIPPED (part): the other-user check needs root and setpriv");
+    }
+    c.signal(libc::SIGTERM);
+    assert!(c.exits(Duration::from_secs(5)).success());
 }

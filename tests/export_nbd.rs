@@ -14,37 +14,50 @@ use std::process::Command as Cmd;
 use bytes::{Buf, BufMut, BytesMut};
 use export_common::*;
 use nvmf_rdma::export::nbd::{self, *};
-use nvmf_rdma::export::{ExportAddr, NbdListener};
+use nvmf_rdma::export::{ExportAddr, NbdLimits, NbdListener, NbdStats};
 use proptest::prelude::*;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 const NS_BYTES: u64 = 64 << 20;
 
 /// Our export served on a unix socket in a scratch directory.
 struct Served {
     /// Keeps the target, host and runtime alive.
-    _stack: Stack,
+    stack: Stack,
     addr: ExportAddr,
     sock: std::path::PathBuf,
     _server: tokio::task::JoinHandle<()>,
     _tmp: TempDir,
+    stats: Arc<NbdStats>,
 }
 
 fn serve(lbads: u8) -> Served {
+    serve_limited(lbads, NbdLimits::default())
+}
+
+fn serve_limited(lbads: u8, limits: NbdLimits) -> Served {
     let stack = Stack::start(NS_BYTES, lbads, 2);
     let tmp = TempDir::new("nbd");
     let sock = tmp.path().join("nbd.sock");
     let addr: ExportAddr = format!("unix:{}", sock.display()).parse().unwrap();
-    let l = stack.rt.block_on(NbdListener::bind(&addr)).unwrap();
+    let l = stack
+        .rt
+        .block_on(NbdListener::bind_with(&addr, limits, false))
+        .unwrap();
+    let stats = l.stats();
     let dev = stack.dev.clone();
     let server = stack.rt.spawn(async move {
         l.serve(dev, "ns1".into()).await.unwrap();
     });
     Served {
-        _stack: stack,
+        stack,
         addr,
         sock,
         _server: server,
         _tmp: tmp,
+        stats,
     }
 }
 
@@ -633,4 +646,146 @@ proptest! {
         }
         prop_assert!(b.is_empty());
     }
+}
+
+/// Resident memory of this process, bytes.
+fn rss() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    // SAFETY: sysconf has no preconditions.
+    pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64
+}
+
+/// Security review #11: a client sends 100 READs of 16 MiB and never reads a reply. Before,
+/// the server read and executed them all (the initiator grew by 2.6 GB). Now the connection
+/// holds at most its byte budget (64 MiB) and stops reading the client until there is room:
+/// the controller reads no more than the budget and one request beyond it.
+#[test]
+fn a_client_that_never_reads_its_replies_costs_a_bounded_amount() {
+    let srv = serve(9);
+    let mut c = Client::connect(&srv.sock, false);
+    let ctrl = srv.stack.ctrl.clone();
+    let read_bytes = || -> u64 {
+        let done: u64 = ctrl.queue_stats().iter().map(|s| s.completed).sum();
+        done * ctrl.max_transfer() as u64
+    };
+    let (before, read_before) = (rss(), read_bytes());
+    for i in 0..100u64 {
+        c.send(Command::Read, 0, (i % 3) << 24, 16 << 20, &[]);
+    }
+    // The budget fills (four 16 MiB reads), then the server waits for the client.
+    let t0 = Instant::now();
+    while srv.stats.peak_bytes_held.load(Ordering::Relaxed) < 64 << 20 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the budget never filled"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Watch for two seconds that nothing more is taken on.
+    let mut grew = 0;
+    for _ in 0..40 {
+        grew = grew.max(rss().saturating_sub(before));
+        let read = read_bytes() - read_before;
+        assert!(
+            read <= 80 << 20,
+            "read {} MiB for a client that reads nothing",
+            read >> 20
+        );
+        assert!(srv.stats.bytes_held.load(Ordering::Relaxed) <= 64 << 20);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "100 unread 16 MiB READs: {} MiB read from the namespace, process +{} MiB \
+         (other tests of this binary run beside it)",
+        (read_bytes() - read_before) >> 20,
+        grew >> 20
+    );
+    // The client reads after all: every reply comes, in full.
+    let mut got = 0;
+    while got < 100 {
+        let (_, e, d) = c.reply(|_| 16 << 20);
+        assert_eq!((e, d.len()), (0, 16 << 20));
+        got += 1;
+    }
+}
+
+/// Security review #12: clients beyond the cap are closed at accept and counted; those being
+/// served are unaffected, and a place that frees up is taken by the next client.
+#[test]
+fn connections_beyond_the_cap_are_closed_and_the_listener_goes_on() {
+    let srv = serve_limited(
+        9,
+        NbdLimits {
+            max_connections: 3,
+            ..NbdLimits::default()
+        },
+    );
+    let mut held: Vec<Client> = (0..3).map(|_| Client::connect(&srv.sock, false)).collect();
+    let mut extra = UnixStream::connect(&srv.sock).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut b = [0u8; 18];
+    assert!(
+        matches!(extra.read(&mut b), Ok(0) | Err(_)),
+        "a fourth client is closed, not greeted"
+    );
+    assert_eq!(srv.stats.refused.load(Ordering::Relaxed), 1);
+    for c in held.iter_mut() {
+        c.write(0, &[7u8; 4096], 0);
+    }
+    held.pop().unwrap().send(Command::Disc, 0, 0, 0, &[]);
+    let t0 = Instant::now();
+    while srv.stats.connections.load(Ordering::Relaxed) > 2 {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut again = Client::connect(&srv.sock, false);
+    assert_eq!(again.read(0, 4096), vec![7u8; 4096]);
+}
+
+/// A client that connects and never finishes the handshake is closed after the handshake
+/// timeout instead of holding a connection for ever.
+#[test]
+fn a_client_that_never_finishes_the_handshake_is_closed() {
+    let srv = serve_limited(
+        9,
+        NbdLimits {
+            handshake_timeout: Duration::from_millis(300),
+            ..NbdLimits::default()
+        },
+    );
+    let mut s = Client::greet(&srv.sock);
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let t0 = Instant::now();
+    let mut b = [0u8; 64];
+    assert!(matches!(s.read(&mut b), Ok(0) | Err(_)));
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert_eq!(srv.stats.handshake_timeouts.load(Ordering::Relaxed), 1);
+}
+
+/// Security review #14: the unix socket is 0600 whatever the umask; TCP beyond loopback
+/// needs the user's explicit consent.
+#[test]
+fn sockets_are_private_and_remote_tcp_needs_consent() {
+    use std::os::unix::fs::PermissionsExt;
+    let srv = serve(9);
+    let mode = std::fs::metadata(&srv.sock).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let any: ExportAddr = "0.0.0.0:0".parse().unwrap();
+    let e = rt
+        .block_on(NbdListener::bind(&any))
+        .err()
+        .expect("refused without consent");
+    assert!(e.to_string().contains("--nbd-allow-remote"), "{e}");
+    assert!(rt
+        .block_on(NbdListener::bind_with(&any, NbdLimits::default(), true))
+        .is_ok());
+    let lo: ExportAddr = "127.0.0.1:0".parse().unwrap();
+    assert!(rt.block_on(NbdListener::bind(&lo)).is_ok());
 }

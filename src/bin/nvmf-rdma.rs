@@ -1,6 +1,7 @@
 //! nvmf-rdma command line, following nvme-cli where it has a name for a thing.
 
 use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -249,6 +250,10 @@ struct ExportArgs {
     /// Serve the namespace over NBD at unix:PATH or IP:PORT (e.g. 127.0.0.1:10809).
     #[arg(long, value_name = "ADDR")]
     nbd: Option<ExportAddr>,
+    /// Allow --nbd on an address other than loopback. NBD has no authentication: whoever
+    /// reaches the port can read and write the namespace.
+    #[arg(long)]
+    nbd_allow_remote: bool,
     /// Expose the namespace as the file MOUNTPOINT/ns<NSID> in a FUSE mount (for losetup).
     #[arg(long, value_name = "MOUNTPOINT")]
     fuse: Option<PathBuf>,
@@ -1072,6 +1077,38 @@ async fn serve_control_client(
     let _ = w.write_all(answer).await;
 }
 
+/// The run directory, created 0700 whatever the umask; an existing one of ours is made 0700.
+fn make_run_dir(dir: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("create {}", dir.display()))?;
+    let meta = std::fs::metadata(dir).with_context(|| format!("stat {}", dir.display()))?;
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    if meta.uid() != euid {
+        bail!(
+            "{} belongs to another user (uid {}); set NVMF_RDMA_RUN_DIR to a directory of yours",
+            dir.display(),
+            meta.uid()
+        );
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("chmod 0700 {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+/// Is the control-socket client our own user (or root)?
+fn same_user(s: &tokio::net::UnixStream) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    s.peer_cred().is_ok_and(|c| c.uid() == euid || c.uid() == 0)
+}
+
 async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
     let mut signals = StopSignals::new()?;
     let c = tokio::select! {
@@ -1080,7 +1117,7 @@ async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
     };
     let exports = start_exports(&c, &s, &x).await?;
     let dir = run_dir();
-    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    make_run_dir(&dir)?;
     let mut n = 0;
     let (name, path) = loop {
         let name = format!("nvmf{n}");
@@ -1093,6 +1130,10 @@ async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
     };
     let listener = tokio::net::UnixListener::bind(&path)
         .with_context(|| format!("bind {}", path.display()))?;
+    // Whoever can open the socket can disconnect the controller: ours alone, whatever the
+    // umask (and the directory is 0700 too).
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("chmod 0600 {}", path.display()))?;
     println!(
         "{name}: connected to {} at {} (cntlid {})",
         s.nqn, s.fabric.traddr, c.cntlid
@@ -1143,6 +1184,9 @@ async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
             }
             conn = listener.accept() => {
                 let Ok((stream, _)) = conn else { continue };
+                if !same_user(&stream) {
+                    continue;
+                }
                 clients.spawn(serve_control_client(stream, info().to_json(), stop.clone()));
             }
             Some(_) = clients.join_next(), if !clients.is_empty() => {}
@@ -1256,7 +1300,9 @@ async fn start_exports(c: &Arc<Controller>, s: &Subsys, x: &ExportArgs) -> Resul
     }
     let dev = Arc::new(export::BlockDev::new(c.clone(), s.nsid)?);
     if let Some(addr) = &x.nbd {
-        let l = export::NbdListener::bind(addr).await?;
+        let l =
+            export::NbdListener::bind_with(addr, export::NbdLimits::default(), x.nbd_allow_remote)
+                .await?;
         println!(
             "nbd: serving namespace {} at {} ({})",
             s.nsid,

@@ -19,7 +19,7 @@ use tokio::task::JoinSet;
 use crate::transport::{Controller, HostError};
 
 pub use fuse::{mount_fuse, FuseMount};
-pub use nbd_server::{ExportAddr, NbdListener};
+pub use nbd_server::{ExportAddr, NbdLimits, NbdListener, NbdStats};
 
 /// NVMe Write Zeroes carries a 16-bit 0-based block count.
 const MAX_ZERO_BLOCKS: u64 = 1 << 16;
@@ -41,6 +41,10 @@ pub enum ExportError {
     /// An export address that is neither `unix:PATH` nor `IP:PORT`.
     #[error("bad export address {0:?}: expected unix:PATH or IP:PORT")]
     BadAddr(String),
+    /// A TCP export on an address other than loopback, without the user's explicit consent:
+    /// NBD has no authentication, so anyone who can reach it can read and write the namespace.
+    #[error("{0} is not a loopback address: NBD has no authentication; serve on 127.0.0.1 or a unix socket, or pass --nbd-allow-remote to expose the namespace to the network")]
+    RemoteRefused(std::net::SocketAddr),
     /// The NBD client broke the protocol; its connection is closed.
     #[error("NBD protocol: {0}")]
     Nbd(#[from] nbd::NbdError),
@@ -65,7 +69,9 @@ impl ExportError {
     pub fn errno(&self) -> i32 {
         match self {
             ExportError::OutOfRange { .. } => libc::ENOSPC,
-            ExportError::BadAddr(_) | ExportError::Nbd(_) => libc::EINVAL,
+            ExportError::BadAddr(_) | ExportError::RemoteRefused(_) | ExportError::Nbd(_) => {
+                libc::EINVAL
+            }
             ExportError::Host(HostError::Invalid(_)) => libc::EINVAL,
             ExportError::Host(_) | ExportError::Io { .. } => libc::EIO,
         }

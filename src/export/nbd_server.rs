@@ -3,16 +3,25 @@
 //! [`MAX_INFLIGHT`] requests executing at once and replies sent as they finish (out of order,
 //! which the protocol allows). Every connection serves the same [`BlockDev`], so flushes on
 //! one cover writes completed on any (CAN_MULTI_CONN).
+//!
+//! NBD has no authentication, so what a client can make the server hold is bounded
+//! ([`NbdLimits`]): bytes per connection (taken before the next request is read), connections
+//! per listener, time to finish the handshake. TCP is served on loopback unless the user
+//! explicitly allows more; unix sockets are created 0600. The accept loop outlives errors
+//! such as running out of file descriptors.
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use super::nbd::{
@@ -26,6 +35,79 @@ use super::{BlockDev, ExportError};
 pub const MAX_PAYLOAD: u32 = 32 << 20;
 /// Requests executing at once per connection; the reader stops reading beyond that.
 pub const MAX_INFLIGHT: usize = 64;
+
+/// What one NBD listener lets its clients cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NbdLimits {
+    /// Bytes of write payload and read data one connection may hold at once (requests being
+    /// executed, replies not yet written to the client). The reader waits for room before it
+    /// takes the next request, so a client that never reads its replies costs at most this
+    /// plus the one request it is sending (at most [`MAX_PAYLOAD`]).
+    pub conn_bytes: usize,
+    /// Connections served at once; a client beyond is closed at accept.
+    pub max_connections: usize,
+    /// Time a client has to finish the handshake.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for NbdLimits {
+    fn default() -> NbdLimits {
+        NbdLimits {
+            conn_bytes: 64 << 20,
+            max_connections: 64,
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Counters of one listener, shared with its connections.
+#[derive(Debug, Default)]
+pub struct NbdStats {
+    /// Connections being served now.
+    pub connections: AtomicUsize,
+    /// Clients closed at accept because `max_connections` were being served.
+    pub refused: AtomicU64,
+    /// Clients that did not finish the handshake in time.
+    pub handshake_timeouts: AtomicU64,
+    /// accept() failures (out of file descriptors, ...); the listener goes on.
+    pub accept_errors: AtomicU64,
+    /// Payload and reply bytes held by all connections now, and the most ever.
+    pub bytes_held: AtomicUsize,
+    pub peak_bytes_held: AtomicUsize,
+}
+
+/// Bytes of a connection's budget held by one request until its reply is written.
+struct Held {
+    _permit: Option<OwnedSemaphorePermit>,
+    n: usize,
+    stats: Arc<NbdStats>,
+}
+
+impl Held {
+    async fn take(budget: &Arc<Semaphore>, n: usize, stats: &Arc<NbdStats>) -> Option<Held> {
+        let permit = if n == 0 {
+            None
+        } else {
+            Some(budget.clone().acquire_many_owned(n as u32).await.ok()?)
+        };
+        let now = stats.bytes_held.fetch_add(n, Ordering::Relaxed) + n;
+        stats.peak_bytes_held.fetch_max(now, Ordering::Relaxed);
+        Some(Held {
+            _permit: permit,
+            n,
+            stats: stats.clone(),
+        })
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.stats.bytes_held.fetch_sub(self.n, Ordering::Relaxed);
+    }
+}
+
+/// Wait after a failed accept (EMFILE and the like) before trying again.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Where to serve: `unix:PATH` or `IP:PORT`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,11 +159,29 @@ enum Listener {
 pub struct NbdListener {
     listener: Listener,
     addr: ExportAddr,
+    limits: NbdLimits,
+    stats: Arc<NbdStats>,
 }
 
 impl NbdListener {
-    /// Bind `addr`. A leftover unix socket nobody answers on is replaced; a live one is an error.
+    /// Bind `addr` (loopback TCP or a unix socket) with the default limits.
     pub async fn bind(addr: &ExportAddr) -> Result<NbdListener, ExportError> {
+        Self::bind_with(addr, NbdLimits::default(), false).await
+    }
+
+    /// Bind `addr`. A leftover unix socket nobody answers on is replaced; a live one is an
+    /// error. The socket is made 0600 whatever the umask. TCP on an address other than
+    /// loopback needs `allow_remote` (the user's explicit consent).
+    pub async fn bind_with(
+        addr: &ExportAddr,
+        limits: NbdLimits,
+        allow_remote: bool,
+    ) -> Result<NbdListener, ExportError> {
+        if let ExportAddr::Tcp(a) = addr {
+            if !a.ip().is_loopback() && !allow_remote {
+                return Err(ExportError::RemoteRefused(*a));
+            }
+        }
         let listener = match addr {
             ExportAddr::Unix(p) => {
                 if p.exists() {
@@ -98,6 +198,8 @@ impl NbdListener {
                 }
                 let l = tokio::net::UnixListener::bind(p)
                     .map_err(|e| ExportError::io(format!("bind {}", p.display()), e))?;
+                std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600))
+                    .map_err(|e| ExportError::io(format!("chmod 0600 {}", p.display()), e))?;
                 Listener::Unix(l)
             }
             ExportAddr::Tcp(a) => {
@@ -114,7 +216,17 @@ impl NbdListener {
             ),
             Listener::Unix(_) => addr.clone(),
         };
-        Ok(NbdListener { listener, addr })
+        Ok(NbdListener {
+            listener,
+            addr,
+            limits,
+            stats: Arc::new(NbdStats::default()),
+        })
+    }
+
+    /// The listener's counters.
+    pub fn stats(&self) -> Arc<NbdStats> {
+        self.stats.clone()
     }
 
     /// The bound address (with the real port when 0 was asked for).
@@ -127,22 +239,54 @@ impl NbdListener {
     pub async fn serve(self, dev: Arc<BlockDev>, name: String) -> Result<(), ExportError> {
         let info = export_info(&dev, name);
         let mut conns = JoinSet::new();
+        let (limits, stats) = (self.limits, self.stats.clone());
         loop {
-            while conns.try_join_next().is_some() {}
-            match &self.listener {
-                Listener::Unix(l) => {
-                    let (s, _) = l.accept().await.map_err(|e| ExportError::io("accept", e))?;
-                    conns.spawn(run_logged(s, dev.clone(), info.clone()));
-                }
-                Listener::Tcp(l) => {
-                    let (s, peer) = l.accept().await.map_err(|e| ExportError::io("accept", e))?;
+            let accepted = match &self.listener {
+                Listener::Unix(l) => l.accept().await.map(|(s, _)| Stream::Unix(s)),
+                Listener::Tcp(l) => l.accept().await.map(|(s, peer)| {
                     let _ = s.set_nodelay(true);
                     tracing::debug!(%peer, "nbd connection");
-                    conns.spawn(run_logged(s, dev.clone(), info.clone()));
+                    Stream::Tcp(s)
+                }),
+            };
+            let stream = match accepted {
+                Ok(s) => s,
+                Err(e) => {
+                    // Out of file descriptors, a client that reset before we took it: the
+                    // listener must outlive it. Pause so a lasting error does not spin.
+                    stats.accept_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("nbd: accept failed: {e}; trying again");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
                 }
+            };
+            // Connections that ended while we waited for this one no longer count.
+            while conns.try_join_next().is_some() {}
+            if conns.len() >= limits.max_connections {
+                stats.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    max = limits.max_connections,
+                    "nbd: connection refused: the export serves its maximum of clients"
+                );
+                drop(stream);
+                continue;
             }
+            let (dev, info, stats) = (dev.clone(), info.clone(), stats.clone());
+            conns.spawn(async move {
+                stats.connections.fetch_add(1, Ordering::Relaxed);
+                match stream {
+                    Stream::Unix(s) => run_logged(s, dev, info, limits, stats.clone()).await,
+                    Stream::Tcp(s) => run_logged(s, dev, info, limits, stats.clone()).await,
+                }
+                stats.connections.fetch_sub(1, Ordering::Relaxed);
+            });
         }
     }
+}
+
+enum Stream {
+    Unix(tokio::net::UnixStream),
+    Tcp(tokio::net::TcpStream),
 }
 
 impl Drop for NbdListener {
@@ -175,11 +319,16 @@ pub fn export_info(dev: &BlockDev, name: String) -> ExportInfo {
     }
 }
 
-async fn run_logged<S>(stream: S, dev: Arc<BlockDev>, info: ExportInfo)
-where
+async fn run_logged<S>(
+    stream: S,
+    dev: Arc<BlockDev>,
+    info: ExportInfo,
+    limits: NbdLimits,
+    stats: Arc<NbdStats>,
+) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    if let Err(e) = serve_connection(stream, dev, info).await {
+    if let Err(e) = serve_connection_with(stream, dev, info, limits, stats).await {
         tracing::warn!("nbd connection closed: {e}");
     }
 }
@@ -187,6 +336,9 @@ where
 struct Reply {
     head: Vec<u8>,
     data: Vec<u8>,
+    /// The request's share of the connection's byte budget, given back once the reply is
+    /// written.
+    held: Option<Held>,
 }
 
 /// Serve one client connection: handshake, then requests until NBD_CMD_DISC or end of stream.
@@ -199,25 +351,60 @@ pub async fn serve_connection<S>(
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
+    let stats = Arc::new(NbdStats::default());
+    serve_connection_with(stream, dev, info, NbdLimits::default(), stats).await
+}
+
+/// [`serve_connection`] under `limits`, counting into `stats`.
+pub async fn serve_connection_with<S>(
+    stream: S,
+    dev: Arc<BlockDev>,
+    info: ExportInfo,
+    limits: NbdLimits,
+    stats: Arc<NbdStats>,
+) -> Result<(), ExportError>
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
     let (mut rd, mut wr) = tokio::io::split(stream);
     let io = |what: &'static str| move |e| ExportError::io(what, e);
     let mut buf = BytesMut::with_capacity(256 << 10);
     let mut neg = Negotiation::new(info);
-    let structured = loop {
-        let r = neg.handle_input(&mut buf);
-        if let Some(out) = neg.poll_transmit() {
-            wr.write_all(&out).await.map_err(io("nbd send"))?;
-        }
-        match r.map_err(ExportError::Nbd)? {
-            Some(Outcome::Close) => {
-                let _ = wr.shutdown().await;
-                return Ok(());
+    let handshake = async {
+        loop {
+            let r = neg.handle_input(&mut buf);
+            if let Some(out) = neg.poll_transmit() {
+                wr.write_all(&out).await.map_err(io("nbd send"))?;
             }
-            Some(Outcome::Transmission { structured }) => break structured,
-            None => {}
+            match r.map_err(ExportError::Nbd)? {
+                Some(Outcome::Close) => {
+                    let _ = wr.shutdown().await;
+                    return Ok(None);
+                }
+                Some(Outcome::Transmission { structured }) => return Ok(Some(structured)),
+                None => {}
+            }
+            if rd.read_buf(&mut buf).await.map_err(io("nbd receive"))? == 0 {
+                return Ok(None);
+            }
         }
-        if rd.read_buf(&mut buf).await.map_err(io("nbd receive"))? == 0 {
-            return Ok(());
+    };
+    let structured = match tokio::time::timeout(limits.handshake_timeout, handshake).await {
+        Ok(Ok(Some(s))) => s,
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Err(e)) => return Err(e),
+        Err(_) => {
+            stats.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
+            return Err(ExportError::io(
+                "nbd handshake",
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "not finished within {} ms",
+                        limits.handshake_timeout.as_millis()
+                    ),
+                ),
+            ));
         }
     };
     wr.flush().await.map_err(io("nbd send"))?;
@@ -231,6 +418,7 @@ where
             if rx.is_empty() {
                 w.flush().await?;
             }
+            drop(r.held);
         }
         w.flush().await?;
         w.shutdown().await
@@ -238,6 +426,8 @@ where
 
     let size = dev.size();
     let slots = Arc::new(Semaphore::new(MAX_INFLIGHT));
+    // A request larger than the budget could never start: the budget is at least one.
+    let budget = Arc::new(Semaphore::new(limits.conn_bytes.max(MAX_PAYLOAD as usize)));
     let mut dec = RequestDecoder::new(MAX_PAYLOAD);
     let mut tasks = JoinSet::new();
     let result = loop {
@@ -260,6 +450,7 @@ where
                     .send(Reply {
                         head,
                         data: Vec::new(),
+                        held: None,
                     })
                     .await;
                 continue;
@@ -275,6 +466,7 @@ where
                 .send(Reply {
                     head,
                     data: Vec::new(),
+                    held: None,
                 })
                 .await;
             continue;
@@ -282,9 +474,19 @@ where
         let Ok(permit) = slots.clone().acquire_owned().await else {
             break Ok(());
         };
+        // The write's payload is in hand, the read's data is about to be: both count until
+        // the reply is written. Nothing more is read from the client until there is room.
+        let bytes = match req.command {
+            Command::Read => req.length as usize,
+            _ => payload.len(),
+        };
+        let Some(held) = Held::take(&budget, bytes, &stats).await else {
+            break Ok(());
+        };
         let (dev, tx) = (dev.clone(), tx.clone());
         tasks.spawn(async move {
-            let reply = execute(&dev, req, payload, structured).await;
+            let mut reply = execute(&dev, req, payload, structured).await;
+            reply.held = Some(held);
             let _ = tx.send(reply).await;
             drop(permit);
         });
@@ -309,6 +511,7 @@ async fn execute(dev: &BlockDev, req: Request, payload: Bytes, structured: bool)
                 return Reply {
                     head: read_reply_header(structured, req.cookie, off, data.len()),
                     data,
+                    held: None,
                 }
             }
             Err(e) => Err(e),
@@ -324,6 +527,7 @@ async fn execute(dev: &BlockDev, req: Request, payload: Bytes, structured: bool)
             return Reply {
                 head: status_reply(false, req.cookie, errno::EINVAL),
                 data: Vec::new(),
+                held: None,
             }
         }
     };
@@ -341,5 +545,6 @@ async fn execute(dev: &BlockDev, req: Request, payload: Bytes, structured: bool)
             error,
         ),
         data: Vec::new(),
+        held: None,
     }
 }
