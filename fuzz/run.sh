@@ -3,8 +3,9 @@
 #
 #   fuzz/run.sh [SECONDS] [extra libFuzzer flags...]
 #
-# Targets (the [[bin]]s of fuzz/Cargo.toml): packet, capsule, cm, nbd (NBD handshake +
-# request decoder).
+# Targets (the [[bin]]s of fuzz/Cargo.toml): packet, capsule, cm, cm_seq (the CM state
+# machines fed sequences of real MADs, dropped, duplicated, replayed or altered), nbd (NBD
+# handshake + request decoder).
 #
 # Built with plain cargo and the coverage flags cargo-fuzz would pass, so a fresh machine
 # needs no `cargo install cargo-fuzz` (minutes of compiling on 2 cores). AddressSanitizer is
