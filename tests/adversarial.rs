@@ -95,6 +95,17 @@ async fn connect(i: u8, target: &SoftHca, subnqn: &str, hostnqn: &str) -> Contro
     .expect("connect")
 }
 
+/// Wait (at most 5 s) for something the target does in its own time.
+async fn until(what: &str, f: impl Fn() -> bool) {
+    for _ in 0..500 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{what}: not within 5 s");
+}
+
 /// Write a pattern and read it back through `c`.
 async fn write_read(c: &Controller, lba: u64, seed: u64) {
     let mut data = vec![0u8; 64 << 10];
@@ -198,4 +209,48 @@ async fn reqs_over_the_per_ip_and_total_queue_caps_are_rejected_no_resources() {
     assert!(e.contains("no resources"), "7th REQ in total: {e}");
     assert_eq!(t.queue_count(), 6);
     assert_eq!(t.stats().refused_queues, 2);
+}
+
+// ---- 4. controller IDs from the free set -------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cntlids_come_from_the_free_set_and_never_replace_a_live_controller() {
+    // Three IDs stand for the 65,519 of the default range: the wrap comes sooner.
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        cntlid_min: 10,
+        cntlid_max: 12,
+        ..TargetConfig::default()
+    };
+    let (t, thca) = target(7, tc).await;
+    let a = connect(8, &thca, NQN, HOST).await;
+    let b = connect(9, &thca, NQN, HOST).await;
+    let c = connect(10, &thca, NQN, HOST).await;
+    let ids = [a.cntlid, b.cntlid, c.cntlid];
+    assert_eq!(ids, [10, 11, 12]);
+    // All taken: a fourth is refused, Controller Busy, and nobody is replaced.
+    let (hca, cm) = host_dev(11).await;
+    let e = within(
+        30,
+        "connect",
+        Controller::connect(hca, cm, opts(&thca, NQN, HOST)),
+    )
+    .await
+    .err()
+    .expect("no free controller ID");
+    assert!(e.to_string().contains("0x81"), "{e}");
+    assert_eq!(t.stats().cntlid_exhausted, 1);
+    write_read(&a, 0, 2).await;
+    write_read(&c, 256, 3).await;
+    // A freed ID is reused; the live ones keep theirs and keep working.
+    b.disconnect().await;
+    until("the target drops B's queues", || t.queue_count() == 4).await;
+    let d = connect(12, &thca, NQN, HOST).await;
+    assert_eq!(d.cntlid, 11);
+    write_read(&a, 512, 4).await;
+    write_read(&c, 768, 5).await;
+    write_read(&d, 1024, 6).await;
+    for x in [a, c, d] {
+        x.disconnect().await;
+    }
 }

@@ -103,6 +103,8 @@ pub struct TargetStats {
     pub kato_expired: u64,
     /// CM REQs refused for a queue cap or because memory ran out.
     pub refused_queues: u64,
+    /// Fabrics Connects refused because no controller ID was free.
+    pub cntlid_exhausted: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1021,8 +1023,10 @@ impl Engine {
             if cd.cntlid != CNTLID_DYNAMIC {
                 return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
             }
-            let id = self.next_cntlid;
-            self.next_cntlid = if id >= 0xFFEF { 1 } else { id + 1 };
+            let Some(id) = self.alloc_cntlid() else {
+                self.stats.cntlid_exhausted += 1;
+                return Err(Status::CONNECT_CONTROLLER_BUSY);
+            };
             self.grow(d, qpn)?;
             self.ctrls.insert(
                 id,
@@ -1071,6 +1075,25 @@ impl Engine {
             result: r.to_result(),
             data_out: 0,
         })
+    }
+
+    /// A controller ID in `cntlid_min..=cntlid_max` that no live controller has, searched
+    /// round-robin from the last one given (so a freed ID is not handed out again at once);
+    /// `None` when every ID is taken. Controllers never outnumber queues, so the search is
+    /// at most `max_queues` + 1 steps.
+    fn alloc_cntlid(&mut self) -> Option<u16> {
+        let lo = self.cfg.cntlid_min.max(1);
+        let hi = self.cfg.cntlid_max.min(0xFFEF);
+        if lo > hi {
+            return None;
+        }
+        let span = (hi - lo) as u32 + 1;
+        let from = (self.next_cntlid.clamp(lo, hi) - lo) as u32;
+        let id = (0..span)
+            .map(|i| lo + ((from + i) % span) as u16)
+            .find(|id| !self.ctrls.contains_key(id))?;
+        self.next_cntlid = if id >= hi { lo } else { id + 1 };
+        Some(id)
     }
 
     fn subsystem(&self, ctrl: &Ctrl) -> Option<&Subsystem> {

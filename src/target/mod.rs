@@ -71,6 +71,10 @@ pub struct TargetConfig {
     pub max_queues: usize,
     /// Most queues one peer IP address may hold; REQs beyond get the same reject.
     pub max_queues_per_ip: usize,
+    /// Controller IDs are handed out from `cntlid_min..=cntlid_max` (nvmet's `cntlid_min`
+    /// and `cntlid_max`), never one that is in use. Clamped to 1..=0xFFEF.
+    pub cntlid_min: u16,
+    pub cntlid_max: u16,
 }
 
 impl Default for TargetConfig {
@@ -85,6 +89,8 @@ impl Default for TargetConfig {
             advertise: None,
             max_queues: 1024,
             max_queues_per_ip: 256,
+            cntlid_min: 1,
+            cntlid_max: 0xFFEF,
         }
     }
 }
