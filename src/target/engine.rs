@@ -33,6 +33,9 @@ const ADMIN_STAGING: usize = 8192;
 const AER_LIMIT: usize = 4;
 /// Staging of a queue before Fabrics Connect: room for the Connect data only.
 const CONNECT_DATA: usize = 1024;
+/// Keep-alive of a discovery controller whose host asked for none (nvmet
+/// `NVMET_DISC_KATO_MS`): one left open must not live for ever.
+const DISCOVERY_KATO_MS: u32 = 120_000;
 
 const WR_RECV: u64 = 1;
 const WR_RDMA_READ: u64 = 2;
@@ -1028,6 +1031,7 @@ impl Engine {
                 return Err(Status::CONNECT_CONTROLLER_BUSY);
             };
             self.grow(d, qpn)?;
+            let discovery = subsys == usize::MAX;
             self.ctrls.insert(
                 id,
                 Ctrl {
@@ -1036,7 +1040,11 @@ impl Engine {
                     hostid: cd.hostid,
                     cc: Cc(0),
                     csts: Csts(0),
-                    kato_ms,
+                    kato_ms: if discovery && kato_ms == 0 {
+                        DISCOVERY_KATO_MS
+                    } else {
+                        kato_ms
+                    },
                     io_queues: 0,
                     queues: vec![qpn],
                     aers: 0,
@@ -1054,6 +1062,11 @@ impl Engine {
                 || ctrl.subsys != subsys
             {
                 return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
+            }
+            // A discovery controller has no I/O queues (nvmet: the discovery subsystem's
+            // max_qid is 0).
+            if ctrl.subsys == usize::MAX {
+                return Err(Status::INVALID_QUEUE_ID.with_dnr());
             }
             if !ctrl.csts.rdy() {
                 return Err(Status::COMMAND_SEQUENCE_ERROR.with_dnr());
@@ -1231,7 +1244,10 @@ impl Engine {
                 let offset = sqe.cdw12 as u64 | ((sqe.cdw13 as u64) << 32);
                 let len = numd * 4;
                 let page = match lid {
-                    0x70 => self.discovery_log(),
+                    0x70 => {
+                        let host = self.ctrl_of(qpn, true)?.hostnqn.clone();
+                        self.discovery_log(&host)
+                    }
                     // Error information, SMART / health, firmware slot: all zeroes here.
                     0x01..=0x03 => vec![0u8; 4096],
                     _ => return Err(Status::INVALID_LOG_PAGE.with_dnr()),
@@ -1287,8 +1303,16 @@ impl Engine {
         }
     }
 
-    fn discovery_log(&self) -> Vec<u8> {
-        let recs = self.cfg.subsystems.len();
+    /// The discovery log as `hostnqn` sees it: only subsystems that allow it (nvmet
+    /// `nvmet_host_allowed`), so the log does not tell anyone what exists beyond that.
+    fn discovery_log(&self, hostnqn: &str) -> Vec<u8> {
+        let visible: Vec<&Subsystem> = self
+            .cfg
+            .subsystems
+            .iter()
+            .filter(|s| s.allows(hostnqn))
+            .collect();
+        let recs = visible.len();
         let mut page = vec![0u8; 1024 * (recs + 1)];
         let hdr = DiscoveryLogHeader {
             genctr: 1,
@@ -1303,7 +1327,7 @@ impl Engine {
             .advertise
             .map(|a| a.ip().to_string())
             .unwrap_or_else(|| "127.0.0.1".into());
-        for (i, s) in self.cfg.subsystems.iter().enumerate() {
+        for (i, s) in visible.iter().enumerate() {
             let port = self.cfg.port.to_string();
             let ipv6 = self.cfg.advertise.is_some_and(|a| a.is_ipv6());
             if let Ok(e) = DiscoveryLogEntry::rdma(&s.nqn, &addr, &port, ipv6, 1) {
