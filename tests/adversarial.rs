@@ -485,3 +485,90 @@ async fn discovery_lists_only_allowed_subsystems_and_refuses_io_queues() {
         (w.sct, w.sc, w.dnr)
     });
 }
+
+// ---- 3. source check ---------------------------------------------------------------------
+
+/// An RC queue on `hca`: PD, CQ, QP, one 4 KiB buffer.
+fn rc_end(hca: &SoftHca) -> (CqId, Qpn, HostMem, MrInfo) {
+    hca.with(|d, _| {
+        let pd = d.alloc_pd().unwrap();
+        let cq = d.create_cq(64).unwrap();
+        let caps = nvmf_rdma::hca::QpCaps {
+            max_send_wr: 16,
+            max_recv_wr: 16,
+        };
+        let qpn = create_qp_init(d, pd, cq, caps, Access::LOCAL_WRITE).unwrap();
+        let m = HostMem::new(4096);
+        let mr = d.reg_mr(pd, &m, 0, 4096, Access::LOCAL_WRITE).unwrap();
+        (cq, qpn, m, mr)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capsule_from_another_udp_port_of_the_peers_ip_is_dropped_and_counted() {
+    use nvmf_rdma::hca::wire::{emit_packet, BthRepr, IcrcContext, Opcode, PacketHeaders};
+    use nvmf_rdma::hca::Psn;
+    // Two soft-HCAs on one IP, as a host and a target on loopback are; an RC queue between
+    // them with PSNs we know.
+    let a = SoftHca::start(cfg("a", 20)).await.unwrap();
+    let b = SoftHca::start(cfg("b", 21)).await.unwrap();
+    let (_acq, aqpn, amem, amr) = rc_end(&a);
+    let (bcq, bqpn, bmem, bmr) = rc_end(&b);
+    let (apsn, bpsn) = (Psn::new(0x1000), Psn::new(0x2000));
+    let o = RcOptions::default();
+    let to_b = PeerInfo {
+        addr: b.addr(),
+        qpn: bqpn,
+        psn: bpsn,
+    };
+    let to_a = PeerInfo {
+        addr: a.addr(),
+        qpn: aqpn,
+        psn: apsn,
+    };
+    a.with(|d, _| qp_to_rts(d, aqpn, to_b, apsn, &o)).unwrap();
+    b.with(|d, _| qp_to_rts(d, bqpn, to_a, bpsn, &o)).unwrap();
+    b.with(|d, _| {
+        d.post_recv(
+            bqpn,
+            RecvWr {
+                wr_id: 7,
+                sgl: Sgl::one(bmr.addr, 4096, bmr.lkey),
+            },
+        )
+    })
+    .unwrap();
+
+    // Someone else on the same IP, another UDP port, sends B the SEND it expects next:
+    // right QPN, right PSN, valid ICRC.
+    let evil = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    assert_ne!(evil.local_addr().unwrap(), a.addr());
+    let mut pkt = Vec::new();
+    let h = PacketHeaders::new(BthRepr::new(Opcode::RC_SEND_ONLY, bqpn, apsn));
+    let ctx = IcrcContext::new(evil.local_addr().unwrap(), b.addr());
+    emit_packet(&h, b"injected capsule", &ctx, &mut pkt);
+    let before = b.with(|d, _| d.stats().rx_packets);
+    evil.send_to(&pkt, b.addr()).unwrap();
+    until("B reads the injected datagram", || {
+        b.with(|d, _| d.stats().rx_packets) > before
+    })
+    .await;
+
+    // Then the real peer sends with the same PSN: B must take the real one.
+    amem.write(0, b"the real capsule");
+    let wr = SendWr {
+        wr_id: 1,
+        op: SendOp::Send,
+        sgl: Sgl::one(amr.addr, 16, amr.lkey),
+        signaled: false,
+        solicited: false,
+    };
+    a.with(|d, now| d.post_send(now, aqpn, wr)).unwrap();
+    let mut wcs = Vec::new();
+    within(5, "B's receive", b.wait_cq(bcq, 1, &mut wcs)).await;
+    assert_eq!(wcs[0].status, WcStatus::Success);
+    let mut got = [0u8; 16];
+    bmem.read(0, &mut got);
+    assert_eq!(&got, b"the real capsule", "B executed the injected capsule");
+    assert_eq!(b.with(|d, _| d.stats().rx_foreign_source), 1);
+}

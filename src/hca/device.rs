@@ -572,9 +572,23 @@ impl Device {
             self.stats.rx_unknown_qp += 1;
             return;
         };
-        // rxe's check_addr: the packet must come from the peer the QP is connected to.
-        if !qp.attr.state.can_receive() || qp.attr.dest.is_none_or(|d| d.ip() != src.ip()) {
+        if !qp.attr.state.can_receive() {
             self.stats.rx_dropped += 1;
+            return;
+        }
+        // rxe's check_addr: the packet must come from the peer the QP is connected to. A
+        // soft-HCA peer (`peer_port` None) sends from the one UDP port it is bound to, and
+        // several share an IP (every process on loopback), so it is matched by its whole
+        // socket address: anyone else on that IP could otherwise inject with the right PSN.
+        // A RoCEv2 peer (rxe, a NIC) sends from a per-QP source port (0xC000 + hash) that we
+        // cannot predict, so for those the IP is all there is to match, as rxe does; `src`
+        // carries their port 4791 by now, not the one they sent from.
+        let from_peer = match self.config.peer_port {
+            None => qp.attr.dest == Some(src),
+            Some(_) => qp.attr.dest.is_some_and(|d| d.ip() == src.ip()),
+        };
+        if !from_peer {
+            self.stats.rx_foreign_source += 1;
             return;
         }
         let info = pkt.hdrs.bth.opcode.info();
