@@ -572,3 +572,48 @@ async fn a_capsule_from_another_udp_port_of_the_peers_ip_is_dropped_and_counted(
     assert_eq!(&got, b"the real capsule", "B executed the injected capsule");
     assert_eq!(b.with(|d, _| d.stats().rx_foreign_source), 1);
 }
+
+// ---- 2. randomness -----------------------------------------------------------------------
+
+/// What a peer learns of a target: the comm ID and starting PSN in its REP (and the host's
+/// comm ID in the REQ), and a memory key the device hands out.
+async fn what_a_peer_sees() -> (u32, u32, u32, u32) {
+    // Built exactly alike each time: same device config (seed included), CM "seed" 9 as
+    // the `target` command has it, host CM alike too.
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        ..TargetConfig::default()
+    };
+    let hca = SoftHca::start(cfg("same", 30)).await.unwrap();
+    let t = Target::start(hca.clone(), tc).unwrap();
+    serve_cm(t.clone(), CmService::start(hca.clone(), 9));
+    let (_h, cm) = host_dev(31).await;
+    let params = ConnectParams::new(Qpn::new(0x400), 4420);
+    let est = within(
+        20,
+        "REQ",
+        cm.connect(hca.addr(), params, &queue_req(1, 32), CONNECT_TIMEOUT),
+    )
+    .await
+    .expect("accepted");
+    let rkey = hca.with(|d, _| {
+        let pd = d.alloc_pd().unwrap();
+        let m = HostMem::new(4096);
+        d.reg_mr(pd, &m, 0, 4096, Access::REMOTE_READ)
+            .unwrap()
+            .rkey
+            .0
+    });
+    (est.remote_id.0, est.local_psn.get(), est.id.0, rkey)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identical_instances_draw_different_comm_ids_psns_and_rkeys() {
+    let a = what_a_peer_sees().await;
+    let b = what_a_peer_sees().await;
+    // Each pair collides by chance with probability 2^-24 or less.
+    assert_ne!(a.0, b.0, "target CM comm IDs repeat");
+    assert_ne!(a.1, b.1, "target starting PSNs repeat");
+    assert_ne!(a.2, b.2, "host CM comm IDs repeat");
+    assert_ne!(a.3, b.3, "rkeys repeat");
+}

@@ -10,8 +10,10 @@
 //!
 //! Every state change goes through the table in [`super::state`]; the handlers here do what
 //! the row says (send, arm a timer, report an event). Local communication IDs, transaction
-//! IDs, starting PSNs and ephemeral ports come from the seeded RNG handed in at construction,
-//! so a run replays exactly.
+//! IDs, starting PSNs and ephemeral ports come from the RNG handed in at construction: one
+//! keyed by the OS CSPRNG on a real network (a peer that sees some IDs and PSNs must not be
+//! able to predict the next: they are what keeps others from speaking for a connection),
+//! a seeded one in tests and fuzzing, so a run replays exactly.
 //!
 //! Timers use the IBA encoding, 4.096 µs × 2^n ([`iba_time`]), where Linux rounds to
 //! milliseconds (cm.c `cm_convert_to_ms`). What each timer covers follows cm.c:
@@ -38,8 +40,8 @@ use super::private::{
 use super::state::{lookup, ConnState, Input};
 use crate::hca::qp::Mtu;
 use crate::hca::types::{Guid, Instant, Psn, Qpn};
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use rand::rngs::{SmallRng, StdRng};
+use rand::{Rng, RngCore, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
@@ -230,6 +232,8 @@ pub struct ConnectRequest {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Established {
     pub id: ConnId,
+    /// The peer's communication ID for the connection.
+    pub remote_id: ConnId,
     pub peer: SocketAddr,
     pub remote_ca_guid: Guid,
     pub remote_qpn: Qpn,
@@ -381,7 +385,7 @@ struct Conn {
 /// The CM of one device.
 pub struct CmEndpoint {
     config: CmConfig,
-    rng: SmallRng,
+    rng: Box<dyn RngCore + Send>,
     /// Upper half of the transaction IDs we originate (Linux: the MAD agent's `hi_tid`).
     tid_hi: u32,
     conns: BTreeMap<u32, Conn>,
@@ -403,12 +407,13 @@ impl fmt::Debug for CmEndpoint {
 }
 
 impl CmEndpoint {
-    /// `rng` is the only source of randomness; seed it to replay a run.
-    pub fn new(config: CmConfig, mut rng: SmallRng) -> CmEndpoint {
+    /// `rng` is the only source of randomness; seed it to replay a run, key it from the OS
+    /// ([`from_os_rng`](Self::from_os_rng)) on a real network.
+    pub fn new(config: CmConfig, mut rng: impl RngCore + Send + 'static) -> CmEndpoint {
         let tid_hi = rng.random();
         CmEndpoint {
             config,
-            rng,
+            rng: Box::new(rng),
             tid_hi,
             conns: BTreeMap::new(),
             listening: BTreeSet::new(),
@@ -420,9 +425,16 @@ impl CmEndpoint {
         }
     }
 
-    /// [`new`](Self::new) with `SmallRng::seed_from_u64(seed)`.
+    /// [`new`](Self::new) with `SmallRng::seed_from_u64(seed)`: for tests and fuzzing only,
+    /// its IDs and PSNs are as guessable as the seed.
     pub fn from_seed(config: CmConfig, seed: u64) -> CmEndpoint {
         CmEndpoint::new(config, SmallRng::seed_from_u64(seed))
+    }
+
+    /// [`new`](Self::new) with a CSPRNG (ChaCha12) keyed by the OS: what a CM on a real
+    /// network uses (panics only if the OS has no entropy source at all, at start-up).
+    pub fn from_os_rng(config: CmConfig) -> CmEndpoint {
+        CmEndpoint::new(config, StdRng::from_os_rng())
     }
 
     pub fn config(&self) -> &CmConfig {
@@ -1015,6 +1027,7 @@ impl CmEndpoint {
         let peer = conn.peer;
         let ev = Established {
             id: ConnId(key),
+            remote_id: ConnId(r.local_comm_id),
             peer,
             remote_ca_guid: r.local_ca_guid,
             remote_qpn: r.local_qpn,
@@ -1275,6 +1288,7 @@ impl CmEndpoint {
         conn.deadline = None;
         let ev = Established {
             id: ConnId(key),
+            remote_id: ConnId(conn.remote_id),
             peer: conn.peer,
             remote_ca_guid: conn.remote_guid,
             remote_qpn: conn.remote_qpn.unwrap_or_default(),
