@@ -617,3 +617,136 @@ async fn identical_instances_draw_different_comm_ids_psns_and_rkeys() {
     assert_ne!(a.2, b.2, "host CM comm IDs repeat");
     assert_ne!(a.3, b.3, "rkeys repeat");
 }
+
+// ---- 5. CM TimeWait and timers bounded -------------------------------------------------
+
+mod cm_timers {
+    use super::*;
+    use nvmf_rdma::cm::iba_time;
+    use nvmf_rdma::cm::private::service_id;
+    use nvmf_rdma::cm::{
+        AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnState, MAX_PEER_TIMEOUT_EXP,
+        MAX_TIMEWAIT_EXP,
+    };
+    use nvmf_rdma::hca::{Guid, Instant};
+
+    /// Move every MAD between `a` (at `aa`) and `b` (at `ba`) until both are quiet; MADs
+    /// from `a` for which `drop_a` says so are lost.
+    fn pump(
+        now: Instant,
+        a: &mut CmEndpoint,
+        aa: SocketAddr,
+        b: &mut CmEndpoint,
+        ba: SocketAddr,
+        drop_a: impl Fn(&[u8]) -> bool,
+    ) {
+        loop {
+            let mut moved = false;
+            while let Some((_, m)) = a.poll_transmit() {
+                moved = true;
+                if !drop_a(&m) {
+                    b.handle_mad(now, aa, &m);
+                }
+            }
+            while let Some((_, m)) = b.poll_transmit() {
+                moved = true;
+                a.handle_mad(now, ba, &m);
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    fn is_rtu(m: &[u8]) -> bool {
+        nvmf_rdma::cm::CmMad::parse(m).is_ok_and(|m| m.message.name() == "RTU")
+    }
+
+    /// An attacker whose REQs claim the longest timeouts the fields can carry (2^31 ×
+    /// 4.096 µs ≈ 2.4 h), against a target's CM.
+    fn endpoints() -> (CmEndpoint, SocketAddr, CmEndpoint, SocketAddr) {
+        let aa: SocketAddr = "127.0.0.66:4791".parse().unwrap();
+        let ba: SocketAddr = "127.0.0.1:4791".parse().unwrap();
+        let mut evil = CmConfig::new(aa.ip(), Guid(0x66));
+        evil.ack_delay = 31; // local ACK timeout 31 in the REQ
+        evil.cm_response_timeout = 31; // local CM response timeout 31
+        let a = CmEndpoint::from_seed(evil, 1);
+        let mut b = CmEndpoint::from_seed(CmConfig::new(ba.ip(), Guid(0xB)), 2);
+        b.listen(service_id(4420));
+        (a, aa, b, ba)
+    }
+
+    /// Connect `a` to `b` (accepting on `b`); returns a's and b's connection IDs.
+    fn handshake(
+        now: Instant,
+        a: &mut CmEndpoint,
+        aa: SocketAddr,
+        b: &mut CmEndpoint,
+        ba: SocketAddr,
+        qpn: u32,
+        drop_rtu: bool,
+    ) -> (nvmf_rdma::cm::ConnId, nvmf_rdma::cm::ConnId) {
+        let ida = a
+            .connect(
+                now,
+                ba,
+                &ConnectParams::new(Qpn::new(qpn), 4420),
+                &queue_req(1, 32),
+            )
+            .unwrap();
+        pump(now, a, aa, b, ba, |_| false);
+        let idb = loop {
+            match b.poll_event() {
+                Some(CmEvent::ConnectRequest(r)) => break r.id,
+                Some(_) => continue,
+                None => panic!("no REQ reached b"),
+            }
+        };
+        b.accept(now, idb, &AcceptParams::new(Qpn::new(0x77)), &[])
+            .unwrap();
+        pump(now, a, aa, b, ba, |m| drop_rtu && is_rtu(m));
+        (ida, idb)
+    }
+
+    #[test]
+    fn timewait_and_rep_retries_are_bounded_whatever_timeout_the_peer_asks_for() {
+        let (mut a, aa, mut b, ba) = endpoints();
+        let t0 = Instant(1_000_000_000);
+        let (ida, idb) = handshake(t0, &mut a, aa, &mut b, ba, 0x100, false);
+        assert_eq!(b.state(idb), Some(ConnState::Established));
+        // The attacker disconnects: b answers and enters TimeWait.
+        a.disconnect(t0, ida, &[]).unwrap();
+        pump(t0, &mut a, aa, &mut b, ba, |_| false);
+        assert_eq!(b.state(idb), Some(ConnState::TimeWait));
+        let cap = iba_time(MAX_TIMEWAIT_EXP);
+        assert!(cap <= Duration::from_secs(5));
+        let due = b.poll_timeout().expect("TimeWait timer");
+        assert!(
+            due <= t0 + cap,
+            "TimeWait lasts {:?}",
+            Duration::from_nanos(due.0 - t0.0)
+        );
+        b.handle_timeout(t0 + cap);
+        assert_eq!(b.state(idb), None, "TimeWait over within the cap");
+
+        // A REQ whose RTU never comes: each REP retry waits at most the cap, not 2.4 h.
+        let (_, idb) = handshake(t0, &mut a, aa, &mut b, ba, 0x101, true);
+        assert_eq!(b.state(idb), Some(ConnState::RepSent));
+        let try_cap = iba_time(MAX_PEER_TIMEOUT_EXP);
+        assert!(try_cap <= Duration::from_secs(10));
+        let mut now = t0;
+        for _ in 0..16 {
+            let Some(due) = b.poll_timeout() else { break };
+            assert!(
+                due <= now + try_cap,
+                "a REP retry waits {:?}",
+                Duration::from_nanos(due.0 - now.0)
+            );
+            now = due;
+            b.handle_timeout(now);
+            while b.poll_transmit().is_some() {}
+        }
+        assert_eq!(b.state(idb), None, "REP retries ran out within 16 tries");
+        assert_eq!(b.connections(), 0);
+    }
+}
