@@ -473,6 +473,15 @@ async fn discovery_lists_only_allowed_subsystems_and_refuses_io_queues() {
         )
         .await;
     assert_eq!(kato.result as u32, 120_000);
+    let off = admin::set_features(4, feature::KEEP_ALIVE_TIMER, 0);
+    assert!(aq.cmd(off.to_bytes(), 4).await.nvme_status().is_success());
+    let kato = aq
+        .cmd(
+            admin::get_features(5, feature::KEEP_ALIVE_TIMER).to_bytes(),
+            5,
+        )
+        .await;
+    assert_eq!(kato.result as u32, 120_000, "Set Features turned it off");
     let mut iq = Raw::open(&hca, &cm, thca.addr(), 1, 32).await;
     let c = iq.connect(1, cntlid, fabrics::DISCOVERY_NQN, EVIL).await;
     let st = c.nvme_status();

@@ -1187,7 +1187,13 @@ impl Engine {
                         })
                     }
                     feature::KEEP_ALIVE_TIMER => {
-                        ctrl.kato_ms = sqe.cdw11;
+                        // A discovery controller keeps a keep-alive (see exec_connect).
+                        let discovery = ctrl.subsys == usize::MAX;
+                        ctrl.kato_ms = if discovery && sqe.cdw11 == 0 {
+                            DISCOVERY_KATO_MS
+                        } else {
+                            sqe.cdw11
+                        };
                         Ok(Done::Respond {
                             result: 0,
                             data_out: 0,
