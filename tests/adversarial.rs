@@ -191,11 +191,15 @@ async fn req(cm: &CmService, target: &SoftHca, qpn: u32, size: u16) -> Result<()
 async fn reqs_over_the_per_ip_and_total_queue_caps_are_rejected_no_resources() {
     let tc = TargetConfig {
         subsystems: vec![subsystem(NQN)],
-        max_queues: 6,
-        max_queues_per_ip: 4,
+        max_queues: 8,
+        max_unconnected_per_ip: 4,
         ..TargetConfig::default()
     };
     let (t, thca) = target(4, tc).await;
+    // A host of ours on 127.0.0.1: its two queues are connected, so they count only
+    // against the total.
+    let c = connect(17, &thca, NQN, HOST).await;
+    assert_eq!(t.queue_count(), 2);
     let (_a, cm_a) = host_dev_on(5, [127, 0, 0, 1]).await;
     let (_b, cm_b) = host_dev_on(6, [127, 0, 0, 2]).await;
     for i in 0..4 {
@@ -204,7 +208,10 @@ async fn reqs_over_the_per_ip_and_total_queue_caps_are_rejected_no_resources() {
             .expect("under the caps");
     }
     let e = req(&cm_a, &thca, 0x210, 128).await.unwrap_err();
-    assert!(e.contains("no resources"), "5th REQ from one IP: {e}");
+    assert!(
+        e.contains("no resources"),
+        "5th unconnected REQ from one IP: {e}"
+    );
     // Another IP has its own allowance, up to the total.
     for i in 0..2 {
         req(&cm_b, &thca, 0x300 + i, 128)
@@ -212,9 +219,12 @@ async fn reqs_over_the_per_ip_and_total_queue_caps_are_rejected_no_resources() {
             .expect("under the caps");
     }
     let e = req(&cm_b, &thca, 0x310, 128).await.unwrap_err();
-    assert!(e.contains("no resources"), "7th REQ in total: {e}");
-    assert_eq!(t.queue_count(), 6);
+    assert!(e.contains("no resources"), "9th queue in total: {e}");
+    assert_eq!(t.queue_count(), 8);
     assert_eq!(t.stats().refused_queues, 2);
+    // The host that got in before works on.
+    write_read(&c, 0, 7).await;
+    c.disconnect().await;
 }
 
 // ---- 4. controller IDs from the free set -------------------------------------------------

@@ -152,7 +152,7 @@ struct TQueue {
     /// Before Connect: the one receive buffer holds a capsule not yet answered, so it is
     /// not posted.
     boot_held: bool,
-    /// Counted against `max_queues_per_ip`.
+    /// Counted against `max_unconnected_per_ip` until Fabrics Connect succeeds.
     peer_ip: IpAddr,
     recv: (HostMem, MrInfo),
     rsp: (HostMem, MrInfo),
@@ -201,7 +201,8 @@ struct Engine {
     queues: FxHashMap<Qpn, TQueue>,
     ctrls: FxHashMap<u16, Ctrl>,
     next_cntlid: u16,
-    /// Queues per peer IP address (for `max_queues_per_ip`).
+    /// Queues without a controller (no Fabrics Connect yet) per peer IP address, for
+    /// `max_unconnected_per_ip`.
     per_ip: FxHashMap<IpAddr, usize>,
     stats: TargetStats,
     /// A hung controller: commands are taken off the wire and never answered.
@@ -436,7 +437,7 @@ impl Engine {
         }
         let ip = p.peer.addr.ip();
         let of_ip = self.per_ip.get(&ip).copied().unwrap_or(0);
-        if self.queues.len() >= self.cfg.max_queues || of_ip >= self.cfg.max_queues_per_ip {
+        if self.queues.len() >= self.cfg.max_queues || of_ip >= self.cfg.max_unconnected_per_ip {
             self.stats.refused_queues += 1;
             return Err(ConnReject::NoResources);
         }
@@ -560,6 +561,16 @@ impl Engine {
         Ok(())
     }
 
+    /// A queue of `ip` stops counting as unconnected (Connect succeeded, or it went).
+    fn connected_or_gone(&mut self, ip: IpAddr) {
+        if let Some(n) = self.per_ip.get_mut(&ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_ip.remove(&ip);
+            }
+        }
+    }
+
     fn remove_queue(&mut self, d: &mut Device, qpn: Qpn) {
         let Some(q) = self.queues.remove(&qpn) else {
             return;
@@ -568,11 +579,8 @@ impl Engine {
         for mr in [q.recv.1, q.rsp.1, q.data.1] {
             let _ = d.dereg_mr(mr.lkey);
         }
-        if let Some(n) = self.per_ip.get_mut(&q.peer_ip) {
-            *n -= 1;
-            if *n == 0 {
-                self.per_ip.remove(&q.peer_ip);
-            }
+        if q.cntlid.is_none() {
+            self.connected_or_gone(q.peer_ip);
         }
         self.stats.queues_dropped += 1;
         if let Some(tx) = &self.dropped {
@@ -1082,6 +1090,8 @@ impl Engine {
         };
         if let Some(q) = self.queues.get_mut(&qpn) {
             q.cntlid = Some(cntlid);
+            let ip = q.peer_ip;
+            self.connected_or_gone(ip);
         }
         let r = ConnectResult::Ok { cntlid, authreq: 0 };
         Ok(Done::Respond {
