@@ -544,7 +544,11 @@ fn parse_size(s: &str) -> Result<usize, String> {
 
 /// A device on `addr`; off loopback its peers may be rxe or NICs (see `roce_peer`).
 fn device_config(name: &str, addr: SocketAddr, n: u8) -> DeviceConfig {
-    let mac = [0x52, 0x54, 0x00, 0x30, (std::process::id() & 0xFF) as u8, n];
+    // Locally administered, random per process: the MAC (and the GUID made from it) goes
+    // out in every CM REQ and REP, so it must tell a peer nothing (it held the PID), yet
+    // differ between processes on one IP, as the CM tells connections apart by it.
+    let r: [u8; 3] = rand::random();
+    let mac = [0x52, 0x54, r[0], r[1], r[2], n];
     let roce = roce_peer(addr.ip());
     DeviceConfig {
         identity: DeviceIdentity::from_mac(name, mac, PciAddr::new(0, 0x30, n, 0)),
@@ -555,7 +559,8 @@ fn device_config(name: &str, addr: SocketAddr, n: u8) -> DeviceConfig {
             IcrcCheck::Verify
         },
         peer_port: roce.then_some(DEFAULT_ROCE_PORT),
-        seed: std::process::id() as u64 ^ ((n as u64) << 32),
+        // Only the simulator seeds a device; this one draws from the OS CSPRNG.
+        seed: 0,
     }
 }
 

@@ -10,8 +10,10 @@
 //!
 //! Every state change goes through the table in [`super::state`]; the handlers here do what
 //! the row says (send, arm a timer, report an event). Local communication IDs, transaction
-//! IDs, starting PSNs and ephemeral ports come from the seeded RNG handed in at construction,
-//! so a run replays exactly.
+//! IDs, starting PSNs and ephemeral ports come from the RNG handed in at construction: one
+//! keyed by the OS CSPRNG on a real network (a peer that sees some IDs and PSNs must not be
+//! able to predict the next: they are what keeps others from speaking for a connection),
+//! a seeded one in tests and fuzzing, so a run replays exactly.
 //!
 //! Timers use the IBA encoding, 4.096 µs × 2^n ([`iba_time`]), where Linux rounds to
 //! milliseconds (cm.c `cm_convert_to_ms`). What each timer covers follows cm.c:
@@ -38,8 +40,8 @@ use super::private::{
 use super::state::{lookup, ConnState, Input};
 use crate::hca::qp::Mtu;
 use crate::hca::types::{Guid, Instant, Psn, Qpn};
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use rand::rngs::{SmallRng, StdRng};
+use rand::{Rng, RngCore, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
@@ -50,6 +52,21 @@ use std::time::Duration;
 pub fn iba_time(exp: u8) -> Duration {
     Duration::from_nanos(4096u64 << exp.min(31))
 }
+
+/// The longest a REP retry waits for the RTU here: 4.096 µs × 2^21 ≈ 8.6 s, whatever local
+/// CM response timeout the REQ gives. The field carries up to 2^31 (≈ 2.4 h) and Linux
+/// cm.c takes it as given, so one datagram could hold a connection record here for hours
+/// (times 16 tries); Linux peers ask for 2^18..2^20.
+pub const MAX_PEER_TIMEOUT_EXP: u8 = 21;
+
+/// The longest service timeout an MRA may buy: 4.096 µs × 2^24 ≈ 69 s, what Linux rdma_cm
+/// itself sends (cma.c `CMA_CM_MRA_SETTING`), plus the path's ACK timeout under the same cap.
+pub const MAX_MRA_TIMEOUT_EXP: u8 = 24;
+
+/// TimeWait lasts the connection's ACK timeout (cm.c `cm_enter_timewait`), which comes from
+/// the peer's REQ or REP, but at most 4.096 µs × 2^20 ≈ 4.3 s. It only keeps a comm ID and
+/// QPN from being reused while stray packets may still arrive; a few seconds cover that.
+pub const MAX_TIMEWAIT_EXP: u8 = 20;
 
 /// The local ACK timeout exponent that covers the peer's ACK delay plus a round trip
 /// (IBA: 4.096 µs × 2^t ≥ ACK delay + 2 × packet lifetime). Take the larger of `ca_ack_delay`
@@ -230,6 +247,8 @@ pub struct ConnectRequest {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Established {
     pub id: ConnId,
+    /// The peer's communication ID for the connection.
+    pub remote_id: ConnId,
     pub peer: SocketAddr,
     pub remote_ca_guid: Guid,
     pub remote_qpn: Qpn,
@@ -376,15 +395,56 @@ struct Conn {
     retries_left: u8,
     /// The last answer we sent that the peer may ask for again (RTU).
     last_reply: Option<[u8; MAD_LEN]>,
+    /// What the endpoint's indexes hold for this connection (see `CmEndpoint::sync`).
+    indexed: IndexKeys,
+}
+
+/// A connection as the endpoint's lookups find it: by the peer's comm ID (duplicate REQs,
+/// timeout REJs), by the peer's QPN (stale connections) and by deadline (timers). Each is
+/// (peer IP, peer CA GUID, value) and the local comm ID, so a lookup is a range, not a scan
+/// of every connection (TimeWait ones included) per MAD.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct IndexKeys {
+    remote: Option<PeerKey>,
+    qpn: Option<PeerKey>,
+    deadline: Option<Instant>,
+}
+
+type PeerKey = (IpAddr, u64, u32);
+
+impl Conn {
+    fn index_keys(&self) -> IndexKeys {
+        let ip = self.peer.ip();
+        IndexKeys {
+            remote: Some((ip, self.remote_guid.0, self.remote_id)),
+            qpn: self.remote_qpn.map(|q| (ip, self.remote_guid.0, q.get())),
+            deadline: self.deadline,
+        }
+    }
+}
+
+/// Every entry of `set` under `k`, in local comm ID order.
+fn peer_range(
+    set: &BTreeSet<(IpAddr, u64, u32, u32)>,
+    k: PeerKey,
+) -> impl Iterator<Item = u32> + '_ {
+    set.range((k.0, k.1, k.2, 0)..=(k.0, k.1, k.2, u32::MAX))
+        .map(|e| e.3)
 }
 
 /// The CM of one device.
 pub struct CmEndpoint {
     config: CmConfig,
-    rng: SmallRng,
+    rng: Box<dyn RngCore + Send>,
     /// Upper half of the transaction IDs we originate (Linux: the MAD agent's `hi_tid`).
     tid_hi: u32,
     conns: BTreeMap<u32, Conn>,
+    /// (peer IP, peer GUID, peer comm ID, local comm ID) of every connection.
+    by_remote: BTreeSet<(IpAddr, u64, u32, u32)>,
+    /// (peer IP, peer GUID, peer QPN, local comm ID) of connections whose peer QPN we know.
+    by_qpn: BTreeSet<(IpAddr, u64, u32, u32)>,
+    /// (deadline, local comm ID) of every armed timer.
+    timers: BTreeSet<(Instant, u32)>,
     listening: BTreeSet<u64>,
     transmits: VecDeque<(SocketAddr, [u8; MAD_LEN])>,
     events: VecDeque<CmEvent>,
@@ -403,14 +463,18 @@ impl fmt::Debug for CmEndpoint {
 }
 
 impl CmEndpoint {
-    /// `rng` is the only source of randomness; seed it to replay a run.
-    pub fn new(config: CmConfig, mut rng: SmallRng) -> CmEndpoint {
+    /// `rng` is the only source of randomness; seed it to replay a run, key it from the OS
+    /// ([`from_os_rng`](Self::from_os_rng)) on a real network.
+    pub fn new(config: CmConfig, mut rng: impl RngCore + Send + 'static) -> CmEndpoint {
         let tid_hi = rng.random();
         CmEndpoint {
             config,
-            rng,
+            rng: Box::new(rng),
             tid_hi,
             conns: BTreeMap::new(),
+            by_remote: BTreeSet::new(),
+            by_qpn: BTreeSet::new(),
+            timers: BTreeSet::new(),
             listening: BTreeSet::new(),
             // Sized for a burst (one MAD per connection of a host that went away), so a
             // long-lived endpoint's footprint does not depend on its history.
@@ -420,9 +484,16 @@ impl CmEndpoint {
         }
     }
 
-    /// [`new`](Self::new) with `SmallRng::seed_from_u64(seed)`.
+    /// [`new`](Self::new) with `SmallRng::seed_from_u64(seed)`: for tests and fuzzing only,
+    /// its IDs and PSNs are as guessable as the seed.
     pub fn from_seed(config: CmConfig, seed: u64) -> CmEndpoint {
         CmEndpoint::new(config, SmallRng::seed_from_u64(seed))
+    }
+
+    /// [`new`](Self::new) with a CSPRNG (ChaCha12) keyed by the OS: what a CM on a real
+    /// network uses (panics only if the OS has no entropy source at all, at start-up).
+    pub fn from_os_rng(config: CmConfig) -> CmEndpoint {
+        CmEndpoint::new(config, StdRng::from_os_rng())
     }
 
     pub fn config(&self) -> &CmConfig {
@@ -463,7 +534,10 @@ impl CmEndpoint {
     }
     /// When [`handle_timeout`](Self::handle_timeout) must next be called.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.conns.values().filter_map(|c| c.deadline).min()
+        // Every driver asks after each input and command: the place to check, in debug
+        // builds, that no change to a connection bypassed `sync`.
+        debug_assert!(self.indexes_consistent(), "CM indexes out of step");
+        self.timers.first().map(|&(t, _)| t)
     }
     pub fn poll_event(&mut self) -> Option<CmEvent> {
         self.events.pop_front()
@@ -552,6 +626,7 @@ impl CmEndpoint {
             deadline: None,
             retries_left: 0,
             last_reply: None,
+            indexed: IndexKeys::default(),
         };
         let mad = CmMad {
             transaction_id: tid,
@@ -560,7 +635,7 @@ impl CmEndpoint {
         .emit();
         arm(&mut conn, now, mad);
         self.send(peer, mad);
-        self.conns.insert(local_id, conn);
+        self.insert_conn(local_id, conn);
         self.apply(local_id, Input::Connect);
         Ok(ConnId(local_id))
     }
@@ -611,6 +686,7 @@ impl CmEndpoint {
         .emit();
         arm(conn, now, mad);
         let peer = conn.peer;
+        self.sync(id.0);
         self.send(peer, mad);
         self.apply(id.0, Input::Accept);
         Ok(())
@@ -738,10 +814,9 @@ impl CmEndpoint {
     /// Fire every timer due at `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
         let due: Vec<u32> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.deadline.is_some_and(|d| d <= now))
-            .map(|(&k, _)| k)
+            .timers
+            .range(..=(now, u32::MAX))
+            .map(|&(_, k)| k)
             .collect();
         for key in due {
             let Some(conn) = self.conns.get_mut(&key) else {
@@ -749,6 +824,7 @@ impl CmEndpoint {
             };
             if conn.state == ConnState::TimeWait {
                 conn.deadline = None;
+                self.sync(key);
                 self.apply(key, Input::TimewaitExpired);
                 self.events
                     .push_back(CmEvent::TimewaitExit { id: ConnId(key) });
@@ -756,6 +832,7 @@ impl CmEndpoint {
                 conn.retries_left -= 1;
                 conn.deadline = Some(now + conn.try_timeout);
                 let (peer, mad) = (conn.peer, conn.pending);
+                self.sync(key);
                 if self.apply(key, Input::Retransmit).is_some() {
                     if let Some(m) = mad {
                         self.stats.retransmits += 1;
@@ -766,6 +843,7 @@ impl CmEndpoint {
                 conn.deadline = None;
                 conn.pending = None;
                 let from = conn.state;
+                self.sync(key);
                 self.stats.timeouts += 1;
                 if let Some(to) = self.apply(key, Input::RetriesExhausted) {
                     let id = ConnId(key);
@@ -786,13 +864,11 @@ impl CmEndpoint {
     fn on_req(&mut self, now: Instant, from: SocketAddr, tid: u64, r: &ReqRepr) {
         // A REQ we have seen: same peer, same CA GUID, same comm ID (cm.c cm_match_req →
         // cm_insert_remote_id / cm_dup_req_handler).
-        let dup = self.conns.iter().find_map(|(&k, c)| {
-            (c.passive
-                && c.remote_id == r.local_comm_id
-                && c.remote_guid == r.local_ca_guid
-                && c.peer.ip() == from.ip())
-            .then_some(k)
-        });
+        let dup = peer_range(
+            &self.by_remote,
+            (from.ip(), r.local_ca_guid.0, r.local_comm_id),
+        )
+        .find(|k| self.conns.get(k).is_some_and(|c| c.passive));
         if let Some(key) = dup {
             let Some(state) = self.conns.get(&key).map(|c| c.state) else {
                 return;
@@ -834,12 +910,13 @@ impl CmEndpoint {
         // otherwise a reconnect after a reset could reuse the QPN only after TimeWait. Nor do
         // connections already being torn down (DreqSent): we declared them stale once, so
         // the peer's next REQ is accepted instead of being refused until the DREQ times out.
-        let stale = self.conns.iter().find_map(|(&k, c)| {
-            (c.remote_qpn == Some(r.local_qpn)
-                && c.remote_guid == r.local_ca_guid
-                && c.peer.ip() == from.ip()
-                && !matches!(c.state, ConnState::TimeWait | ConnState::DreqSent))
-            .then_some((k, c.state))
+        let stale = peer_range(
+            &self.by_qpn,
+            (from.ip(), r.local_ca_guid.0, r.local_qpn.get()),
+        )
+        .find_map(|k| {
+            let c = self.conns.get(&k)?;
+            (!matches!(c.state, ConnState::TimeWait | ConnState::DreqSent)).then_some((k, c.state))
         });
         if let Some((old, old_state)) = stale {
             self.stats.rej_stale += 1;
@@ -924,14 +1001,15 @@ impl CmEndpoint {
             // cm_req_handler: the path's packet lifetime is the REQ's local ACK timeout - 1,
             // and av.timeout = lifetime + 1.
             av_timeout: r.local_ack_timeout,
-            try_timeout: iba_time(r.local_cm_response_timeout),
+            try_timeout: iba_time(r.local_cm_response_timeout.min(MAX_PEER_TIMEOUT_EXP)),
             max_retries: r.max_cm_retries,
             pending: None,
             deadline: None,
             retries_left: 0,
             last_reply: None,
+            indexed: IndexKeys::default(),
         };
-        self.conns.insert(local_id, conn);
+        self.insert_conn(local_id, conn);
         self.apply(local_id, Input::RecvReq);
         self.events
             .push_back(CmEvent::ConnectRequest(ConnectRequest {
@@ -1015,6 +1093,7 @@ impl CmEndpoint {
         let peer = conn.peer;
         let ev = Established {
             id: ConnId(key),
+            remote_id: ConnId(r.local_comm_id),
             peer,
             remote_ca_guid: r.local_ca_guid,
             remote_qpn: r.local_qpn,
@@ -1030,6 +1109,7 @@ impl CmEndpoint {
             accept: NvmeCmAccept::parse(&r.private_data).ok(),
             private_data: r.private_data.to_vec(),
         };
+        self.sync(key);
         self.send(peer, rtu);
         self.apply(key, Input::RecvRep);
         self.events.push_back(CmEvent::Established(ev));
@@ -1074,9 +1154,11 @@ impl CmEndpoint {
         if let Some(conn) = self.conns.get_mut(&key) {
             // cm_mra_handler: service timeout + the path's ACK timeout, for this and later
             // tries (ib_modify_mad changes the send's timeout).
-            conn.try_timeout = iba_time(m.service_timeout) + iba_time(conn.av_timeout);
+            conn.try_timeout = iba_time(m.service_timeout.min(MAX_MRA_TIMEOUT_EXP))
+                + iba_time(conn.av_timeout.min(MAX_MRA_TIMEOUT_EXP));
             conn.deadline = Some(now + conn.try_timeout);
         }
+        self.sync(key);
     }
 
     fn on_rej(&mut self, now: Instant, from: SocketAddr, r: &RejRepr) {
@@ -1089,12 +1171,7 @@ impl CmEndpoint {
                 a.copy_from_slice(g);
                 Guid(u64::from_be_bytes(a))
             });
-            self.conns.iter().find_map(|(&k, c)| {
-                (c.remote_id == r.local_comm_id
-                    && Some(c.remote_guid) == guid
-                    && c.peer.ip() == from.ip())
-                .then_some(k)
-            })
+            guid.and_then(|g| peer_range(&self.by_remote, (from.ip(), g.0, r.local_comm_id)).next())
         } else if r.message_rejected == MsgRef::Req {
             match self.conns.get(&r.remote_comm_id) {
                 Some(c) if c.peer.ip() == from.ip() => Some(r.remote_comm_id),
@@ -1129,6 +1206,7 @@ impl CmEndpoint {
             c.pending = None;
             c.deadline = None;
         }
+        self.sync(key);
         let id = ConnId(key);
         if connected {
             self.events.push_back(CmEvent::Disconnected { id });
@@ -1220,7 +1298,7 @@ impl CmEndpoint {
         let conn = self.conns.get_mut(&key)?;
         let t = lookup(conn.state, on)?;
         if t.to == ConnState::Idle {
-            self.conns.remove(&key);
+            self.remove_conn(key);
         } else {
             conn.state = t.to;
         }
@@ -1275,6 +1353,7 @@ impl CmEndpoint {
         conn.deadline = None;
         let ev = Established {
             id: ConnId(key),
+            remote_id: ConnId(conn.remote_id),
             peer: conn.peer,
             remote_ca_guid: conn.remote_guid,
             remote_qpn: conn.remote_qpn.unwrap_or_default(),
@@ -1290,6 +1369,7 @@ impl CmEndpoint {
             accept: None,
             private_data,
         };
+        self.sync(key);
         self.events.push_back(CmEvent::Established(ev));
     }
 
@@ -1310,6 +1390,7 @@ impl CmEndpoint {
         };
         arm(conn, now, mad);
         let peer = conn.peer;
+        self.sync(key);
         self.send(peer, mad);
         self.apply(key, Input::Disconnect);
     }
@@ -1333,8 +1414,80 @@ impl CmEndpoint {
     fn enter_timewait(&mut self, now: Instant, key: u32) {
         if let Some(c) = self.conns.get_mut(&key) {
             c.pending = None;
-            c.deadline = Some(now + iba_time(c.av_timeout));
+            c.deadline = Some(now + iba_time(c.av_timeout.min(MAX_TIMEWAIT_EXP)));
         }
+        self.sync(key);
+    }
+
+    /// Add a connection and index it.
+    fn insert_conn(&mut self, key: u32, conn: Conn) {
+        if let Some(old) = self.conns.insert(key, conn) {
+            // `alloc_id` never returns a key in use; should that change, the old
+            // connection's entries must not linger.
+            self.unindex(key, old.indexed);
+        }
+        if let Some(c) = self.conns.get_mut(&key) {
+            c.indexed = IndexKeys::default();
+        }
+        self.sync(key);
+    }
+
+    /// Forget a connection and its index entries.
+    fn remove_conn(&mut self, key: u32) {
+        if let Some(c) = self.conns.remove(&key) {
+            self.unindex(key, c.indexed);
+        }
+    }
+
+    /// Bring the indexes up to date with connection `key` after its peer IDs or deadline
+    /// changed (nothing to do if it is gone: `remove_conn` took its entries).
+    fn sync(&mut self, key: u32) {
+        let Some(c) = self.conns.get_mut(&key) else {
+            return;
+        };
+        let (old, new) = (c.indexed, c.index_keys());
+        if old == new {
+            return;
+        }
+        c.indexed = new;
+        self.unindex(key, old);
+        if let Some((ip, g, v)) = new.remote {
+            self.by_remote.insert((ip, g, v, key));
+        }
+        if let Some((ip, g, v)) = new.qpn {
+            self.by_qpn.insert((ip, g, v, key));
+        }
+        if let Some(t) = new.deadline {
+            self.timers.insert((t, key));
+        }
+    }
+
+    fn unindex(&mut self, key: u32, k: IndexKeys) {
+        if let Some((ip, g, v)) = k.remote {
+            self.by_remote.remove(&(ip, g, v, key));
+        }
+        if let Some((ip, g, v)) = k.qpn {
+            self.by_qpn.remove(&(ip, g, v, key));
+        }
+        if let Some(t) = k.deadline {
+            self.timers.remove(&(t, key));
+        }
+    }
+
+    /// The indexes hold exactly what the connections say (checked in debug builds after
+    /// every input and command).
+    fn indexes_consistent(&self) -> bool {
+        let keys = || self.conns.iter().map(|(&k, c)| (k, c.index_keys()));
+        let remote: BTreeSet<_> = keys()
+            .filter_map(|(k, i)| i.remote.map(|(a, b, c)| (a, b, c, k)))
+            .collect();
+        let qpn: BTreeSet<_> = keys()
+            .filter_map(|(k, i)| i.qpn.map(|(a, b, c)| (a, b, c, k)))
+            .collect();
+        let timers: BTreeSet<_> = keys()
+            .filter_map(|(k, i)| i.deadline.map(|t| (t, k)))
+            .collect();
+        remote == self.by_remote && qpn == self.by_qpn && timers == self.timers
     }
 
     fn send(&mut self, to: SocketAddr, mad: [u8; MAD_LEN]) {

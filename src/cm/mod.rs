@@ -23,7 +23,8 @@ pub mod state;
 
 pub use conn::{
     iba_time, AcceptParams, CmConfig, CmEndpoint, CmError, CmEvent, CmStats, ConnId, ConnectParams,
-    ConnectRequest, Established, Rejected,
+    ConnectRequest, Established, Rejected, MAX_MRA_TIMEOUT_EXP, MAX_PEER_TIMEOUT_EXP,
+    MAX_TIMEWAIT_EXP,
 };
 pub use mad::{CmMad, CmMessage, MadError, RejectReason, MAD_LEN};
 pub use private::{

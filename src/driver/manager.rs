@@ -120,7 +120,8 @@ impl DeviceManager {
         if !down_for.is_zero() {
             tokio::time::sleep(down_for).await;
         }
-        // A new life: new memory keys and QP numbers (the seed moves with the generation).
+        // A new life: new memory keys and QP numbers (each context keys its generator from
+        // the OS anew; the seed, unused by real devices, moves with the generation too).
         let mut fresh = config.clone();
         let next_gen = self.lock().list.get(name).map_or(0, |i| i.generation + 1);
         fresh.seed = config.seed ^ next_gen.wrapping_mul(0x9E37_79B9_7F4A_7C15);

@@ -7,7 +7,7 @@ use crate::hca::Stats;
 
 pub struct Publisher {
     last: Stats,
-    c: [Counter; 10],
+    c: [Counter; 11],
 }
 
 impl Publisher {
@@ -27,6 +27,7 @@ impl Publisher {
                 mk("softhca_naks_received_total"),
                 mk("softhca_flushed_total"),
                 mk("softhca_timeouts_total"),
+                mk("softhca_rx_foreign_source_total"),
             ],
         }
     }
@@ -37,7 +38,12 @@ impl Publisher {
         }
         let l = &self.last;
         let dropped = |x: &Stats| {
-            x.rx_malformed + x.rx_icrc_errors + x.rx_unknown_qp + x.rx_dropped + x.rx_ghost
+            x.rx_malformed
+                + x.rx_icrc_errors
+                + x.rx_unknown_qp
+                + x.rx_dropped
+                + x.rx_ghost
+                + x.rx_foreign_source
         };
         let naks_tx = |x: &Stats| x.seq_naks_tx + x.rnr_naks_tx + x.naks_tx;
         let naks_rx = |x: &Stats| x.seq_naks_rx + x.rnr_naks_rx + x.naks_rx;
@@ -52,6 +58,7 @@ impl Publisher {
             naks_rx(s) - naks_rx(l),
             s.flushed - l.flushed,
             s.timeouts - l.timeouts,
+            s.rx_foreign_source - l.rx_foreign_source,
         ];
         for (c, d) in self.c.iter().zip(deltas) {
             if d > 0 {

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, VecDeque};
 use rustc_hash::FxHashMap;
 use std::net::{IpAddr, SocketAddr};
 
-use rand::rngs::SmallRng;
+use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::cq::{Cq, CqId, WorkCompletion};
@@ -90,7 +90,9 @@ pub struct DeviceConfig {
     /// hash) but receive only on 4791 (anchors §7.4): every packet's sender is answered at
     /// its IP and this port, CM replies and QP traffic alike.
     pub peer_port: Option<u16>,
-    /// Seed for memory keys; a simulator run fixes it to replay exactly.
+    /// Seed for memory keys and QPNs, used only by [`Device::new_seeded`] (the simulator,
+    /// which replays a run from its seed). [`Device::new`], what a real device uses, keys
+    /// its generator from the OS CSPRNG and ignores it.
     pub seed: u64,
 }
 
@@ -150,7 +152,9 @@ pub struct Device {
     next_cq: u32,
     qps: FxHashMap<Qpn, Qp>,
     next_qpn: u32,
-    rng: SmallRng,
+    /// Memory keys and the first QPN. A CSPRNG (ChaCha12), keyed by the OS for a real
+    /// device: a peer that learns some keys must not be able to work out the others.
+    rng: StdRng,
     stats: Stats,
     events: VecDeque<AsyncEvent>,
     schedule: VecDeque<Qpn>,
@@ -167,8 +171,20 @@ pub struct Device {
 }
 
 impl Device {
+    /// A device whose memory keys and QPNs come from a generator keyed by the OS CSPRNG
+    /// (panics only if the OS has no entropy source at all, at start-up).
     pub fn new(config: DeviceConfig) -> Device {
-        let mut rng = SmallRng::seed_from_u64(config.seed);
+        Device::build(config, StdRng::from_os_rng())
+    }
+
+    /// A device that draws its keys and QPNs from `config.seed`, so a simulator run replays
+    /// exactly. Never for a device on a real network: its keys are as guessable as its seed.
+    pub fn new_seeded(config: DeviceConfig) -> Device {
+        let rng = StdRng::seed_from_u64(config.seed);
+        Device::build(config, rng)
+    }
+
+    fn build(config: DeviceConfig, mut rng: StdRng) -> Device {
         // QP0 and QP1 are special; rxe starts regular QPs at 17. A context starts at a
         // random point of the whole 24-bit space so a reset device does not hand out the
         // QPNs its previous lives used: a peer still holding those connections (until its
@@ -574,9 +590,23 @@ impl Device {
             self.stats.rx_unknown_qp += 1;
             return;
         };
-        // rxe's check_addr: the packet must come from the peer the QP is connected to.
-        if !qp.attr.state.can_receive() || qp.attr.dest.is_none_or(|d| d.ip() != src.ip()) {
+        if !qp.attr.state.can_receive() {
             self.stats.rx_dropped += 1;
+            return;
+        }
+        // rxe's check_addr: the packet must come from the peer the QP is connected to. A
+        // soft-HCA peer (`peer_port` None) sends from the one UDP port it is bound to, and
+        // several share an IP (every process on loopback), so it is matched by its whole
+        // socket address: anyone else on that IP could otherwise inject with the right PSN.
+        // A RoCEv2 peer (rxe, a NIC) sends from a per-QP source port (0xC000 + hash) that we
+        // cannot predict, so for those the IP is all there is to match, as rxe does; `src`
+        // carries their port 4791 by now, not the one they sent from.
+        let from_peer = match self.config.peer_port {
+            None => qp.attr.dest == Some(src),
+            Some(_) => qp.attr.dest.is_some_and(|d| d.ip() == src.ip()),
+        };
+        if !from_peer {
+            self.stats.rx_foreign_source += 1;
             return;
         }
         let info = pkt.hdrs.bth.opcode.info();

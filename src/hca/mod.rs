@@ -44,6 +44,8 @@ pub struct Stats {
     pub rx_icrc_errors: u64,
     pub rx_unknown_qp: u64,
     pub rx_dropped: u64,
+    /// Packets for a connected QP from an address other than its peer's (dropped).
+    pub rx_foreign_source: u64,
     pub rx_ghost: u64,
     pub rx_duplicates: u64,
     pub retransmits: u64,

@@ -59,6 +59,34 @@ impl HostMem {
         }
     }
 
+    /// [`new`](Self::new) that reports an allocation failure instead of aborting: for
+    /// memory a peer asks for (queue rings), where running out is a refusal, not a crash.
+    /// Every byte is written, so the pages are in as with `new`.
+    pub fn try_new(len: usize) -> Result<HostMem, std::collections::TryReserveError> {
+        Ok(HostMem::from_vec(try_zeroed(len)?))
+    }
+
+    /// Zeroed memory whose pages come in as they are first used, or `None` when it cannot
+    /// be had. For a target's staging, where connecting (and every reconnect) must be quick
+    /// and a queue rarely uses all of its slots' room: a 128-entry queue of 1 MiB slots costs
+    /// a mapping, not 128 MiB of page faults before the host hears back.
+    pub fn try_new_lazy(len: usize) -> Option<HostMem> {
+        if len == 0 {
+            return Some(HostMem::from_vec(Vec::new()));
+        }
+        let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+        // SAFETY: the layout has a non-zero size. alloc_zeroed gives null or `len` zeroed
+        // bytes; large blocks come from fresh mappings whose pages are zero until touched.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: `p` holds `len` initialised (zero) bytes from the global allocator with
+        // the layout of a `Vec<u8>` of capacity `len`.
+        let v = unsafe { Vec::from_raw_parts(p, len, len) };
+        Some(HostMem::from_vec(v))
+    }
+
     pub fn from_vec(v: Vec<u8>) -> HostMem {
         let bytes = v.into_boxed_slice();
         let base = bytes.as_ptr() as u64;
@@ -106,6 +134,14 @@ impl HostMem {
     pub fn same(&self, other: &HostMem) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
+}
+
+/// `len` zero bytes, or the allocation error (never an abort).
+pub fn try_zeroed(len: usize) -> Result<Vec<u8>, std::collections::TryReserveError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)?;
+    v.resize(len, 0);
+    Ok(v)
 }
 
 impl std::fmt::Debug for HostMem {

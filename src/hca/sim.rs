@@ -117,7 +117,7 @@ impl Sim {
         let mut rng = SmallRng::seed_from_u64(seed);
         let devices = (0..n_devices)
             .map(|i| {
-                Device::new(DeviceConfig {
+                Device::new_seeded(DeviceConfig {
                     identity: sim_identity(i),
                     addr: sim_addr(i),
                     icrc: IcrcCheck::Verify,
@@ -154,7 +154,7 @@ impl Sim {
     /// changing its identity.
     pub fn replace_device(&mut self, i: usize, identity: DeviceIdentity) {
         let seed = self.rng.random();
-        self.devices[i] = Device::new(DeviceConfig {
+        self.devices[i] = Device::new_seeded(DeviceConfig {
             identity,
             addr: sim_addr(i),
             icrc: IcrcCheck::Verify,

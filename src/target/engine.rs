@@ -2,11 +2,13 @@
 //! response pipeline. All of it runs under the device lock, driven by completions.
 
 use std::collections::VecDeque;
+use std::net::IpAddr;
 
 use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::driver::SoftHca;
+use crate::hca::mr::try_zeroed;
 use crate::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
 use crate::hca::{
     Access, CqId, Device, HostMem, MrInfo, Mtu, PdId, Psn, QpCaps, Qpn, RecvWr, SendOp, SendWr,
@@ -29,6 +31,11 @@ const ADMIN_CAPSULE: usize = SQE_LEN;
 const ADMIN_STAGING: usize = 8192;
 /// Outstanding Async Event Requests we hold per controller (AERL + 1).
 const AER_LIMIT: usize = 4;
+/// Staging of a queue before Fabrics Connect: room for the Connect data only.
+const CONNECT_DATA: usize = 1024;
+/// Keep-alive of a discovery controller whose host asked for none (nvmet
+/// `NVMET_DISC_KATO_MS`): one left open must not live for ever.
+const DISCOVERY_KATO_MS: u32 = 120_000;
 
 const WR_RECV: u64 = 1;
 const WR_RDMA_READ: u64 = 2;
@@ -97,6 +104,10 @@ pub struct TargetStats {
     pub ignored_frozen: u64,
     /// Controllers torn down because their host went silent for KATO.
     pub kato_expired: u64,
+    /// CM REQs refused for a queue cap or because memory ran out.
+    pub refused_queues: u64,
+    /// Fabrics Connects refused because no controller ID was free.
+    pub cntlid_exhausted: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,12 +128,32 @@ struct Cmd {
     capsule_len: usize,
 }
 
+/// A queue is born small: until Fabrics Connect succeeds it has one command slot, one
+/// receive buffer and staging for the Connect data, whatever size the REQ asked for, so a
+/// peer that is not (yet) a host of ours costs a few KiB per queue. A successful Connect
+/// gives it `size` slots and `max_transfer` of staging each (`Engine::grow`).
+///
+/// One slot, not a few: the single receive buffer is reposted only once the command it
+/// carried is answered, and never after a Connect that succeeds, so when the rings are
+/// replaced nothing posted (receive, READ or SEND) still points into the old ones.
 struct TQueue {
     qid: u16,
+    /// The queue size the host asked for (and gets after Connect).
     size: usize,
+    /// Command slots and receive buffers allocated now: 1 before Connect, then `size`.
+    slots: usize,
     cntlid: Option<u16>,
     capsule_len: usize,
+    /// Staging per slot now: `CONNECT_DATA` before Connect, then `io_staging_len`.
     staging_len: usize,
+    io_staging_len: usize,
+    /// Full rings in place (Fabrics Connect succeeded).
+    grown: bool,
+    /// Before Connect: the one receive buffer holds a capsule not yet answered, so it is
+    /// not posted.
+    boot_held: bool,
+    /// Counted against `max_unconnected_per_ip` until Fabrics Connect succeeds.
+    peer_ip: IpAddr,
     recv: (HostMem, MrInfo),
     rsp: (HostMem, MrInfo),
     data: (HostMem, MrInfo),
@@ -137,6 +168,15 @@ struct TQueue {
     dead: bool,
     /// When the queue was accepted: one that never completes Fabrics Connect is dropped.
     born: crate::hca::Instant,
+}
+
+impl TQueue {
+    fn footprint(&self) -> usize {
+        self.recv.0.len()
+            + self.rsp.0.len()
+            + self.data.0.len()
+            + self.cmds.iter().map(|c| c.capsule.len()).sum::<usize>()
+    }
 }
 
 struct Ctrl {
@@ -161,6 +201,9 @@ struct Engine {
     queues: FxHashMap<Qpn, TQueue>,
     ctrls: FxHashMap<u16, Ctrl>,
     next_cntlid: u16,
+    /// Queues without a controller (no Fabrics Connect yet) per peer IP address, for
+    /// `max_unconnected_per_ip`.
+    per_ip: FxHashMap<IpAddr, usize>,
     stats: TargetStats,
     /// A hung controller: commands are taken off the wire and never answered.
     frozen: bool,
@@ -205,6 +248,7 @@ impl Target {
             queues: FxHashMap::default(),
             ctrls: FxHashMap::default(),
             next_cntlid: 1,
+            per_ip: FxHashMap::default(),
             stats: TargetStats::default(),
             frozen: false,
             stall_io: false,
@@ -299,6 +343,12 @@ impl Target {
     /// Number of live queues.
     pub fn queue_count(&self) -> usize {
         self.lock().queues.len()
+    }
+
+    /// Bytes of queue memory the target holds: receive, response and staging rings and the
+    /// per-slot capsule copies of every queue (what a peer makes us allocate).
+    pub fn queue_memory(&self) -> usize {
+        self.lock().queues.values().map(TQueue::footprint).sum()
     }
 
     async fn serve(self) {
@@ -399,96 +449,140 @@ impl Engine {
         if (p.hrqsize as usize) < size {
             return Err(ConnReject::InvalidHrqsize);
         }
+        let ip = p.peer.addr.ip();
+        let of_ip = self.per_ip.get(&ip).copied().unwrap_or(0);
+        if self.queues.len() >= self.cfg.max_queues || of_ip >= self.cfg.max_unconnected_per_ip {
+            self.stats.refused_queues += 1;
+            return Err(ConnReject::NoResources);
+        }
         let admin = p.qid == 0;
         let capsule_len = if admin {
             ADMIN_CAPSULE
         } else {
             SQE_LEN + self.cfg.inline_data as usize
         };
-        let staging_len = if admin {
+        let io_staging_len = if admin {
             ADMIN_STAGING
         } else {
             self.cfg.max_transfer as usize
         };
-        let no_res = |_| ConnReject::NoResources;
-        let recv = HostMem::new(size * capsule_len);
-        let rsp = HostMem::new(size * CQE_LEN);
-        let data = HostMem::new(size * staging_len);
-        let recv_mr = d
-            .reg_mr(self.pd, &recv, 0, recv.len(), Access::LOCAL_WRITE)
-            .map_err(no_res)?;
-        let rsp_mr = d
-            .reg_mr(self.pd, &rsp, 0, rsp.len(), Access::empty())
-            .map_err(no_res)?;
-        let data_mr = d
-            .reg_mr(self.pd, &data, 0, data.len(), Access::LOCAL_WRITE)
-            .map_err(no_res)?;
+        let Some((rings, cmds)) = alloc_rings(d, self.pd, 1, capsule_len, CONNECT_DATA) else {
+            self.stats.refused_queues += 1;
+            return Err(ConnReject::NoResources);
+        };
+        let [recv, rsp, data] = rings;
         let caps = QpCaps {
             max_send_wr: (size * 3) as u32,
             max_recv_wr: size as u32,
         };
+        let mrs = [recv.1.lkey, rsp.1.lkey, data.1.lkey];
         let cleanup = |d: &mut Device| {
-            let _ = d.dereg_mr(recv_mr.lkey);
-            let _ = d.dereg_mr(rsp_mr.lkey);
-            let _ = d.dereg_mr(data_mr.lkey);
+            for k in mrs {
+                let _ = d.dereg_mr(k);
+            }
         };
         let qpn = match create_qp_init(d, self.pd, self.cq, caps, Access::empty()) {
             Ok(q) => q,
             Err(_) => {
                 cleanup(d);
+                self.stats.refused_queues += 1;
                 return Err(ConnReject::NoResources);
             }
         };
         let psn = p.local_psn;
+        let recv_wr = RecvWr {
+            wr_id: wr_id(WR_RECV, 0),
+            sgl: Sgl::one(recv.1.addr, capsule_len as u32, recv.1.lkey),
+        };
         let ok = qp_to_rts(d, qpn, p.peer, psn, &rdma_opts(p.path_mtu)).is_ok()
-            && (0..size).all(|i| {
-                let sgl = Sgl::one(
-                    recv_mr.addr + (i * capsule_len) as u64,
-                    capsule_len as u32,
-                    recv_mr.lkey,
-                );
-                d.post_recv(
-                    qpn,
-                    RecvWr {
-                        wr_id: wr_id(WR_RECV, i),
-                        sgl,
-                    },
-                )
-                .is_ok()
-            });
+            && d.post_recv(qpn, recv_wr).is_ok();
         if !ok {
             let _ = d.destroy_qp(qpn);
             cleanup(d);
+            self.stats.refused_queues += 1;
             return Err(ConnReject::NoResources);
         }
-        let cmds = (0..size)
-            .map(|_| Cmd {
-                stage: Stage::Free,
-                sqe: Sqe::new(0, 0),
-                capsule: vec![0u8; capsule_len],
-                capsule_len: 0,
-            })
-            .collect();
         self.queues.insert(
             qpn,
             TQueue {
                 qid: p.qid,
                 size,
+                slots: 1,
                 cntlid: None,
                 born: self.now,
                 capsule_len,
-                staging_len,
-                recv: (recv, recv_mr),
-                rsp: (rsp, rsp_mr),
-                data: (data, data_mr),
+                staging_len: CONNECT_DATA,
+                io_staging_len,
+                grown: false,
+                boot_held: false,
+                peer_ip: ip,
+                recv,
+                rsp,
+                data,
                 cmds,
-                free: (0..size).rev().collect(),
-                held: VecDeque::with_capacity(size),
+                free: vec![0],
+                held: VecDeque::new(),
                 dead: false,
             },
         );
+        *self.per_ip.entry(ip).or_insert(0) += 1;
         self.stats.queues_connected += 1;
         Ok((qpn, size as u16))
+    }
+
+    /// Fabrics Connect is about to succeed on `qpn`: give the queue its full rings and post
+    /// every receive buffer, before the Connect response tells the host it may send. The
+    /// one pre-Connect slot is carried over (it holds the Connect). Out of memory is a
+    /// Connect failure, not an abort.
+    fn grow(&mut self, d: &mut Device, qpn: Qpn) -> Result<(), Status> {
+        let no_mem = Status::INTERNAL_ERROR;
+        let pd = self.pd;
+        let q = self.queues.get_mut(&qpn).ok_or(no_mem)?;
+        if q.grown {
+            return Ok(());
+        }
+        let (size, old) = (q.size, q.cmds.len());
+        let (rings, extra) = alloc_rings(d, pd, size, q.capsule_len, q.io_staging_len)
+            .map(|(r, c)| (r, c.into_iter().skip(old)))
+            .ok_or(no_mem)?;
+        let mut free = Vec::new();
+        let fits = free.try_reserve_exact(size).is_ok()
+            && q.held.try_reserve(size).is_ok()
+            && q.cmds.try_reserve_exact(size - old).is_ok();
+        let [recv, rsp, data] = rings;
+        if !fits {
+            for mr in [recv.1, rsp.1, data.1] {
+                let _ = d.dereg_mr(mr.lkey);
+            }
+            return Err(no_mem);
+        }
+        q.cmds.extend(extra);
+        free.extend((old..size).rev());
+        free.extend_from_slice(&q.free);
+        q.free = free;
+        for (now, new) in [(&mut q.recv, recv), (&mut q.rsp, rsp), (&mut q.data, data)] {
+            let gone = std::mem::replace(now, new);
+            let _ = d.dereg_mr(gone.1.lkey);
+        }
+        q.slots = size;
+        q.staging_len = q.io_staging_len;
+        q.grown = true;
+        for r in 0..size {
+            if !repost(d, qpn, q, r) {
+                return Err(no_mem);
+            }
+        }
+        Ok(())
+    }
+
+    /// A queue of `ip` stops counting as unconnected (Connect succeeded, or it went).
+    fn connected_or_gone(&mut self, ip: IpAddr) {
+        if let Some(n) = self.per_ip.get_mut(&ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_ip.remove(&ip);
+            }
+        }
     }
 
     fn remove_queue(&mut self, d: &mut Device, qpn: Qpn) {
@@ -498,6 +592,9 @@ impl Engine {
         let _ = d.destroy_qp(qpn);
         for mr in [q.recv.1, q.rsp.1, q.data.1] {
             let _ = d.dereg_mr(mr.lkey);
+        }
+        if q.cntlid.is_none() {
+            self.connected_or_gone(q.peer_ip);
         }
         self.stats.queues_dropped += 1;
         if let Some(tx) = &self.dropped {
@@ -556,7 +653,7 @@ impl Engine {
         let Some(q) = self.queues.get_mut(&qpn) else {
             return;
         };
-        if r >= q.size {
+        if r >= q.slots {
             return;
         }
         if self.frozen {
@@ -582,7 +679,11 @@ impl Engine {
             cmd.capsule[..len].copy_from_slice(&g[at..at + len]);
             cmd.capsule_len = len;
         }
-        repost(d, qpn, q, r);
+        if q.grown {
+            repost(d, qpn, q, r);
+        } else {
+            q.boot_held = true;
+        }
         self.stats.commands += 1;
         let parsed = Sqe::parse(&q.cmds[c].capsule[..len]);
         match parsed {
@@ -608,6 +709,7 @@ impl Engine {
                 // ID could complete an unrelated command of the host.
                 let Some(cid) = Sqe::peek_cid(&q.cmds[c].capsule[..len]) else {
                     q.free.push(c);
+                    release_boot_recv(d, qpn, q);
                     return;
                 };
                 q.cmds[c].sqe = Sqe::new(0, cid);
@@ -686,6 +788,7 @@ impl Engine {
                 if d.post_send(crate::hca::Instant::ZERO, qpn, wr).is_err() {
                     q.cmds[c].stage = Stage::Free;
                     q.free.push(c);
+                    release_boot_recv(d, qpn, q);
                 }
             }
         }
@@ -699,7 +802,7 @@ impl Engine {
         let sqe = q.cmds[c].sqe;
         let qid = q.qid;
         let r = if sqe.opcode == opcode::FABRICS {
-            self.exec_fabrics(qpn, c, &sqe)
+            self.exec_fabrics(d, qpn, c, &sqe)
         } else if q.cntlid.is_none() {
             Err(Status::COMMAND_SEQUENCE_ERROR.with_dnr())
         } else if qid == 0 {
@@ -771,6 +874,7 @@ impl Engine {
         // sq_head is advisory with SQ flow control on; we consume in order, so report the slot.
         q.rsp.0.write(c * CQE_LEN, &c16);
         q.cmds[c].stage = Stage::Responding;
+        release_boot_recv(d, qpn, q);
         if self.batching {
             self.responses.push((qpn, c));
             return;
@@ -805,7 +909,13 @@ impl Engine {
         q.data.0.write(c * q.staging_len, bytes);
     }
 
-    fn exec_fabrics(&mut self, qpn: Qpn, c: usize, sqe: &Sqe) -> Result<Done, Status> {
+    fn exec_fabrics(
+        &mut self,
+        d: &mut Device,
+        qpn: Qpn,
+        c: usize,
+        sqe: &Sqe,
+    ) -> Result<Done, Status> {
         let cmd = FabricsCmd::from_sqe(sqe).map_err(|_| Status::INVALID_FIELD.with_dnr())?;
         match cmd {
             FabricsCmd::Connect {
@@ -814,7 +924,7 @@ impl Engine {
                 sqsize,
                 kato_ms,
                 ..
-            } => self.exec_connect(qpn, c, recfmt, qid, sqsize, kato_ms),
+            } => self.exec_connect(d, qpn, c, recfmt, qid, sqsize, kato_ms),
             FabricsCmd::PropertyGet { size8, offset } => {
                 let ctrl = self.ctrl_of(qpn, true)?;
                 let v = match (offset, size8) {
@@ -906,8 +1016,10 @@ impl Engine {
             .ok_or(Status::COMMAND_SEQUENCE_ERROR.with_dnr())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn exec_connect(
         &mut self,
+        d: &mut Device,
         qpn: Qpn,
         c: usize,
         recfmt: u16,
@@ -938,12 +1050,18 @@ impl Engine {
         if subsys != usize::MAX && !self.cfg.subsystems[subsys].allows(cd.hostnqn.as_str()) {
             return Err(Status::new(1, 0x84).with_dnr()); // Connect Invalid Host
         }
+        // Every check first, then the queue's full rings, then the controller: a Connect that
+        // fails leaves no controller behind and the queue as small as it was.
         let cntlid = if qid == 0 {
             if cd.cntlid != CNTLID_DYNAMIC {
                 return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
             }
-            let id = self.next_cntlid;
-            self.next_cntlid = if id >= 0xFFEF { 1 } else { id + 1 };
+            let Some(id) = self.alloc_cntlid() else {
+                self.stats.cntlid_exhausted += 1;
+                return Err(Status::CONNECT_CONTROLLER_BUSY);
+            };
+            self.grow(d, qpn)?;
+            let discovery = subsys == usize::MAX;
             self.ctrls.insert(
                 id,
                 Ctrl {
@@ -952,7 +1070,11 @@ impl Engine {
                     hostid: cd.hostid,
                     cc: Cc(0),
                     csts: Csts(0),
-                    kato_ms,
+                    kato_ms: if discovery && kato_ms == 0 {
+                        DISCOVERY_KATO_MS
+                    } else {
+                        kato_ms
+                    },
                     io_queues: 0,
                     queues: vec![qpn],
                     aers: 0,
@@ -963,7 +1085,7 @@ impl Engine {
         } else {
             let ctrl = self
                 .ctrls
-                .get_mut(&cd.cntlid)
+                .get(&cd.cntlid)
                 .ok_or(Status::CONNECT_INVALID_PARAMETERS.with_dnr())?;
             if ctrl.hostnqn != cd.hostnqn.as_str()
                 || ctrl.hostid != cd.hostid
@@ -971,23 +1093,52 @@ impl Engine {
             {
                 return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
             }
+            // A discovery controller has no I/O queues (nvmet: the discovery subsystem's
+            // max_qid is 0).
+            if ctrl.subsys == usize::MAX {
+                return Err(Status::INVALID_QUEUE_ID.with_dnr());
+            }
             if !ctrl.csts.rdy() {
                 return Err(Status::COMMAND_SEQUENCE_ERROR.with_dnr());
             }
             if qid > ctrl.io_queues.max(1) {
                 return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
             }
-            ctrl.queues.push(qpn);
+            self.grow(d, qpn)?;
+            if let Some(ctrl) = self.ctrls.get_mut(&cd.cntlid) {
+                ctrl.queues.push(qpn);
+            }
             cd.cntlid
         };
         if let Some(q) = self.queues.get_mut(&qpn) {
             q.cntlid = Some(cntlid);
+            let ip = q.peer_ip;
+            self.connected_or_gone(ip);
         }
         let r = ConnectResult::Ok { cntlid, authreq: 0 };
         Ok(Done::Respond {
             result: r.to_result(),
             data_out: 0,
         })
+    }
+
+    /// A controller ID in `cntlid_min..=cntlid_max` that no live controller has, searched
+    /// round-robin from the last one given (so a freed ID is not handed out again at once);
+    /// `None` when every ID is taken. Controllers never outnumber queues, so the search is
+    /// at most `max_queues` + 1 steps.
+    fn alloc_cntlid(&mut self) -> Option<u16> {
+        let lo = self.cfg.cntlid_min.max(1);
+        let hi = self.cfg.cntlid_max.min(0xFFEF);
+        if lo > hi {
+            return None;
+        }
+        let span = (hi - lo) as u32 + 1;
+        let from = (self.next_cntlid.clamp(lo, hi) - lo) as u32;
+        let id = (0..span)
+            .map(|i| lo + ((from + i) % span) as u16)
+            .find(|id| !self.ctrls.contains_key(id))?;
+        self.next_cntlid = if id >= hi { lo } else { id + 1 };
+        Some(id)
     }
 
     fn subsystem(&self, ctrl: &Ctrl) -> Option<&Subsystem> {
@@ -1068,7 +1219,13 @@ impl Engine {
                         })
                     }
                     feature::KEEP_ALIVE_TIMER => {
-                        ctrl.kato_ms = sqe.cdw11;
+                        // A discovery controller keeps a keep-alive (see exec_connect).
+                        let discovery = ctrl.subsys == usize::MAX;
+                        ctrl.kato_ms = if discovery && sqe.cdw11 == 0 {
+                            DISCOVERY_KATO_MS
+                        } else {
+                            sqe.cdw11
+                        };
                         Ok(Done::Respond {
                             result: 0,
                             data_out: 0,
@@ -1125,7 +1282,10 @@ impl Engine {
                 let offset = sqe.cdw12 as u64 | ((sqe.cdw13 as u64) << 32);
                 let len = numd * 4;
                 let page = match lid {
-                    0x70 => self.discovery_log(),
+                    0x70 => {
+                        let host = self.ctrl_of(qpn, true)?.hostnqn.clone();
+                        self.discovery_log(&host)
+                    }
                     // Error information, SMART / health, firmware slot: all zeroes here.
                     0x01..=0x03 => vec![0u8; 4096],
                     _ => return Err(Status::INVALID_LOG_PAGE.with_dnr()),
@@ -1181,8 +1341,16 @@ impl Engine {
         }
     }
 
-    fn discovery_log(&self) -> Vec<u8> {
-        let recs = self.cfg.subsystems.len();
+    /// The discovery log as `hostnqn` sees it: only subsystems that allow it (nvmet
+    /// `nvmet_host_allowed`), so the log does not tell anyone what exists beyond that.
+    fn discovery_log(&self, hostnqn: &str) -> Vec<u8> {
+        let visible: Vec<&Subsystem> = self
+            .cfg
+            .subsystems
+            .iter()
+            .filter(|s| s.allows(hostnqn))
+            .collect();
+        let recs = visible.len();
         let mut page = vec![0u8; 1024 * (recs + 1)];
         let hdr = DiscoveryLogHeader {
             genctr: 1,
@@ -1197,7 +1365,7 @@ impl Engine {
             .advertise
             .map(|a| a.ip().to_string())
             .unwrap_or_else(|| "127.0.0.1".into());
-        for (i, s) in self.cfg.subsystems.iter().enumerate() {
+        for (i, s) in visible.iter().enumerate() {
             let port = self.cfg.port.to_string();
             let ipv6 = self.cfg.advertise.is_some_and(|a| a.is_ipv6());
             if let Ok(e) = DiscoveryLogEntry::rdma(&s.nqn, &addr, &port, ipv6, 1) {
@@ -1323,17 +1491,77 @@ fn send_response(d: &mut Device, qpn: Qpn, q: &mut TQueue, c: usize) {
     }
 }
 
-fn repost(d: &mut Device, qpn: Qpn, q: &TQueue, r: usize) {
+/// Post receive buffer `r` again; false if the QP refused it.
+fn repost(d: &mut Device, qpn: Qpn, q: &TQueue, r: usize) -> bool {
     let sgl = Sgl::one(
         q.recv.1.addr + (r * q.capsule_len) as u64,
         q.capsule_len as u32,
         q.recv.1.lkey,
     );
-    let _ = d.post_recv(
+    d.post_recv(
         qpn,
         RecvWr {
             wr_id: wr_id(WR_RECV, r),
             sgl,
         },
-    );
+    )
+    .is_ok()
+}
+
+/// Before Connect: the one receive buffer goes back once its command is answered.
+fn release_boot_recv(d: &mut Device, qpn: Qpn, q: &mut TQueue) {
+    if !q.grown && q.boot_held {
+        q.boot_held = false;
+        repost(d, qpn, q, 0);
+    }
+}
+
+type Ring = (HostMem, MrInfo);
+
+/// Receive, response and staging rings of `slots` slots, registered, and a command per
+/// slot; `None` (nothing left allocated or registered) if memory or the device refuses.
+fn alloc_rings(
+    d: &mut Device,
+    pd: PdId,
+    slots: usize,
+    capsule_len: usize,
+    staging_len: usize,
+) -> Option<([Ring; 3], Vec<Cmd>)> {
+    let mut cmds = Vec::new();
+    cmds.try_reserve_exact(slots).ok()?;
+    for _ in 0..slots {
+        cmds.push(Cmd {
+            stage: Stage::Free,
+            sqe: Sqe::new(0, 0),
+            capsule: try_zeroed(capsule_len).ok()?,
+            capsule_len: 0,
+        });
+    }
+    // Staging is the big one (slots x max_transfer): its pages come in as commands use
+    // them, so accepting a queue (and a host's reconnect) costs no page faults up front.
+    let specs = [
+        (slots.checked_mul(capsule_len)?, Access::LOCAL_WRITE, false),
+        (slots.checked_mul(CQE_LEN)?, Access::empty(), false),
+        (slots.checked_mul(staging_len)?, Access::LOCAL_WRITE, true),
+    ];
+    let mut rings: Vec<Ring> = Vec::with_capacity(3);
+    for (len, access, lazy) in specs {
+        let mem = if lazy {
+            HostMem::try_new_lazy(len)
+        } else {
+            HostMem::try_new(len).ok()
+        };
+        let mr = mem.and_then(|m| d.reg_mr(pd, &m, 0, len, access).ok().map(|mr| (m, mr)));
+        match mr {
+            Some(r) => rings.push(r),
+            None => {
+                for (_, mr) in rings {
+                    let _ = d.dereg_mr(mr.lkey);
+                }
+                return None;
+            }
+        }
+    }
+    let rings: [Ring; 3] = rings.try_into().ok()?;
+    Some((rings, cmds))
 }

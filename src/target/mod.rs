@@ -66,6 +66,18 @@ pub struct TargetConfig {
     pub max_io_queues: u16,
     /// The address hosts reach us at, reported in the discovery log.
     pub advertise: Option<SocketAddr>,
+    /// Most queues (admin and I/O, connected or not) on the target. A CM REQ beyond it is
+    /// refused with an NVMe-oF CM reject "no resources".
+    pub max_queues: usize,
+    /// Most queues one peer IP address may hold before their Fabrics Connect succeeds
+    /// (what a peer that is no host of ours can make us keep); REQs beyond get the same
+    /// reject. Connected queues count only against `max_queues`: a host that resets fast
+    /// leaves connected queues behind until its keep-alive expires here.
+    pub max_unconnected_per_ip: usize,
+    /// Controller IDs are handed out from `cntlid_min..=cntlid_max` (nvmet's `cntlid_min`
+    /// and `cntlid_max`), never one that is in use. Clamped to 1..=0xFFEF.
+    pub cntlid_min: u16,
+    pub cntlid_max: u16,
 }
 
 impl Default for TargetConfig {
@@ -78,6 +90,10 @@ impl Default for TargetConfig {
             max_transfer: 1 << 20,
             max_io_queues: 64,
             advertise: None,
+            max_queues: 1024,
+            max_unconnected_per_ip: 256,
+            cntlid_min: 1,
+            cntlid_max: 0xFFEF,
         }
     }
 }

@@ -7,7 +7,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rand::SeedableRng;
 use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::cm::{
@@ -37,8 +36,13 @@ pub struct CmService {
 impl CmService {
     /// Start CM on `hca`. The CM stands in for the kernel's rdma_cm: it is platform code for
     /// [`crate::alloc_audit`], as are all its methods.
-    pub fn start(hca: SoftHca, seed: u64) -> CmService {
-        crate::alloc_audit::platform(|| Self::start_inner(hca, seed))
+    ///
+    /// Comm IDs, transaction IDs and starting PSNs come from a CSPRNG keyed by the OS
+    /// ([`CmEndpoint::from_os_rng`]): a CM on a real socket is never seeded, since whoever
+    /// can guess them can speak for a connection. `_seed` no longer seeds anything; it
+    /// stays so that callers need not change at once, and will go.
+    pub fn start(hca: SoftHca, _seed: u64) -> CmService {
+        crate::alloc_audit::platform(|| Self::start_inner(hca))
     }
 
     /// The CM of `hca`'s device context: the one already running on it, or a new one. A
@@ -58,7 +62,7 @@ impl CmService {
             match found {
                 Some(sh) => CmService { sh },
                 None => {
-                    let cm = Self::start_inner(hca.clone(), rand::random());
+                    let cm = Self::start_inner(hca.clone());
                     running.push(Arc::downgrade(&cm.sh));
                     cm
                 }
@@ -66,10 +70,10 @@ impl CmService {
         })
     }
 
-    fn start_inner(hca: SoftHca, seed: u64) -> CmService {
+    fn start_inner(hca: SoftHca) -> CmService {
         let id = hca.with(|d, _| d.identity().clone());
         let cfg = CmConfig::new(hca.addr().ip(), id.guid);
-        let cm = CmEndpoint::new(cfg, rand::rngs::SmallRng::seed_from_u64(seed));
+        let cm = CmEndpoint::from_os_rng(cfg);
         let sh = Arc::new(Shared {
             hca,
             cm: Mutex::new(cm),

@@ -1,0 +1,771 @@
+//! What an attacker who can reach the target's (or host's) UDP port can do, each case as
+//! a test against the library over loopback (the security review's rows; README
+//! "Security"). Every test here failed on the code before its fix.
+//!
+//! - pre-Connect CM REQs cost a small fixed amount and are capped per peer IP and in total;
+//! - comm IDs, PSNs and memory keys differ between two instances built identically;
+//! - a capsule from another UDP port of the peer's IP is dropped and counted;
+//! - controller IDs come from the free set and never replace a live controller;
+//! - CM TimeWait is bounded whatever timeout the peer asks for;
+//! - discovery lists only subsystems the host may use, and refuses I/O queues.
+//!
+//! Every await that depends on a peer sits under a timeout.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use nvmf_rdma::cm::{ConnectParams, NvmeCmRequest};
+use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
+use nvmf_rdma::hca::{
+    Access, CqId, HostMem, MrInfo, Mtu, PciAddr, Qpn, RecvWr, SendOp, SendWr, Sgl, WcOpcode,
+    WcStatus,
+};
+use nvmf_rdma::nvme::admin::{self, feature};
+use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
+use nvmf_rdma::nvme::{Cc, ConnectData, Cqe, FabricsCmd, Nqn, SglDescriptor, Status};
+use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::transport::{discover, CmService, ConnectOptions, Controller};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+const NQN: &str = "nqn.2026-11.io.nvmf-rdma:adversarial";
+const HOST: &str = "nqn.2026-11.io.nvmf-rdma:adv-host";
+/// Long enough for one CM REQ retry (about 4.3 s).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(8);
+
+fn cfg(name: &str, i: u8) -> DeviceConfig {
+    cfg_on(name, i, [127, 0, 0, 1])
+}
+
+fn cfg_on(name: &str, i: u8, ip: [u8; 4]) -> DeviceConfig {
+    DeviceConfig {
+        identity: DeviceIdentity::from_mac(name, [2, 0, 0, 9, 0, i], PciAddr::new(0, 9, i, 0)),
+        addr: SocketAddr::from((ip, 0)),
+        icrc: IcrcCheck::Verify,
+        peer_port: None,
+        seed: 900 + i as u64,
+    }
+}
+
+async fn within<T>(secs: u64, what: &str, f: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(Duration::from_secs(secs), f).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: no result within {secs} s"),
+    }
+}
+
+fn subsystem(nqn: &str) -> Subsystem {
+    let ns = Namespace::ram(1, 16 << 20, 9);
+    Subsystem::new(Nqn::new(nqn).unwrap(), vec![std::sync::Arc::new(ns)])
+}
+
+/// A target on device `i` with `tc` (its CM seeded as the `target` command seeds it).
+async fn target(i: u8, tc: TargetConfig) -> (Target, SoftHca) {
+    let hca = SoftHca::start(cfg("tgt", i)).await.unwrap();
+    let t = Target::start(hca.clone(), tc).unwrap();
+    serve_cm(t.clone(), CmService::start(hca.clone(), 9));
+    (t, hca)
+}
+
+async fn host_dev(i: u8) -> (SoftHca, CmService) {
+    host_dev_on(i, [127, 0, 0, 1]).await
+}
+
+async fn host_dev_on(i: u8, ip: [u8; 4]) -> (SoftHca, CmService) {
+    let hca = SoftHca::start(cfg_on("host", i, ip)).await.unwrap();
+    let cm = CmService::start(hca.clone(), 1000 + i as u64);
+    (hca, cm)
+}
+
+fn opts(target: &SoftHca, subnqn: &str, hostnqn: &str) -> ConnectOptions {
+    let mut o = ConnectOptions::new(target.addr(), subnqn);
+    o.hostnqn = hostnqn.to_string();
+    o.nr_io_queues = 1;
+    o.queue_size = 32;
+    o.keep_alive_tmo = Duration::ZERO;
+    o.connect_timeout = CONNECT_TIMEOUT;
+    o
+}
+
+async fn connect(i: u8, target: &SoftHca, subnqn: &str, hostnqn: &str) -> Controller {
+    let (hca, cm) = host_dev(i).await;
+    within(
+        30,
+        "connect",
+        Controller::connect(hca, cm, opts(target, subnqn, hostnqn)),
+    )
+    .await
+    .expect("connect")
+}
+
+/// Wait (at most 5 s) for something the target does in its own time.
+async fn until(what: &str, f: impl Fn() -> bool) {
+    for _ in 0..500 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{what}: not within 5 s");
+}
+
+/// Write a pattern and read it back through `c`.
+async fn write_read(c: &Controller, lba: u64, seed: u64) {
+    let mut data = vec![0u8; 64 << 10];
+    SmallRng::seed_from_u64(seed).fill(&mut data[..]);
+    within(10, "write", c.write(1, lba, &data)).await.unwrap();
+    let back = within(10, "read", c.read(1, lba, data.len()))
+        .await
+        .unwrap();
+    assert!(back == data, "read back differs");
+}
+
+/// The NVMe-oF private data of a CM REQ for queue `qid` of `size` entries.
+fn queue_req(qid: u16, size: u16) -> Vec<u8> {
+    NvmeCmRequest {
+        qid,
+        hrqsize: size,
+        hsqsize: size - 1,
+        cntlid: 0,
+    }
+    .emit()
+    .to_vec()
+}
+
+// ---- 1. pre-Connect cost ----------------------------------------------------------------
+
+/// What one queue may cost before Fabrics Connect: a receive buffer and a capsule copy of
+/// an I/O capsule (64 + 8192 bytes each), a response slot and the Connect data.
+const PRE_CONNECT_QUEUE_BYTES: usize = 32 << 10;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pre_connect_reqs_cost_a_small_fixed_amount_and_the_target_still_serves() {
+    // Defaults: queues of up to 1024 entries, 1 MiB per command (1 GiB of staging per such
+    // queue if it were allocated at REQ time).
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        ..TargetConfig::default()
+    };
+    let (t, thca) = target(1, tc).await;
+    let (_hca, cm) = host_dev(2).await;
+    for i in 0..64u32 {
+        let params = ConnectParams::new(Qpn::new(0x100 + i), 4420);
+        within(
+            20,
+            "pre-Connect REQ",
+            cm.connect(thca.addr(), params, &queue_req(1, 1024), CONNECT_TIMEOUT),
+        )
+        .await
+        .expect("a REQ under the caps is accepted");
+        let held = t.queue_memory();
+        assert!(
+            held <= (i as usize + 1) * PRE_CONNECT_QUEUE_BYTES,
+            "after {} pre-Connect REQs the target holds {held} bytes of queue memory",
+            i + 1
+        );
+    }
+    assert_eq!(t.queue_count(), 64);
+    // A real host still gets in and moves data.
+    let c = connect(3, &thca, NQN, HOST).await;
+    write_read(&c, 0, 1).await;
+    c.disconnect().await;
+}
+
+/// REQ for an I/O queue of `size` from `cm`, as QPN `qpn`.
+async fn req(cm: &CmService, target: &SoftHca, qpn: u32, size: u16) -> Result<(), String> {
+    let params = ConnectParams::new(Qpn::new(qpn), 4420);
+    within(
+        20,
+        "REQ",
+        cm.connect(target.addr(), params, &queue_req(1, size), CONNECT_TIMEOUT),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|e| e.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reqs_over_the_per_ip_and_total_queue_caps_are_rejected_no_resources() {
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        max_queues: 8,
+        max_unconnected_per_ip: 4,
+        ..TargetConfig::default()
+    };
+    let (t, thca) = target(4, tc).await;
+    // A host of ours on 127.0.0.1: its two queues are connected, so they count only
+    // against the total.
+    let c = connect(17, &thca, NQN, HOST).await;
+    assert_eq!(t.queue_count(), 2);
+    let (_a, cm_a) = host_dev_on(5, [127, 0, 0, 1]).await;
+    let (_b, cm_b) = host_dev_on(6, [127, 0, 0, 2]).await;
+    for i in 0..4 {
+        req(&cm_a, &thca, 0x200 + i, 128)
+            .await
+            .expect("under the caps");
+    }
+    let e = req(&cm_a, &thca, 0x210, 128).await.unwrap_err();
+    assert!(
+        e.contains("no resources"),
+        "5th unconnected REQ from one IP: {e}"
+    );
+    // Another IP has its own allowance, up to the total.
+    for i in 0..2 {
+        req(&cm_b, &thca, 0x300 + i, 128)
+            .await
+            .expect("under the caps");
+    }
+    let e = req(&cm_b, &thca, 0x310, 128).await.unwrap_err();
+    assert!(e.contains("no resources"), "9th queue in total: {e}");
+    assert_eq!(t.queue_count(), 8);
+    assert_eq!(t.stats().refused_queues, 2);
+    // The host that got in before works on.
+    write_read(&c, 0, 7).await;
+    c.disconnect().await;
+}
+
+// ---- 4. controller IDs from the free set -------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cntlids_come_from_the_free_set_and_never_replace_a_live_controller() {
+    // Three IDs stand for the 65,519 of the default range: the wrap comes sooner.
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        cntlid_min: 10,
+        cntlid_max: 12,
+        ..TargetConfig::default()
+    };
+    let (t, thca) = target(7, tc).await;
+    let a = connect(8, &thca, NQN, HOST).await;
+    let b = connect(9, &thca, NQN, HOST).await;
+    let c = connect(10, &thca, NQN, HOST).await;
+    let ids = [a.cntlid, b.cntlid, c.cntlid];
+    assert_eq!(ids, [10, 11, 12]);
+    // All taken: a fourth is refused, Controller Busy, and nobody is replaced.
+    let (hca, cm) = host_dev(11).await;
+    let e = within(
+        30,
+        "connect",
+        Controller::connect(hca, cm, opts(&thca, NQN, HOST)),
+    )
+    .await
+    .err()
+    .expect("no free controller ID");
+    assert!(e.to_string().contains("0x81"), "{e}");
+    assert_eq!(t.stats().cntlid_exhausted, 1);
+    write_read(&a, 0, 2).await;
+    write_read(&c, 256, 3).await;
+    // A freed ID is reused; the live ones keep theirs and keep working.
+    b.disconnect().await;
+    until("the target drops B's queues", || t.queue_count() == 4).await;
+    let d = connect(12, &thca, NQN, HOST).await;
+    assert_eq!(d.cntlid, 11);
+    write_read(&a, 512, 4).await;
+    write_read(&c, 768, 5).await;
+    write_read(&d, 1024, 6).await;
+    for x in [a, c, d] {
+        x.disconnect().await;
+    }
+}
+
+// ---- 6. discovery ------------------------------------------------------------------------
+
+const NQN_CLOSED: &str = "nqn.2026-11.io.nvmf-rdma:adversarial-closed";
+const EVIL: &str = "nqn.2026-11.io.nvmf-rdma:evil-host";
+
+const RAW_SLOT: usize = 64;
+const RAW_SLOTS: usize = 8;
+
+/// One RC queue driven by hand, so the test can send what no host of ours would.
+struct Raw {
+    hca: SoftHca,
+    cq: CqId,
+    qpn: Qpn,
+    size: usize,
+    tx: (HostMem, MrInfo),
+    rx: (HostMem, MrInfo),
+    data: (HostMem, MrInfo),
+    next_wr: u64,
+}
+
+const RECV: u64 = 1 << 40;
+
+impl Raw {
+    async fn open(hca: &SoftHca, cm: &CmService, target: SocketAddr, qid: u16, size: usize) -> Raw {
+        let (cq, qpn, tx, rx, data) = hca.with(|d, _| {
+            let pd = d.alloc_pd().unwrap();
+            let cq = d.create_cq(256).unwrap();
+            let caps = nvmf_rdma::hca::QpCaps {
+                max_send_wr: 16,
+                max_recv_wr: RAW_SLOTS as u32,
+            };
+            let all = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+            let qpn = create_qp_init(d, pd, cq, caps, all).unwrap();
+            let reg = |d: &mut nvmf_rdma::hca::Device, len: usize, a: Access| {
+                let m = HostMem::new(len);
+                let mr = d.reg_mr(pd, &m, 0, len, a).unwrap();
+                (m, mr)
+            };
+            let tx = reg(d, RAW_SLOT, Access::empty());
+            let rx = reg(d, RAW_SLOTS * RAW_SLOT, Access::LOCAL_WRITE);
+            let data = reg(d, 8192, all);
+            (cq, qpn, tx, rx, data)
+        });
+        let mut params = ConnectParams::new(qpn, 4420);
+        params.path_mtu = Mtu::Mtu4096;
+        let est = within(
+            20,
+            "raw CM connect",
+            cm.connect(
+                target,
+                params,
+                &queue_req(qid, size as u16),
+                CONNECT_TIMEOUT,
+            ),
+        )
+        .await
+        .expect("raw queue CM connect");
+        let peer = PeerInfo {
+            addr: est.peer,
+            qpn: est.remote_qpn,
+            psn: est.remote_psn,
+        };
+        let o = RcOptions {
+            mtu: Mtu::Mtu4096,
+            timeout: 14,
+            ..RcOptions::default()
+        };
+        hca.with(|d, _| qp_to_rts(d, qpn, peer, est.local_psn, &o))
+            .unwrap();
+        let raw = Raw {
+            hca: hca.clone(),
+            cq,
+            qpn,
+            size,
+            tx,
+            rx,
+            data,
+            next_wr: 0,
+        };
+        for r in 0..RAW_SLOTS {
+            raw.post_recv(r);
+        }
+        raw
+    }
+
+    fn post_recv(&self, r: usize) {
+        let wr = RecvWr {
+            wr_id: RECV | r as u64,
+            sgl: Sgl::one(
+                self.rx.1.addr + (r * RAW_SLOT) as u64,
+                RAW_SLOT as u32,
+                self.rx.1.lkey,
+            ),
+        };
+        let qpn = self.qpn;
+        self.hca.with(|d, _| d.post_recv(qpn, wr)).unwrap();
+    }
+
+    /// SEND one 64-byte capsule and wait (3 s) for the response that names `cid`.
+    async fn cmd(&mut self, sqe: [u8; 64], cid: u16) -> Cqe {
+        self.tx.0.write(0, &sqe);
+        self.next_wr += 1;
+        let wr = SendWr {
+            wr_id: self.next_wr,
+            op: SendOp::Send,
+            sgl: Sgl::one(self.tx.1.addr, 64, self.tx.1.lkey),
+            signaled: true,
+            solicited: false,
+        };
+        let qpn = self.qpn;
+        self.hca
+            .with(|d, now| d.post_send(now, qpn, wr))
+            .expect("post capsule");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+        loop {
+            let mut wcs = Vec::new();
+            let n = tokio::time::timeout_at(deadline, self.hca.wait_cq(self.cq, 16, &mut wcs))
+                .await
+                .unwrap_or_else(|_| panic!("command {cid:#x}: no response"));
+            assert!(n > 0, "device gone");
+            for wc in wcs {
+                assert_eq!(wc.status, WcStatus::Success, "queue failed");
+                if wc.wr_id & RECV == 0 || wc.opcode != WcOpcode::Recv {
+                    continue;
+                }
+                let r = (wc.wr_id & 0xFFFF) as usize;
+                let mut b = [0u8; 16];
+                self.rx.0.read(r * RAW_SLOT, &mut b);
+                self.post_recv(r);
+                let c = Cqe::parse(&b).unwrap();
+                assert_eq!(c.cid, cid, "response names the command");
+                return c;
+            }
+        }
+    }
+
+    /// Fabrics Connect for `qid`, the Connect data fetched from our data buffer.
+    async fn connect(&mut self, qid: u16, cntlid: u16, subnqn: &str, hostnqn: &str) -> Cqe {
+        let cd = ConnectData {
+            hostid: *b"adversarial-host",
+            cntlid,
+            subnqn: Nqn::new(subnqn).unwrap(),
+            hostnqn: Nqn::new(hostnqn).unwrap(),
+        };
+        self.data.0.write(0, &cd.to_bytes());
+        let mut sqe = FabricsCmd::Connect {
+            recfmt: fabrics::RECFMT_0,
+            qid,
+            sqsize: self.size as u16 - 1,
+            cattr: 0,
+            kato_ms: 0,
+        }
+        .to_sqe(0x10 + qid);
+        let sgl = SglDescriptor::keyed(self.data.1.addr, 1024, self.data.1.rkey.0, false);
+        sqe.set_sgl(&sgl.unwrap()).unwrap();
+        self.cmd(sqe.to_bytes(), 0x10 + qid).await
+    }
+}
+
+fn subnqns(log: &[nvmf_rdma::nvme::DiscoveryLogEntry]) -> Vec<String> {
+    let mut v: Vec<String> = log.iter().map(|e| e.subnqn.text().to_string()).collect();
+    v.sort();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovery_lists_only_allowed_subsystems_and_refuses_io_queues() {
+    let mut closed = subsystem(NQN_CLOSED);
+    closed.allowed_hosts = Some(vec![HOST.to_string()]);
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN), closed],
+        ..TargetConfig::default()
+    };
+    let (_t, thca) = target(13, tc).await;
+    let discover_as = |i: u8, hostnqn: &'static str| {
+        let thca = thca.clone();
+        async move {
+            let (hca, cm) = host_dev(i).await;
+            let o = opts(&thca, NQN, hostnqn);
+            within(30, "discover", discover(hca, cm, o))
+                .await
+                .expect("discover")
+        }
+    };
+    assert_eq!(subnqns(&discover_as(14, HOST).await), [NQN, NQN_CLOSED]);
+    assert_eq!(
+        subnqns(&discover_as(15, EVIL).await),
+        [NQN],
+        "a host not on the allow-list learns nothing of the closed subsystem"
+    );
+
+    // A discovery controller, enabled, asked for an I/O queue: refused.
+    let (hca, cm) = host_dev(16).await;
+    let mut aq = Raw::open(&hca, &cm, thca.addr(), 0, 32).await;
+    let c = aq
+        .connect(0, CNTLID_DYNAMIC, fabrics::DISCOVERY_NQN, EVIL)
+        .await;
+    assert!(c.nvme_status().is_success(), "{:?}", c.nvme_status());
+    let ConnectResult::Ok { cntlid, .. } = ConnectResult::from_result(c.result, true) else {
+        panic!("connect result");
+    };
+    let en = FabricsCmd::set(fabrics::reg::CC, Cc::enable_default().0 as u64).to_sqe(2);
+    assert!(aq.cmd(en.to_bytes(), 2).await.nvme_status().is_success());
+    // It asked for no keep-alive; it gets nvmet's discovery default, so it cannot idle
+    // for ever.
+    let kato = aq
+        .cmd(
+            admin::get_features(3, feature::KEEP_ALIVE_TIMER).to_bytes(),
+            3,
+        )
+        .await;
+    assert_eq!(kato.result as u32, 120_000);
+    let off = admin::set_features(4, feature::KEEP_ALIVE_TIMER, 0);
+    assert!(aq.cmd(off.to_bytes(), 4).await.nvme_status().is_success());
+    let kato = aq
+        .cmd(
+            admin::get_features(5, feature::KEEP_ALIVE_TIMER).to_bytes(),
+            5,
+        )
+        .await;
+    assert_eq!(kato.result as u32, 120_000, "Set Features turned it off");
+    let mut iq = Raw::open(&hca, &cm, thca.addr(), 1, 32).await;
+    let c = iq.connect(1, cntlid, fabrics::DISCOVERY_NQN, EVIL).await;
+    let st = c.nvme_status();
+    assert!(
+        !st.is_success(),
+        "an I/O queue on a discovery controller was accepted"
+    );
+    assert_eq!((st.sct, st.sc, st.dnr), {
+        let w = Status::INVALID_QUEUE_ID.with_dnr();
+        (w.sct, w.sc, w.dnr)
+    });
+}
+
+// ---- 3. source check ---------------------------------------------------------------------
+
+/// An RC queue on `hca`: PD, CQ, QP, one 4 KiB buffer.
+fn rc_end(hca: &SoftHca) -> (CqId, Qpn, HostMem, MrInfo) {
+    hca.with(|d, _| {
+        let pd = d.alloc_pd().unwrap();
+        let cq = d.create_cq(64).unwrap();
+        let caps = nvmf_rdma::hca::QpCaps {
+            max_send_wr: 16,
+            max_recv_wr: 16,
+        };
+        let qpn = create_qp_init(d, pd, cq, caps, Access::LOCAL_WRITE).unwrap();
+        let m = HostMem::new(4096);
+        let mr = d.reg_mr(pd, &m, 0, 4096, Access::LOCAL_WRITE).unwrap();
+        (cq, qpn, m, mr)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capsule_from_another_udp_port_of_the_peers_ip_is_dropped_and_counted() {
+    use nvmf_rdma::hca::wire::{emit_packet, BthRepr, IcrcContext, Opcode, PacketHeaders};
+    use nvmf_rdma::hca::Psn;
+    // Two soft-HCAs on one IP, as a host and a target on loopback are; an RC queue between
+    // them with PSNs we know.
+    let a = SoftHca::start(cfg("a", 20)).await.unwrap();
+    let b = SoftHca::start(cfg("b", 21)).await.unwrap();
+    let (_acq, aqpn, amem, amr) = rc_end(&a);
+    let (bcq, bqpn, bmem, bmr) = rc_end(&b);
+    let (apsn, bpsn) = (Psn::new(0x1000), Psn::new(0x2000));
+    let o = RcOptions::default();
+    let to_b = PeerInfo {
+        addr: b.addr(),
+        qpn: bqpn,
+        psn: bpsn,
+    };
+    let to_a = PeerInfo {
+        addr: a.addr(),
+        qpn: aqpn,
+        psn: apsn,
+    };
+    a.with(|d, _| qp_to_rts(d, aqpn, to_b, apsn, &o)).unwrap();
+    b.with(|d, _| qp_to_rts(d, bqpn, to_a, bpsn, &o)).unwrap();
+    b.with(|d, _| {
+        d.post_recv(
+            bqpn,
+            RecvWr {
+                wr_id: 7,
+                sgl: Sgl::one(bmr.addr, 4096, bmr.lkey),
+            },
+        )
+    })
+    .unwrap();
+
+    // Someone else on the same IP, another UDP port, sends B the SEND it expects next:
+    // right QPN, right PSN, valid ICRC.
+    let evil = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    assert_ne!(evil.local_addr().unwrap(), a.addr());
+    let mut pkt = Vec::new();
+    let h = PacketHeaders::new(BthRepr::new(Opcode::RC_SEND_ONLY, bqpn, apsn));
+    let ctx = IcrcContext::new(evil.local_addr().unwrap(), b.addr());
+    emit_packet(&h, b"injected capsule", &ctx, &mut pkt);
+    let before = b.with(|d, _| d.stats().rx_packets);
+    evil.send_to(&pkt, b.addr()).unwrap();
+    until("B reads the injected datagram", || {
+        b.with(|d, _| d.stats().rx_packets) > before
+    })
+    .await;
+
+    // Then the real peer sends with the same PSN: B must take the real one.
+    amem.write(0, b"the real capsule");
+    let wr = SendWr {
+        wr_id: 1,
+        op: SendOp::Send,
+        sgl: Sgl::one(amr.addr, 16, amr.lkey),
+        signaled: false,
+        solicited: false,
+    };
+    a.with(|d, now| d.post_send(now, aqpn, wr)).unwrap();
+    let mut wcs = Vec::new();
+    within(5, "B's receive", b.wait_cq(bcq, 1, &mut wcs)).await;
+    assert_eq!(wcs[0].status, WcStatus::Success);
+    let mut got = [0u8; 16];
+    bmem.read(0, &mut got);
+    assert_eq!(&got, b"the real capsule", "B executed the injected capsule");
+    assert_eq!(b.with(|d, _| d.stats().rx_foreign_source), 1);
+}
+
+// ---- 2. randomness -----------------------------------------------------------------------
+
+/// What a peer learns of a target: the comm ID and starting PSN in its REP (and the host's
+/// comm ID in the REQ), and a memory key the device hands out.
+async fn what_a_peer_sees() -> (u32, u32, u32, u32) {
+    // Built exactly alike each time: same device config (seed included), CM "seed" 9 as
+    // the `target` command has it, host CM alike too.
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        ..TargetConfig::default()
+    };
+    let hca = SoftHca::start(cfg("same", 30)).await.unwrap();
+    let t = Target::start(hca.clone(), tc).unwrap();
+    serve_cm(t.clone(), CmService::start(hca.clone(), 9));
+    let (_h, cm) = host_dev(31).await;
+    let params = ConnectParams::new(Qpn::new(0x400), 4420);
+    let est = within(
+        20,
+        "REQ",
+        cm.connect(hca.addr(), params, &queue_req(1, 32), CONNECT_TIMEOUT),
+    )
+    .await
+    .expect("accepted");
+    let rkey = hca.with(|d, _| {
+        let pd = d.alloc_pd().unwrap();
+        let m = HostMem::new(4096);
+        d.reg_mr(pd, &m, 0, 4096, Access::REMOTE_READ)
+            .unwrap()
+            .rkey
+            .0
+    });
+    (est.remote_id.0, est.local_psn.get(), est.id.0, rkey)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identical_instances_draw_different_comm_ids_psns_and_rkeys() {
+    let a = what_a_peer_sees().await;
+    let b = what_a_peer_sees().await;
+    // Each pair collides by chance with probability 2^-24 or less.
+    assert_ne!(a.0, b.0, "target CM comm IDs repeat");
+    assert_ne!(a.1, b.1, "target starting PSNs repeat");
+    assert_ne!(a.2, b.2, "host CM comm IDs repeat");
+    assert_ne!(a.3, b.3, "rkeys repeat");
+}
+
+// ---- 5. CM TimeWait and timers bounded -------------------------------------------------
+
+mod cm_timers {
+    use super::*;
+    use nvmf_rdma::cm::iba_time;
+    use nvmf_rdma::cm::private::service_id;
+    use nvmf_rdma::cm::{
+        AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnState, MAX_PEER_TIMEOUT_EXP,
+        MAX_TIMEWAIT_EXP,
+    };
+    use nvmf_rdma::hca::{Guid, Instant};
+
+    /// Move every MAD between `a` (at `aa`) and `b` (at `ba`) until both are quiet; MADs
+    /// from `a` for which `drop_a` says so are lost.
+    fn pump(
+        now: Instant,
+        a: &mut CmEndpoint,
+        aa: SocketAddr,
+        b: &mut CmEndpoint,
+        ba: SocketAddr,
+        drop_a: impl Fn(&[u8]) -> bool,
+    ) {
+        loop {
+            let mut moved = false;
+            while let Some((_, m)) = a.poll_transmit() {
+                moved = true;
+                if !drop_a(&m) {
+                    b.handle_mad(now, aa, &m);
+                }
+            }
+            while let Some((_, m)) = b.poll_transmit() {
+                moved = true;
+                a.handle_mad(now, ba, &m);
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    fn is_rtu(m: &[u8]) -> bool {
+        nvmf_rdma::cm::CmMad::parse(m).is_ok_and(|m| m.message.name() == "RTU")
+    }
+
+    /// An attacker whose REQs claim the longest timeouts the fields can carry (2^31 ×
+    /// 4.096 µs ≈ 2.4 h), against a target's CM.
+    fn endpoints() -> (CmEndpoint, SocketAddr, CmEndpoint, SocketAddr) {
+        let aa: SocketAddr = "127.0.0.66:4791".parse().unwrap();
+        let ba: SocketAddr = "127.0.0.1:4791".parse().unwrap();
+        let mut evil = CmConfig::new(aa.ip(), Guid(0x66));
+        evil.ack_delay = 31; // local ACK timeout 31 in the REQ
+        evil.cm_response_timeout = 31; // local CM response timeout 31
+        let a = CmEndpoint::from_seed(evil, 1);
+        let mut b = CmEndpoint::from_seed(CmConfig::new(ba.ip(), Guid(0xB)), 2);
+        b.listen(service_id(4420));
+        (a, aa, b, ba)
+    }
+
+    /// Connect `a` to `b` (accepting on `b`); returns a's and b's connection IDs.
+    fn handshake(
+        now: Instant,
+        a: &mut CmEndpoint,
+        aa: SocketAddr,
+        b: &mut CmEndpoint,
+        ba: SocketAddr,
+        qpn: u32,
+        drop_rtu: bool,
+    ) -> (nvmf_rdma::cm::ConnId, nvmf_rdma::cm::ConnId) {
+        let ida = a
+            .connect(
+                now,
+                ba,
+                &ConnectParams::new(Qpn::new(qpn), 4420),
+                &queue_req(1, 32),
+            )
+            .unwrap();
+        pump(now, a, aa, b, ba, |_| false);
+        let idb = loop {
+            match b.poll_event() {
+                Some(CmEvent::ConnectRequest(r)) => break r.id,
+                Some(_) => continue,
+                None => panic!("no REQ reached b"),
+            }
+        };
+        b.accept(now, idb, &AcceptParams::new(Qpn::new(0x77)), &[])
+            .unwrap();
+        pump(now, a, aa, b, ba, |m| drop_rtu && is_rtu(m));
+        (ida, idb)
+    }
+
+    #[test]
+    fn timewait_and_rep_retries_are_bounded_whatever_timeout_the_peer_asks_for() {
+        let (mut a, aa, mut b, ba) = endpoints();
+        let t0 = Instant(1_000_000_000);
+        let (ida, idb) = handshake(t0, &mut a, aa, &mut b, ba, 0x100, false);
+        assert_eq!(b.state(idb), Some(ConnState::Established));
+        // The attacker disconnects: b answers and enters TimeWait.
+        a.disconnect(t0, ida, &[]).unwrap();
+        pump(t0, &mut a, aa, &mut b, ba, |_| false);
+        assert_eq!(b.state(idb), Some(ConnState::TimeWait));
+        let cap = iba_time(MAX_TIMEWAIT_EXP);
+        assert!(cap <= Duration::from_secs(5));
+        let due = b.poll_timeout().expect("TimeWait timer");
+        assert!(
+            due <= t0 + cap,
+            "TimeWait lasts {:?}",
+            Duration::from_nanos(due.0 - t0.0)
+        );
+        b.handle_timeout(t0 + cap);
+        assert_eq!(b.state(idb), None, "TimeWait over within the cap");
+
+        // A REQ whose RTU never comes: each REP retry waits at most the cap, not 2.4 h.
+        let (_, idb) = handshake(t0, &mut a, aa, &mut b, ba, 0x101, true);
+        assert_eq!(b.state(idb), Some(ConnState::RepSent));
+        let try_cap = iba_time(MAX_PEER_TIMEOUT_EXP);
+        assert!(try_cap <= Duration::from_secs(10));
+        let mut now = t0;
+        for _ in 0..16 {
+            let Some(due) = b.poll_timeout() else { break };
+            assert!(
+                due <= now + try_cap,
+                "a REP retry waits {:?}",
+                Duration::from_nanos(due.0 - now.0)
+            );
+            now = due;
+            b.handle_timeout(now);
+            while b.poll_transmit().is_some() {}
+        }
+        assert_eq!(b.state(idb), None, "REP retries ran out within 16 tries");
+        assert_eq!(b.connections(), 0);
+    }
+}
