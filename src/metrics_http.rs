@@ -72,4 +72,21 @@ fn describe() {
         Unit::Seconds,
         "Time from a failure to LIVE again"
     );
+    describe_counter!(
+        "softhca_rx_dropped_by_reason_total",
+        "Received packets dropped, by reason: malformed, icrc, unknown_qp, foreign_source \
+         (not from the QP's peer), ghost (for a QP that is gone), other"
+    );
+    describe_counter!(
+        "softhca_access_errors_total",
+        "Remote accesses refused by the memory-region checks (key, bounds, rights)"
+    );
+    describe_counter!(
+        "softhca_cq_overflows_total",
+        "Completions lost because a completion queue was full"
+    );
+    describe_counter!(
+        "softhca_gsi_overflows_total",
+        "CM MADs dropped because the QP1 queue was full"
+    );
 }

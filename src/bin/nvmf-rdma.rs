@@ -2432,6 +2432,28 @@ mod tests {
             "{body}"
         );
         assert!(body.contains("softhca_tx_packets_total"), "{body}");
+        // Junk at the target's port is dropped and counted by reason.
+        let junk = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        for _ in 0..3 {
+            junk.send_to(b"not a RoCEv2 packet", t.addr).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let malformed = loop {
+            let body = scrape(addr);
+            let n: u64 = body
+                .lines()
+                .filter(|l| {
+                    l.starts_with("softhca_rx_dropped_by_reason_total")
+                        && l.contains("reason=\"malformed\"")
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+                .sum();
+            if n >= 3 || Instant::now() > deadline {
+                break n;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(malformed >= 3, "malformed drops counted: {malformed}");
         // Other commands refuse the flag.
         let cli = Cli::try_parse_from(["nvmf-rdma", "list", "--metrics-addr", "127.0.0.1:1"]);
         assert!(cli.unwrap().setup().is_err());

@@ -1,34 +1,92 @@
 //! Publish a device's counters through the `metrics` facade as deltas since the last call,
 //! so the core stays free of any metrics dependency.
+//!
+//! Besides traffic, the counters an operator watches for abuse: received packets dropped,
+//! in total and by reason (malformed, bad ICRC, unknown QP, from a source that is not the
+//! QP's peer, for a QP that is gone, other), remote access errors (a peer touching memory it
+//! may not), and completion / MAD queue overflows.
 
 use metrics::{counter, Counter};
 
 use crate::hca::Stats;
 
+/// One published counter: its name, a `reason` label where it has one, and how it is read
+/// from the device's stats.
+type Published = (&'static str, Option<&'static str>, fn(&Stats) -> u64);
+
+const COUNTERS: &[Published] = &[
+    ("softhca_tx_packets_total", None, |s| s.tx_packets),
+    ("softhca_rx_packets_total", None, |s| s.rx_packets),
+    ("softhca_tx_bytes_total", None, |s| s.tx_bytes),
+    ("softhca_rx_bytes_total", None, |s| s.rx_bytes),
+    ("softhca_rx_dropped_total", None, dropped),
+    (
+        "softhca_rx_dropped_by_reason_total",
+        Some("malformed"),
+        |s| s.rx_malformed,
+    ),
+    ("softhca_rx_dropped_by_reason_total", Some("icrc"), |s| {
+        s.rx_icrc_errors
+    }),
+    (
+        "softhca_rx_dropped_by_reason_total",
+        Some("unknown_qp"),
+        |s| s.rx_unknown_qp,
+    ),
+    (
+        "softhca_rx_dropped_by_reason_total",
+        Some("foreign_source"),
+        |s| s.rx_foreign_source,
+    ),
+    ("softhca_rx_dropped_by_reason_total", Some("ghost"), |s| {
+        s.rx_ghost
+    }),
+    ("softhca_rx_dropped_by_reason_total", Some("other"), |s| {
+        s.rx_dropped
+    }),
+    ("softhca_retransmits_total", None, |s| s.retransmits),
+    ("softhca_naks_sent_total", None, |s| {
+        s.seq_naks_tx + s.rnr_naks_tx + s.naks_tx
+    }),
+    ("softhca_naks_received_total", None, |s| {
+        s.seq_naks_rx + s.rnr_naks_rx + s.naks_rx
+    }),
+    ("softhca_flushed_total", None, |s| s.flushed),
+    ("softhca_timeouts_total", None, |s| s.timeouts),
+    ("softhca_rx_foreign_source_total", None, |s| {
+        s.rx_foreign_source
+    }),
+    ("softhca_access_errors_total", None, |s| s.access_errors),
+    ("softhca_cq_overflows_total", None, |s| s.cq_overflows),
+    ("softhca_gsi_overflows_total", None, |s| s.gsi_overflows),
+];
+
+fn dropped(s: &Stats) -> u64 {
+    s.rx_malformed
+        + s.rx_icrc_errors
+        + s.rx_unknown_qp
+        + s.rx_dropped
+        + s.rx_ghost
+        + s.rx_foreign_source
+}
+
 pub struct Publisher {
     last: Stats,
-    c: [Counter; 11],
+    c: Vec<Counter>,
 }
 
 impl Publisher {
     pub fn new(device: &str) -> Publisher {
-        let d = device.to_string();
-        let mk = |name: &'static str| counter!(name, "device" => d.clone());
+        let c = COUNTERS
+            .iter()
+            .map(|(name, reason, _)| match reason {
+                Some(r) => counter!(*name, "device" => device.to_string(), "reason" => *r),
+                None => counter!(*name, "device" => device.to_string()),
+            })
+            .collect();
         Publisher {
             last: Stats::default(),
-            c: [
-                mk("softhca_tx_packets_total"),
-                mk("softhca_rx_packets_total"),
-                mk("softhca_tx_bytes_total"),
-                mk("softhca_rx_bytes_total"),
-                mk("softhca_rx_dropped_total"),
-                mk("softhca_retransmits_total"),
-                mk("softhca_naks_sent_total"),
-                mk("softhca_naks_received_total"),
-                mk("softhca_flushed_total"),
-                mk("softhca_timeouts_total"),
-                mk("softhca_rx_foreign_source_total"),
-            ],
+            c,
         }
     }
 
@@ -36,31 +94,8 @@ impl Publisher {
         if *s == self.last {
             return;
         }
-        let l = &self.last;
-        let dropped = |x: &Stats| {
-            x.rx_malformed
-                + x.rx_icrc_errors
-                + x.rx_unknown_qp
-                + x.rx_dropped
-                + x.rx_ghost
-                + x.rx_foreign_source
-        };
-        let naks_tx = |x: &Stats| x.seq_naks_tx + x.rnr_naks_tx + x.naks_tx;
-        let naks_rx = |x: &Stats| x.seq_naks_rx + x.rnr_naks_rx + x.naks_rx;
-        let deltas = [
-            s.tx_packets - l.tx_packets,
-            s.rx_packets - l.rx_packets,
-            s.tx_bytes - l.tx_bytes,
-            s.rx_bytes - l.rx_bytes,
-            dropped(s) - dropped(l),
-            s.retransmits - l.retransmits,
-            naks_tx(s) - naks_tx(l),
-            naks_rx(s) - naks_rx(l),
-            s.flushed - l.flushed,
-            s.timeouts - l.timeouts,
-            s.rx_foreign_source - l.rx_foreign_source,
-        ];
-        for (c, d) in self.c.iter().zip(deltas) {
+        for (c, (_, _, read)) in self.c.iter().zip(COUNTERS) {
+            let d = read(s).saturating_sub(read(&self.last));
             if d > 0 {
                 c.increment(d);
             }
