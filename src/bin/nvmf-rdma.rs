@@ -630,7 +630,19 @@ async fn connect(s: &Subsys) -> Result<Controller> {
         .with_context(|| format!("connect to {} at {}", s.nqn, s.fabric.traddr))
 }
 
-fn main() -> Result<()> {
+/// Errors end the process with one line: what failed and why, outermost first (anyhow's
+/// `{:#}`), never Debug text or a backtrace.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("nvmf-rdma: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
