@@ -8,12 +8,12 @@ use std::time::{Duration, Instant as StdInstant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::driver::SoftHca;
+use crate::driver::{CmService, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use crate::hca::PciAddr;
 use crate::nvme::Nqn;
 use crate::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
-use crate::transport::{CmService, ConnectOptions, Controller, HostError};
+use crate::transport::{ConnectOptions, Controller, HostError};
 
 pub const DEMO_NQN: &str = "nqn.2026-11.io.nvmf-rdma:demo";
 

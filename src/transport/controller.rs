@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, watch, Notify};
 
 use crate::alloc_audit;
 use crate::cm::{ConnId, ConnectParams, NvmeCmRequest};
-use crate::driver::{DeviceManager, SoftHca};
+use crate::driver::{CmService, DeviceManager, SoftHca};
 use crate::hca::rc::PeerInfo;
 use crate::hca::{Instant, Lifecycle, Mtu, PdId};
 use crate::nvme::admin;
@@ -30,7 +30,6 @@ use crate::nvme::{
 };
 use crate::reconnect::{Action, Cause, CtrlState, Event, Identity, Machine, Policy, Status};
 
-use super::fabric::CmService;
 use super::queue::{self, Alarm, Clock, QueueCore, QueueCtl, QueueHandle, QueueSpec, QueueStats};
 use super::HostError;
 
