@@ -317,7 +317,9 @@ pub fn bench(jobs: Vec<Job>, queues: usize) -> anyhow::Result<Vec<JobResult>> {
         for job in jobs {
             rows.push(run_job(c.clone(), job).await);
             if std::env::var_os("NVMF_DEBUG_STATS").is_some() {
-                eprintln!("{:?}", c.hca().with(|d, _| d.stats().clone()));
+                if let Some(h) = c.device::<SoftHca>() {
+                    eprintln!("{:?}", h.with(|d, _| d.stats().clone()));
+                }
             }
         }
         anyhow::Ok(rows)
