@@ -188,7 +188,8 @@ struct DevShared<S: DeviceSource> {
     current: Mutex<S::Device>,
 }
 
-/// [`DevShared`] without its backend type, for the public [`Controller`], which has none.
+/// [`DevShared`] without its backend type: the public [`Controller`] has none, so exports and
+/// the fio plugin hold one controller type whatever the backend.
 trait Backing: Send + Sync {
     fn as_any(&self) -> &dyn Any;
     /// The current context, as `&Mutex<D>`.
