@@ -14,13 +14,13 @@ use std::time::Duration;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::driver::{DeviceManager, SoftHca};
+use crate::driver::{CmService, DeviceManager, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use crate::hca::PciAddr;
 use crate::nvme::Nqn;
 use crate::reconnect::Policy;
 use crate::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
-use crate::transport::{CmService, ConnectOptions, Controller, HostError};
+use crate::transport::{ConnectOptions, Controller, HostError};
 
 pub const CHAOS_NQN: &str = "nqn.2026-11.io.nvmf-rdma:chaos";
 /// The host device's slot name in the device manager.

@@ -1,7 +1,8 @@
 //! nvmf-rdma: a user-space NVMe-over-RDMA initiator that owns its (soft) HCA.
 //!
 //! Layers, bottom up: [`hca`] (sans-I/O soft-HCA speaking RoCEv2), [`driver`] (tokio: sockets,
-//! timers, metrics).
+//! timers, metrics), [`verbs`] (the backend seam the host is written against), [`transport`]
+//! and [`reconnect`] (the NVMe-oF host and its recovery).
 
 pub mod alloc_audit;
 pub mod chaos;
@@ -19,4 +20,5 @@ pub mod perf;
 pub mod reconnect;
 pub mod target;
 pub mod transport;
+pub mod verbs;
 pub mod wire_json;

@@ -8,12 +8,12 @@ use std::time::{Duration, Instant as StdInstant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::driver::SoftHca;
+use crate::driver::{CmService, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use crate::hca::PciAddr;
 use crate::nvme::Nqn;
 use crate::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
-use crate::transport::{CmService, ConnectOptions, Controller, HostError};
+use crate::transport::{ConnectOptions, Controller, HostError};
 
 pub const DEMO_NQN: &str = "nqn.2026-11.io.nvmf-rdma:demo";
 
@@ -317,7 +317,9 @@ pub fn bench(jobs: Vec<Job>, queues: usize) -> anyhow::Result<Vec<JobResult>> {
         for job in jobs {
             rows.push(run_job(c.clone(), job).await);
             if std::env::var_os("NVMF_DEBUG_STATS").is_some() {
-                eprintln!("{:?}", c.hca().with(|d, _| d.stats().clone()));
+                if let Some(h) = c.device::<SoftHca>() {
+                    eprintln!("{:?}", h.with(|d, _| d.stats().clone()));
+                }
             }
         }
         anyhow::Ok(rows)

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nvmf_rdma::cm::{ConnId, ConnectParams, NvmeCmRequest};
-use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
 use nvmf_rdma::hca::{
@@ -35,7 +35,7 @@ use nvmf_rdma::nvme::{Cc, ConnectData, Cqe, FabricsCmd, Nqn, SglDescriptor, Sqe,
 use nvmf_rdma::reconnect::CtrlState;
 use nvmf_rdma::target::fake::{FakeConfig, FakeTarget, Lie, Script};
 use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
-use nvmf_rdma::transport::{CmService, ConnectOptions, Controller, HostError, QueueStats};
+use nvmf_rdma::transport::{ConnectOptions, Controller, HostError, QueueStats};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

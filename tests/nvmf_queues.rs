@@ -11,12 +11,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::nvme::{admin, fabrics, Nqn, Status};
 use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
-use nvmf_rdma::transport::{discover, CmService, ConnectOptions, Controller, HostError};
+use nvmf_rdma::transport::{discover, ConnectOptions, Controller, HostError};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

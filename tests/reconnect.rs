@@ -300,7 +300,7 @@ async fn keep_alive_loss_recovers_once_the_target_answers_again() {
 async fn a_reset_storm_is_survived_without_leaks() {
     let (mgr, t, c) = rig(policy(), 2).await;
     let counts = |h: &nvmf_rdma::driver::SoftHca| h.with_quiet(|d, _| d.object_counts());
-    let first = counts(&c.hca());
+    let first = counts(&c.device().expect("a soft-HCA controller"));
     let stop = Arc::new(AtomicBool::new(false));
     let ws = spawn_workers(&c, 4, &stop);
     // Back to back, without waiting for LIVE in between.
@@ -319,7 +319,7 @@ async fn a_reset_storm_is_survived_without_leaks() {
         "{st:?}"
     );
     // Every recovery made one clean set of verbs objects on the new context.
-    assert_eq!(counts(&c.hca()), first);
+    assert_eq!(counts(&c.device().expect("a soft-HCA controller")), first);
     // The target tore down the controllers of the dead contexts (keep-alive expiry) and
     // keeps only ours: admin + 2 I/O queues.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);

@@ -15,7 +15,7 @@ use std::time::Duration;
 use nvmf_rdma::chaos::{
     host_config, host_options, verify_worker, Region, TargetRig, WorkerReport, HOST_DEV,
 };
-use nvmf_rdma::driver::DeviceManager;
+use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::nvme::admin;
 use nvmf_rdma::reconnect::{CtrlState, FailReason, IdentityMatch, Policy};
 use nvmf_rdma::transport::{ConnectOptions, Controller, HostError};
@@ -384,7 +384,9 @@ async fn disconnect_right_after_a_device_reset_returns_at_once() {
         match i % 4 {
             0 => {}
             1 => {
-                while c.hca().lifecycle() == nvmf_rdma::hca::Lifecycle::Live {
+                while c.device::<SoftHca>().map(|h| h.lifecycle())
+                    == Some(nvmf_rdma::hca::Lifecycle::Live)
+                {
                     tokio::task::yield_now().await;
                 }
             }

@@ -13,7 +13,7 @@ use nvmf_rdma::cli_support::{
     host_bind_addr, json_field, lock_all_memory, parse_duration, parse_pos_secs, parse_secs,
     parse_tmo, parse_traddr, roce_peer, run_dir, CtrlInfo, Health, Tmo, DEFAULT_ROCE_PORT,
 };
-use nvmf_rdma::driver::{DeviceManager, SoftHca};
+use nvmf_rdma::driver::{CmService, DeviceManager, SoftHca};
 use nvmf_rdma::export::{self, ExportAddr};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::PciAddr;
@@ -24,7 +24,7 @@ use nvmf_rdma::perf;
 use nvmf_rdma::reconnect::policy;
 use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
 use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
-use nvmf_rdma::transport::{discover, CmService, ConnectOptions, Controller};
+use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
 use nvmf_rdma::wire_json::JsonObj;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 

@@ -1,8 +1,11 @@
 //! The tokio driver: one task per open soft-HCA context owns its UDP socket and its timer,
 //! feeds the sans-I/O [`Device`] with datagrams and `now`, and sends what it produces.
 //! Applications reach the device through a [`SoftHca`] handle; completions wake them through
-//! a [`tokio::sync::Notify`].
+//! a [`tokio::sync::Notify`]. `backend` puts the soft-HCA behind the host's backend seam
+//! ([`crate::verbs`]), with [`CmService`] as its connection manager.
 
+mod backend;
+pub mod cm;
 pub mod manager;
 mod metrics_pub;
 mod socket;
@@ -19,6 +22,7 @@ use crate::hca::device::{Device, DeviceConfig, Lifecycle};
 use crate::hca::types::Instant;
 use crate::hca::{AsyncEvent, WorkCompletion};
 
+pub use cm::CmService;
 pub use manager::{DeviceManager, ManagerError};
 pub use socket::{bind_roce_socket, RxBatch, TxBatch};
 

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use crate::hca::Instant;
+use crate::verbs::Instant;
 
 use super::policy::{Identity, Policy};
 

@@ -5,7 +5,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::hca::{Guid, PciAddr};
+pub use crate::verbs::Identity;
 
 /// Linux `NVMF_DEF_CTRL_LOSS_TMO`.
 pub const DEFAULT_CTRL_LOSS_TMO: Duration = Duration::from_secs(600);
@@ -80,13 +80,6 @@ impl fmt::Display for IdentityMatch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
-}
-
-/// What identifies an HCA across resets: its node GUID and PCI address.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Identity {
-    pub guid: Guid,
-    pub pci: PciAddr,
 }
 
 /// The reconnect policy of one controller.

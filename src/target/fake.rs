@@ -20,6 +20,7 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc;
 
 use crate::cm::{AcceptParams, ConnId, NvmeCmAccept};
+use crate::driver::CmService;
 use crate::driver::SoftHca;
 use crate::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
 use crate::hca::{
@@ -32,7 +33,6 @@ use crate::nvme::{
     Cap, Cc, ConnectData, Cqe, Csts, FabricsCmd, FixedStr, IdentifyController, IdentifyNamespace,
     Nqn, SglDescriptor, Sqe, Status, Vs,
 };
-use crate::transport::fabric::CmService;
 
 const SQE_LEN: usize = 64;
 const CQE_LEN: usize = 16;

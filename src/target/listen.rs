@@ -7,9 +7,9 @@ use std::collections::HashMap;
 use tokio::sync::mpsc;
 
 use crate::cm::{AcceptParams, ConnId, NvmeCmAccept, NvmeCmReject, NvmeRejectStatus};
+use crate::driver::CmService;
 use crate::hca::rc::PeerInfo;
 use crate::hca::Qpn;
-use crate::transport::fabric::CmService;
 
 use super::{ConnParams, ConnReject, Target};
 

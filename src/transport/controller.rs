@@ -10,18 +10,17 @@
 //! resubmit, LIVE. From the failure to the resubmission the host allocates nothing: every
 //! buffer, slot and table was sized at the first connect (`tests/recovery_alloc.rs`).
 
+use std::any::Any;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch, Notify};
 
-use crate::alloc_audit;
 use crate::cm::{ConnId, ConnectParams, NvmeCmRequest};
-use crate::driver::{DeviceManager, SoftHca};
-use crate::hca::rc::PeerInfo;
-use crate::hca::{Instant, Lifecycle, Mtu, PdId};
 use crate::nvme::admin;
 use crate::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use crate::nvme::{
@@ -29,8 +28,11 @@ use crate::nvme::{
     IdentifyController, IdentifyNamespace, Nqn, Sqe,
 };
 use crate::reconnect::{Action, Cause, CtrlState, Event, Identity, Machine, Policy, Status};
+use crate::verbs::{
+    roce_peer, CmPort, DeviceContext, DeviceSource, Instant, Lifecycle, Mtu, Opened, PdId, PeerInfo,
+};
 
-use super::fabric::CmService;
+use super::fixed::Fixed;
 use super::queue::{self, Alarm, Clock, QueueCore, QueueCtl, QueueHandle, QueueSpec, QueueStats};
 use super::HostError;
 
@@ -100,7 +102,7 @@ impl ConnectOptions {
             keep_alive_tmo: Duration::from_secs(5),
             max_io: 128 << 10,
             // rxe on 1500-byte Ethernet uses 1024; soft-HCAs on loopback take 4096.
-            mtu: if crate::hca::device::roce_peer(traddr.ip()) {
+            mtu: if roce_peer(traddr.ip()) {
                 Mtu::Mtu1024
             } else {
                 Mtu::Mtu4096
@@ -109,7 +111,7 @@ impl ConnectOptions {
             policy: Policy::default(),
             io_timeout: crate::reconnect::policy::DEFAULT_IO_TIMEOUT,
             max_retries: crate::reconnect::policy::DEFAULT_MAX_RETRIES,
-            inline_depth: if crate::hca::device::roce_peer(traddr.ip()) {
+            inline_depth: if roce_peer(traddr.ip()) {
                 usize::MAX
             } else {
                 SOFT_INLINE_DEPTH
@@ -151,17 +153,6 @@ impl NsInfo {
     }
 }
 
-/// Where the controller finds its HCA, now and after a failure.
-#[derive(Clone)]
-pub enum HostDevice {
-    /// One device context. If it dies it never comes back: the controller can recover from
-    /// a CM disconnect or keep-alive loss through it, not from its death.
-    Fixed { hca: SoftHca, cm: CmService },
-    /// Device `name` of a [`DeviceManager`]: after a reset or re-plug the controller finds it
-    /// again, checking its identity against the policy.
-    Managed { mgr: DeviceManager, name: String },
-}
-
 /// What `list` and the metrics show.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CtrlStatus {
@@ -180,7 +171,6 @@ impl CtrlStatus {
 }
 
 struct CtrlShared {
-    source: HostDevice,
     /// Deletion was asked for. A state, not a wake-up: the supervisor looks at it at the top
     /// of every turn and while an attempt runs, so no request is lost to a race.
     deleting: AtomicBool,
@@ -189,7 +179,42 @@ struct CtrlShared {
     alarm: Arc<Alarm>,
     status: watch::Sender<CtrlStatus>,
     clock: Clock,
-    hca: Mutex<SoftHca>,
+}
+
+/// Where the controller finds its device, and the context it runs on now.
+struct DevShared<S: DeviceSource> {
+    source: S,
+    name: String,
+    current: Mutex<S::Device>,
+}
+
+/// [`DevShared`] without its backend type: the public [`Controller`] has none, so exports and
+/// the fio plugin hold one controller type whatever the backend.
+trait Backing: Send + Sync {
+    fn as_any(&self) -> &dyn Any;
+    /// The current context, as `&Mutex<D>`.
+    fn current(&self) -> &dyn Any;
+    fn inflict_reset(
+        &self,
+        down_for: Duration,
+    ) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send + '_>>;
+}
+
+impl<S: DeviceSource> Backing for DevShared<S> {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn current(&self) -> &dyn Any {
+        &self.current
+    }
+
+    fn inflict_reset(
+        &self,
+        down_for: Duration,
+    ) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send + '_>> {
+        Box::pin(self.source.inflict_reset(&self.name, down_for))
+    }
 }
 
 /// A connected NVMe-oF controller that survives its HCA.
@@ -203,13 +228,14 @@ pub struct Controller {
     next: AtomicUsize,
     max_io: usize,
     shared: Arc<CtrlShared>,
+    backing: Arc<dyn Backing>,
     sup: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// The device context the controller currently runs on.
-struct DevCtx {
-    hca: SoftHca,
-    cm: CmService,
+struct DevCtx<D: DeviceContext> {
+    dev: D,
+    cm: D::Cm,
     pd: Option<PdId>,
     generation: u64,
 }
@@ -266,15 +292,15 @@ impl EventQueue {
 
 /// The recovery side of a controller: owns the state machine, the device context and the
 /// controller view of every queue.
-struct Supervisor {
+struct Supervisor<S: DeviceSource> {
     sm: Machine,
     clock: Clock,
     opts: ConnectOptions,
-    source: HostDevice,
-    dev: Option<DevCtx>,
+    devs: Arc<DevShared<S>>,
+    dev: Option<DevCtx<S::Device>>,
     ours: Identity,
-    admin: QueueCtl,
-    io: Vec<QueueCtl>,
+    admin: QueueCtl<S::Device>,
+    io: Vec<QueueCtl<S::Device>>,
     /// CM connection of each queue (admin first), preallocated.
     conns: Vec<Option<ConnId>>,
     connect_data: [u8; 1024],
@@ -287,16 +313,6 @@ struct Supervisor {
     failed_at: Option<Instant>,
     last_recovery: Option<Duration>,
     metrics: CtrlMetrics,
-}
-
-fn dev_identity(hca: &SoftHca) -> Identity {
-    hca.with_quiet(|d, _| {
-        let id = d.identity();
-        Identity {
-            guid: id.guid,
-            pci: id.pci,
-        }
-    })
 }
 
 impl CtrlShared {
@@ -348,12 +364,12 @@ enum Attempt {
     Deleted,
 }
 
-impl Supervisor {
+impl<S: DeviceSource> Supervisor<S> {
     fn now(&self) -> Instant {
         self.clock.now()
     }
 
-    fn queue(&self, qi: usize) -> QueueCtl {
+    fn queue(&self, qi: usize) -> QueueCtl<S::Device> {
         if qi == 0 {
             self.admin.clone()
         } else {
@@ -361,25 +377,9 @@ impl Supervisor {
         }
     }
 
-    /// Find our device: the live context of the fixed device or of the managed name.
-    fn find_device(&self) -> Option<(SoftHca, Option<CmService>, Identity, u64)> {
-        match &self.source {
-            HostDevice::Fixed { hca, cm } => (hca.lifecycle() == Lifecycle::Live)
-                .then(|| (hca.clone(), Some(cm.clone()), dev_identity(hca), 0)),
-            HostDevice::Managed { mgr, name } => alloc_audit::platform(|| {
-                mgr.open(name).map(|(h, info)| {
-                    (
-                        h,
-                        None,
-                        Identity {
-                            guid: info.guid,
-                            pci: info.pci,
-                        },
-                        info.generation,
-                    )
-                })
-            }),
-        }
+    /// Find our device: the live current context of the source's device.
+    fn find_device(&self) -> Option<Opened<S::Device>> {
+        self.devs.source.open(&self.devs.name)
     }
 
     /// What the device list says about our device, as events for the machine.
@@ -388,22 +388,21 @@ impl Supervisor {
         let cur_live = self
             .dev
             .as_ref()
-            .is_some_and(|d| d.hca.lifecycle() == Lifecycle::Live);
+            .is_some_and(|d| d.dev.lifecycle() == Lifecycle::Live);
         match self.find_device() {
-            Some((_, _, id, gen)) => {
-                if cur_gen.is_some_and(|g| g != gen) || (cur_gen.is_some() && !cur_live) {
+            Some(Opened {
+                identity,
+                generation,
+                ..
+            }) => {
+                if cur_gen.is_some_and(|g| g != generation) || (cur_gen.is_some() && !cur_live) {
                     // Ours died and another context took its place.
                     q.push(Event::DeviceDown { removed: false });
                 }
-                q.push(Event::DeviceUp(id));
+                q.push(Event::DeviceUp(identity));
             }
             None => {
-                let removed = match &self.source {
-                    HostDevice::Fixed { hca, .. } => hca.lifecycle() == Lifecycle::Removed,
-                    HostDevice::Managed { mgr, name } => {
-                        alloc_audit::platform(|| !mgr.refresh().iter().any(|i| &i.name == name))
-                    }
-                };
+                let removed = !self.devs.source.present(&self.devs.name);
                 q.push(Event::DeviceDown { removed });
             }
         }
@@ -414,26 +413,28 @@ impl Supervisor {
         if self
             .dev
             .as_ref()
-            .is_some_and(|d| d.hca.lifecycle() == Lifecycle::Live)
+            .is_some_and(|d| d.dev.lifecycle() == Lifecycle::Live)
         {
             return Ok(());
         }
         self.dev = None;
-        let Some((hca, cm, id, generation)) = self.find_device() else {
+        let Some(Opened {
+            dev,
+            identity,
+            generation,
+        }) = self.find_device()
+        else {
             return Err(HostError::Step("device is not present"));
         };
-        if !self.sm.policy().identity.accepts(&self.ours, &id) {
+        if !self.sm.policy().identity.accepts(&self.ours, &identity) {
             return Err(HostError::Transport(
                 "a different device took our place".into(),
             ));
         }
-        let cm = match cm {
-            Some(cm) => cm,
-            None => CmService::for_device(&hca),
-        };
-        *self.shared.hca.lock().unwrap_or_else(|e| e.into_inner()) = hca.clone();
+        let cm = self.devs.source.cm(&dev);
+        *self.devs.current.lock().unwrap_or_else(|e| e.into_inner()) = dev.clone();
         self.dev = Some(DevCtx {
-            hca,
+            dev,
             cm,
             pd: None,
             generation,
@@ -447,7 +448,7 @@ impl Supervisor {
         if let Some(pd) = d.pd {
             return Ok(pd);
         }
-        let pd = d.hca.with(|d, _| d.alloc_pd())?;
+        let pd = d.dev.alloc_pd()?;
         d.pd = Some(pd);
         Ok(pd)
     }
@@ -456,12 +457,12 @@ impl Supervisor {
     /// the reserved slot.
     async fn connect_queue(&mut self, qi: usize) -> Result<(), HostError> {
         let pd = self.alloc_pd()?;
-        let (hca, cm) = match &self.dev {
-            Some(d) => (d.hca.clone(), d.cm.clone()),
+        let (dev, cm) = match &self.dev {
+            Some(d) => (d.dev.clone(), d.cm.clone()),
             None => return Err(HostError::Step("no device")),
         };
         let ctl = self.queue(qi);
-        let qpn = ctl.lock().attach(&hca, pd)?;
+        let qpn = ctl.lock().attach(&dev, pd)?;
         ctl.poke();
         let spec = ctl.lock().spec;
         let mut params = ConnectParams::new(qpn, self.opts.trsvcid);
@@ -607,13 +608,11 @@ impl Supervisor {
                 }
             }
             if let Some(pd) = d.pd {
-                d.hca.with(|dev, _| {
-                    let _ = dev.dealloc_pd(pd);
-                });
+                d.dev.dealloc_pd(pd);
             }
             // A context that is still live (CM disconnect, keep-alive loss) is reused on
             // the next attempt; a dead one is let go.
-            if d.hca.lifecycle() == Lifecycle::Live {
+            if d.dev.lifecycle() == Lifecycle::Live {
                 self.dev = Some(DevCtx { pd: None, ..d });
             }
         }
@@ -641,7 +640,7 @@ impl Supervisor {
         }
     }
 
-    fn all_queues(&self) -> impl Iterator<Item = &QueueCtl> {
+    fn all_queues(&self) -> impl Iterator<Item = &QueueCtl<S::Device>> {
         std::iter::once(&self.admin).chain(self.io.iter())
     }
 
@@ -780,7 +779,7 @@ impl Supervisor {
                 let device_gone = self
                     .dev
                     .as_ref()
-                    .is_none_or(|d| d.hca.lifecycle() != Lifecycle::Live);
+                    .is_none_or(|d| d.dev.lifecycle() != Lifecycle::Live);
                 if device_gone {
                     Attempt::Cut
                 } else {
@@ -892,33 +891,32 @@ impl Controller {
     /// the controller. Recovery works for CM disconnects and keep-alive loss; if the device
     /// itself dies the controller waits for ctrl_loss_tmo (use [`Controller::connect_managed`]
     /// to survive resets and re-plugs).
-    pub async fn connect(
-        hca: SoftHca,
-        cm: CmService,
+    pub async fn connect<D: DeviceContext>(
+        dev: D,
+        cm: D::Cm,
         o: ConnectOptions,
     ) -> Result<Controller, HostError> {
-        Self::connect_with(HostDevice::Fixed { hca, cm }, o).await
+        // The context is ours even if it is already dead: bring-up then fails on it.
+        let first = Some(dev.clone());
+        Self::connect_with(Fixed::new(dev, cm), String::new(), first, o).await
     }
 
-    /// Connect through device `name` of `mgr`, and come back through it after resets and
+    /// Connect through device `name` of `source`, and come back through it after resets and
     /// re-plugs.
-    pub async fn connect_managed(
-        mgr: DeviceManager,
+    pub async fn connect_managed<S: DeviceSource>(
+        source: S,
         name: &str,
         o: ConnectOptions,
     ) -> Result<Controller, HostError> {
-        Self::connect_with(
-            HostDevice::Managed {
-                mgr,
-                name: name.to_string(),
-            },
-            o,
-        )
-        .await
+        let first = source.open(name).map(|d| d.dev);
+        Self::connect_with(source, name.to_string(), first, o).await
     }
 
-    pub async fn connect_with(
-        source: HostDevice,
+    /// Connect through `name` of `source`, starting on context `first`.
+    async fn connect_with<S: DeviceSource>(
+        source: S,
+        name: String,
+        first: Option<S::Device>,
         o: ConnectOptions,
     ) -> Result<Controller, HostError> {
         if !(16..=1024).contains(&o.queue_size) {
@@ -946,21 +944,16 @@ impl Controller {
             max_io: 64 << 10,
             mtu: o.mtu,
         };
-        let admin_core = QueueCore::new(admin_spec, alarm.clone(), o.io_timeout, o.max_retries)?;
+        let admin_core: QueueCore<S::Device> =
+            QueueCore::new(admin_spec, alarm.clone(), o.io_timeout, o.max_retries)?;
         let (admin_h, admin_ctl, _admin_task) = queue::spawn(admin_core, clock);
-        let (first_hca, changed) = match &source {
-            HostDevice::Fixed { hca, .. } => (Some(hca.clone()), Arc::new(Notify::new())),
-            HostDevice::Managed { mgr, name } => (
-                alloc_audit::platform(|| mgr.open(name)).map(|(h, _)| h),
-                mgr.changed(),
-            ),
-        };
-        let Some(first_hca) = first_hca else {
+        let changed = source.changed();
+        let Some(first) = first else {
             return Err(HostError::Connect(
                 "no such device, or it is not live".into(),
             ));
         };
-        let ours = dev_identity(&first_hca);
+        let ours = first.identity();
         let mut policy = o.policy;
         policy.keep_alive_tmo = if discovery {
             Duration::ZERO
@@ -968,7 +961,6 @@ impl Controller {
             o.keep_alive_tmo
         };
         let shared = Arc::new(CtrlShared {
-            source: source.clone(),
             deleting: AtomicBool::new(false),
             delete: Notify::new(),
             alarm: alarm.clone(),
@@ -980,7 +972,11 @@ impl Controller {
             })
             .0,
             clock,
-            hca: Mutex::new(first_hca),
+        });
+        let devs = Arc::new(DevShared {
+            source,
+            name,
+            current: Mutex::new(first),
         });
         let (disc_tx, disc_rx) = mpsc::unbounded_channel();
         let connect_data = ConnectData {
@@ -993,7 +989,7 @@ impl Controller {
         let mut sup = Supervisor {
             sm: Machine::new(policy, ours),
             clock,
-            source,
+            devs: devs.clone(),
             dev: None,
             ours,
             admin: admin_ctl,
@@ -1021,6 +1017,7 @@ impl Controller {
             next: AtomicUsize::new(0),
             max_io: 0,
             shared,
+            backing: devs,
             sup: None,
         };
         // Bring-up runs under the rules of recovery: each step has a deadline, and a failure
@@ -1052,7 +1049,11 @@ impl Controller {
         Ok(c)
     }
 
-    async fn bring_up(&mut self, sup: &mut Supervisor, discovery: bool) -> Result<(), HostError> {
+    async fn bring_up<S: DeviceSource>(
+        &mut self,
+        sup: &mut Supervisor<S>,
+        discovery: bool,
+    ) -> Result<(), HostError> {
         sup.open_device()?;
         let cap = sup.connect_admin().await?;
         sup.admin.lock().resume(sup.now());
@@ -1138,13 +1139,10 @@ impl Controller {
         })?
     }
 
-    /// The soft-HCA context this controller currently runs on.
-    pub fn hca(&self) -> SoftHca {
-        self.shared
-            .hca
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+    /// The device context this controller currently runs on, if it is a `D`.
+    pub fn device<D: DeviceContext>(&self) -> Option<D> {
+        let m = self.backing.current().downcast_ref::<Mutex<D>>()?;
+        Some(m.lock().unwrap_or_else(|e| e.into_inner()).clone())
     }
 
     /// State, attempts, time left, as of now.
@@ -1184,28 +1182,16 @@ impl Controller {
     /// Chaos: reset the HCA under this controller (a fatal error; the device comes back
     /// after `down_for`). Needs a managed device ([`Controller::connect_managed`]).
     pub async fn reset_device(&self, down_for: Duration) -> Result<(), HostError> {
-        match &self.shared.source {
-            HostDevice::Managed { mgr, name } => mgr
-                .reset(name, down_for)
-                .await
-                .map(|_| ())
-                .map_err(|e| HostError::Invalid(e.to_string())),
-            HostDevice::Fixed { hca, .. } => {
-                hca.fatal();
-                Err(HostError::Invalid(
-                    "the controller's device is not managed: it was killed and will not return"
-                        .into(),
-                ))
-            }
-        }
+        self.backing
+            .inflict_reset(down_for)
+            .await
+            .map_err(HostError::Invalid)
     }
 
-    /// The device manager and device name the controller runs on, if managed.
-    pub fn device_manager(&self) -> Option<(DeviceManager, String)> {
-        match &self.shared.source {
-            HostDevice::Managed { mgr, name } => Some((mgr.clone(), name.clone())),
-            HostDevice::Fixed { .. } => None,
-        }
+    /// The device source and device name the controller runs on, if the source is an `S`.
+    pub fn device_source<S: DeviceSource>(&self) -> Option<(S, String)> {
+        let d = self.backing.as_any().downcast_ref::<DevShared<S>>()?;
+        Some((d.source.clone(), d.name.clone()))
     }
 
     /// Start recovery now, as on any failure (nvme-cli `reset`).
@@ -1405,14 +1391,14 @@ impl Drop for Controller {
 }
 
 /// Ask a discovery controller which subsystems it offers.
-pub async fn discover(
-    hca: SoftHca,
-    cm: CmService,
+pub async fn discover<D: DeviceContext>(
+    dev: D,
+    cm: D::Cm,
     mut o: ConnectOptions,
 ) -> Result<Vec<DiscoveryLogEntry>, HostError> {
     o.subnqn = fabrics::DISCOVERY_NQN.to_string();
     o.keep_alive_tmo = Duration::ZERO;
-    let c = Controller::connect(hca, cm, o).await?;
+    let c = Controller::connect(dev, cm, o).await?;
     let a = c.admin.clone();
     let entries = async {
         let head = a

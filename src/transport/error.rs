@@ -1,6 +1,7 @@
 //! Errors of the host side, each documented as transient (recovery may fix it) or permanent.
 
 use crate::nvme::{NvmeError, NvmeWireError, Status};
+use crate::verbs::{CmError, VerbsError};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum HostError {
@@ -55,8 +56,17 @@ impl From<NvmeWireError> for HostError {
     }
 }
 
-impl From<crate::hca::VerbsError> for HostError {
-    fn from(e: crate::hca::VerbsError) -> Self {
+impl From<VerbsError> for HostError {
+    fn from(e: VerbsError) -> Self {
         HostError::Transport(e.to_string())
+    }
+}
+
+impl From<CmError> for HostError {
+    fn from(e: CmError) -> Self {
+        match e {
+            CmError::Refused(why) => HostError::Connect(why),
+            CmError::DeviceGone(why) => HostError::Step(why),
+        }
     }
 }

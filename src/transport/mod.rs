@@ -1,16 +1,15 @@
-//! The NVMe-oF RDMA host: CM over the soft-HCA's QP1 ([`fabric`]), queues with capsules and
-//! keyed SGLs into pre-registered buffers ([`queue`]), and the controller with its block API
-//! ([`controller`]).
+//! The NVMe-oF RDMA host: queues with capsules and keyed SGLs into pre-registered buffers
+//! ([`queue`]), and the controller with its block API ([`controller`]). It runs on any
+//! backend of the seam in [`crate::verbs`] and names none.
 
 pub mod controller;
 pub mod error;
-pub mod fabric;
+pub mod fixed;
 pub mod queue;
 
 pub use controller::{
-    default_hostid, discover, ConnectOptions, Controller, CtrlStatus, HostDevice, NsInfo,
-    SOFT_INLINE_DEPTH,
+    default_hostid, discover, ConnectOptions, Controller, CtrlStatus, NsInfo, SOFT_INLINE_DEPTH,
 };
 pub use error::HostError;
-pub use fabric::CmService;
+pub use fixed::Fixed;
 pub use queue::{QueueHandle, QueueSpec, QueueStats};

@@ -24,14 +24,13 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, Notify};
 
-use crate::driver::SoftHca;
-use crate::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
-use crate::hca::{
-    Access, CqId, HostMem, Instant, MrInfo, Mtu, PdId, Psn, QpCaps, Qpn, RecvWr, SendOp, SendWr,
-    Sge, Sgl, WcOpcode, WcStatus, WorkCompletion,
-};
 use crate::nvme::{Cqe, SglDescriptor, Sqe};
 use crate::reconnect::{Cause, FailReason};
+use crate::verbs::{
+    Access, CqId, DeviceContext, HostBuffer, Instant, Lifecycle, MrInfo, Mtu, PdId, PeerInfo, Psn,
+    QpCaps, Qpn, RcAttr, RecvWr, SendOp, SendWr, Sge, Sgl, VerbsError, WcOpcode, WcStatus,
+    WorkCompletion,
+};
 
 use super::HostError;
 
@@ -187,8 +186,8 @@ struct Slot {
 }
 
 /// The verbs objects of one device context over the queue's buffers.
-struct Verbs {
-    hca: SoftHca,
+struct Verbs<D> {
+    dev: D,
     qpn: Qpn,
     cq: CqId,
     cmd_mr: MrInfo,
@@ -217,15 +216,15 @@ pub enum ControlDone {
 }
 
 /// Everything of a queue except its task.
-pub struct QueueCore {
+pub struct QueueCore<D: DeviceContext> {
     pub spec: QueueSpec,
-    cmd: HostMem,
-    rsp: HostMem,
-    data: HostMem,
+    cmd: D::Mem,
+    rsp: D::Mem,
+    data: D::Mem,
     data_mrs: Box<[MrInfo]>,
     slots: Box<[Slot]>,
     free: Vec<usize>,
-    verbs: Option<Verbs>,
+    verbs: Option<Verbs<D>>,
     phase: Phase,
     /// New and held I/O fails at once with this (fast_io_fail_tmo) until LIVE again.
     failfast: Option<FailReason>,
@@ -258,14 +257,14 @@ const DRAIN_BATCH: usize = 64;
 /// Read buffers a queue keeps for reuse.
 const SPARE_BUFFERS: usize = 8;
 
-impl QueueCore {
+impl<D: DeviceContext> QueueCore<D> {
     /// Allocate the queue's host memory: rings, data buffers, slots. Nothing is registered.
     pub fn new(
         spec: QueueSpec,
         alarm: Arc<Alarm>,
         io_timeout: Duration,
         max_retries: u8,
-    ) -> Result<QueueCore, HostError> {
+    ) -> Result<QueueCore<D>, HostError> {
         if spec.size < 2 || spec.size > MAX_QUEUE_SIZE {
             return Err(HostError::Invalid(format!(
                 "queue size {} not in 2..={MAX_QUEUE_SIZE}",
@@ -291,9 +290,9 @@ impl QueueCore {
             .collect();
         Ok(QueueCore {
             spec,
-            cmd: HostMem::new(n * capsule),
-            rsp: HostMem::new(n * CQE_LEN),
-            data: HostMem::new(n * spec.max_io),
+            cmd: D::Mem::alloc(n * capsule),
+            rsp: D::Mem::alloc(n * CQE_LEN),
+            data: D::Mem::alloc(n * spec.max_io),
             data_mrs: vec![MrInfo::default(); n].into_boxed_slice(),
             slots,
             // The last slot is the reserved one; user slots pop from the end of `free`.
@@ -339,60 +338,12 @@ impl QueueCore {
         !self.free.is_empty() || matches!(self.phase, Phase::Closed(_)) || self.failfast.is_some()
     }
 
-    /// Register the queue's buffers on `hca` under `pd` and create a CQ and a QP in INIT.
+    /// Register the queue's buffers on `dev` under `pd` and create a CQ and a QP in INIT.
     /// Returns the QP number for the CM request. On error nothing is left behind.
-    #[allow(clippy::result_large_err)] // the error carries the partial objects back out
-    pub fn attach(&mut self, hca: &SoftHca, pd: PdId) -> Result<Qpn, HostError> {
+    pub fn attach(&mut self, dev: &D, pd: PdId) -> Result<Qpn, HostError> {
         self.teardown();
         self.epoch = self.alarm.epoch();
-        let size = self.spec.size;
-        let (cmd, rsp, data) = (&self.cmd, &self.rsp, &self.data);
-        let max_io = self.spec.max_io;
-        let data_mrs = &mut self.data_mrs;
-        let r = hca.with(|d, _| -> Result<Verbs, (Option<Verbs>, HostError)> {
-            let cq = d.create_cq(size * 4 + 1).map_err(|e| (None, e.into()))?;
-            let caps = QpCaps {
-                max_send_wr: size as u32 * 2 + 1,
-                max_recv_wr: size as u32 + 1,
-            };
-            let access = Access::REMOTE_READ | Access::REMOTE_WRITE | Access::LOCAL_WRITE;
-            let qpn = match create_qp_init(d, pd, cq, caps, access) {
-                Ok(q) => q,
-                Err(e) => {
-                    let _ = d.destroy_cq(cq);
-                    return Err((None, e.into()));
-                }
-            };
-            let mut v = Verbs {
-                hca: hca.clone(),
-                qpn,
-                cq,
-                cmd_mr: MrInfo::default(),
-                rsp_mr: MrInfo::default(),
-                data_mrs: 0,
-            };
-            let bad = |v: Verbs, e: crate::hca::VerbsError| (Some(v), HostError::from(e));
-            match d.reg_mr(pd, cmd, 0, cmd.len(), Access::empty()) {
-                Ok(m) => v.cmd_mr = m,
-                Err(e) => return Err(bad(v, e)),
-            }
-            match d.reg_mr(pd, rsp, 0, rsp.len(), Access::LOCAL_WRITE) {
-                Ok(m) => v.rsp_mr = m,
-                Err(e) => return Err(bad(v, e)),
-            }
-            let rw = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
-            for i in 0..size {
-                match d.reg_mr(pd, data, i * max_io, max_io, rw) {
-                    Ok(m) => {
-                        data_mrs[i] = m;
-                        v.data_mrs = i + 1;
-                    }
-                    Err(e) => return Err(bad(v, e)),
-                }
-            }
-            Ok(v)
-        });
-        match r {
+        match self.make_verbs(dev, pd) {
             Ok(v) => {
                 let qpn = v.qpn;
                 self.verbs = Some(v);
@@ -407,28 +358,72 @@ impl QueueCore {
         }
     }
 
+    /// The CQ, the QP and the MRs of [`QueueCore::attach`]; on error, what was made so far.
+    #[allow(clippy::result_large_err)] // the error carries the partial objects back out
+    fn make_verbs(&mut self, dev: &D, pd: PdId) -> Result<Verbs<D>, (Option<Verbs<D>>, HostError)> {
+        let size = self.spec.size;
+        let max_io = self.spec.max_io;
+        let cq = dev.create_cq(size * 4 + 1).map_err(|e| (None, e.into()))?;
+        let caps = QpCaps {
+            max_send_wr: size as u32 * 2 + 1,
+            max_recv_wr: size as u32 + 1,
+        };
+        let access = Access::REMOTE_READ | Access::REMOTE_WRITE | Access::LOCAL_WRITE;
+        let qpn = match dev.create_rc_qp(pd, cq, caps, access) {
+            Ok(q) => q,
+            Err(e) => {
+                dev.destroy_cq(cq);
+                return Err((None, e.into()));
+            }
+        };
+        let mut v = Verbs {
+            dev: dev.clone(),
+            qpn,
+            cq,
+            cmd_mr: MrInfo::default(),
+            rsp_mr: MrInfo::default(),
+            data_mrs: 0,
+        };
+        let bad = |v: Verbs<D>, e: VerbsError| (Some(v), HostError::from(e));
+        match dev.reg_mr(pd, &self.cmd, 0, self.cmd.len(), Access::empty()) {
+            Ok(m) => v.cmd_mr = m,
+            Err(e) => return Err(bad(v, e)),
+        }
+        match dev.reg_mr(pd, &self.rsp, 0, self.rsp.len(), Access::LOCAL_WRITE) {
+            Ok(m) => v.rsp_mr = m,
+            Err(e) => return Err(bad(v, e)),
+        }
+        let rw = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+        for i in 0..size {
+            match dev.reg_mr(pd, &self.data, i * max_io, max_io, rw) {
+                Ok(m) => {
+                    self.data_mrs[i] = m;
+                    v.data_mrs = i + 1;
+                }
+                Err(e) => return Err(bad(v, e)),
+            }
+        }
+        Ok(v)
+    }
+
     /// The peer answered (CM REP): QP to RTS and post the response ring. Only the reserved
     /// slot may be used until [`QueueCore::resume`].
     pub fn connected(&mut self, peer: PeerInfo, psn: Psn) -> Result<(), HostError> {
         let Some(v) = &self.verbs else {
             return Err(HostError::Step("queue has no QP"));
         };
-        let o = RcOptions {
+        let attr = RcAttr {
             mtu: self.spec.mtu,
             timeout: 14,
             retry_cnt: 7,
             rnr_retry: 7,
             max_unacked: 256,
-            ..RcOptions::default()
         };
-        let (qpn, rsp_mr, size) = (v.qpn, v.rsp_mr, self.spec.size);
-        v.hca.with(|d, _| -> Result<(), HostError> {
-            qp_to_rts(d, qpn, peer, psn, &o)?;
-            for r in 0..size {
-                d.post_recv(qpn, recv_wr(&rsp_mr, r))?;
-            }
-            Ok(())
-        })?;
+        v.dev.rc_to_rts(v.qpn, peer, psn, &attr)?;
+        // `teardown` in `attach` emptied the turn's lists, and nothing is posted before RTS.
+        self.recvs
+            .extend((0..self.spec.size).map(|r| recv_wr(&v.rsp_mr, r)));
+        v.dev.post(v.qpn, &mut self.recvs, &mut Vec::new())?;
         self.phase = Phase::Attached;
         self.control = None;
         Ok(())
@@ -447,20 +442,18 @@ impl QueueCore {
             s.held_out = false;
         }
         if let Some(v) = self.verbs.take() {
-            let mrs = &self.data_mrs[..v.data_mrs];
-            v.hca.with(|d, _| {
-                let _ = d.destroy_qp(v.qpn);
-                let _ = d.destroy_cq(v.cq);
-                if v.cmd_mr.lkey.0 != 0 {
-                    let _ = d.dereg_mr(v.cmd_mr.lkey);
-                }
-                if v.rsp_mr.lkey.0 != 0 {
-                    let _ = d.dereg_mr(v.rsp_mr.lkey);
-                }
-                for m in mrs {
-                    let _ = d.dereg_mr(m.lkey);
-                }
-            });
+            let d = &v.dev;
+            d.destroy_qp(v.qpn);
+            d.destroy_cq(v.cq);
+            if v.cmd_mr.lkey.0 != 0 {
+                d.dereg_mr(&v.cmd_mr);
+            }
+            if v.rsp_mr.lkey.0 != 0 {
+                d.dereg_mr(&v.rsp_mr);
+            }
+            for m in &self.data_mrs[..v.data_mrs] {
+                d.dereg_mr(m);
+            }
         }
     }
 
@@ -468,11 +461,11 @@ impl QueueCore {
     /// arrived is a command that ran, and it completes instead of running again after
     /// recovery. Failed completions say nothing new here (the connection is going anyway).
     fn drain_answers(&mut self) {
-        let Some((hca, cq)) = self.cq() else { return };
+        let Some((dev, cq)) = self.cq() else { return };
         let mut wcs = std::mem::take(&mut self.drain);
         loop {
             wcs.clear();
-            let n = hca.with_quiet(|d, _| d.poll_cq(cq, DRAIN_BATCH, &mut wcs));
+            let n = dev.poll_cq(cq, DRAIN_BATCH, &mut wcs);
             for wc in wcs.iter().filter(|wc| wc.status == WcStatus::Success) {
                 self.on_wc(wc);
             }
@@ -556,7 +549,7 @@ impl QueueCore {
         if !data_out.is_empty() {
             self.data.write(off, data_out);
         } else if data_in > 0 {
-            self.data.lock()[off..off + data_in].fill(0);
+            self.data.with_mut(|b| b[off..off + data_in].fill(0));
         }
         let s = &mut self.slots[i];
         s.sqe = sqe;
@@ -658,7 +651,7 @@ impl QueueCore {
         } else if data_in > 0 {
             // A target that reports success without writing the data must not hand this
             // caller the bytes of the slot's previous request.
-            self.data.lock()[off..off + data_in].fill(0);
+            self.data.with_mut(|b| b[off..off + data_in].fill(0));
         }
         let s = &mut self.slots[i];
         s.sqe = sqe;
@@ -744,19 +737,7 @@ impl QueueCore {
             self.recvs.clear();
             return;
         };
-        let qpn = v.qpn;
-        let (sends, recvs) = (&mut self.sends, &mut self.recvs);
-        let ok = v.hca.with(|d, now| {
-            let mut ok = true;
-            for r in recvs.drain(..) {
-                ok &= d.post_recv(qpn, r).is_ok();
-            }
-            for wr in sends.drain(..) {
-                ok &= d.post_send(now, qpn, wr).is_ok();
-            }
-            ok
-        });
-        if !ok {
+        if v.dev.post(v.qpn, &mut self.recvs, &mut self.sends).is_err() {
             let c = self.device_cause().unwrap_or(Cause::Transport);
             self.fail_connection(c);
         }
@@ -811,9 +792,9 @@ impl QueueCore {
 
     /// If the device under the queue is dead: why (reset or hot-remove).
     fn device_cause(&self) -> Option<Cause> {
-        match self.verbs.as_ref()?.hca.lifecycle() {
-            crate::hca::Lifecycle::Live => None,
-            crate::hca::Lifecycle::Removed => Some(Cause::DeviceRemoved),
+        match self.verbs.as_ref()?.dev.lifecycle() {
+            Lifecycle::Live => None,
+            Lifecycle::Removed => Some(Cause::DeviceRemoved),
             _ => Some(Cause::DeviceFatal),
         }
     }
@@ -903,7 +884,8 @@ impl QueueCore {
             let off = i * self.spec.max_io;
             data = self.spare.pop().unwrap_or_default();
             data.clear();
-            data.extend_from_slice(&self.data.lock()[off..off + data_in]);
+            self.data
+                .with_mut(|b| data.extend_from_slice(&b[off..off + data_in]));
         }
         self.stats.completed += 1;
         self.finish(i, Ok(Response { cqe, data }));
@@ -963,16 +945,16 @@ impl QueueCore {
             .min()
     }
 
-    fn cq(&self) -> Option<(SoftHca, CqId)> {
+    fn cq(&self) -> Option<(D, CqId)> {
         if self.cq_gone {
             return None;
         }
-        self.verbs.as_ref().map(|v| (v.hca.clone(), v.cq))
+        self.verbs.as_ref().map(|v| (v.dev.clone(), v.cq))
     }
 
     /// The current CQ, whether or not it is still polled.
-    fn cq_any(&self) -> Option<(SoftHca, CqId)> {
-        self.verbs.as_ref().map(|v| (v.hca.clone(), v.cq))
+    fn cq_any(&self) -> Option<(D, CqId)> {
+        self.verbs.as_ref().map(|v| (v.dev.clone(), v.cq))
     }
 
     /// Whether the controller should hear about a new reserved-slot completion.
@@ -998,9 +980,8 @@ fn recv_wr(rsp_mr: &MrInfo, r: usize) -> RecvWr {
 }
 
 /// The controller's side of a queue: its core, and the notifier of its task.
-#[derive(Clone)]
-pub struct QueueCtl {
-    core: Arc<Mutex<QueueCore>>,
+pub struct QueueCtl<D: DeviceContext> {
+    core: Arc<Mutex<QueueCore<D>>>,
     /// Wakes the task after the controller changed the core (new CQ, phase).
     task: Arc<Notify>,
     /// Wakes the controller when the reserved slot completes.
@@ -1019,8 +1000,19 @@ impl Clock {
     }
 }
 
-impl QueueCtl {
-    pub fn lock(&self) -> MutexGuard<'_, QueueCore> {
+impl<D: DeviceContext> Clone for QueueCtl<D> {
+    fn clone(&self) -> Self {
+        QueueCtl {
+            core: self.core.clone(),
+            task: self.task.clone(),
+            control_done: self.control_done.clone(),
+            clock: self.clock,
+        }
+    }
+}
+
+impl<D: DeviceContext> QueueCtl<D> {
+    pub fn lock(&self) -> MutexGuard<'_, QueueCore<D>> {
         self.core.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -1075,13 +1067,64 @@ impl QueueCtl {
     }
 }
 
+/// What a [`QueueHandle`] does on the queue's core itself, without its task. A trait object,
+/// so that handles (and the controller's public API) do not carry the backend's type: one
+/// indirect call per submission, against a lock and a post.
+trait Direct: Send + Sync {
+    /// Take the command here and post it if the queue has a free slot and nothing waits in
+    /// its channel `tx` (so requests keep their order); else hand `reply` back.
+    fn try_submit(
+        &self,
+        tx: &mpsc::Sender<Request>,
+        clock: &Clock,
+        sqe: Sqe,
+        data_out: Option<&[u8]>,
+        data_in: usize,
+        reply: oneshot::Sender<Result<Response, HostError>>,
+    ) -> Option<oneshot::Sender<Result<Response, HostError>>>;
+    fn recycle(&self, buf: Vec<u8>);
+    fn stats(&self) -> QueueStats;
+}
+
+impl<D: DeviceContext> Direct for Mutex<QueueCore<D>> {
+    fn try_submit(
+        &self,
+        tx: &mpsc::Sender<Request>,
+        clock: &Clock,
+        sqe: Sqe,
+        data_out: Option<&[u8]>,
+        data_in: usize,
+        reply: oneshot::Sender<Result<Response, HostError>>,
+    ) -> Option<oneshot::Sender<Result<Response, HostError>>> {
+        let mut c = self.lock().unwrap_or_else(|e| e.into_inner());
+        if c.accepting() && !c.backlog && tx.capacity() == tx.max_capacity() {
+            c.submit_parts(clock.now(), sqe, data_out, data_in, reply);
+            c.flush_posts();
+            None
+        } else {
+            Some(reply)
+        }
+    }
+
+    fn recycle(&self, buf: Vec<u8>) {
+        let mut c = self.lock().unwrap_or_else(|e| e.into_inner());
+        if c.spare.len() < SPARE_BUFFERS {
+            c.spare.push(buf);
+        }
+    }
+
+    fn stats(&self) -> QueueStats {
+        self.lock().unwrap_or_else(|e| e.into_inner()).stats.clone()
+    }
+}
+
 /// A cheap handle for submitting to a queue.
 #[derive(Clone)]
 pub struct QueueHandle {
     tx: mpsc::Sender<Request>,
     pub qid: u16,
     pub spec: QueueSpec,
-    core: Arc<Mutex<QueueCore>>,
+    core: Arc<dyn Direct>,
     /// The queue task's notifier, and the clock it stamps posts with.
     task: Arc<Notify>,
     clock: Clock,
@@ -1094,19 +1137,12 @@ impl QueueHandle {
         if buf.capacity() == 0 || buf.capacity() > self.spec.max_io {
             return;
         }
-        let mut c = self.core.lock().unwrap_or_else(|e| e.into_inner());
-        if c.spare.len() < SPARE_BUFFERS {
-            c.spare.push(buf);
-        }
+        self.core.recycle(buf);
     }
 
     /// The queue's counters.
     pub fn stats(&self) -> QueueStats {
-        self.core
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .stats
-            .clone()
+        self.core.stats()
     }
 
     /// Submit a command and wait for its completion. An error status comes back as
@@ -1144,16 +1180,9 @@ impl QueueHandle {
     ) -> Result<Response, HostError> {
         let opcode = sqe.opcode;
         let (reply, rx) = oneshot::channel();
-        let reply = {
-            let mut c = self.core.lock().unwrap_or_else(|e| e.into_inner());
-            if c.accepting() && !c.backlog && self.tx.capacity() == self.tx.max_capacity() {
-                c.submit_parts(self.clock.now(), sqe, data_out, data_in, reply);
-                c.flush_posts();
-                None
-            } else {
-                Some(reply)
-            }
-        };
+        let reply = self
+            .core
+            .try_submit(&self.tx, &self.clock, sqe, data_out, data_in, reply);
         match reply {
             // The task re-arms its I/O timeout for the new command.
             None => self.task.notify_one(),
@@ -1190,10 +1219,10 @@ impl QueueHandle {
 
 /// Start a queue's task over `core`. The task lives as long as the controller: across
 /// recoveries it only changes which CQ it polls.
-pub fn spawn(
-    core: QueueCore,
+pub fn spawn<D: DeviceContext>(
+    core: QueueCore<D>,
     clock: Clock,
-) -> (QueueHandle, QueueCtl, tokio::task::JoinHandle<()>) {
+) -> (QueueHandle, QueueCtl<D>, tokio::task::JoinHandle<()>) {
     let spec = core.spec;
     let (tx, rx) = mpsc::channel(spec.size);
     let core = Arc::new(Mutex::new(core));
@@ -1215,7 +1244,7 @@ pub fn spawn(
     (handle, ctl, jh)
 }
 
-async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
+async fn run<D: DeviceContext>(ctl: QueueCtl<D>, mut rx: mpsc::Receiver<Request>) {
     let mut wcs: Vec<WorkCompletion> = Vec::with_capacity(256);
     let mut open = true;
     // A request taken from the channel after callers filled the last free slot directly
@@ -1274,7 +1303,7 @@ async fn run(ctl: QueueCtl, mut rx: mpsc::Receiver<Request>) {
             _ = ctl.task.notified() => {}
             n = async {
                 match &cq {
-                    Some((hca, cq)) => hca.wait_cq(*cq, 256, &mut wcs).await,
+                    Some((dev, cq)) => dev.wait_cq(*cq, 256, &mut wcs).await,
                     None => std::future::pending().await,
                 }
             } => {

@@ -13,9 +13,9 @@ use crate::cm::{
     service_id, AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnId, ConnectParams, ConnectRequest,
     Established, RejectReason,
 };
-use crate::driver::SoftHca;
+use crate::verbs::{CmError, Lifecycle};
 
-use super::HostError;
+use super::SoftHca;
 
 struct Shared {
     hca: SoftHca,
@@ -58,7 +58,7 @@ impl CmService {
             let found = running
                 .iter()
                 .filter_map(std::sync::Weak::upgrade)
-                .find(|sh| sh.hca.same(hca) && sh.hca.lifecycle() == crate::hca::Lifecycle::Live);
+                .find(|sh| sh.hca.same(hca) && sh.hca.lifecycle() == Lifecycle::Live);
             match found {
                 Some(sh) => CmService { sh },
                 None => {
@@ -97,7 +97,7 @@ impl CmService {
         params: ConnectParams,
         private: &[u8],
         timeout: Duration,
-    ) -> Result<Established, HostError> {
+    ) -> Result<Established, CmError> {
         crate::alloc_audit::Platform::new(self.connect_inner(peer, params, private, timeout)).await
     }
 
@@ -107,14 +107,14 @@ impl CmService {
         params: ConnectParams,
         private: &[u8],
         timeout: Duration,
-    ) -> Result<Established, HostError> {
+    ) -> Result<Established, CmError> {
         let (tx, rx) = oneshot::channel();
         let id = {
             let now = self.sh.hca.now();
             let mut cm = self.cm();
             let id = cm
                 .connect(now, peer, &params, private)
-                .map_err(|e| HostError::Connect(e.to_string()))?;
+                .map_err(|e| CmError::Refused(e.to_string()))?;
             self.sh
                 .waiters
                 .lock()
@@ -124,31 +124,31 @@ impl CmService {
         };
         // A device that died before the pump saw this request never answers: fail now rather
         // than at the timeout (the pump drops the waiters of a dead device as it stops).
-        if self.sh.hca.lifecycle() != crate::hca::Lifecycle::Live {
+        if self.sh.hca.lifecycle() != Lifecycle::Live {
             self.abort(id);
-            return Err(HostError::Step("the device died while connecting"));
+            return Err(CmError::DeviceGone("the device died while connecting"));
         }
         self.sh.kick.notify_one();
         let ev = match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(ev)) => ev,
-            Ok(Err(_)) => return Err(HostError::Step("the device died while connecting")),
+            Ok(Err(_)) => return Err(CmError::DeviceGone("the device died while connecting")),
             Err(_) => {
                 self.abort(id);
-                return Err(HostError::Connect(format!(
+                return Err(CmError::Refused(format!(
                     "no answer from {peer} within {timeout:?}"
                 )));
             }
         };
         match ev {
             CmEvent::Established(e) => Ok(e),
-            CmEvent::Rejected(r) => Err(HostError::Connect(match r.nvme_status {
+            CmEvent::Rejected(r) => Err(CmError::Refused(match r.nvme_status {
                 Some(s) => format!("rejected by {peer}: {}", s.message()),
                 None => format!("rejected by {peer}: {:?}", r.reason),
             })),
-            CmEvent::Unreachable { .. } => Err(HostError::Connect(format!(
+            CmEvent::Unreachable { .. } => Err(CmError::Refused(format!(
                 "{peer} is unreachable (no CM answer)"
             ))),
-            other => Err(HostError::Connect(format!("unexpected CM event {other:?}"))),
+            other => Err(CmError::Refused(format!("unexpected CM event {other:?}"))),
         }
     }
 
@@ -171,16 +171,11 @@ impl CmService {
         rx
     }
 
-    pub fn accept(
-        &self,
-        id: ConnId,
-        params: AcceptParams,
-        private: &[u8],
-    ) -> Result<(), HostError> {
+    pub fn accept(&self, id: ConnId, params: AcceptParams, private: &[u8]) -> Result<(), CmError> {
         let now = self.sh.hca.now();
         self.cm()
             .accept(now, id, &params, private)
-            .map_err(|e| HostError::Connect(e.to_string()))?;
+            .map_err(|e| CmError::Refused(e.to_string()))?;
         self.sh.kick.notify_one();
         Ok(())
     }

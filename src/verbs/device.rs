@@ -1,0 +1,120 @@
+//! One open context of an RDMA device, as the host uses it.
+
+use std::future::Future;
+
+use super::{
+    Access, CmPort, CqId, Guid, Lifecycle, MrInfo, Mtu, PciAddr, PdId, PeerInfo, Psn, QpCaps, Qpn,
+    RecvWr, SendWr, VerbsError, WorkCompletion,
+};
+
+/// What identifies a device across its contexts (resets, re-plugs): its node GUID and PCI
+/// address. A context that comes back with another identity is another card.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identity {
+    pub guid: Guid,
+    pub pci: PciAddr,
+}
+
+/// Host memory a device may read and write through memory regions. The host allocates it
+/// once and registers the same buffers again on every new context, so nothing on the
+/// recovery path allocates; a backend that needs pinned or aligned pages provides them here.
+pub trait HostBuffer: Send + Sync + 'static {
+    /// `len` zeroed bytes, ready to register (pages faulted in where that matters).
+    fn alloc(len: usize) -> Self;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn read(&self, offset: usize, out: &mut [u8]);
+    fn write(&self, offset: usize, data: &[u8]);
+    /// Run `f` over the whole buffer. As with DMA, the bytes a posted work request names
+    /// belong to the device until it completes; this only makes the access atomic.
+    fn with_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R;
+}
+
+/// How an RC QP behaves once connected: the `ibv_qp_attr` fields the host chooses for RTR
+/// and RTS (the rest comes from the peer and the connection manager).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RcAttr {
+    pub mtu: Mtu,
+    /// Local ACK timeout exponent (4.096 µs × 2^timeout).
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+    /// Packets in flight before the requester waits for an ACK; devices that pace on their
+    /// own ignore it.
+    pub max_unacked: u32,
+}
+
+/// One open context of a device. Cheap to clone: every clone is the same context.
+///
+/// Every create/register call fails with [`VerbsError::DeviceGone`] once the device died
+/// (fatal error or removal), and every destroy/deregister/dealloc call succeeds then, so the
+/// recovery path can drop a context's objects whatever state they are in.
+pub trait DeviceContext: Clone + Send + Sync + 'static {
+    /// Host memory this device registers.
+    type Mem: HostBuffer;
+    /// The connection manager of a context.
+    type Cm: CmPort;
+
+    /// Node GUID and PCI address of the device behind this context.
+    fn identity(&self) -> Identity;
+    fn lifecycle(&self) -> Lifecycle;
+    /// Is `other` this very context (not merely a context of the same device)?
+    fn same(&self, other: &Self) -> bool;
+    /// Fault injection for chaos tools and tests: a fatal error, as if the device had
+    /// reported DEVICE_FATAL. The context becomes a zombie.
+    fn inflict_fatal(&self);
+
+    fn alloc_pd(&self) -> Result<PdId, VerbsError>;
+    fn dealloc_pd(&self, pd: PdId);
+    /// Register `len` bytes of `mem` from `offset`.
+    fn reg_mr(
+        &self,
+        pd: PdId,
+        mem: &Self::Mem,
+        offset: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<MrInfo, VerbsError>;
+    fn dereg_mr(&self, mr: &MrInfo);
+    fn create_cq(&self, depth: usize) -> Result<CqId, VerbsError>;
+    fn destroy_cq(&self, cq: CqId);
+    /// An RC QP in INIT on `cq` (send and receive), with `access` for remote peers. On error
+    /// nothing is left behind.
+    fn create_rc_qp(
+        &self,
+        pd: PdId,
+        cq: CqId,
+        caps: QpCaps,
+        access: Access,
+    ) -> Result<Qpn, VerbsError>;
+    /// INIT → RTR → RTS towards `peer`, sending from `local_psn`.
+    fn rc_to_rts(
+        &self,
+        qpn: Qpn,
+        peer: PeerInfo,
+        local_psn: Psn,
+        attr: &RcAttr,
+    ) -> Result<(), VerbsError>;
+    fn destroy_qp(&self, qpn: Qpn);
+
+    /// Post every receive, then every send, of one turn at once (one lock, one doorbell) and
+    /// leave both vectors empty. Every request is tried; the first refusal is returned.
+    fn post(
+        &self,
+        qpn: Qpn,
+        recvs: &mut Vec<RecvWr>,
+        sends: &mut Vec<SendWr>,
+    ) -> Result<(), VerbsError>;
+    /// Move up to `max` completions of `cq` into `out`, without waiting.
+    fn poll_cq(&self, cq: CqId, max: usize, out: &mut Vec<WorkCompletion>) -> usize;
+    /// Wait until `cq` has completions, then move up to `max` of them into `out`. Returns 0
+    /// only if the device died with nothing left to reap.
+    fn wait_cq<'a>(
+        &'a self,
+        cq: CqId,
+        max: usize,
+        out: &'a mut Vec<WorkCompletion>,
+    ) -> impl Future<Output = usize> + Send + 'a;
+}
