@@ -16,6 +16,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use nvmf_rdma::cm::{ConnectParams, NvmeCmRequest};
+use nvmf_rdma::driver::CmService;
 use nvmf_rdma::driver::SoftHca;
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
@@ -27,7 +28,7 @@ use nvmf_rdma::nvme::admin::{self, feature};
 use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use nvmf_rdma::nvme::{Cc, ConnectData, Cqe, FabricsCmd, Nqn, SglDescriptor, Status};
 use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
-use nvmf_rdma::transport::{discover, CmService, ConnectOptions, Controller};
+use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
