@@ -68,10 +68,7 @@ impl TargetRig {
             ..TargetConfig::default()
         };
         let target = Target::start(hca.clone(), cfg)?;
-        serve_cm(
-            target.clone(),
-            CmService::start(hca.clone(), 0xC4A0 + generation),
-        );
+        serve_cm(target.clone(), CmService::for_device(&hca));
         Ok(TargetRig {
             addr: hca.addr(),
             ns,

@@ -65,7 +65,7 @@ impl LocalTarget {
                             ..TargetConfig::default()
                         };
                         let t = Target::start(hca.clone(), cfg)?;
-                        serve_cm(t.clone(), CmService::start(hca.clone(), 7));
+                        serve_cm(t.clone(), CmService::for_device(&hca));
                         anyhow::Ok((hca.addr(), t))
                     }
                     .await;

@@ -63,11 +63,11 @@ fn subsystem(nqn: &str) -> Subsystem {
     Subsystem::new(Nqn::new(nqn).unwrap(), vec![std::sync::Arc::new(ns)])
 }
 
-/// A target on device `i` with `tc` (its CM seeded as the `target` command seeds it).
+/// A target on device `i` with `tc`, and the device's CM.
 async fn target(i: u8, tc: TargetConfig) -> (Target, SoftHca) {
     let hca = SoftHca::start(cfg("tgt", i)).await.unwrap();
     let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::start(hca.clone(), 9));
+    serve_cm(t.clone(), CmService::for_device(&hca));
     (t, hca)
 }
 
@@ -77,7 +77,7 @@ async fn host_dev(i: u8) -> (SoftHca, CmService) {
 
 async fn host_dev_on(i: u8, ip: [u8; 4]) -> (SoftHca, CmService) {
     let hca = SoftHca::start(cfg_on("host", i, ip)).await.unwrap();
-    let cm = CmService::start(hca.clone(), 1000 + i as u64);
+    let cm = CmService::for_device(&hca);
     (hca, cm)
 }
 
@@ -598,15 +598,15 @@ async fn a_capsule_from_another_udp_port_of_the_peers_ip_is_dropped_and_counted(
 /// What a peer learns of a target: the comm ID and starting PSN in its REP (and the host's
 /// comm ID in the REQ), and a memory key the device hands out.
 async fn what_a_peer_sees() -> (u32, u32, u32, u32) {
-    // Built exactly alike each time: same device config (seed included), CM "seed" 9 as
-    // the `target` command has it, host CM alike too.
+    // Built exactly alike each time: same device config (seed included), the CM the
+    // `target` command starts, host CM alike too.
     let tc = TargetConfig {
         subsystems: vec![subsystem(NQN)],
         ..TargetConfig::default()
     };
     let hca = SoftHca::start(cfg("same", 30)).await.unwrap();
     let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::start(hca.clone(), 9));
+    serve_cm(t.clone(), CmService::for_device(&hca));
     let (_h, cm) = host_dev(31).await;
     let params = ConnectParams::new(Qpn::new(0x400), 4420);
     let est = within(

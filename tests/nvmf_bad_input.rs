@@ -66,7 +66,7 @@ async fn within<T>(secs: u64, what: &str, f: impl Future<Output = T>) -> T {
 
 async fn device(name: &str, i: u8) -> (SoftHca, CmService) {
     let hca = SoftHca::start(cfg(name, i)).await.unwrap();
-    let cm = CmService::start(hca.clone(), 2000 + i as u64);
+    let cm = CmService::for_device(&hca);
     (hca, cm)
 }
 

@@ -34,13 +34,13 @@ async fn target(bytes: u64) -> (Target, SoftHca) {
         ..TargetConfig::default()
     };
     let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::start(hca.clone(), 1));
+    serve_cm(t.clone(), CmService::for_device(&hca));
     (t, hca)
 }
 
 async fn host(target: &SoftHca, queues: usize) -> Result<Controller, HostError> {
     let hca = SoftHca::start(cfg("host0", 2)).await.unwrap();
-    let cm = CmService::start(hca.clone(), 2);
+    let cm = CmService::for_device(&hca);
     let mut o = ConnectOptions::new(target.addr(), NQN);
     o.nr_io_queues = queues;
     o.queue_size = 32;

@@ -61,13 +61,13 @@ async fn target(i: u8, subsystems: Vec<Subsystem>) -> (Target, SoftHca) {
         ..TargetConfig::default()
     };
     let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::start(hca.clone(), i as u64));
+    serve_cm(t.clone(), CmService::for_device(&hca));
     (t, hca)
 }
 
 async fn host_hca(i: u8) -> (SoftHca, CmService) {
     let hca = SoftHca::start(cfg("host", i)).await.unwrap();
-    let cm = CmService::start(hca.clone(), 1000 + i as u64);
+    let cm = CmService::for_device(&hca);
     (hca, cm)
 }
 

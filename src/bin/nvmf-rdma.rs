@@ -573,7 +573,7 @@ async fn host_stack(
     let hca = SoftHca::start_with(device_config("srxe0", addr, 1), !roce_peer(target.ip()))
         .await
         .with_context(|| format!("cannot start the host soft-HCA on {addr}"))?;
-    let cm = CmService::start(hca.clone(), std::process::id() as u64);
+    let cm = CmService::for_device(&hca);
     Ok((hca, cm))
 }
 
@@ -1021,7 +1021,7 @@ async fn run_target(a: TargetArgs) -> Result<()> {
         ..TargetConfig::default()
     };
     let t = Target::start(hca.clone(), cfg)?;
-    serve_cm(t.clone(), CmService::start(hca.clone(), 9));
+    serve_cm(t.clone(), CmService::for_device(&hca));
     println!(
         "target {} listening on {} (trsvcid {}); Ctrl-C stops it",
         a.nqn,

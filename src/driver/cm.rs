@@ -34,22 +34,16 @@ pub struct CmService {
 }
 
 impl CmService {
-    /// Start CM on `hca`. The CM stands in for the kernel's rdma_cm: it is platform code for
-    /// [`crate::alloc_audit`], as are all its methods.
-    ///
-    /// Comm IDs, transaction IDs and starting PSNs come from a CSPRNG keyed by the OS
-    /// ([`CmEndpoint::from_os_rng`]): a CM on a real socket is never seeded, since whoever
-    /// can guess them can speak for a connection. `_seed` no longer seeds anything; it
-    /// stays so that callers need not change at once, and will go.
-    pub fn start(hca: SoftHca, _seed: u64) -> CmService {
-        crate::alloc_audit::platform(|| Self::start_inner(hca))
-    }
-
     /// The CM of `hca`'s device context: the one already running on it, or a new one. A
     /// device's QP1 must have one CM (as the kernel has one `ib_cm` per device): two on the
     /// same context take each other's MADs, and a REP read by the wrong one leaves the
     /// other's connect waiting for an answer that never comes. Controllers that come and go
     /// on a device (after a delete, or side by side) share it.
+    ///
+    /// The CM stands in for the kernel's rdma_cm: it is platform code for
+    /// [`crate::alloc_audit`], as are all its methods. Comm IDs, transaction IDs and starting
+    /// PSNs come from a CSPRNG keyed by the OS ([`CmEndpoint::from_os_rng`]): a CM on a real
+    /// socket is never seeded, since whoever can guess them can speak for a connection.
     pub fn for_device(hca: &SoftHca) -> CmService {
         crate::alloc_audit::platform(|| {
             static RUNNING: Mutex<Vec<std::sync::Weak<Shared>>> = Mutex::new(Vec::new());
