@@ -6,7 +6,7 @@
 //!     bad offsets. Each gets the NVMe status a target must give (with DNR) when a command
 //!     ID can be read; the target never falls over, and a well-behaved controller on the
 //!     same target keeps doing verified I/O the whole time.
-//! (b) A fake target (`target::fake`) answers Connect correctly and then lies: completions
+//! (b) A fake target (`tests/common/fake_target.rs`) answers Connect correctly and then lies: completions
 //!     for command IDs not in flight, duplicates, 8-byte responses, garbage, success
 //!     without data, RDMA WRITEs outside the buffer a command named. The host fails only
 //!     what is affected with a typed error or counts and ignores the bogus completion,
@@ -33,7 +33,9 @@ use nvmf_rdma::nvme::admin::{self, opcode};
 use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use nvmf_rdma::nvme::{Cc, ConnectData, Cqe, FabricsCmd, Nqn, SglDescriptor, Sqe, Status};
 use nvmf_rdma::reconnect::CtrlState;
-use nvmf_rdma::target::fake::{FakeConfig, FakeTarget, Lie, Script};
+#[path = "common/fake_target.rs"]
+mod fake_target;
+use fake_target::{FakeConfig, FakeTarget, Lie, Script};
 use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{ConnectOptions, Controller, HostError, QueueStats};
 use rand::rngs::SmallRng;

@@ -8,7 +8,6 @@
 //! data if any → execute → push data if any → SEND the response.
 
 pub mod engine;
-pub mod fake;
 pub mod listen;
 pub mod namespace;
 

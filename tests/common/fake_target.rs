@@ -10,7 +10,7 @@
 //! READ, WRITE and SEND to complete), so the order on the wire is exactly the script's.
 //! A transport error ends the queue, as it would on a real target.
 //!
-//! [`Controller`]: crate::transport::Controller
+//! [`Controller`]: nvmf_rdma::transport::Controller
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -19,17 +19,17 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc;
 
-use crate::cm::{AcceptParams, ConnId, NvmeCmAccept};
-use crate::driver::CmService;
-use crate::driver::SoftHca;
-use crate::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
-use crate::hca::{
+use nvmf_rdma::cm::{AcceptParams, ConnId, NvmeCmAccept};
+use nvmf_rdma::driver::CmService;
+use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
+use nvmf_rdma::hca::{
     Access, CqId, HostMem, MemKey, MrInfo, Mtu, PdId, Psn, QpCaps, Qpn, RecvWr, SendOp, SendWr,
     Sgl, WcOpcode, WcStatus, WorkCompletion,
 };
-use crate::nvme::admin::{cns, feature, opcode};
-use crate::nvme::fabrics::{self, ConnectResult};
-use crate::nvme::{
+use nvmf_rdma::nvme::admin::{cns, feature, opcode};
+use nvmf_rdma::nvme::fabrics::{self, ConnectResult};
+use nvmf_rdma::nvme::{
     Cap, Cc, ConnectData, Cqe, Csts, FabricsCmd, FixedStr, IdentifyController, IdentifyNamespace,
     Nqn, SglDescriptor, Sqe, Status, Vs,
 };
@@ -137,7 +137,7 @@ impl FakeTarget {
         cm: CmService,
         cfg: FakeConfig,
         script: Script,
-    ) -> Result<FakeTarget, crate::hca::VerbsError> {
+    ) -> Result<FakeTarget, nvmf_rdma::hca::VerbsError> {
         let store = (0..cfg.ns_bytes).map(FakeConfig::pattern).collect();
         let sh = Arc::new(Shared {
             script,
@@ -194,15 +194,6 @@ impl FakeTarget {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
-
-    /// A copy of the namespace's bytes.
-    pub fn namespace(&self) -> Vec<u8> {
-        self.sh
-            .store
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
 }
 
 /// A command answered but not yet delivered (batching).
@@ -242,7 +233,7 @@ impl FakeQueue {
         size: usize,
         qid: u16,
         seed: u64,
-    ) -> Result<FakeQueue, crate::hca::VerbsError> {
+    ) -> Result<FakeQueue, nvmf_rdma::hca::VerbsError> {
         hca.with(|d, _| {
             let cq = d.create_cq(size * 4 + 64)?;
             let caps = QpCaps {
@@ -654,7 +645,7 @@ impl FakeQueue {
                     }
                     cns::ACTIVE_NAMESPACE_LIST => {
                         let ids: &[u32] = if sqe.nsid < 1 { &[1] } else { &[] };
-                        crate::nvme::identify::emit_active_namespace_ids(ids, &mut page);
+                        nvmf_rdma::nvme::identify::emit_active_namespace_ids(ids, &mut page);
                     }
                     _ => return (Status::INVALID_FIELD.with_dnr(), 0, Vec::new()),
                 }
