@@ -318,7 +318,10 @@ struct Supervisor<S: DeviceSource> {
 impl CtrlShared {
     fn request_delete(&self) {
         self.deleting.store(true, Ordering::SeqCst);
-        self.delete.notify_one();
+        // Every registered waiter (the turn loop's and an attempt's may both be): a single
+        // permit could go to one that is no longer polled. A waiter not registered yet sees
+        // the flag when it registers.
+        self.delete.notify_waiters();
     }
 
     fn delete_requested(&self) -> bool {
