@@ -329,7 +329,7 @@ enum Cmd {
         #[arg(short = 'd', long = "device")]
         device: Option<String>,
     },
-    /// Read blocks and write them to a file or stdout (hex).
+    /// Read blocks and write them to a file, raw to stdout (`--output -`), or as a hex dump.
     Read {
         #[command(flatten)]
         sub: Subsys,
@@ -337,6 +337,8 @@ enum Cmd {
         lba: u64,
         #[arg(long, value_parser = parse_size)]
         size: usize,
+        /// Where the data goes: a file, or `-` for the raw bytes on stdout. Without it, a hex
+        /// dump on stdout.
         #[arg(long)]
         output: Option<PathBuf>,
     },
@@ -595,6 +597,7 @@ fn options(s: &Subsys) -> Result<ConnectOptions> {
     }
     let mut o = ConnectOptions::new(s.fabric.traddr, &s.nqn);
     o.trsvcid = s.fabric.trsvcid;
+    apply_system_host_ids(&mut o, std::path::Path::new(NVME_CONF_DIR));
     if let Some(h) = &s.fabric.hostnqn {
         Nqn::new(h).map_err(|e| anyhow::anyhow!("bad host NQN: {e}"))?;
         o.hostnqn = h.clone();
@@ -606,6 +609,41 @@ fn options(s: &Subsys) -> Result<ConnectOptions> {
     o.policy = r.policy;
     o.io_timeout = r.io_timeout;
     Ok(o)
+}
+
+/// Where nvme-cli keeps the system's host NQN and host ID.
+const NVME_CONF_DIR: &str = "/etc/nvme";
+
+/// The system's host identity, as nvme-cli has it: `hostnqn` and `hostid` in `dir` (one
+/// line each), when present and valid. A target whose allow-list holds the system host NQN
+/// then lets us in as it lets the kernel host in; `-q` still overrides. A host ID without a
+/// host NQN also names the NQN (`nqn.2014-08.org.nvmexpress:uuid:<hostid>`).
+fn apply_system_host_ids(o: &mut ConnectOptions, dir: &std::path::Path) {
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
+    let id = read("hostid").and_then(|t| parse_uuid(t.trim()));
+    if let Some(id) = id {
+        o.hostid = id;
+        o.hostnqn = Nqn::from_uuid(&id).as_str().to_string();
+    }
+    if let Some(n) = read("hostnqn") {
+        let n = n.trim();
+        if n.starts_with("nqn.") && Nqn::new(n).is_ok() {
+            o.hostnqn = n.to_string();
+        }
+    }
+}
+
+/// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` as 16 bytes.
+fn parse_uuid(t: &str) -> Option<[u8; 16]> {
+    let hex: String = t.chars().filter(|c| *c != '-').collect();
+    if hex.len() != 32 || t.len() != 36 {
+        return None;
+    }
+    let mut id = [0u8; 16];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(id)
 }
 
 /// The name of the host HCA in the device manager of `connect`, `read`, `write`, `verify`.
@@ -722,6 +760,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
             let (hca, cm) = host_stack(f.traddr, f.host_traddr).await?;
             let mut o = ConnectOptions::new(f.traddr, nvmf_rdma::nvme::fabrics::DISCOVERY_NQN);
             o.trsvcid = f.trsvcid;
+            apply_system_host_ids(&mut o, std::path::Path::new(NVME_CONF_DIR));
             if let Some(h) = f.hostnqn {
                 o.hostnqn = h;
             }
@@ -751,6 +790,13 @@ async fn run_async(cmd: Cmd) -> Result<()> {
             let c = connect(&sub).await?;
             let data = c.read(sub.nsid, lba, size).await?;
             match output {
+                Some(p) if p.as_os_str() == "-" => {
+                    use std::io::Write;
+                    let mut out = std::io::stdout().lock();
+                    out.write_all(&data)
+                        .and_then(|_| out.flush())
+                        .context("write to stdout")?
+                }
                 Some(p) => {
                     std::fs::write(&p, &data).with_context(|| format!("write {}", p.display()))?
                 }
@@ -2234,6 +2280,40 @@ async fn run_disconnect(nqn: Option<String>, device: Option<String>) -> Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn system_host_ids_as_nvme_cli_keeps_them() {
+        let dir = std::env::temp_dir().join(format!("nvmf-hostids-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fresh = || ConnectOptions::new("127.0.0.1:4791".parse().unwrap(), "nqn.x:y");
+        // Nothing there: our defaults stand.
+        let mut o = fresh();
+        apply_system_host_ids(&mut o, &dir);
+        assert_eq!(o.hostnqn, fresh().hostnqn);
+        // A host ID alone names the NQN too.
+        std::fs::write(dir.join("hostid"), "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0\n").unwrap();
+        let mut o = fresh();
+        apply_system_host_ids(&mut o, &dir);
+        assert_eq!(o.hostid[..4], [0x0f, 0x1e, 0x2d, 0x3c]);
+        assert_eq!(
+            o.hostnqn,
+            "nqn.2014-08.org.nvmexpress:uuid:0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+        );
+        // The host NQN file wins for the NQN; a bad one is ignored.
+        std::fs::write(dir.join("hostnqn"), "nqn.2014-08.org.nvmexpress:uuid:sys\n").unwrap();
+        let mut o = fresh();
+        apply_system_host_ids(&mut o, &dir);
+        assert_eq!(o.hostnqn, "nqn.2014-08.org.nvmexpress:uuid:sys");
+        std::fs::write(dir.join("hostnqn"), "not an nqn").unwrap();
+        std::fs::write(dir.join("hostid"), "zz").unwrap();
+        let mut o = fresh();
+        apply_system_host_ids(&mut o, &dir);
+        assert_eq!(
+            (o.hostnqn.clone(), o.hostid),
+            (fresh().hostnqn, fresh().hostid)
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn sizes() {
