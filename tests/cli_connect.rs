@@ -31,9 +31,12 @@ impl Proc {
                 c
             }
         };
+        cmd.args(args).env("NVMF_RDMA_RUN_DIR", run_dir);
+        Self::spawn(cmd)
+    }
+
+    fn spawn(mut cmd: Command) -> Proc {
         let mut child = cmd
-            .args(args)
-            .env("NVMF_RDMA_RUN_DIR", run_dir)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -286,4 +289,77 @@ fn the_control_socket_is_private_whatever_the_umask() {
     }
     c.signal(libc::SIGTERM);
     assert!(c.exits(Duration::from_secs(5)).success());
+}
+
+/// Security review #12: an NBD export whose process runs out of file descriptors keeps its
+/// listener. `connect --nbd` runs with RLIMIT_NOFILE 48; 80 clients connect, so accept()
+/// fails with EMFILE for those beyond; once they leave, a new client is served. Before, the
+/// first EMFILE ended the listener for good (new clients were refused) while `connect` ran on.
+#[test]
+fn the_nbd_listener_outlives_running_out_of_file_descriptors() {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    use std::os::unix::process::CommandExt;
+    let rig = Rig::new("emfile");
+    let sock = rig.dir.join("nbd.sock");
+    let nbd = format!("unix:{}", sock.display());
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "connect", "-a", &rig.addr, "-n", NQN, "-i", "1", "-Q", "16", "--nbd", &nbd,
+    ])
+    .env("NVMF_RDMA_RUN_DIR", &rig.dir);
+    // SAFETY: setrlimit is async-signal-safe; it only lowers this child's own limit.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 48,
+                rlim_max: 48,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut c = Proc::spawn(cmd);
+    c.expect("nbd: serving", Duration::from_secs(20));
+    let greeted = |s: &mut UnixStream, wait: Duration| {
+        s.set_read_timeout(Some(wait)).unwrap();
+        let mut g = [0u8; 8];
+        s.read_exact(&mut g).is_ok() && &g == b"NBDMAGIC"
+    };
+    let mut clients: Vec<UnixStream> = Vec::new();
+    for _ in 0..80 {
+        match UnixStream::connect(&sock) {
+            Ok(s) => clients.push(s),
+            Err(_) => break,
+        }
+    }
+    // Accepted clients are greeted at once; the rest wait in the backlog.
+    let mut served = 0;
+    for s in clients.iter_mut() {
+        served += usize::from(greeted(s, Duration::from_millis(300)));
+    }
+    assert!(
+        served < clients.len(),
+        "all {} clients were accepted: the descriptor limit was not reached",
+        clients.len()
+    );
+    drop(clients);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ok =
+            UnixStream::connect(&sock).is_ok_and(|mut s| greeted(&mut s, Duration::from_secs(2)));
+        if ok {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the NBD listener is gone after EMFILE ({served} clients had been served)"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(c.child.try_wait().unwrap().is_none(), "connect ended");
+    c.signal(libc::SIGTERM);
+    assert!(c.exits(Duration::from_secs(10)).success(), "{}", c.rest());
 }

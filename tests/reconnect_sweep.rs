@@ -47,10 +47,10 @@ async fn run_seed(seed: u64, target: &mut TargetRig) -> Result<(u64, u64), Strin
     let mut rng = SmallRng::seed_from_u64(seed);
     let mgr = DeviceManager::new(true);
     let queues = rng.random_range(1..=2);
-    // Each seed's host is a new machine: its own keys and QP numbers (the target may still
-    // hold connections of an earlier seed's reset host until their keep-alive expires).
+    // Each seed's host is a new machine: its own card (keys and QP numbers come from the OS
+    // CSPRNG anyway; the target may still hold connections of an earlier seed's reset host
+    // until their keep-alive expires).
     let mut cfg = host_config(IP);
-    cfg.seed ^= seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
     let b = seed.to_be_bytes();
     cfg.identity = DeviceIdentity::from_mac(
         HOST_DEV,

@@ -46,18 +46,16 @@ fn opts(t: &TargetRig, p: Policy) -> ConnectOptions {
     o
 }
 
-/// A host HCA. Each call is a new machine with keys and QP numbers of its own: the target
-/// may still hold connections of an earlier host's reset contexts until their keep-alive
-/// expires, and a host that repeated their QP numbers would be refused as stale.
+/// A host HCA. Its keys and QP numbers come from the OS CSPRNG, so each call is a new
+/// machine to the target, which may still hold connections of an earlier host's reset
+/// contexts until their keep-alive expires (a repeated QP number would be refused as stale).
 async fn host() -> DeviceManager {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
     let mgr = DeviceManager::new(true);
-    let mut cfg = host_config(IP);
-    cfg.seed = rand::random();
-    mgr.plug(cfg).await.unwrap();
+    mgr.plug(host_config(IP)).await.unwrap();
     mgr
 }
 
