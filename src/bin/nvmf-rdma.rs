@@ -1246,7 +1246,12 @@ async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
                 break Some(st.map(|s| *s).ok());
             }
             conn = listener.accept() => {
-                let Ok((stream, _)) = conn else { continue };
+                let Ok((stream, _)) = conn else {
+                    // Out of descriptors and the like: pause rather than spin; a signal that
+                    // comes meanwhile waits in its stream.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
                 if !same_user(&stream) {
                     continue;
                 }
