@@ -4,7 +4,8 @@ fn main() -> anyhow::Result<()> {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(2.0);
-    let rows = nvmf_rdma::perf::standard_table(std::time::Duration::from_secs_f64(secs))?;
-    nvmf_rdma::perf::print_table(&rows);
+    let rows =
+        nvmf_rdma::harness::hca_perf::standard_table(std::time::Duration::from_secs_f64(secs))?;
+    nvmf_rdma::harness::hca_perf::print_table(&rows);
     Ok(())
 }

@@ -5,10 +5,10 @@ fn main() -> anyhow::Result<()> {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(3.0);
-    let rows = nvmf_rdma::nvmf_perf::bench(
-        nvmf_rdma::nvmf_perf::standard_jobs(std::time::Duration::from_secs_f64(secs)),
+    let rows = nvmf_rdma::harness::nvmf_perf::bench(
+        nvmf_rdma::harness::nvmf_perf::standard_jobs(std::time::Duration::from_secs_f64(secs)),
         1,
     )?;
-    nvmf_rdma::nvmf_perf::print_results(&rows);
+    nvmf_rdma::harness::nvmf_perf::print_results(&rows);
     Ok(())
 }

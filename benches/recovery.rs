@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvmf_rdma::chaos::{connect_host, host_options, pct, TargetRig, HOST_DEV};
 use nvmf_rdma::driver::DeviceManager;
+use nvmf_rdma::harness::chaos::{connect_host, host_options, pct, TargetRig, HOST_DEV};
 use nvmf_rdma::reconnect::Policy;
 
 fn main() {

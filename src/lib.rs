@@ -2,23 +2,20 @@
 //!
 //! Layers, bottom up: [`hca`] (sans-I/O soft-HCA speaking RoCEv2), [`driver`] (tokio: sockets,
 //! timers, metrics), [`verbs`] (the backend seam the host is written against), [`transport`]
-//! and [`reconnect`] (the NVMe-oF host and its recovery).
+//! and [`reconnect`] (the NVMe-oF host and its recovery). Beside them: [`nvmet`] (the built-in
+//! NVMe-oF target), [`export`] (NBD and FUSE), [`cli`] (what the front ends share) and
+//! [`harness`] (chaos, benchmarks, the allocation audit).
 
-pub mod alloc_audit;
-pub mod chaos;
-pub mod cli_support;
+pub mod cli;
 pub mod cm;
 pub mod driver;
 pub mod export;
+pub mod harness;
 pub mod hca;
 #[cfg(feature = "hw")]
 pub mod hw;
-pub mod metrics_http;
 pub mod nvme;
-pub mod nvmf_perf;
-pub mod perf;
+pub mod nvmet;
 pub mod reconnect;
-pub mod target;
 pub mod transport;
 pub mod verbs;
-pub mod wire_json;

@@ -27,7 +27,7 @@ use nvmf_rdma::hca::{
 use nvmf_rdma::nvme::admin::{self, feature};
 use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use nvmf_rdma::nvme::{Cc, ConnectData, Cqe, FabricsCmd, Nqn, SglDescriptor, Status};
-use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

@@ -36,7 +36,7 @@ use nvmf_rdma::reconnect::CtrlState;
 #[path = "common/fake_target.rs"]
 mod fake_target;
 use fake_target::{FakeConfig, FakeTarget, Lie, Script};
-use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{ConnectOptions, Controller, HostError, QueueStats};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

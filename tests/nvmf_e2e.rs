@@ -9,7 +9,7 @@ use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{ConnectOptions, Controller, HostError};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use nvmf_rdma::chaos::{
+use nvmf_rdma::driver::DeviceManager;
+use nvmf_rdma::harness::chaos::{
     connect_host, host_identity, host_options, verify_worker, Region, TargetRig, WorkerReport,
     HOST_DEV,
 };
-use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::reconnect::{Cause, CtrlState, FailReason, IdentityMatch, Policy};
 use nvmf_rdma::transport::{Controller, HostError};
 

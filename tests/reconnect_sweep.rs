@@ -13,10 +13,10 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nvmf_rdma::chaos::{
+use nvmf_rdma::driver::DeviceManager;
+use nvmf_rdma::harness::chaos::{
     host_config, host_options, verify_worker, Fault, Region, TargetRig, WorkerReport, HOST_DEV,
 };
-use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::hca::device::DeviceIdentity;
 use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};

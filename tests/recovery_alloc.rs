@@ -12,11 +12,11 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nvmf_rdma::alloc_audit::{self, Platform};
-use nvmf_rdma::chaos::{connect_host, host_options, TargetRig, CHAOS_NQN, HOST_DEV};
 use nvmf_rdma::driver::DeviceManager;
+use nvmf_rdma::harness::alloc_audit::{self, Platform};
+use nvmf_rdma::harness::chaos::{connect_host, host_options, TargetRig, CHAOS_NQN, HOST_DEV};
+use nvmf_rdma::nvmet::Target;
 use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
-use nvmf_rdma::target::Target;
 
 struct Counting;
 

@@ -12,10 +12,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use nvmf_rdma::chaos::{
+use nvmf_rdma::driver::{DeviceManager, SoftHca};
+use nvmf_rdma::harness::chaos::{
     host_config, host_options, verify_worker, Region, TargetRig, WorkerReport, HOST_DEV,
 };
-use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::nvme::admin;
 use nvmf_rdma::reconnect::{CtrlState, FailReason, IdentityMatch, Policy};
 use nvmf_rdma::transport::{ConnectOptions, Controller, HostError};

@@ -14,10 +14,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use nvmf_rdma::cli_support::local_ip_for;
+use nvmf_rdma::cli::support::local_ip_for;
 use nvmf_rdma::driver::DeviceManager;
+use nvmf_rdma::harness::nvmf_perf::LocalTarget;
 use nvmf_rdma::hca::{DeviceConfig, DeviceIdentity, IcrcCheck, PciAddr};
-use nvmf_rdma::nvmf_perf::LocalTarget;
 use nvmf_rdma::transport::{ConnectOptions, Controller};
 
 use crate::options::{Chaos, CtrlKey, CtrlOptions, TargetAddr};

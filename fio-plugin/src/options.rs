@@ -11,9 +11,9 @@ use std::ffi::{c_char, CStr};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use nvmf_rdma::cli_support::{parse_traddr, DEFAULT_ROCE_PORT};
+use nvmf_rdma::cli::support::{parse_traddr, DEFAULT_ROCE_PORT};
+use nvmf_rdma::harness::nvmf_perf::DEMO_NQN;
 use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::nvmf_perf::DEMO_NQN;
 
 /// The option strings exactly as the C shim's `struct nvmf_rs_strs` lays them out.
 #[repr(C)]

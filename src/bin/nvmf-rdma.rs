@@ -8,24 +8,24 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use nvmf_rdma::chaos::{self, Region, TargetRig, WorkerReport};
-use nvmf_rdma::cli_support::{
+use nvmf_rdma::cli::metrics_http;
+use nvmf_rdma::cli::support::{
     host_bind_addr, json_field, lock_all_memory, parse_duration, parse_pos_secs, parse_secs,
     parse_tmo, parse_traddr, roce_peer, run_dir, CtrlInfo, Health, Tmo, DEFAULT_ROCE_PORT,
 };
+use nvmf_rdma::cli::wire_json::JsonObj;
 use nvmf_rdma::driver::{CmService, DeviceManager, SoftHca};
 use nvmf_rdma::export::{self, ExportAddr};
+use nvmf_rdma::harness::chaos::{self, Region, TargetRig, WorkerReport};
+use nvmf_rdma::harness::hca_perf;
+use nvmf_rdma::harness::nvmf_perf::{self, Job, LocalTarget, Pattern, DEMO_NQN};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::PciAddr;
-use nvmf_rdma::metrics_http;
 use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::nvmf_perf::{self, Job, LocalTarget, Pattern, DEMO_NQN};
-use nvmf_rdma::perf;
+use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::reconnect::policy;
 use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
-use nvmf_rdma::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
-use nvmf_rdma::wire_json::JsonObj;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 #[derive(Parser)]
@@ -64,7 +64,7 @@ impl Cli {
                 Some(limit) => eprintln!(
                     "--mlock: memory locked up to RLIMIT_MEMLOCK ({}); allocations past it \
                      will fail (ulimit -l unlimited lifts it)",
-                    perf::human(limit.min(usize::MAX as u64) as usize)
+                    hca_perf::human(limit.min(usize::MAX as u64) as usize)
                 ),
             }
         }
@@ -727,7 +727,7 @@ fn run() -> Result<()> {
                 return remote_bench(&sub, Duration::from_secs_f64(seconds));
             }
             if hca {
-                perf::print_table(&perf::standard_table(Duration::from_secs_f64(seconds))?);
+                hca_perf::print_table(&hca_perf::standard_table(Duration::from_secs_f64(seconds))?);
             } else {
                 let jobs = nvmf_perf::select_jobs(Duration::from_secs_f64(seconds), &jobs)?;
                 nvmf_perf::print_results(&nvmf_perf::bench(jobs, queues.clamp(1, 64))?);
@@ -935,8 +935,8 @@ async fn verify(
             last = Instant::now();
             eprint!(
                 "\rverified {} of {} ({:.0}%), {:.1} MB/s   ",
-                perf::human(done),
-                perf::human(size),
+                hca_perf::human(done),
+                hca_perf::human(size),
                 done as f64 * 100.0 / size as f64,
                 2.0 * done as f64 / t0.elapsed().as_secs_f64() / 1e6
             );
@@ -952,7 +952,7 @@ fn demo(size: usize, seconds: f64) -> Result<()> {
         bail!("--size at most 1G");
     }
     let ns_bytes = (size as u64).max(256 << 20);
-    println!("nvmf-rdma demo: built-in target ({} RAM namespace) and host, each on its own soft RoCEv2 HCA on 127.0.0.1", perf::human(ns_bytes as usize));
+    println!("nvmf-rdma demo: built-in target ({} RAM namespace) and host, each on its own soft RoCEv2 HCA on 127.0.0.1", hca_perf::human(ns_bytes as usize));
     let t = LocalTarget::start(ns_bytes, 9)?;
     let addr = t.addr;
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -977,7 +977,7 @@ fn demo(size: usize, seconds: f64) -> Result<()> {
         verify(&c, 1, 0, size - size % 4096, 128 << 10, 42).await?;
         println!(
             "write+read-back of {} took {:.3} s",
-            perf::human(size),
+            hca_perf::human(size),
             t0.elapsed().as_secs_f64()
         );
         let job = Job {
@@ -1009,20 +1009,20 @@ fn hca_demo(size: usize, chunk: usize) -> Result<()> {
     }
     println!(
         "soft-HCA demo: two RoCEv2 devices on 127.0.0.1, RC QP, {} in {} messages",
-        perf::human(size),
-        perf::human(chunk)
+        hca_perf::human(size),
+        hca_perf::human(chunk)
     );
-    let r = perf::demo(size, chunk).context("demo failed")?;
+    let r = hca_perf::demo(size, chunk).context("demo failed")?;
     let gbs = |d: Duration| r.bytes as f64 / d.as_secs_f64() / 1e9;
     println!(
         "RDMA WRITE {:>10}  {:8.3} s  {:6.3} GB/s",
-        perf::human(r.bytes),
+        hca_perf::human(r.bytes),
         r.write.as_secs_f64(),
         gbs(r.write)
     );
     println!(
         "RDMA READ  {:>10}  {:8.3} s  {:6.3} GB/s",
-        perf::human(r.bytes),
+        hca_perf::human(r.bytes),
         r.read.as_secs_f64(),
         gbs(r.read)
     );
@@ -1207,7 +1207,7 @@ async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
             ns.nsid,
             ns.blocks,
             ns.block_size,
-            perf::human(ns.bytes() as usize)
+            hca_perf::human(ns.bytes() as usize)
         );
     }
     let info = || {
@@ -1887,7 +1887,7 @@ impl ChaosSummary {
 }
 
 fn wire_quote(s: &str) -> String {
-    nvmf_rdma::wire_json::quote(s)
+    nvmf_rdma::cli::wire_json::quote(s)
 }
 
 fn check_chaos_args(a: &ChaosArgs) -> Result<()> {

@@ -1,7 +1,7 @@
 //! The soft-HCA behind the backend seam: [`SoftHca`] is a device context, [`DeviceManager`]
 //! a device source, [`CmService`] (our IB CM on QP1) the connection manager.
 //!
-//! Every call runs as platform code for [`crate::alloc_audit`]: the soft-HCA stands in for
+//! Every call runs as platform code for [`crate::harness::alloc_audit`]: the soft-HCA stands in for
 //! the kernel and the NIC, whose memory is not the host's to preallocate. Calls that queue
 //! nothing to send (PD, MR and CQ objects, polling) leave the driver task asleep; the others
 //! wake it, as a doorbell would.
@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, Notify};
 
-use crate::alloc_audit;
 use crate::cm::{ConnId, ConnectParams, Established};
+use crate::harness::alloc_audit;
 use crate::hca::rc::{create_qp_init, qp_to_rts, RcOptions};
 use crate::hca::HostMem;
 use crate::verbs::{

@@ -41,11 +41,11 @@ impl CmService {
     /// on a device (after a delete, or side by side) share it.
     ///
     /// The CM stands in for the kernel's rdma_cm: it is platform code for
-    /// [`crate::alloc_audit`], as are all its methods. Comm IDs, transaction IDs and starting
+    /// [`crate::harness::alloc_audit`], as are all its methods. Comm IDs, transaction IDs and starting
     /// PSNs come from a CSPRNG keyed by the OS ([`CmEndpoint::from_os_rng`]): a CM on a real
     /// socket is never seeded, since whoever can guess them can speak for a connection.
     pub fn for_device(hca: &SoftHca) -> CmService {
-        crate::alloc_audit::platform(|| {
+        crate::harness::alloc_audit::platform(|| {
             static RUNNING: Mutex<Vec<std::sync::Weak<Shared>>> = Mutex::new(Vec::new());
             let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
             running.retain(|w| w.strong_count() > 0);
@@ -76,7 +76,7 @@ impl CmService {
             watchers: Mutex::new(HashMap::new()),
             kick: Notify::new(),
         });
-        crate::alloc_audit::spawn(pump(sh.clone()));
+        crate::harness::alloc_audit::spawn(pump(sh.clone()));
         CmService { sh }
     }
 
@@ -92,7 +92,10 @@ impl CmService {
         private: &[u8],
         timeout: Duration,
     ) -> Result<Established, CmError> {
-        crate::alloc_audit::Platform::new(self.connect_inner(peer, params, private, timeout)).await
+        crate::harness::alloc_audit::Platform::new(
+            self.connect_inner(peer, params, private, timeout),
+        )
+        .await
     }
 
     async fn connect_inner(
@@ -148,7 +151,7 @@ impl CmService {
 
     /// Be told (once) when connection `id` is torn down by the peer or the transport.
     pub fn watch(&self, id: ConnId, tx: mpsc::UnboundedSender<ConnId>) {
-        crate::alloc_audit::platform(|| {
+        crate::harness::alloc_audit::platform(|| {
             self.sh
                 .watchers
                 .lock()
@@ -183,7 +186,7 @@ impl CmService {
 
     /// Orderly teardown (DREQ).
     pub fn disconnect(&self, id: ConnId) {
-        crate::alloc_audit::platform(|| {
+        crate::harness::alloc_audit::platform(|| {
             let now = self.sh.hca.now();
             let _ = self.cm().disconnect(now, id, &[]);
             self.sh
@@ -197,7 +200,7 @@ impl CmService {
 
     /// Forget a connection whatever its state (the recovery path).
     pub fn abort(&self, id: ConnId) {
-        crate::alloc_audit::platform(|| {
+        crate::harness::alloc_audit::platform(|| {
             let _ = self.cm().abort(id);
             self.sh
                 .waiters

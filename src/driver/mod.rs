@@ -94,7 +94,7 @@ impl SoftHca {
             busy_poll_ns: AtomicU64::new(DEFAULT_BUSY_POLL_NS.load(Ordering::Relaxed)),
         });
         let task_shared = shared.clone();
-        crate::alloc_audit::spawn(async move {
+        crate::harness::alloc_audit::spawn(async move {
             let done = task_shared.clone();
             if let Err(e) = drive(task_shared, sock, gro).await {
                 tracing::error!(error = %e, "soft-HCA driver stopped");
@@ -140,7 +140,7 @@ impl SoftHca {
     /// Run `f` on the device (verbs calls), then wake the driver to send what it queued.
     pub fn with<R>(&self, f: impl FnOnce(&mut Device, Instant) -> R) -> R {
         let now = self.now();
-        let r = crate::alloc_audit::platform(|| f(&mut self.lock(), now));
+        let r = crate::harness::alloc_audit::platform(|| f(&mut self.lock(), now));
         self.shared.kick.notify_one();
         r
     }
@@ -149,7 +149,7 @@ impl SoftHca {
     /// nothing to send (the caller kicks with [`SoftHca::kick`] if it did).
     pub fn with_quiet<R>(&self, f: impl FnOnce(&mut Device, Instant) -> R) -> R {
         let now = self.now();
-        crate::alloc_audit::platform(|| f(&mut self.lock(), now))
+        crate::harness::alloc_audit::platform(|| f(&mut self.lock(), now))
     }
 
     /// Wake the driver to transmit what was queued.

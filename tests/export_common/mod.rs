@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nvmf_rdma::export::BlockDev;
-use nvmf_rdma::nvmf_perf::{connect_host_with, LocalTarget, DEMO_NQN};
+use nvmf_rdma::harness::nvmf_perf::{connect_host_with, LocalTarget, DEMO_NQN};
 use nvmf_rdma::transport::{ConnectOptions, Controller};
 
 /// Built-in RAM target and a host controller connected to it. Fields drop in order: the

@@ -5,9 +5,9 @@ use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::cli::wire_json::JsonObj;
 use crate::reconnect::{CtrlState, Policy};
 use crate::transport::CtrlStatus;
-use crate::wire_json::JsonObj;
 
 /// The UDP port a soft-HCA (like any RoCEv2 device) listens on unless told otherwise.
 pub const DEFAULT_ROCE_PORT: u16 = crate::hca::device::ROCE_V2_PORT;
@@ -395,7 +395,7 @@ fn bool_str(b: bool) -> &'static str {
 }
 
 fn quote_str(s: &str) -> String {
-    crate::wire_json::quote(s)
+    crate::cli::wire_json::quote(s)
 }
 
 /// The value of `key` in a flat JSON object: a string's contents, or a number, `true`,

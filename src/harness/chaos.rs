@@ -18,8 +18,8 @@ use crate::driver::{CmService, DeviceManager, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use crate::hca::PciAddr;
 use crate::nvme::Nqn;
+use crate::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use crate::reconnect::Policy;
-use crate::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use crate::transport::{ConnectOptions, Controller, HostError};
 
 pub const CHAOS_NQN: &str = "nqn.2026-11.io.nvmf-rdma:chaos";

@@ -12,7 +12,7 @@ use crate::driver::{CmService, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use crate::hca::PciAddr;
 use crate::nvme::Nqn;
-use crate::target::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use crate::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use crate::transport::{ConnectOptions, Controller, HostError};
 
 pub const DEMO_NQN: &str = "nqn.2026-11.io.nvmf-rdma:demo";
@@ -279,7 +279,7 @@ pub fn print_results(rows: &[JobResult]) {
         println!(
             "{:<10} {:>7} {:>4} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>6}",
             r.job.pattern.name(),
-            crate::perf::human(r.job.bs),
+            crate::harness::hca_perf::human(r.job.bs),
             r.job.iodepth,
             r.iops(),
             r.mbps(),
