@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use nvmf_rdma::cli::device::{connect_kernel, DeviceChoice};
 use nvmf_rdma::cli::support::local_ip_for;
 use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::nvmf_perf::LocalTarget;
@@ -33,6 +34,36 @@ pub struct Ctrl {
     chaos: Option<Chaos>,
     chaos_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     pub resets: Arc<AtomicU64>,
+    /// The cause of each recovery so far (the first [`MAX_CAUSES`]), and how many there were.
+    recoveries: Arc<Mutex<(u64, Vec<&'static str>)>>,
+}
+
+const MAX_CAUSES: usize = 16;
+
+/// Record the cause of every recovery of `c`, for the summary fio's log gets at the end.
+fn watch_recoveries(c: &Controller) -> Arc<Mutex<(u64, Vec<&'static str>)>> {
+    let log = Arc::new(Mutex::new((0u64, Vec::new())));
+    let mut rx = c.watch_status();
+    let l = log.clone();
+    tokio::spawn(async move {
+        let mut in_episode = false;
+        while rx.changed().await.is_ok() {
+            let cause = rx.borrow_and_update().machine.cause;
+            match cause {
+                Some(cause) if !in_episode => {
+                    in_episode = true;
+                    let mut g = l.lock().unwrap_or_else(|e| e.into_inner());
+                    g.0 += 1;
+                    if g.1.len() < MAX_CAUSES {
+                        g.1.push(cause.name());
+                    }
+                }
+                None => in_episode = false,
+                _ => {}
+            }
+        }
+    });
+    log
 }
 
 struct Engine {
@@ -116,9 +147,14 @@ impl Engine {
         let addr = self.target_addr(o.key.target)?;
         let n = self.next_dev;
         self.next_dev = self.next_dev.wrapping_add(1);
-        let c = self.rt.driver.block_on(connect(o, addr, n))?;
+        let (c, recoveries) = self.rt.driver.block_on(async {
+            let c = connect(o, addr, n).await?;
+            let r = watch_recoveries(&c);
+            Ok::<_, String>((c, r))
+        })?;
         let c = Arc::new(Ctrl {
             ctrl: Arc::new(c),
+            recoveries,
             key: o.key.clone(),
             chaos: o.chaos,
             chaos_task: Mutex::new(None),
@@ -151,6 +187,18 @@ impl Engine {
                         c.key.subnqn, c.key.target
                     );
                 }
+                let (n, causes) = c
+                    .recoveries
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                eprintln!(
+                    "nvmf-rdma: {} at {}: {n} recoveries{}{}",
+                    c.key.subnqn,
+                    c.key.target,
+                    if n > 0 { ", causes: " } else { "" },
+                    causes.join(", ")
+                );
                 let Ok(c) = Arc::try_unwrap(c) else { continue };
                 if let Ok(ctrl) = Arc::try_unwrap(c.ctrl) {
                     let _ = tokio::time::timeout(Duration::from_secs(2), ctrl.disconnect()).await;
@@ -165,25 +213,6 @@ impl Engine {
 /// A host soft-HCA on the local address that routes to the target, and the controller on it.
 /// (The same steps as `nvmf-rdma connect`.)
 async fn connect(o: &CtrlOptions, addr: SocketAddr, n: u8) -> Result<Controller, String> {
-    let ip = local_ip_for(addr).map_err(|e| format!("no route to {addr}: {e}"))?;
-    let pid = std::process::id();
-    let cfg = DeviceConfig {
-        identity: DeviceIdentity::from_mac(
-            &format!("fio{n}"),
-            [0x52, 0x54, 0x00, 0x40, (pid & 0xFF) as u8, n],
-            PciAddr::new(0, 0x40, n, 0),
-        ),
-        addr: SocketAddr::new(ip, 0),
-        icrc: IcrcCheck::Verify,
-        peer_port: None,
-        seed: pid as u64 ^ ((n as u64) << 32),
-    };
-    // The device lives in a device manager, so the controller survives its resets.
-    let mgr = DeviceManager::new(addr.ip().is_loopback());
-    let name = cfg.identity.name.clone();
-    mgr.plug(cfg)
-        .await
-        .map_err(|e| format!("cannot start the host soft-HCA: {e}"))?;
     let mut c = ConnectOptions::new(addr, &o.key.subnqn);
     c.trsvcid = o.key.trsvcid;
     if let Some(h) = &o.key.hostnqn {
@@ -195,14 +224,37 @@ async fn connect(o: &CtrlOptions, addr: SocketAddr, n: u8) -> Result<Controller,
     c.policy.ctrl_loss_tmo = o.recovery.ctrl_loss_tmo;
     c.policy.reconnect_delay = o.recovery.reconnect_delay;
     c.policy.fast_io_fail_tmo = o.recovery.fast_io_fail_tmo;
-    Controller::connect_managed(mgr, &name, c)
-        .await
-        .map_err(|e| {
-            format!(
-                "connect to {} (trsvcid {}) at {addr}: {e}",
-                o.key.subnqn, o.key.trsvcid
-            )
-        })
+    let r = match &o.key.device {
+        DeviceChoice::Soft => {
+            let ip = local_ip_for(addr).map_err(|e| format!("no route to {addr}: {e}"))?;
+            let pid = std::process::id();
+            let cfg = DeviceConfig {
+                identity: DeviceIdentity::from_mac(
+                    &format!("fio{n}"),
+                    [0x52, 0x54, 0x00, 0x40, (pid & 0xFF) as u8, n],
+                    PciAddr::new(0, 0x40, n, 0),
+                ),
+                addr: SocketAddr::new(ip, 0),
+                icrc: IcrcCheck::Verify,
+                peer_port: None,
+                seed: pid as u64 ^ ((n as u64) << 32),
+            };
+            // The device lives in a device manager, so the controller survives its resets.
+            let mgr = DeviceManager::new(addr.ip().is_loopback());
+            let name = cfg.identity.name.clone();
+            mgr.plug(cfg)
+                .await
+                .map_err(|e| format!("cannot start the host soft-HCA: {e}"))?;
+            Controller::connect_managed(mgr, &name, c).await
+        }
+        DeviceChoice::Kernel(d) => connect_kernel(d, c).await,
+    };
+    r.map_err(|e| {
+        format!(
+            "connect to {} (trsvcid {}) at {addr}: {e}",
+            o.key.subnqn, o.key.trsvcid
+        )
+    })
 }
 
 /// Reset the host device under `c`, as a device fault would: the one recovery path holds

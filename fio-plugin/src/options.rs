@@ -11,6 +11,7 @@ use std::ffi::{c_char, CStr};
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use nvmf_rdma::cli::device::DeviceChoice;
 use nvmf_rdma::cli::support::{parse_traddr, DEFAULT_ROCE_PORT};
 use nvmf_rdma::harness::nvmf_perf::DEMO_NQN;
 use nvmf_rdma::nvme::Nqn;
@@ -34,6 +35,7 @@ pub struct RawOptions {
     pub chaos_reset_every: *const c_char,
     pub chaos_down_for: *const c_char,
     pub busy_poll: *const c_char,
+    pub device: *const c_char,
 }
 
 /// Where the target is: an address, or the built-in RAM target of this size in this process.
@@ -59,6 +61,8 @@ pub struct CtrlKey {
     pub trsvcid: u16,
     pub subnqn: String,
     pub hostnqn: Option<String>,
+    /// The host's RDMA device: the soft-HCA or a kernel device (`device=`).
+    pub device: DeviceChoice,
 }
 
 /// Recovery knobs with nvme-cli's names and Linux defaults; `None` = -1 (forever / off).
@@ -100,7 +104,7 @@ pub struct OptionText {
     pairs: Vec<(&'static str, String)>,
 }
 
-const KEYS: [&str; 16] = [
+const KEYS: [&str; 17] = [
     "traddr",
     "trsvcid",
     "subnqn",
@@ -117,6 +121,7 @@ const KEYS: [&str; 16] = [
     "chaos_reset_every",
     "chaos_down_for",
     "busy_poll",
+    "device",
 ];
 
 /// Filename keys that only say what SPDK's transport ID says and we already are.
@@ -147,6 +152,7 @@ impl OptionText {
             raw.chaos_reset_every,
             raw.chaos_down_for,
             raw.busy_poll,
+            raw.device,
         ];
         let mut t = OptionText::default();
         for (key, p) in KEYS.iter().zip(ptrs) {
@@ -284,6 +290,24 @@ impl OptionText {
                 .unwrap_or(Duration::from_secs(10)),
             fast_io_fail_tmo: parse_tmo(self.get("fast_io_fail_tmo"), "fast_io_fail_tmo", None)?,
         };
+        let device: DeviceChoice = self
+            .get("device")
+            .map(|v| v.parse().map_err(|e| format!("device: {e}")))
+            .transpose()?
+            .unwrap_or_default();
+        if let DeviceChoice::Kernel(d) = &device {
+            if let TargetAddr::Builtin { .. } = target {
+                return Err(format!(
+                    "device={d} needs traddr=: the built-in target runs on the soft-HCA"
+                ));
+            }
+            if self.get("chaos_reset_every").is_some() {
+                return Err(format!(
+                    "chaos_reset_every resets our own soft-HCA; with device={d} fault the device \
+                     from outside (rdma link delete/add)"
+                ));
+            }
+        }
         let chaos = match self.get("chaos_reset_every") {
             None => None,
             Some(v) => {
@@ -305,6 +329,7 @@ impl OptionText {
                 trsvcid,
                 subnqn,
                 hostnqn,
+                device,
             },
             nr_io_queues,
             queue_size,

@@ -32,6 +32,7 @@ struct nvmf_rs_strs {
 	const char *chaos_reset_every;
 	const char *chaos_down_for;
 	const char *busy_poll;
+	const char *device;
 };
 
 struct nvmf_fio_options {
@@ -224,6 +225,8 @@ static struct fio_option options[] = {
 		 "How long each chaos reset keeps the device away (default 0)"),
 	NVMF_OPT(busy_poll, "busy poll",
 		 "Poll the soft-HCAs this long after packets move before sleeping, 0 = off (default 50us)"),
+	NVMF_OPT(device, "RDMA device",
+		 "soft (default: the built-in soft-HCA), or a kernel RDMA device (hw build): rxe0, guid:<GUID>, pci:<address>"),
 	{ .name = NULL },
 };
 

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use nvmf_rdma::cli::device::{self, DeviceChoice};
 use nvmf_rdma::cli::metrics_http;
 use nvmf_rdma::cli::support::{
     host_bind_addr, json_field, lock_all_memory, parse_duration, parse_pos_secs, parse_secs,
@@ -101,6 +102,10 @@ struct Fabric {
     /// address that routes to the target, on port 4791 unless the target is on loopback.
     #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr)]
     host_traddr: Option<SocketAddr>,
+    /// RDMA device the host runs on: soft (the built-in soft-HCA), or a kernel RDMA device
+    /// (a build with `--features hw`) by name (rxe0, mlx5_0), guid:<GUID> or pci:<address>.
+    #[arg(long, default_value = "soft")]
+    device: DeviceChoice,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -398,6 +403,9 @@ struct ExternalTarget {
     /// Address of the host's soft-HCA towards --traddr (as connect's --host-traddr).
     #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr, requires = "traddr")]
     host_traddr: Option<SocketAddr>,
+    /// RDMA device towards --traddr, as connect's --device.
+    #[arg(long, default_value = "soft", requires = "traddr")]
+    device: DeviceChoice,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -662,10 +670,14 @@ async fn host_device(target: SocketAddr, host_traddr: Option<SocketAddr>) -> Res
 
 async fn connect(s: &Subsys) -> Result<Controller> {
     let o = options(s)?;
-    let mgr = host_device(s.fabric.traddr, s.fabric.host_traddr).await?;
-    Controller::connect_managed(mgr, HOST_HCA, o)
-        .await
-        .with_context(|| format!("connect to {} at {}", s.nqn, s.fabric.traddr))
+    let c = match &s.fabric.device {
+        DeviceChoice::Soft => {
+            let mgr = host_device(s.fabric.traddr, s.fabric.host_traddr).await?;
+            Controller::connect_managed(mgr, HOST_HCA, o).await
+        }
+        DeviceChoice::Kernel(sel) => device::connect_kernel(sel, o).await,
+    };
+    c.with_context(|| format!("connect to {} at {}", s.nqn, s.fabric.traddr))
 }
 
 /// Errors end the process with one line: what failed and why, outermost first (anyhow's
@@ -701,6 +713,7 @@ fn run() -> Result<()> {
                     trsvcid,
                     nqn,
                     host_traddr,
+                    device,
                 },
         } => {
             if !(0.05..=600.0).contains(&seconds) {
@@ -717,6 +730,7 @@ fn run() -> Result<()> {
                         trsvcid,
                         hostnqn: None,
                         host_traddr,
+                        device,
                     },
                     nqn: nqn.unwrap_or_else(|| DEMO_NQN.into()),
                     nr_io_queues: queues.clamp(1, 64),
@@ -757,14 +771,20 @@ async fn run_async(cmd: Cmd) -> Result<()> {
         Cmd::Hw(a) => Ok(nvmf_rdma::hw::cli::run(a).await?),
         Cmd::Discover(f) => {
             check_transport(&f)?;
-            let (hca, cm) = host_stack(f.traddr, f.host_traddr).await?;
             let mut o = ConnectOptions::new(f.traddr, nvmf_rdma::nvme::fabrics::DISCOVERY_NQN);
             o.trsvcid = f.trsvcid;
             apply_system_host_ids(&mut o, std::path::Path::new(NVME_CONF_DIR));
             if let Some(h) = f.hostnqn {
                 o.hostnqn = h;
             }
-            let entries = discover(hca, cm, o).await.context("discovery failed")?;
+            let entries = match &f.device {
+                DeviceChoice::Soft => {
+                    let (hca, cm) = host_stack(f.traddr, f.host_traddr).await?;
+                    discover(hca, cm, o).await
+                }
+                DeviceChoice::Kernel(sel) => device::discover_kernel(sel, o).await,
+            }
+            .context("discovery failed")?;
             println!("Discovery Log Number of Records {}", entries.len());
             for (i, e) in entries.iter().enumerate() {
                 println!("=====Discovery Log Entry {i}======");
@@ -1972,6 +1992,12 @@ async fn run_chaos(a: ChaosArgs) -> Result<()> {
         println!("{header}");
     }
 
+    if let DeviceChoice::Kernel(d) = &a.ext.device {
+        bail!(
+            "chaos injects faults into our own soft-HCA; on kernel RDMA device {d} fault it from \
+             outside (rdma link delete/add) under fio's verify through the plugin (device={d})"
+        );
+    }
     let (mut target, mgr, c) = match a.ext.traddr {
         None => {
             let target = TargetRig::start(CHAOS_IP, a.size as u64)

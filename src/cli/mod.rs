@@ -2,6 +2,7 @@
 //! `nvmf-rdma` binary and the fio plugin, the JSON writer of `-o json`, and the metrics
 //! HTTP endpoint.
 
+pub mod device;
 pub mod metrics_http;
 pub mod support;
 pub mod wire_json;

@@ -289,6 +289,66 @@ impl CmId {
         }
     }
 
+    /// The attributes rdma_cm computes for moving a QP to `state` (`ibv_qp_state`: 1 INIT,
+    /// 2 RTR, 3 RTS) on this id's path, with their mask.
+    pub fn qp_attr(&self, state: u32) -> Result<(ibv_qp_attr, i32), HwError> {
+        let mut attr = MaybeUninit::<ibv_qp_attr>::zeroed();
+        let mut mask = 0;
+        // SAFETY: attr is zeroed and large enough; qp_state selects what is computed.
+        unsafe {
+            (*attr.as_mut_ptr()).qp_state = state;
+            if rdma_init_qp_attr(self.id, attr.as_mut_ptr(), &mut mask) != 0 {
+                return Err(HwError::verbs("rdma_init_qp_attr"));
+            }
+            Ok((attr.assume_init(), mask))
+        }
+    }
+
+    /// Send the REQ for QP `qp_num` (not attached to the id) carrying `private`, and wait for
+    /// the answer: the event (CONNECT_RESPONSE with the REP's private data), or the reject as
+    /// [`HwError::Rejected`].
+    pub async fn request(
+        &self,
+        qp_num: u32,
+        private: &[u8],
+        responder_resources: u8,
+        initiator_depth: u8,
+        timeout: Duration,
+    ) -> Result<CmEvent, HwError> {
+        let len = u8::try_from(private.len())
+            .map_err(|_| HwError::Invalid(format!("{} bytes of private data", private.len())))?;
+        let ret = {
+            let mut p = rdma_conn_param {
+                private_data: private.as_ptr().cast(),
+                private_data_len: len,
+                responder_resources,
+                initiator_depth,
+                flow_control: 1,
+                retry_count: 7,
+                rnr_retry_count: 7,
+                srq: 0,
+                qp_num,
+            };
+            // SAFETY: `p` and `private` outlive the call; librdmacm copies the private data.
+            unsafe { rdma_connect(self.id, &mut p) }
+        };
+        if ret != 0 {
+            return Err(HwError::verbs("rdma_connect"));
+        }
+        let e = self.event(timeout, "CONNECT_RESPONSE").await?;
+        connect_outcome(&e)?;
+        Ok(e)
+    }
+
+    /// Send the RTU once our QP is in RTS (a QP not attached to the id).
+    pub fn establish(&self) -> Result<(), HwError> {
+        // SAFETY: connected id.
+        if unsafe { rdma_establish(self.id) } != 0 {
+            return Err(HwError::verbs("rdma_establish"));
+        }
+        Ok(())
+    }
+
     /// Send the REQ carrying `private` (the NVMe-oF request, 32 bytes), wait for the REP and
     /// return its private data; a REJ becomes [`HwError::Rejected`] with the NVMe status.
     pub async fn connect(

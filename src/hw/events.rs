@@ -25,6 +25,8 @@ pub struct AsyncEvents {
 // SAFETY: ibv_get_async_event / ibv_ack_async_event are thread-safe; the context is kept
 // alive by `_ctx`.
 unsafe impl Send for AsyncEvents {}
+// SAFETY: as above; `next` and `try_next` only read through the thread-safe calls.
+unsafe impl Sync for AsyncEvents {}
 
 impl AsyncEvents {
     /// Watch `dev`'s context. Needs a tokio runtime with I/O enabled.

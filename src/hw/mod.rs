@@ -5,6 +5,10 @@
 //! by a kernel RDMA device through libibverbs/librdmacm.
 //!
 //! Layers:
+//! - [`backend`]: the device behind the backend seam ([`crate::verbs`]): a context
+//!   ([`backend::HwContext`]), a source that finds the device again after it is removed and
+//!   re-added ([`backend::HwSource`]) and rdma_cm as the connection manager
+//!   ([`backend::HwCm`]). The NVMe-oF host and its one recovery path run on it unchanged.
 //! - [`device`]: enumeration (name, node GUID, PCI address from sysfs), selection by GUID / PCI /
 //!   name, and an opened device ([`device::HwDevice`]: context, PD, MRs, CQs with completion
 //!   channels, RC QPs) built on the `sideway` crate.
@@ -14,20 +18,17 @@
 //!   sideway uses), because sideway 0.4.3 can neither put private data into `rdma_conn_param`
 //!   nor read it from an event, and NVMe-oF needs both (request: qid/hrqsize/hsqsize; accept:
 //!   crqsize; reject: NVMe status).
-//! - [`queue`]: one NVMe-oF RDMA queue (QP + CQ + registered command/response/data slots).
-//! - [`host`]: an NVMe-oF controller session: Fabrics Connect, Property Get/Set, enable,
-//!   Identify, I/O queue Read/Write with keyed SGLs.
-//! - [`bench`]: data verification and the 4 KiB randread / 128 KiB seqread benchmark.
+//! - [`verbs`]: work requests and completions translated both ways, and the hand-connected QP
+//!   pair the verbs conformance checks run on.
 //! - [`map`]: pure conversions between ibverbs values and our types (unit-tested without a device).
+//! - [`cli`]: `nvmf-rdma hw list|events` (device diagnostics).
 
-pub mod bench;
+pub mod backend;
 pub mod cli;
 pub mod cm;
 pub mod device;
 pub mod events;
-pub mod host;
 pub mod map;
-pub mod queue;
 pub mod verbs;
 
 use std::io;

@@ -5,6 +5,7 @@
 //! run on real hardware or rxe.
 
 use std::collections::HashMap;
+use std::mem::MaybeUninit;
 use std::path::Path;
 use std::time::Duration;
 
@@ -17,16 +18,18 @@ use sideway::ibverbs::queue_pair::{
 };
 use sideway::ibverbs::AccessFlags;
 
+use super::backend::HwMem;
 use super::device::{HwCq, HwDevice, HwMr};
 use super::events::AsyncEvents;
 use super::map::{self, HwEvent};
-use super::queue::AlignedBuf;
 use super::HwError;
+use crate::hca::qp::MAX_SGE;
 use crate::hca::verbs::{EndInfo, Verbs, VerbsPair};
 use crate::hca::{
     Access, AsyncEvent, CqId, Instant, MemKey, Qpn, RecvWr, SendOp, SendWr, Sgl, WcOpcode,
     WcStatus, WorkCompletion,
 };
+use crate::verbs::HostBuffer;
 
 const IBV_WC_WITH_IMM: u32 = 2;
 const IBV_WC_WITH_INV: u32 = 4;
@@ -136,15 +139,22 @@ impl HwVerbs {
     }
 }
 
-fn sges(sgl: &Sgl) -> Vec<ibv_sge> {
-    sgl.entries()
-        .iter()
-        .map(|s| ibv_sge {
+/// The SGEs of `sgl` as ibverbs wants them, on the stack.
+fn sges(sgl: &Sgl) -> ([ibv_sge; MAX_SGE], usize) {
+    let mut out = [ibv_sge {
+        addr: 0,
+        length: 0,
+        lkey: 0,
+    }; MAX_SGE];
+    let e = sgl.entries();
+    for (o, s) in out.iter_mut().zip(e) {
+        *o = ibv_sge {
             addr: s.addr,
             length: s.len,
             lkey: s.lkey.0,
-        })
-        .collect()
+        };
+    }
+    (out, e.len())
 }
 
 fn send_opcode(op: SendOp) -> WcOpcode {
@@ -155,42 +165,100 @@ fn send_opcode(op: SendOp) -> WcOpcode {
     }
 }
 
+/// Post one send work request on `qp`. Shared by [`HwVerbs`] and the backend of the seam.
+pub(crate) fn post_send_wr(qp: &mut BasicQueuePair, wr: &SendWr) -> Result<(), HwError> {
+    if let SendOp::SendWithInv(_) = wr.op {
+        // sideway 0.4.3's legacy post path has no SEND_WITH_INV setter.
+        return Err(HwError::Invalid(
+            "SEND with invalidate is not supported".into(),
+        ));
+    }
+    let (list, n) = sges(&wr.sgl);
+    let mut flags = WorkRequestFlags::none();
+    if wr.signaled {
+        flags |= WorkRequestFlags::Signaled;
+    }
+    if wr.solicited {
+        flags |= WorkRequestFlags::Solicited;
+    }
+    let mut g = qp.start_post_send();
+    let h = g.construct_wr(wr.wr_id, flags);
+    // ibverbs carries immediates in network byte order.
+    let local = match wr.op {
+        SendOp::Send | SendOp::SendWithInv(_) => h.setup_send(),
+        SendOp::SendWithImm(imm) => h.setup_send_imm(imm.to_be()),
+        SendOp::Write { remote_addr, rkey } => h.setup_write(rkey.0, remote_addr),
+        SendOp::WriteWithImm {
+            remote_addr,
+            rkey,
+            imm,
+        } => h.setup_write_imm(rkey.0, remote_addr, imm.to_be()),
+        SendOp::Read { remote_addr, rkey } => h.setup_read(rkey.0, remote_addr),
+    };
+    // SAFETY: the SGEs name registered memory the caller keeps alive until completion.
+    unsafe { local.setup_sge_list(&list[..n]) };
+    g.post().map_err(|e| HwError::sideway("ibv_post_send", e))
+}
+
+/// Post one receive work request on `qp`.
+pub(crate) fn post_recv_wr(qp: &mut BasicQueuePair, wr: &RecvWr) -> Result<(), HwError> {
+    let (list, n) = sges(&wr.sgl);
+    let mut g = qp.start_post_recv();
+    let h = g.construct_wr(wr.wr_id);
+    // SAFETY: as for sends.
+    unsafe { h.setup_sge_list(&list[..n]) };
+    g.post().map_err(|e| HwError::sideway("ibv_post_recv", e))
+}
+
+/// Move up to `max` (at most 32 per call) completions of `cq` into `out`. ibverbs leaves the
+/// opcode of a failed completion undefined: `failed_op` names it from the QP and wr_id.
+///
+/// # Safety
+/// `cq` must be a live CQ.
+pub(crate) unsafe fn poll_raw(
+    cq: *mut rdma_mummy_sys::ibv_cq,
+    max: usize,
+    out: &mut Vec<WorkCompletion>,
+    mut failed_op: impl FnMut(u32, u64) -> WcOpcode,
+) -> Result<usize, HwError> {
+    const BATCH: usize = 32;
+    let mut wcs = [const { MaybeUninit::<ibv_wc>::uninit() }; BATCH];
+    let n = max.min(BATCH);
+    // SAFETY: the CQ is live (caller); at most `n` entries are written.
+    let got = unsafe { ibv_poll_cq(cq, n as i32, wcs.as_mut_ptr().cast()) };
+    if got < 0 {
+        return Err(HwError::errno("ibv_poll_cq", got));
+    }
+    for w in &wcs[..got as usize] {
+        // SAFETY: ibv_poll_cq initialised the first `got` entries.
+        let wc = unsafe { w.assume_init_ref() };
+        let status = map::wc_status(wc.status);
+        let opcode = if status == WcStatus::Success {
+            map::wc_opcode(wc.opcode)
+                .ok_or_else(|| HwError::Invalid(format!("completion with opcode {}", wc.opcode)))?
+        } else {
+            failed_op(wc.qp_num, wc.wr_id)
+        };
+        // SAFETY: plain union of two u32s.
+        let raw = unsafe { wc.imm_data_invalidated_rkey_union.imm_data };
+        out.push(WorkCompletion {
+            wr_id: wc.wr_id,
+            status,
+            opcode,
+            qpn: Qpn::new(wc.qp_num),
+            byte_len: wc.byte_len,
+            imm: (wc.wc_flags & IBV_WC_WITH_IMM != 0).then(|| u32::from_be(raw)),
+            invalidated: (wc.wc_flags & IBV_WC_WITH_INV != 0).then_some(MemKey(raw)),
+        });
+    }
+    Ok(got as usize)
+}
+
 impl Verbs for HwVerbs {
     type Error = HwError;
 
     fn post_send(&mut self, _now: Instant, qpn: Qpn, wr: SendWr) -> Result<(), HwError> {
-        if let SendOp::SendWithInv(_) = wr.op {
-            // sideway 0.4.3's legacy post path has no SEND_WITH_INV setter.
-            return Err(HwError::Invalid(
-                "SEND with invalidate is not supported".into(),
-            ));
-        }
-        let list = sges(&wr.sgl);
-        let mut flags = WorkRequestFlags::none();
-        if wr.signaled {
-            flags |= WorkRequestFlags::Signaled;
-        }
-        if wr.solicited {
-            flags |= WorkRequestFlags::Solicited;
-        }
-        let qp = self.qp(qpn)?;
-        let mut g = qp.start_post_send();
-        let h = g.construct_wr(wr.wr_id, flags);
-        // ibverbs carries immediates in network byte order.
-        let local = match wr.op {
-            SendOp::Send | SendOp::SendWithInv(_) => h.setup_send(),
-            SendOp::SendWithImm(imm) => h.setup_send_imm(imm.to_be()),
-            SendOp::Write { remote_addr, rkey } => h.setup_write(rkey.0, remote_addr),
-            SendOp::WriteWithImm {
-                remote_addr,
-                rkey,
-                imm,
-            } => h.setup_write_imm(rkey.0, remote_addr, imm.to_be()),
-            SendOp::Read { remote_addr, rkey } => h.setup_read(rkey.0, remote_addr),
-        };
-        // SAFETY: the SGEs name registered memory the caller keeps alive until completion.
-        unsafe { local.setup_sge_list(&list) };
-        g.post().map_err(|e| HwError::sideway("ibv_post_send", e))?;
+        post_send_wr(self.qp(qpn)?, &wr)?;
         if wr.signaled {
             self.posted
                 .insert((qpn.get(), wr.wr_id), send_opcode(wr.op));
@@ -199,13 +267,7 @@ impl Verbs for HwVerbs {
     }
 
     fn post_recv(&mut self, qpn: Qpn, wr: RecvWr) -> Result<(), HwError> {
-        let list = sges(&wr.sgl);
-        let qp = self.qp(qpn)?;
-        let mut g = qp.start_post_recv();
-        let h = g.construct_wr(wr.wr_id);
-        // SAFETY: as for sends.
-        unsafe { h.setup_sge_list(&list) };
-        g.post().map_err(|e| HwError::sideway("ibv_post_recv", e))?;
+        post_recv_wr(self.qp(qpn)?, &wr)?;
         self.posted.insert((qpn.get(), wr.wr_id), WcOpcode::Recv);
         Ok(())
     }
@@ -220,39 +282,21 @@ impl Verbs for HwVerbs {
             .cqs
             .get(&cq.0)
             .ok_or_else(|| HwError::Invalid(format!("no CQ {}", cq.0)))?;
-        let n = max.min(64);
-        let mut wcs: Vec<ibv_wc> = Vec::with_capacity(n);
-        // SAFETY: the CQ is live; at most `n` entries are written into the capacity.
-        let got = unsafe { ibv_poll_cq(c.raw_cq(), n as i32, wcs.as_mut_ptr()) };
-        if got < 0 {
-            return Err(HwError::errno("ibv_poll_cq", got));
-        }
-        // SAFETY: ibv_poll_cq initialised the first `got` entries.
-        unsafe { wcs.set_len(got as usize) };
-        for wc in &wcs {
-            let status = map::wc_status(wc.status);
-            let recorded = self.posted.remove(&(wc.qp_num, wc.wr_id));
-            let opcode = if status == WcStatus::Success {
-                map::wc_opcode(wc.opcode).ok_or_else(|| {
-                    HwError::Invalid(format!("completion with opcode {}", wc.opcode))
-                })?
-            } else {
+        let posted = &mut self.posted;
+        let start = out.len();
+        // SAFETY: the CQ is live while `self.cqs` holds it.
+        let n = unsafe {
+            poll_raw(c.raw_cq(), max.min(64), out, |qpn, wr_id| {
                 // unsignaled sends are not recorded: their failures read as Send
-                recorded.unwrap_or(WcOpcode::Send)
-            };
-            // SAFETY: plain union of two u32s.
-            let raw = unsafe { wc.imm_data_invalidated_rkey_union.imm_data };
-            out.push(WorkCompletion {
-                wr_id: wc.wr_id,
-                status,
-                opcode,
-                qpn: Qpn::new(wc.qp_num),
-                byte_len: wc.byte_len,
-                imm: (wc.wc_flags & IBV_WC_WITH_IMM != 0).then(|| u32::from_be(raw)),
-                invalidated: (wc.wc_flags & IBV_WC_WITH_INV != 0).then_some(MemKey(raw)),
-            });
+                posted.remove(&(qpn, wr_id)).unwrap_or(WcOpcode::Send)
+            })?
+        };
+        for wc in &out[start..] {
+            if wc.status == WcStatus::Success {
+                posted.remove(&(wc.qpn.get(), wc.wr_id));
+            }
         }
-        Ok(wcs.len())
+        Ok(n)
     }
 
     fn poll_event(&mut self) -> Option<AsyncEvent> {
@@ -288,7 +332,7 @@ pub struct HwLoopPair {
     ends: [EndInfo; 2],
     // MRs before the memory they register.
     _mrs: Vec<HwMr>,
-    bufs: [AlignedBuf; 2],
+    bufs: [HwMem; 2],
     pub v: HwVerbs,
     deadline: std::time::Instant,
 }
@@ -301,19 +345,19 @@ impl HwLoopPair {
             })?;
         let mut v = HwVerbs::new(dev);
         let len = 128 * 1024;
-        let bufs = [AlignedBuf::new(len)?, AlignedBuf::new(len)?];
+        let bufs = [HwMem::alloc(len), HwMem::alloc(len)];
         let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
         let mut mrs = Vec::new();
         let mut ends = Vec::new();
         for b in &bufs {
             // SAFETY: `bufs` lives in the pair next to `_mrs`, which is dropped first.
-            let mr = unsafe { v.dev.reg_mr(b.as_ptr(), len, all)? };
+            let mr = unsafe { v.dev.reg_mr(b.as_mut_ptr(), len, all)? };
             let cq = v.create_cq(64)?;
             let qpn = v.create_rc_qp(cq, 32)?;
             ends.push(EndInfo {
                 qpn,
                 cq,
-                addr: b.as_ptr() as u64,
+                addr: b.as_mut_ptr() as u64,
                 len,
                 lkey: mr.lkey(),
                 rkey: mr.rkey(),
@@ -345,12 +389,12 @@ impl VerbsPair for HwLoopPair {
         Instant::ZERO
     }
     fn write_buf(&mut self, side: usize, off: usize, data: &[u8]) {
-        self.bufs[side.min(1)]
-            .slice_mut(off, data.len())
-            .copy_from_slice(data);
+        self.bufs[side.min(1)].write(off, data);
     }
     fn read_buf(&mut self, side: usize, off: usize, len: usize) -> Vec<u8> {
-        self.bufs[side.min(1)].slice(off, len).to_vec()
+        let mut out = vec![0; len];
+        self.bufs[side.min(1)].read(off, &mut out);
+        out
     }
     fn progress(&mut self) -> bool {
         std::thread::sleep(Duration::from_micros(200));
@@ -399,7 +443,7 @@ mod tests {
         assert_eq!(send_opcode(r), WcOpcode::RdmaRead);
         let s = sges(&Sgl::one(0x1000, 64, MemKey(7)));
         assert_eq!(
-            (s.len(), s[0].addr, s[0].length, s[0].lkey),
+            (s.1, s.0[0].addr, s.0[0].length, s.0[0].lkey),
             (1, 0x1000, 64, 7)
         );
     }

@@ -101,8 +101,23 @@ linux_chaos() {  # linux_chaos BREAK RESTORE OUTAGE
 
 # The hw case: our binary built with --features hw, staged by the host in the out share with
 # the libraries it links (rdma-core itself is in the initramfs: libibverbs, librdmacm, rxe).
-ours_hw() { LD_LIBRARY_PATH=/mnt/out/hw/lib /mnt/out/hw/nvmf-rdma hw "$@"; }
-ours_hw_timeout() { local t=$1; shift; LD_LIBRARY_PATH=/mnt/out/hw/lib timeout "$t" /mnt/out/hw/nvmf-rdma hw "$@"; }
+ours() { LD_LIBRARY_PATH=/mnt/out/hw/lib /mnt/out/hw/nvmf-rdma "$@"; }
+ours_hw() { ours hw "$@"; }
+# fio through our plugin on rxe0 (hw backend) against TRADDR/NQN, with verify=crc32c; 5 s in,
+# rxe0 is deleted, and 2 s later added again on the same netdev.
+hw_fio_replug() {  # hw_fio_replug TRADDR NQN
+  printf '%s\n' '[global]' 'ioengine=external:/mnt/out/hw/libnvmf_rdma_fio.so' 'thread=1' \
+    "traddr=$1" "subnqn=$2" 'device=rxe0' 'filename=ns=1' 'size=32M' 'bs=4k' 'iodepth=16' \
+    'ctrl_loss_tmo=60' 'reconnect_delay=1' 'verify=crc32c' 'verify_backlog=256' 'verify_fatal=1' \
+    'time_based=1' 'runtime=20' '[hwverify]' 'rw=randwrite' > /tmp/hw.fio
+  LD_LIBRARY_PATH=/mnt/out/hw/lib fio /tmp/hw.fio > /tmp/hw-fio.txt 2>&1 & local p=$!
+  sleep 5
+  timeout 60 rdma link delete rxe0; echo "rdma link delete rc=$?"
+  sleep 2
+  rdma link add rxe0 type rxe netdev "$IF"; echo "rdma link add rc=$?"
+  wait $p; echo "fio rc=$?"
+  grep -E 'err=|IOPS|nvmf-rdma|verify|error' /tmp/hw-fio.txt | head -20
+}
 kfio_result() {  # kfio_result DEV RW BS QD SECS: one fio job, one KERNEL-RESULT line
   local f=/tmp/kfio-$2-$3.terse
   fio --name="k-$2-$3-qd$4" --filename="$1" --rw="$2" --bs="$3" --iodepth="$4" --ioengine=libaio \
