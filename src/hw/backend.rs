@@ -737,9 +737,16 @@ async fn watch_conn(conn: Arc<Conn>, ctx: Weak<Ctx>) {
 
 fn refused(e: HwError) -> CmError {
     match e {
-        HwError::Rejected { nvme: Some(s), .. } => CmError::Refused(format!(
-            "the target refused the connection: {}",
+        HwError::Rejected {
+            nvme: Some(s),
+            status,
+        } => CmError::Refused(format!(
+            "the target refused the connection: {} (rdma_cm reject reason {status})",
             s.message()
+        )),
+        HwError::Rejected { status, .. } => CmError::Refused(format!(
+            "the target refused the connection (rdma_cm reject reason {status}; 8 means no \
+             listener on that port)"
         )),
         e => CmError::Refused(e.to_string()),
     }
@@ -754,6 +761,9 @@ impl HwCm {
         timeout: Duration,
     ) -> Result<Established, CmError> {
         let ctx = &self.ctx;
+        // rdma_cm addresses the listener by IP and service port (NVMe-oF: 4420); `peer` is
+        // the target's RoCEv2 address as the soft-HCA names it (UDP port 4791).
+        let peer = SocketAddr::new(peer.ip(), params.service_port);
         let id = alloc_audit::platform(CmId::new).map_err(refused)?;
         id.resolve(peer, timeout).await.map_err(refused)?;
         match id.device_guid() {

@@ -1,0 +1,366 @@
+//! Command-line argument types shared by the subcommands.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::{Args, ValueEnum};
+use nvmf_rdma::cli::device::DeviceChoice;
+use nvmf_rdma::cli::support::{
+    parse_duration, parse_pos_secs, parse_secs, parse_tmo, parse_traddr, Tmo,
+};
+use nvmf_rdma::export::ExportAddr;
+use nvmf_rdma::harness::nvmf_perf::DEMO_NQN;
+use nvmf_rdma::reconnect::policy;
+use nvmf_rdma::reconnect::{IdentityMatch, Policy};
+
+/// Where the target is (nvme-cli's fabrics arguments).
+#[derive(Args, Debug, Clone)]
+pub(crate) struct Fabric {
+    /// Transport type; only rdma.
+    #[arg(short = 't', long = "transport", default_value = "rdma")]
+    pub(crate) transport: String,
+    /// Target address: IP (RoCEv2 UDP port 4791) or IP:PORT for a soft-HCA bound elsewhere.
+    #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
+    pub(crate) traddr: SocketAddr,
+    /// NVMe-oF service port.
+    #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
+    pub(crate) trsvcid: u16,
+    /// Host NQN (default: from the host ID).
+    #[arg(short = 'q', long = "hostnqn")]
+    pub(crate) hostnqn: Option<String>,
+    /// Address of the host's soft-HCA (IP, port 4791, or IP:PORT). Default: the local
+    /// address that routes to the target, on port 4791 unless the target is on loopback.
+    #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr)]
+    pub(crate) host_traddr: Option<SocketAddr>,
+    /// RDMA device the host runs on: soft (the built-in soft-HCA), or a kernel RDMA device
+    /// (a build with `--features hw`) by name (rxe0, mlx5_0), guid:<GUID> or pci:<address>.
+    #[arg(long, default_value = "soft")]
+    pub(crate) device: DeviceChoice,
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct Subsys {
+    #[command(flatten)]
+    pub(crate) fabric: Fabric,
+    /// Subsystem NQN.
+    #[arg(short = 'n', long = "nqn")]
+    pub(crate) nqn: String,
+    /// I/O queues (default: one per core).
+    #[arg(short = 'i', long = "nr-io-queues", default_value_t = cores())]
+    pub(crate) nr_io_queues: usize,
+    /// Entries per I/O queue (16..=1024).
+    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
+    pub(crate) queue_size: usize,
+    #[command(flatten)]
+    pub(crate) policy: PolicyArgs,
+    /// Namespace to use for read/write/verify.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) nsid: u32,
+}
+
+/// Keep-alive and the reconnect policy, with nvme-cli's names where it has them. Shared by
+/// every command that connects; `chaos` has its own defaults for `-c` and `-l`.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct PolicyArgs {
+    /// Keep-alive timeout in seconds, 0 = off [default: 5]
+    #[arg(short = 'k', long = "keep-alive-tmo",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_secs
+    )]
+    pub(crate) keep_alive_tmo: Option<u64>,
+    /// Seconds between reconnect attempts; 0 = at once [default: 10; chaos: 0]
+    #[arg(short = 'c', long = "reconnect-delay",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_secs
+    )]
+    pub(crate) reconnect_delay: Option<u64>,
+    /// Seconds to keep reconnecting before the controller is deleted and its I/O fails;
+    /// -1 = forever [default: 600; chaos: 60]
+    #[arg(
+        short = 'l',
+        long = "ctrl-loss-tmo",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_tmo
+    )]
+    pub(crate) ctrl_loss_tmo: Option<Tmo>,
+    /// Seconds of reconnecting after which held and new I/O fails (the controller keeps
+    /// trying); -1 = off [default: -1]
+    #[arg(
+        long = "fast_io_fail_tmo",
+        alias = "fast-io-fail-tmo",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_tmo
+    )]
+    pub(crate) fast_io_fail_tmo: Option<Tmo>,
+    /// Seconds a hot-removed HCA may take to come back before the controller gives up
+    /// [default: 600]
+    #[arg(long = "replug-window",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_secs
+    )]
+    pub(crate) replug_window: Option<u64>,
+    /// Which HCA that comes back counts as ours: same node GUID, same PCI address, both, or
+    /// any card in the slot [default: both]
+    #[arg(long, value_enum, value_name = "MATCH")]
+    pub(crate) identity: Option<IdentityArg>,
+    /// Seconds without a response after which a command starts recovery [default: 30]
+    #[arg(
+        long = "io-timeout",
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        value_parser = parse_pos_secs
+    )]
+    pub(crate) io_timeout: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum IdentityArg {
+    Guid,
+    Pci,
+    Both,
+    Any,
+}
+
+impl From<IdentityArg> for IdentityMatch {
+    fn from(i: IdentityArg) -> IdentityMatch {
+        match i {
+            IdentityArg::Guid => IdentityMatch::Guid,
+            IdentityArg::Pci => IdentityMatch::Pci,
+            IdentityArg::Both => IdentityMatch::Both,
+            IdentityArg::Any => IdentityMatch::Any,
+        }
+    }
+}
+
+/// What `PolicyArgs` resolve to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Resolved {
+    pub(crate) policy: Policy,
+    pub(crate) io_timeout: Duration,
+}
+
+impl PolicyArgs {
+    /// The policy with `reconnect_delay` and `ctrl_loss_tmo` defaulting to the values given
+    /// (connect: 10 s and 600 s, as Linux; chaos: 0 and 60 s).
+    pub(crate) fn resolve(
+        &self,
+        reconnect_delay: Duration,
+        ctrl_loss_tmo: Option<Duration>,
+    ) -> Resolved {
+        let policy = Policy {
+            ctrl_loss_tmo: self.ctrl_loss_tmo.map_or(ctrl_loss_tmo, |t| t.0),
+            reconnect_delay: self
+                .reconnect_delay
+                .map_or(reconnect_delay, Duration::from_secs),
+            fast_io_fail_tmo: self.fast_io_fail_tmo.and_then(|t| t.0),
+            keep_alive_tmo: self
+                .keep_alive_tmo
+                .map_or(policy::DEFAULT_KEEP_ALIVE_TMO, Duration::from_secs),
+            replug_window: self
+                .replug_window
+                .map_or(policy::DEFAULT_REPLUG_WINDOW, Duration::from_secs),
+            identity: self.identity.map_or(IdentityMatch::Both, Into::into),
+        };
+        Resolved {
+            policy,
+            io_timeout: self
+                .io_timeout
+                .map_or(policy::DEFAULT_IO_TIMEOUT, Duration::from_secs),
+        }
+    }
+
+    /// Linux's defaults (`connect`, `read`, `write`, `verify`).
+    pub(crate) fn resolve_default(&self) -> Resolved {
+        self.resolve(
+            policy::DEFAULT_RECONNECT_DELAY,
+            Some(policy::DEFAULT_CTRL_LOSS_TMO),
+        )
+    }
+}
+
+/// Block-device exports of the namespace `--nsid` while `connect` holds the controller.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ExportArgs {
+    /// Serve the namespace over NBD at unix:PATH or IP:PORT (e.g. 127.0.0.1:10809).
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) nbd: Option<ExportAddr>,
+    /// Allow --nbd on an address other than loopback. NBD has no authentication: whoever
+    /// reaches the port can read and write the namespace.
+    #[arg(long)]
+    pub(crate) nbd_allow_remote: bool,
+    /// Expose the namespace as the file MOUNTPOINT/ns<NSID> in a FUSE mount (for losetup).
+    #[arg(long, value_name = "MOUNTPOINT")]
+    pub(crate) fuse: Option<PathBuf>,
+}
+
+/// A target of someone else's for `bench` and `chaos`, instead of the built-in one.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ExternalTarget {
+    /// Run against this target instead of a built-in one (IP, RoCEv2 port 4791, or
+    /// IP:PORT): Linux nvmet-rdma, SPDK, another `nvmf-rdma target`.
+    #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
+    pub(crate) traddr: Option<SocketAddr>,
+    /// NVMe-oF service port of --traddr.
+    #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
+    pub(crate) trsvcid: u16,
+    /// Subsystem NQN at --traddr.
+    #[arg(short = 'n', long = "nqn", requires = "traddr")]
+    pub(crate) nqn: Option<String>,
+    /// Address of the host's soft-HCA towards --traddr (as connect's --host-traddr).
+    #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr, requires = "traddr")]
+    pub(crate) host_traddr: Option<SocketAddr>,
+    /// RDMA device towards --traddr, as connect's --device.
+    #[arg(long, default_value = "soft", requires = "traddr")]
+    pub(crate) device: DeviceChoice,
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ChaosArgs {
+    /// RAM namespace size; the workers share it out. With --traddr: how much of the
+    /// target's namespace 1 the workers use (from LBA 0; its data is overwritten).
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    pub(crate) size: usize,
+    #[command(flatten)]
+    pub(crate) ext: ExternalTarget,
+    /// Verifying workers, each on its own range of blocks.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub(crate) workers: u64,
+    /// How long to run, in seconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub(crate) seconds: f64,
+    /// Time between faults (500ms, 2s, ...); a fault waits until the controller has been
+    /// live again for at least half of it.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub(crate) every: Duration,
+    /// Faults to inflict, picked at random: reset (HCA fatal error), replug (hot-remove and
+    /// the same card back), replug-other (another card in the slot, then ours again),
+    /// target-restart, user-reset (controller reset).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_values = ["reset", "replug", "target-restart"]
+    )]
+    pub(crate) faults: Vec<FaultKind>,
+    /// Seed of the fault order and down times (default: from the clock; printed).
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// Longest time a reset or unplugged HCA stays away (each fault picks 0..=this).
+    #[arg(long = "down-max", default_value = "200ms", value_parser = parse_duration)]
+    pub(crate) down_max: Duration,
+    /// I/O queues.
+    #[arg(short = 'i', long = "nr-io-queues", default_value_t = 2)]
+    pub(crate) nr_io_queues: usize,
+    /// Entries per I/O queue (16..=1024).
+    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
+    pub(crate) queue_size: usize,
+    /// Largest I/O a worker issues (each picks 1 block..=this).
+    #[arg(long = "max-io", default_value = "64K", value_parser = parse_size)]
+    pub(crate) max_io: usize,
+    #[command(flatten)]
+    pub(crate) policy: PolicyArgs,
+    /// Output format: normal or json (the summary; progress goes to stderr).
+    #[arg(
+        short = 'o',
+        long = "output-format",
+        value_enum,
+        default_value = "normal"
+    )]
+    pub(crate) output: OutputFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum OutputFormat {
+    Normal,
+    Json,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ValueEnum)]
+pub(crate) enum FaultKind {
+    Reset,
+    Replug,
+    ReplugOther,
+    TargetRestart,
+    UserReset,
+}
+
+impl FaultKind {
+    pub(crate) const ALL: [FaultKind; 5] = [
+        FaultKind::Reset,
+        FaultKind::Replug,
+        FaultKind::ReplugOther,
+        FaultKind::TargetRestart,
+        FaultKind::UserReset,
+    ];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            FaultKind::Reset => "reset",
+            FaultKind::Replug => "replug",
+            FaultKind::ReplugOther => "replug-other",
+            FaultKind::TargetRestart => "target-restart",
+            FaultKind::UserReset => "user-reset",
+        }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct TargetArgs {
+    /// Address of the target's soft-HCA (IP or IP:PORT; RoCEv2 port 4791 by default).
+    #[arg(long, default_value = "127.0.0.1", value_parser = parse_traddr)]
+    pub(crate) listen: SocketAddr,
+    /// NVMe-oF service port.
+    #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
+    pub(crate) trsvcid: u16,
+    /// Subsystem NQN.
+    #[arg(short = 'n', long = "nqn", default_value = DEMO_NQN)]
+    pub(crate) nqn: String,
+    /// RAM namespace size (e.g. 1G); default when no --file is given.
+    #[arg(long, value_parser = parse_size)]
+    pub(crate) ram: Option<usize>,
+    /// File-backed namespace.
+    #[arg(long)]
+    pub(crate) file: Option<PathBuf>,
+    /// Create or grow the file to this size.
+    #[arg(long, value_parser = parse_size)]
+    pub(crate) file_size: Option<usize>,
+    /// Logical block size: 512 or 4096.
+    #[arg(long, default_value_t = 512)]
+    pub(crate) block_size: u32,
+    /// Host NQNs allowed to connect (repeat); any host when none is given.
+    #[arg(long = "allow-host")]
+    pub(crate) allow_host: Vec<String>,
+}
+
+pub(crate) fn cores() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+/// Parse "4096", "4K", "128KiB", "64M", "1G".
+pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (try 4096, 128K, 64M)"))?;
+    let mult = match unit.to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "K" | "KB" | "KIB" => 1 << 10,
+        "M" | "MB" | "MIB" => 1 << 20,
+        "G" | "GB" | "GIB" => 1 << 30,
+        _ => return Err(format!("unknown size unit '{unit}' in '{s}'")),
+    };
+    n.checked_mul(mult)
+        .filter(|&v| v > 0)
+        .ok_or_else(|| format!("size '{s}' out of range"))
+}

@@ -1,0 +1,273 @@
+//! `connect`: hold a controller and its exports until a stop signal or `disconnect`.
+
+use std::os::unix::fs::PermissionsExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::{args::*, control::*, host::*, signals::*, units::*};
+use anyhow::{bail, Context, Result};
+use nvmf_rdma::cli::device::{self, DeviceChoice};
+use nvmf_rdma::cli::support::{run_dir, CtrlInfo, Health};
+use nvmf_rdma::export;
+use nvmf_rdma::harness::hca_perf;
+use nvmf_rdma::reconnect::CtrlState;
+use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
+
+pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
+    let mut signals = StopSignals::new()?;
+    let c = tokio::select! {
+        c = connect(&s) => Arc::new(c?),
+        sig = signals.recv() => bail!("{sig} while connecting to {}: nothing was connected", s.nqn),
+    };
+    let exports = start_exports(&c, &s, &x).await?;
+    let dir = run_dir();
+    make_run_dir(&dir)?;
+    let mut n = 0;
+    let (name, path) = loop {
+        let name = format!("nvmf{n}");
+        let p = dir.join(format!("{name}.sock"));
+        if !p.exists() || tokio::net::UnixStream::connect(&p).await.is_err() {
+            let _ = std::fs::remove_file(&p);
+            break (name, p);
+        }
+        n += 1;
+    };
+    let listener = tokio::net::UnixListener::bind(&path)
+        .with_context(|| format!("bind {}", path.display()))?;
+    // Whoever can open the socket can disconnect the controller: ours alone, whatever the
+    // umask (and the directory is 0700 too).
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("chmod 0600 {}", path.display()))?;
+    println!(
+        "{name}: connected to {} at {} (cntlid {})",
+        s.nqn, s.fabric.traddr, c.cntlid
+    );
+    for ns in c.namespaces() {
+        println!(
+            "  namespace {}: {} blocks of {} B ({})",
+            ns.nsid,
+            ns.blocks,
+            ns.block_size,
+            hca_perf::human(ns.bytes() as usize)
+        );
+    }
+    let info = || {
+        let (state, health) = Health::from_status(&c.status());
+        CtrlInfo {
+            name: name.clone(),
+            subnqn: s.nqn.clone(),
+            hostnqn: c.opts.hostnqn.clone(),
+            traddr: s.fabric.traddr.to_string(),
+            trsvcid: s.fabric.trsvcid,
+            cntlid: c.cntlid,
+            state,
+            io_queues: c.io_queue_count(),
+            namespaces: c
+                .namespaces()
+                .iter()
+                .map(|n| (n.nsid, n.block_size, n.blocks))
+                .collect(),
+            model: c.ident.mn.text().trim().to_string(),
+            serial: c.ident.sn.text().trim().to_string(),
+            health,
+        }
+    };
+    let watcher = tokio::spawn(report_state_changes(name.clone(), c.watch_status()));
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let mut clients = tokio::task::JoinSet::new();
+    let mut status = c.watch_status();
+    let dead = loop {
+        tokio::select! {
+            sig = signals.recv() => {
+                println!("{name}: {sig}: disconnecting");
+                break None;
+            }
+            _ = stop.notified() => break None,
+            st = status.wait_for(|s| s.state() == CtrlState::Dead) => {
+                break Some(st.map(|s| *s).ok());
+            }
+            conn = listener.accept() => {
+                let Ok((stream, _)) = conn else {
+                    // Out of descriptors and the like: pause rather than spin; a signal that
+                    // comes meanwhile waits in its stream.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                if !same_user(&stream) {
+                    continue;
+                }
+                clients.spawn(serve_control_client(stream, info().to_json(), stop.clone()));
+            }
+            Some(_) = clients.join_next(), if !clients.is_empty() => {}
+        }
+    };
+    clients.abort_all();
+    watcher.abort();
+    exports.stop().await;
+    if let Ok(c) = Arc::try_unwrap(c) {
+        // Deleting ends at once whatever recovery is doing; a second signal still wins.
+        tokio::select! {
+            _ = c.disconnect() => {}
+            sig = signals.recv() => {
+                let _ = std::fs::remove_file(&path);
+                bail!("{sig}: stopped before {name} finished disconnecting")
+            }
+        }
+    }
+    // Last: `nvmf-rdma disconnect` waits for the socket to go as the sign that it is done.
+    drop(listener);
+    let _ = std::fs::remove_file(&path);
+    match dead {
+        None => {
+            println!("{name}: disconnected");
+            Ok(())
+        }
+        // Like Linux deleting a controller that gave up: the holder ends, with an error.
+        Some(st) => {
+            let why = st
+                .and_then(|s| s.machine.fail_reason)
+                .map_or("it gave up", |r| r.name());
+            bail!("{name}: the controller is dead ({why}); its pending I/O failed. Connect again once the target is reachable")
+        }
+    }
+}
+
+/// Print the controller's state changes as `connect` holds it: failures, attempts, LIVE
+/// again, given up.
+pub(crate) async fn report_state_changes(
+    name: String,
+    mut rx: tokio::sync::watch::Receiver<nvmf_rdma::transport::CtrlStatus>,
+) {
+    let mut last = (rx.borrow().machine.state, rx.borrow().machine.attempt);
+    while rx.changed().await.is_ok() {
+        let st = *rx.borrow_and_update();
+        let m = st.machine;
+        let (was, _) = last;
+        if (m.state, m.attempt) == last {
+            continue;
+        }
+        last = (m.state, m.attempt);
+        let (state, h) = Health::from_status(&st);
+        match m.state {
+            CtrlState::Live if was != CtrlState::Live => println!(
+                "{name}: live again (recovery {}{})",
+                m.recoveries,
+                st.last_recovery.map_or(String::new(), |d| format!(
+                    ", {} after the failure",
+                    human_dur(d)
+                ))
+            ),
+            CtrlState::Resetting | CtrlState::Connecting => {
+                if matches!(was, CtrlState::Live | CtrlState::New) {
+                    println!(
+                        "{name}: {}; recovering",
+                        m.cause.map_or("failed", |c| c.name())
+                    );
+                }
+                if m.attempt > 0 {
+                    println!("{name}: reconnecting, {}", h.attempts());
+                }
+            }
+            CtrlState::Deleting | CtrlState::Dead if was != m.state => {
+                println!("{name}: {state}: {}", h.describe(&state));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The exports `connect` runs next to the controller (stopped before it disconnects).
+pub(crate) struct Exports {
+    pub(crate) nbd: Option<tokio::task::JoinHandle<()>>,
+    pub(crate) fuse: Option<export::FuseMount>,
+}
+
+impl Exports {
+    pub(crate) async fn stop(self) {
+        if let Some(t) = self.nbd {
+            t.abort();
+            let _ = t.await;
+        }
+        if let Some(m) = self.fuse {
+            let _ = tokio::task::spawn_blocking(move || {
+                if let Err(e) = m.unmount() {
+                    eprintln!("{e}");
+                }
+            })
+            .await;
+        }
+    }
+}
+
+pub(crate) async fn start_exports(
+    c: &Arc<Controller>,
+    s: &Subsys,
+    x: &ExportArgs,
+) -> Result<Exports> {
+    let mut out = Exports {
+        nbd: None,
+        fuse: None,
+    };
+    if x.nbd.is_none() && x.fuse.is_none() {
+        return Ok(out);
+    }
+    let dev = Arc::new(export::BlockDev::new(c.clone(), s.nsid)?);
+    if let Some(addr) = &x.nbd {
+        let l =
+            export::NbdListener::bind_with(addr, export::NbdLimits::default(), x.nbd_allow_remote)
+                .await?;
+        println!(
+            "nbd: serving namespace {} at {} ({})",
+            s.nsid,
+            l.addr(),
+            l.addr().uri()
+        );
+        let (dev, name) = (dev.clone(), format!("ns{}", s.nsid));
+        out.nbd = Some(tokio::spawn(async move {
+            if let Err(e) = l.serve(dev, name).await {
+                eprintln!("nbd: {e}");
+            }
+        }));
+    }
+    if let Some(mp) = &x.fuse {
+        let m = export::mount_fuse(
+            dev,
+            tokio::runtime::Handle::current(),
+            mp,
+            &format!("ns{}", s.nsid),
+        )?;
+        println!("fuse: namespace {} is {}", s.nsid, m.file().display());
+        out.fuse = Some(m);
+    }
+    Ok(out)
+}
+
+/// `discover`: the discovery log of a discovery controller, nvme-cli style.
+pub(crate) async fn run_discover(f: Fabric) -> Result<()> {
+    check_transport(&f)?;
+    let mut o = ConnectOptions::new(f.traddr, nvmf_rdma::nvme::fabrics::DISCOVERY_NQN);
+    o.trsvcid = f.trsvcid;
+    apply_system_host_ids(&mut o, std::path::Path::new(NVME_CONF_DIR));
+    if let Some(h) = f.hostnqn {
+        o.hostnqn = h;
+    }
+    let entries = match &f.device {
+        DeviceChoice::Soft => {
+            let (hca, cm) = host_stack(f.traddr, f.host_traddr).await?;
+            discover(hca, cm, o).await
+        }
+        DeviceChoice::Kernel(sel) => device::discover_kernel(sel, o).await,
+    }
+    .context("discovery failed")?;
+    println!("Discovery Log Number of Records {}", entries.len());
+    for (i, e) in entries.iter().enumerate() {
+        println!("=====Discovery Log Entry {i}======");
+        println!("trtype:  rdma");
+        println!("adrfam:  {}", if e.adrfam == 2 { "ipv6" } else { "ipv4" });
+        println!("portid:  {}", e.portid);
+        println!("trsvcid: {}", e.trsvcid.text().trim());
+        println!("subnqn:  {}", e.subnqn.text());
+        println!("traddr:  {}", e.traddr.text().trim());
+    }
+    Ok(())
+}

@@ -1,0 +1,186 @@
+//! The per-controller control socket: its server side (in `connect`) and its clients
+//! (`list`, `disconnect`).
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use nvmf_rdma::cli::support::{json_field, run_dir, Health};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+/// Longest control-socket request line, and how long a client may take to send it.
+pub(crate) const CONTROL_LINE_MAX: u64 = 1024;
+pub(crate) const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One control-socket client: one request line, one answer. Runs in its own task, so a
+/// client that sends nothing (or too much) never holds up the controller or a signal.
+pub(crate) async fn serve_control_client(
+    stream: tokio::net::UnixStream,
+    info: String,
+    stop: Arc<tokio::sync::Notify>,
+) {
+    let (r, mut w) = stream.into_split();
+    let mut line = String::new();
+    let mut r = BufReader::new(r.take(CONTROL_LINE_MAX));
+    let read = r.read_line(&mut line);
+    let answer: &[u8] = match tokio::time::timeout(CONTROL_TIMEOUT, read).await {
+        Ok(Ok(_)) => match line.trim() {
+            "info" => {
+                let _ = w.write_all(format!("{info}\n").as_bytes()).await;
+                return;
+            }
+            "disconnect" => {
+                stop.notify_one();
+                b"ok\n"
+            }
+            _ => b"error: unknown request\n",
+        },
+        _ => b"error: no request line within 2 s\n",
+    };
+    let _ = w.write_all(answer).await;
+}
+
+/// The run directory, created 0700 whatever the umask; an existing one of ours is made 0700.
+pub(crate) fn make_run_dir(dir: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("create {}", dir.display()))?;
+    let meta = std::fs::metadata(dir).with_context(|| format!("stat {}", dir.display()))?;
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    if meta.uid() != euid {
+        bail!(
+            "{} belongs to another user (uid {}); set NVMF_RDMA_RUN_DIR to a directory of yours",
+            dir.display(),
+            meta.uid()
+        );
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("chmod 0700 {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+/// Is the control-socket client our own user (or root)?
+pub(crate) fn same_user(s: &tokio::net::UnixStream) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    s.peer_cred().is_ok_and(|c| c.uid() == euid || c.uid() == 0)
+}
+
+pub(crate) async fn ask(path: &std::path::Path, req: &str) -> Option<String> {
+    let mut s = tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::net::UnixStream::connect(path),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    s.write_all(format!("{req}\n").as_bytes()).await.ok()?;
+    let mut line = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(2),
+        BufReader::new(s).read_line(&mut line),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    Some(line.trim().to_string())
+}
+
+pub(crate) async fn controllers() -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(run_dir()) else {
+        return out;
+    };
+    let mut paths: Vec<PathBuf> = rd
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "sock"))
+        .collect();
+    paths.sort();
+    for p in paths {
+        if let Some(j) = ask(&p, "info").await {
+            out.push((p, j));
+        }
+    }
+    out
+}
+
+pub(crate) async fn run_list(output: &str) -> Result<()> {
+    let ctrls = controllers().await;
+    match output {
+        "json" => {
+            let items: Vec<&str> = ctrls.iter().map(|(_, j)| j.as_str()).collect();
+            println!("{{\"controllers\":[{}]}}", items.join(","));
+        }
+        "normal" => {
+            println!(
+                "{:<8} {:<40} {:<22} {:>6} {:<10} {:>3}",
+                "Name", "SubNQN", "Address", "CNTLID", "State", "IOQ"
+            );
+            for (_, j) in &ctrls {
+                let state = json_field(j, "state").unwrap_or("?");
+                println!(
+                    "{:<8} {:<40} {:<22} {:>6} {:<10} {:>3}",
+                    json_field(j, "name").unwrap_or("?"),
+                    json_field(j, "subnqn").unwrap_or("?"),
+                    json_field(j, "traddr").unwrap_or("?"),
+                    json_field(j, "cntlid").unwrap_or("?"),
+                    state,
+                    json_field(j, "io_queues").unwrap_or("?"),
+                );
+                println!("{:<8} {}", "", Health::from_json(j).describe(state));
+            }
+        }
+        o => bail!("unknown output format '{o}': use normal or json"),
+    }
+    Ok(())
+}
+
+/// How long `disconnect` waits for a controller's `connect` to finish.
+pub(crate) const DISCONNECT_WAIT: Duration = Duration::from_secs(10);
+
+pub(crate) async fn run_disconnect(nqn: Option<String>, device: Option<String>) -> Result<()> {
+    if nqn.is_none() && device.is_none() {
+        bail!("give -n NQN or -d DEVICE");
+    }
+    let mut n = 0;
+    for (p, j) in controllers().await {
+        let hit = nqn
+            .as_deref()
+            .is_some_and(|q| json_field(&j, "subnqn") == Some(q))
+            || device
+                .as_deref()
+                .is_some_and(|d| json_field(&j, "name") == Some(d));
+        if hit && ask(&p, "disconnect").await.as_deref() == Some("ok") {
+            // Done when its `connect` has let the controller go and removed its socket.
+            let deadline = Instant::now() + DISCONNECT_WAIT;
+            while p.exists() {
+                if Instant::now() > deadline {
+                    bail!(
+                        "{} was asked to disconnect but is still there after {} s; \
+                         its `connect` process may be stuck: stop it with a signal",
+                        json_field(&j, "name").unwrap_or("the controller"),
+                        DISCONNECT_WAIT.as_secs()
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            n += 1;
+        }
+    }
+    println!(
+        "NQN:{} disconnected {n} controller(s)",
+        nqn.or(device).unwrap_or_default()
+    );
+    if n == 0 {
+        bail!("no matching controller");
+    }
+    Ok(())
+}

@@ -1,0 +1,144 @@
+//! The host side of a command: its soft-HCA, connect options and controller.
+
+use std::net::SocketAddr;
+
+use crate::args::*;
+use anyhow::{bail, Context, Result};
+use nvmf_rdma::cli::device::{self, DeviceChoice};
+use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, DEFAULT_ROCE_PORT};
+use nvmf_rdma::driver::{CmService, DeviceManager, SoftHca};
+use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use nvmf_rdma::hca::PciAddr;
+use nvmf_rdma::nvme::Nqn;
+use nvmf_rdma::transport::{ConnectOptions, Controller};
+
+/// A device on `addr`; off loopback its peers may be rxe or NICs (see `roce_peer`).
+pub(crate) fn device_config(name: &str, addr: SocketAddr, n: u8) -> DeviceConfig {
+    // Locally administered, random per process: the MAC (and the GUID made from it) goes
+    // out in every CM REQ and REP, so it must tell a peer nothing (it held the PID), yet
+    // differ between processes on one IP, as the CM tells connections apart by it.
+    let r: [u8; 3] = rand::random();
+    let mac = [0x52, 0x54, r[0], r[1], r[2], n];
+    let roce = roce_peer(addr.ip());
+    DeviceConfig {
+        identity: DeviceIdentity::from_mac(name, mac, PciAddr::new(0, 0x30, n, 0)),
+        addr,
+        icrc: if roce {
+            IcrcCheck::Skip
+        } else {
+            IcrcCheck::Verify
+        },
+        peer_port: roce.then_some(DEFAULT_ROCE_PORT),
+        // Only the simulator seeds a device; this one draws from the OS CSPRNG.
+        seed: 0,
+    }
+}
+
+/// A host soft-HCA on the local address that routes to `target`.
+pub(crate) async fn host_stack(
+    target: SocketAddr,
+    host_traddr: Option<SocketAddr>,
+) -> Result<(SoftHca, CmService)> {
+    let addr = host_bind_addr(target, host_traddr).context("no route to the target address")?;
+    let hca = SoftHca::start_with(device_config("srxe0", addr, 1), !roce_peer(target.ip()))
+        .await
+        .with_context(|| format!("cannot start the host soft-HCA on {addr}"))?;
+    let cm = CmService::for_device(&hca);
+    Ok((hca, cm))
+}
+
+pub(crate) fn check_transport(f: &Fabric) -> Result<()> {
+    if f.transport != "rdma" {
+        bail!("transport '{}' is not supported: only rdma", f.transport);
+    }
+    Ok(())
+}
+
+pub(crate) fn options(s: &Subsys) -> Result<ConnectOptions> {
+    check_transport(&s.fabric)?;
+    Nqn::new(&s.nqn).map_err(|e| anyhow::anyhow!("bad subsystem NQN: {e}"))?;
+    if !(16..=1024).contains(&s.queue_size) {
+        bail!("--queue-size must be between 16 and 1024");
+    }
+    if s.nr_io_queues == 0 || s.nr_io_queues > 128 {
+        bail!("--nr-io-queues must be between 1 and 128");
+    }
+    let mut o = ConnectOptions::new(s.fabric.traddr, &s.nqn);
+    o.trsvcid = s.fabric.trsvcid;
+    apply_system_host_ids(&mut o, std::path::Path::new(NVME_CONF_DIR));
+    if let Some(h) = &s.fabric.hostnqn {
+        Nqn::new(h).map_err(|e| anyhow::anyhow!("bad host NQN: {e}"))?;
+        o.hostnqn = h.clone();
+    }
+    o.nr_io_queues = s.nr_io_queues;
+    o.queue_size = s.queue_size;
+    let r = s.policy.resolve_default();
+    o.keep_alive_tmo = r.policy.keep_alive_tmo;
+    o.policy = r.policy;
+    o.io_timeout = r.io_timeout;
+    Ok(o)
+}
+
+/// Where nvme-cli keeps the system's host NQN and host ID.
+pub(crate) const NVME_CONF_DIR: &str = "/etc/nvme";
+
+/// The system's host identity, as nvme-cli has it: `hostnqn` and `hostid` in `dir` (one
+/// line each), when present and valid. A target whose allow-list holds the system host NQN
+/// then lets us in as it lets the kernel host in; `-q` still overrides. A host ID without a
+/// host NQN also names the NQN (`nqn.2014-08.org.nvmexpress:uuid:<hostid>`).
+pub(crate) fn apply_system_host_ids(o: &mut ConnectOptions, dir: &std::path::Path) {
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
+    let id = read("hostid").and_then(|t| parse_uuid(t.trim()));
+    if let Some(id) = id {
+        o.hostid = id;
+        o.hostnqn = Nqn::from_uuid(&id).as_str().to_string();
+    }
+    if let Some(n) = read("hostnqn") {
+        let n = n.trim();
+        if n.starts_with("nqn.") && Nqn::new(n).is_ok() {
+            o.hostnqn = n.to_string();
+        }
+    }
+}
+
+/// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` as 16 bytes.
+pub(crate) fn parse_uuid(t: &str) -> Option<[u8; 16]> {
+    let hex: String = t.chars().filter(|c| *c != '-').collect();
+    if hex.len() != 32 || t.len() != 36 {
+        return None;
+    }
+    let mut id = [0u8; 16];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(id)
+}
+
+/// The name of the host HCA in the device manager of `connect`, `read`, `write`, `verify`.
+pub(crate) const HOST_HCA: &str = "srxe0";
+
+/// A host soft-HCA plugged into a device manager, on the local address that routes to
+/// `target`. A controller on it comes back after the device is reset or re-plugged.
+pub(crate) async fn host_device(
+    target: SocketAddr,
+    host_traddr: Option<SocketAddr>,
+) -> Result<DeviceManager> {
+    let addr = host_bind_addr(target, host_traddr).context("no route to the target address")?;
+    let mgr = DeviceManager::new(!roce_peer(target.ip()));
+    mgr.plug(device_config(HOST_HCA, addr, 1))
+        .await
+        .with_context(|| format!("cannot start the host soft-HCA on {addr}"))?;
+    Ok(mgr)
+}
+
+pub(crate) async fn connect(s: &Subsys) -> Result<Controller> {
+    let o = options(s)?;
+    let c = match &s.fabric.device {
+        DeviceChoice::Soft => {
+            let mgr = host_device(s.fabric.traddr, s.fabric.host_traddr).await?;
+            Controller::connect_managed(mgr, HOST_HCA, o).await
+        }
+        DeviceChoice::Kernel(sel) => device::connect_kernel(sel, o).await,
+    };
+    c.with_context(|| format!("connect to {} at {}", s.nqn, s.fabric.traddr))
+}

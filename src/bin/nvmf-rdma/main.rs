@@ -1,0 +1,283 @@
+//! nvmf-rdma command line, following nvme-cli where it has a name for a thing.
+
+mod args;
+mod bench;
+mod chaos;
+mod connect;
+mod control;
+mod demo;
+mod host;
+mod io;
+mod signals;
+mod target;
+mod units;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::{args::*, bench::*, chaos::*, connect::*, control::*, demo::*, io::*, target::*};
+use anyhow::{bail, Result};
+use clap::{Parser, Subcommand};
+use nvmf_rdma::cli::metrics_http;
+use nvmf_rdma::cli::support::{lock_all_memory, parse_duration};
+use nvmf_rdma::harness::hca_perf;
+
+#[derive(Parser)]
+#[command(
+    name = "nvmf-rdma",
+    version,
+    about = "User-space NVMe-over-RDMA initiator with its own soft RoCEv2 HCA"
+)]
+struct Cli {
+    /// Serve Prometheus metrics (controller state, reconnects, recoveries, recovery time,
+    /// device counters) over HTTP at IP:PORT, e.g. 127.0.0.1:9464; for connect, chaos, demo
+    /// and target.
+    #[arg(long, global = true, value_name = "IP:PORT")]
+    metrics_addr: Option<SocketAddr>,
+    /// Lock all of the process's memory, now and future (mlockall), so the I/O and recovery
+    /// paths never wait on a page fault. Needs RLIMIT_MEMLOCK (ulimit -l) large enough, or
+    /// CAP_IPC_LOCK.
+    #[arg(long, global = true)]
+    mlock: bool,
+    /// After packets move, keep polling the soft-HCA's socket this long before sleeping
+    /// (0 turns it off). Waking a sleeping thread is most of a queue-depth-1 round trip on a
+    /// virtual machine; polling costs a core while I/O flows and nothing once it stops.
+    #[arg(long, global = true, default_value = "50us", value_parser = parse_duration, value_name = "TIME")]
+    busy_poll: Duration,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+impl Cli {
+    /// Start what the global options ask for, before any device or controller exists.
+    fn setup(&self) -> Result<()> {
+        nvmf_rdma::driver::set_default_busy_poll(self.busy_poll);
+        if self.mlock {
+            match lock_all_memory().map_err(anyhow::Error::msg)? {
+                None => tracing::debug!("memory locked"),
+                Some(limit) => eprintln!(
+                    "--mlock: memory locked up to RLIMIT_MEMLOCK ({}); allocations past it \
+                     will fail (ulimit -l unlimited lifts it)",
+                    hca_perf::human(limit.min(usize::MAX as u64) as usize)
+                ),
+            }
+        }
+        if let Some(addr) = self.metrics_addr {
+            if !matches!(
+                self.cmd,
+                Cmd::Connect { .. } | Cmd::Chaos(_) | Cmd::Demo { .. } | Cmd::Target(_)
+            ) {
+                bail!("--metrics-addr is for connect, chaos, demo and target");
+            }
+            metrics_http::install(addr)?;
+            eprintln!("metrics: http://{addr}/metrics");
+        }
+        Ok(())
+    }
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start the built-in target in-process, connect to it, write and verify a pattern, and
+    /// print IOPS and latency.
+    Demo {
+        /// Bytes to write and verify, e.g. 64M.
+        #[arg(long, default_value = "64M", value_parser = parse_size)]
+        size: usize,
+        /// Seconds of 4 KiB random reads at QD32 after the verify.
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+    },
+    /// Soft-HCA only: RDMA WRITE a pattern between two devices, READ it back, verify.
+    HcaDemo {
+        #[arg(long, default_value = "64M", value_parser = parse_size)]
+        size: usize,
+        #[arg(long, default_value = "128K", value_parser = parse_size)]
+        chunk: usize,
+    },
+    /// Benchmark tables over loopback: NVMe-oF (default) or the raw soft-HCA (--hca). With
+    /// --traddr: 4 KiB random reads at QD1 and QD32 and 128 KiB sequential reads at QD16 on
+    /// namespace 1 of that target, the jobs `tests/vm/run.sh bench` gives fio through the
+    /// Linux host.
+    Bench {
+        /// Seconds per row.
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        #[arg(long)]
+        hca: bool,
+        /// I/O queues for the NVMe-oF table.
+        #[arg(long, default_value_t = 1)]
+        queues: usize,
+        /// Run only this row of the NVMe-oF table (repeatable), named as fio-plugin/bench.sh
+        /// names its fio jobs: randread-4k-qd1, randread-4k-qd32, randwrite-4k-qd1,
+        /// randwrite-4k-qd32, read-128k-qd8, write-128k-qd8.
+        #[arg(long = "job", value_name = "NAME")]
+        jobs: Vec<String>,
+        #[command(flatten)]
+        ext: ExternalTarget,
+    },
+    /// Run the built-in NVMe-oF target until interrupted.
+    Target(TargetArgs),
+    /// Hardware verbs backend (built with `--features hw`): kernel RDMA devices through
+    /// libibverbs/librdmacm instead of the soft-HCA.
+    #[cfg(feature = "hw")]
+    Hw(nvmf_rdma::hw::cli::HwArgs),
+    /// Ask a discovery controller which subsystems it offers.
+    Discover(Fabric),
+    /// Connect to a subsystem and hold the controller until interrupted or `disconnect`.
+    Connect {
+        #[command(flatten)]
+        sub: Subsys,
+        #[command(flatten)]
+        export: ExportArgs,
+    },
+    /// List the controllers held by running `connect` commands.
+    List {
+        /// Output format: normal or json.
+        #[arg(short = 'o', long = "output-format", default_value = "normal")]
+        output: String,
+    },
+    /// Disconnect a controller held by `connect`.
+    Disconnect {
+        /// By subsystem NQN.
+        #[arg(short = 'n', long = "nqn")]
+        nqn: Option<String>,
+        /// By controller name (from `list`).
+        #[arg(short = 'd', long = "device")]
+        device: Option<String>,
+    },
+    /// Read blocks and write them to a file, raw to stdout (`--output -`), or as a hex dump.
+    Read {
+        #[command(flatten)]
+        sub: Subsys,
+        #[arg(long, default_value_t = 0)]
+        lba: u64,
+        #[arg(long, value_parser = parse_size)]
+        size: usize,
+        /// Where the data goes: a file, or `-` for the raw bytes on stdout. Without it, a hex
+        /// dump on stdout.
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
+    /// Write a file, or a repeated byte, at a block address.
+    Write {
+        #[command(flatten)]
+        sub: Subsys,
+        #[arg(long, default_value_t = 0)]
+        lba: u64,
+        #[arg(long, value_parser = parse_size)]
+        size: Option<usize>,
+        #[arg(long)]
+        input: Option<PathBuf>,
+        /// Byte to fill with when no --input is given.
+        #[arg(long, default_value_t = 0)]
+        pattern: u8,
+    },
+    /// Write random data over a range, read it back and compare, with progress.
+    Verify {
+        #[command(flatten)]
+        sub: Subsys,
+        #[arg(long, default_value_t = 0)]
+        lba: u64,
+        #[arg(long, value_parser = parse_size)]
+        size: usize,
+        #[arg(long, default_value = "128K", value_parser = parse_size)]
+        chunk: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Chaos on loopback, no setup: a built-in RAM target and a host whose HCA is reset,
+    /// unplugged and re-plugged (or replaced by another card), the target restarted, the
+    /// controller reset, while workers write and verify. Prints what survived. With
+    /// --traddr, against another target: only host-side faults are made (not
+    /// target-restart); faults on the target side are yours to make.
+    Chaos(ChaosArgs),
+    /// Print the RC QP state transition table (or a Graphviz graph with --dot).
+    QpStates {
+        #[arg(long)]
+        dot: bool,
+    },
+}
+
+/// Errors end the process with one line: what failed and why, outermost first (anyhow's
+/// `{:#}`), never Debug text or a backtrace.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("nvmf-rdma: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    cli.setup()?;
+    match cli.cmd {
+        Cmd::Demo { size, seconds } => demo(size, seconds),
+        Cmd::HcaDemo { size, chunk } => hca_demo(size, chunk),
+        Cmd::Bench {
+            seconds,
+            hca,
+            queues,
+            jobs,
+            ext,
+        } => run_bench(seconds, hca, queues, jobs, ext),
+        Cmd::QpStates { dot } => {
+            if dot {
+                print!("{}", nvmf_rdma::hca::qp::state::dot());
+            } else {
+                print!("{}", nvmf_rdma::hca::qp::state::describe());
+            }
+            Ok(())
+        }
+        cmd => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?
+            .block_on(run_async(cmd)),
+    }
+}
+
+async fn run_async(cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Target(t) => run_target(t).await,
+        #[cfg(feature = "hw")]
+        Cmd::Hw(a) => Ok(nvmf_rdma::hw::cli::run(a).await?),
+        Cmd::Discover(f) => run_discover(f).await,
+        Cmd::Connect { sub, export } => run_connect(sub, export).await,
+        Cmd::Chaos(a) => run_chaos(a).await,
+        Cmd::List { output } => run_list(&output).await,
+        Cmd::Disconnect { nqn, device } => run_disconnect(nqn, device).await,
+        Cmd::Read {
+            sub,
+            lba,
+            size,
+            output,
+        } => run_read(sub, lba, size, output).await,
+        Cmd::Write {
+            sub,
+            lba,
+            size,
+            input,
+            pattern,
+        } => run_write(sub, lba, size, input, pattern).await,
+        Cmd::Verify {
+            sub,
+            lba,
+            size,
+            chunk,
+            seed,
+        } => run_verify(sub, lba, size, chunk, seed).await,
+        _ => unreachable!("handled synchronously"),
+    }
+}
+
+#[cfg(test)]
+mod tests;

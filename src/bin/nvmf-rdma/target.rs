@@ -1,0 +1,54 @@
+//! `target`: the built-in NVMe-oF target until a stop signal.
+
+use std::sync::Arc;
+
+use crate::{args::*, host::*, signals::*};
+use anyhow::{bail, Context, Result};
+use nvmf_rdma::driver::{CmService, SoftHca};
+use nvmf_rdma::nvme::Nqn;
+use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+
+pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
+    let nqn = Nqn::new(&a.nqn).map_err(|e| anyhow::anyhow!("bad --nqn: {e}"))?;
+    let lbads = match a.block_size {
+        512 => 9,
+        4096 => 12,
+        n => bail!("--block-size must be 512 or 4096, not {n}"),
+    };
+    let ns = match (&a.file, a.ram) {
+        (Some(_), Some(_)) => bail!("give --ram or --file, not both"),
+        (Some(p), None) => Namespace::file(1, p, a.file_size.map(|s| s as u64), lbads)
+            .with_context(|| format!("open {}", p.display()))?,
+        (None, r) => Namespace::ram(1, r.unwrap_or(256 << 20) as u64, lbads),
+    };
+    if ns.blocks == 0 {
+        bail!("the namespace would have no blocks");
+    }
+    let mut sub = Subsystem::new(nqn, vec![Arc::new(ns)]);
+    if !a.allow_host.is_empty() {
+        sub.allowed_hosts = Some(a.allow_host.clone());
+    }
+    let hca = SoftHca::start_with(
+        device_config("tgt0", a.listen, 9),
+        a.listen.ip().is_loopback(),
+    )
+    .await
+    .with_context(|| format!("cannot bind {}", a.listen))?;
+    let cfg = TargetConfig {
+        subsystems: vec![sub],
+        port: a.trsvcid,
+        advertise: Some(hca.addr()),
+        ..TargetConfig::default()
+    };
+    let t = Target::start(hca.clone(), cfg)?;
+    serve_cm(t.clone(), CmService::for_device(&hca));
+    println!(
+        "target {} listening on {} (trsvcid {}); Ctrl-C stops it",
+        a.nqn,
+        hca.addr(),
+        a.trsvcid
+    );
+    let sig = StopSignals::new()?.recv().await;
+    println!("{sig}: stopping; {:?}", t.stats());
+    Ok(())
+}
