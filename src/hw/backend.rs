@@ -258,6 +258,9 @@ impl Ctx {
         alloc_audit::platform(|| {
             drop(res);
             drop(conns);
+            if how == REMOVED {
+                release_cm_contexts();
+            }
         });
         self.died.notify_waiters();
         self.changed.notify_waiters();
@@ -674,6 +677,23 @@ impl DeviceContext for HwContext {
     }
 }
 
+/// librdmacm opens a verbs context of its own on every device an id binds to, and closes it
+/// only once it knows the device is dead and no id is left on it. It learns that from a
+/// DEVICE_REMOVAL event, or when it re-reads the device list; but the kernel removes a device
+/// (rxe: `rdma link delete`) by waiting first for every verbs context on it to close, before
+/// rdma_cm's DEVICE_REMOVAL is sent. So once ours are dropped, have librdmacm re-read the
+/// list (`rdma_get_devices` does), so that its context of the dead device closes too.
+fn release_cm_contexts() {
+    let mut n = 0;
+    // SAFETY: plain librdmacm calls; the list is freed with the call made for it.
+    unsafe {
+        let list = rdma_mummy_sys::rdma_get_devices(&mut n);
+        if !list.is_null() {
+            rdma_mummy_sys::rdma_free_devices(list);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Connection manager
 
@@ -995,6 +1015,9 @@ async fn poll_devices(sh: Weak<SourceShared>) {
             c.ctx.kill(REMOVED);
         }
         if now != last {
+            if last.iter().any(|d| !now.contains(d)) {
+                alloc_audit::platform(release_cm_contexts);
+            }
             last = now;
             s.changed.notify_waiters();
         }

@@ -110,12 +110,18 @@ hw_fio_replug() {  # hw_fio_replug TRADDR NQN
     "traddr=$1" "subnqn=$2" 'device=rxe0' 'filename=ns=1' 'size=32M' 'bs=4k' 'iodepth=16' \
     'ctrl_loss_tmo=60' 'reconnect_delay=1' 'verify=crc32c' 'verify_backlog=256' 'verify_fatal=1' \
     'time_based=1' 'runtime=20' '[hwverify]' 'rw=randwrite' > /tmp/hw.fio
+  # A second RDMA device (rxe9 on a dummy netdev): librdmacm re-reads the device list to let go
+  # of a removed device's context, but gives up when the list is empty, and the kernel finishes
+  # removing rxe0 only once that context is closed (see README, Devices).
+  modprobe dummy 2>/dev/null; ip link add nvmfdummy0 type dummy 2>/dev/null; ip link set nvmfdummy0 up
+  rdma link add rxe9 type rxe netdev nvmfdummy0 2>/dev/null
   LD_LIBRARY_PATH=/mnt/out/hw/lib fio /tmp/hw.fio > /tmp/hw-fio.txt 2>&1 & local p=$!
   sleep 5
   timeout 60 rdma link delete rxe0; echo "rdma link delete rc=$?"
   sleep 2
   rdma link add rxe0 type rxe netdev "$IF"; echo "rdma link add rc=$?"
   wait $p; echo "fio rc=$?"
+  rdma link delete rxe9 2>/dev/null; ip link del nvmfdummy0 2>/dev/null
   grep -E 'err=|IOPS|nvmf-rdma|verify|error' /tmp/hw-fio.txt | head -20
 }
 kfio_result() {  # kfio_result DEV RW BS QD SECS: one fio job, one KERNEL-RESULT line
