@@ -17,7 +17,7 @@
 //!   checked to the millisecond (virtual time does not jitter).
 
 use std::net::IpAddr;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -242,6 +242,30 @@ fn replay(seed: u64) -> Result<Summary, String> {
     runtime().block_on(run_seed(seed))
 }
 
+/// A seed whose virtual time stops moving (tasks that keep each other busy without ever
+/// waiting for a timer) would spin forever in real time: after `WALL_LIMIT` of wall-clock
+/// time on one seed, name it and abort.
+fn watchdog(current: Arc<AtomicU64>) {
+    const WALL_LIMIT: Duration = Duration::from_secs(30);
+    std::thread::spawn(move || {
+        let (mut seen, mut since) = (u64::MAX, std::time::Instant::now());
+        loop {
+            std::thread::sleep(Duration::from_millis(500));
+            let now = current.load(Ordering::Relaxed);
+            if now != seen {
+                (seen, since) = (now, std::time::Instant::now());
+            } else if since.elapsed() > WALL_LIMIT {
+                eprintln!(
+                    "seed {now} ran {WALL_LIMIT:?} of wall-clock time: virtual time is stuck \
+                     (a livelock)\nreplay: SIM_SEED={now} cargo test --release --test \
+                     sim_recovery recovery_seed_sweep -- --nocapture"
+                );
+                std::process::abort();
+            }
+        }
+    });
+}
+
 #[test]
 fn recovery_seed_sweep() {
     let seeds: Vec<u64> = match std::env::var("SIM_SEED") {
@@ -257,7 +281,10 @@ fn recovery_seed_sweep() {
     let t0 = std::time::Instant::now();
     let (mut ops, mut faults, mut recoveries, mut virt) = (0, 0, 0, 0u128);
     let mut lossy = 0;
+    let current = Arc::new(AtomicU64::new(u64::MAX));
+    watchdog(current.clone());
     for &seed in &seeds {
+        current.store(seed, Ordering::Relaxed);
         match replay(seed) {
             Ok(s) => {
                 if seeds.len() == 1 {
@@ -347,7 +374,7 @@ fn resets_under_io_lose_nothing_acknowledged() {
         }
         let at = completed(&c) + 20;
         until_completed(&c, at, &ws).await;
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        stop.store(true, Ordering::Relaxed);
         let mut r = WorkerReport::default();
         for w in ws {
             r.absorb(w.await.unwrap());
