@@ -500,3 +500,78 @@ fn a_partition_past_keep_alive_is_recovered_and_loses_nothing() {
         assert!(net.stats().dropped > 0);
     });
 }
+
+#[test]
+fn a_device_that_never_returns_fails_fast_then_is_lost_on_time() {
+    runtime().block_on(async {
+        let p = Policy {
+            ctrl_loss_tmo: Some(Duration::from_secs(3)),
+            fast_io_fail_tmo: Some(Duration::from_secs(1)),
+            ..policy()
+        };
+        let (_net, mgr, _t, c) = rig(6, p).await;
+        mgr.unplug(HOST_DEV).await.unwrap();
+        let t0 = tokio::time::Instant::now();
+        let e = c.read(1, 0, 4096).await.expect_err("held, then failed");
+        let at = t0.elapsed();
+        assert!(
+            matches!(e, HostError::Path(FailReason::FastIoFail)),
+            "{e:?}"
+        );
+        assert!(
+            at >= Duration::from_millis(999) && at <= Duration::from_millis(1002),
+            "{at:?}"
+        );
+        assert_eq!(c.state(), CtrlState::Connecting);
+        let st = c
+            .wait_status(Duration::from_secs(5), |s| s.state() == CtrlState::Dead)
+            .await
+            .unwrap();
+        assert_eq!(st.machine.fail_reason, Some(FailReason::CtrlLoss));
+        let lost_at = t0.elapsed();
+        assert!(
+            lost_at >= Duration::from_millis(2999) && lost_at <= Duration::from_millis(3002),
+            "{lost_at:?}"
+        );
+    });
+}
+
+#[test]
+fn a_target_restart_under_io_is_survived_with_its_data() {
+    runtime().block_on(async {
+        let (_net, _mgr, mut t, c) = rig(7, policy()).await;
+        let before = vec![0x42u8; 128 << 10];
+        c.write(1, 6000, &before).await.unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let ws: Vec<_> = (0..2u64)
+            .map(|w| {
+                tokio::spawn(verify_worker(
+                    c.clone(),
+                    Region {
+                        first: w * 1024,
+                        blocks: 1024,
+                    },
+                    w + 1,
+                    64,
+                    None,
+                    stop.clone(),
+                    Duration::from_secs(40),
+                ))
+            })
+            .collect();
+        let at = completed(&c) + 20;
+        until_completed(&c, at, &ws).await;
+        t.restart().await.unwrap();
+        recovered(&c, 1).await;
+        let at = completed(&c) + 20;
+        until_completed(&c, at, &ws).await;
+        stop.store(true, Ordering::Relaxed);
+        let mut r = WorkerReport::default();
+        for w in ws {
+            r.absorb(w.await.unwrap());
+        }
+        assert_eq!((r.mismatches, r.hangs), (0, 0), "{r:?}");
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        assert!(c.read(1, 6000, 128 << 10).await.unwrap() == before);
+    });
+}
