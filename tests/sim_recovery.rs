@@ -322,6 +322,28 @@ fn the_same_seed_replays_the_same_run() {
     assert_ne!(replay(3).unwrap().trace, replay(4).unwrap().trace);
 }
 
+#[test]
+fn a_replay_in_another_process_prints_the_same_summary() {
+    // Another process: other heap addresses (they reach the wire as MR addresses), other
+    // hash seeds, another tokio runtime seed. The replay command a failure prints must
+    // still give the same run.
+    let seed = 21u64;
+    let here = replay(seed).unwrap();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["recovery_seed_sweep", "--exact", "--nocapture"])
+        .env("SIM_SEED", seed.to_string())
+        .env_remove("SIM_SWEEP_SEEDS")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let want = format!("seed {seed}: {here:?}");
+    assert!(
+        stdout.lines().any(|l| l == want),
+        "replayed differently:\n{stdout}\nwanted:\n{want}"
+    );
+}
+
 /// A world with one controller on a clean link.
 async fn rig(seed: u64, p: Policy) -> (SimNet, DeviceManager, TargetRig, Arc<Controller>) {
     let net = SimNet::new(seed, Faults::NONE);

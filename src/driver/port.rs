@@ -113,11 +113,9 @@ impl PacketPort for SimPort {
         SimPort::addr(self)
     }
 
-    fn readable(&self) -> impl Future<Output = io::Result<()>> + Send + '_ {
-        async {
-            SimPort::readable(self).await;
-            Ok(())
-        }
+    async fn readable(&self) -> io::Result<()> {
+        SimPort::readable(self).await;
+        Ok(())
     }
 
     fn recv(&mut self) -> io::Result<usize> {
