@@ -397,3 +397,81 @@ impl SimPort {
         self.net.wire_wake.notify_one();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn binds_like_udp_and_frees_the_port_when_dropped() {
+        let net = SimNet::new(1, Faults::NONE);
+        let a = net.bind(addr("127.0.0.1:0")).unwrap();
+        let b = net.bind(addr("127.0.0.1:0")).unwrap();
+        assert_eq!(a.addr().port(), FIRST_EPHEMERAL);
+        assert_ne!(a.addr(), b.addr());
+        let kind = net.bind(a.addr()).err().map(|e| e.kind());
+        assert_eq!(kind, Some(io::ErrorKind::AddrInUse));
+        let at = a.addr();
+        drop(a);
+        assert_eq!(net.bind(at).unwrap().addr(), at);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn delivers_after_the_latency_and_not_across_a_partition() {
+        let net = SimNet::new(2, Faults::NONE);
+        let mut a = net.bind(addr("127.0.0.1:1000")).unwrap();
+        let mut b = net.bind(addr("127.0.0.2:1000")).unwrap();
+        let send = |p: &mut SimPort, to: SocketAddr, byte: u8| {
+            p.tx_buf().push(byte);
+            p.push(to, 0);
+            p.flush();
+        };
+        let t0 = tokio::time::Instant::now();
+        send(&mut a, b.addr(), 7);
+        assert_eq!(b.recv(), 0, "nothing arrives before its time");
+        b.readable().await;
+        assert!(t0.elapsed() >= Duration::from_nanos(Faults::NONE.latency_ns));
+        assert_eq!(b.recv(), 1);
+        assert_eq!(b.get(0), (a.addr(), &[7u8][..]));
+        net.partition(a.addr().ip(), b.addr().ip());
+        send(&mut b, a.addr(), 8);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(a.recv(), 0);
+        net.heal();
+        send(&mut b, a.addr(), 9);
+        a.readable().await;
+        assert_eq!(a.recv(), 1);
+        assert_eq!(a.get(0).1, &[9u8][..]);
+        let s = net.stats();
+        assert_eq!((s.sent, s.delivered, s.dropped), (3, 2, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_same_seed_makes_the_same_faults() {
+        async fn run(seed: u64) -> (LinkStats, u64) {
+            let net = SimNet::new(seed, Faults::LOSSY);
+            let mut a = net.bind(addr("127.0.0.1:1")).unwrap();
+            let mut b = net.bind(addr("127.0.0.1:2")).unwrap();
+            for i in 0..500u32 {
+                let start = a.tx_buf().len();
+                a.tx_buf().extend_from_slice(&i.to_be_bytes());
+                a.push(b.addr(), start);
+            }
+            a.flush();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            while b.recv() > 0 {}
+            (net.stats(), net.trace_hash())
+        }
+        let (s1, h1) = run(9).await;
+        assert_eq!((s1.clone(), h1), run(9).await);
+        assert!(
+            s1.dropped > 0 && s1.duplicated > 0 && s1.reordered > 0,
+            "{s1:?}"
+        );
+        assert_ne!(h1, run(10).await.1);
+    }
+}
