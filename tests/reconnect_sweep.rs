@@ -7,7 +7,9 @@
 //! `SWEEP_SEEDS=n` sets how many seeds (default 500); a failure prints
 //! `SWEEP_SEED=<seed> cargo test --test reconnect_sweep` to replay that seed alone. One
 //! thread runs host and target, so the fault schedule (chosen from the seed and keyed on I/O
-//! counts) replays the same way; socket timing still varies a little between runs.
+//! counts) replays the same way; socket timing still varies a little between runs. The same
+//! sweep on the simulated backend, in virtual time and replayable exactly, is
+//! `tests/sim_recovery.rs`.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;

@@ -2,11 +2,12 @@
 //! sans-I/O [`CmEndpoint`], runs its timers, and hands its events to whoever waits for them:
 //! the host's `connect` calls, the target's listener, and disconnect watchers.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rand::SeedableRng;
 use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::cm::{
@@ -20,10 +21,10 @@ use super::SoftHca;
 struct Shared {
     hca: SoftHca,
     cm: Mutex<CmEndpoint>,
-    waiters: Mutex<HashMap<ConnId, oneshot::Sender<CmEvent>>>,
+    waiters: Mutex<BTreeMap<ConnId, oneshot::Sender<CmEvent>>>,
     listener: Mutex<Option<mpsc::UnboundedSender<ConnectRequest>>>,
     /// Connections whose teardown someone wants to hear about.
-    watchers: Mutex<HashMap<ConnId, mpsc::UnboundedSender<ConnId>>>,
+    watchers: Mutex<BTreeMap<ConnId, mpsc::UnboundedSender<ConnId>>>,
     kick: Notify,
 }
 
@@ -67,13 +68,17 @@ impl CmService {
     fn start_inner(hca: SoftHca) -> CmService {
         let id = hca.with(|d, _| d.identity().clone());
         let cfg = CmConfig::new(hca.addr().ip(), id.guid);
-        let cm = CmEndpoint::from_os_rng(cfg);
+        let cm = match hca.replay_seed() {
+            // A simulated network: the run must replay from its seed.
+            Some(seed) => CmEndpoint::new(cfg, rand::rngs::StdRng::seed_from_u64(seed)),
+            None => CmEndpoint::from_os_rng(cfg),
+        };
         let sh = Arc::new(Shared {
             hca,
             cm: Mutex::new(cm),
-            waiters: Mutex::new(HashMap::new()),
+            waiters: Mutex::new(BTreeMap::new()),
             listener: Mutex::new(None),
-            watchers: Mutex::new(HashMap::new()),
+            watchers: Mutex::new(BTreeMap::new()),
             kick: Notify::new(),
         });
         crate::harness::alloc_audit::spawn(pump(sh.clone()));
@@ -267,6 +272,7 @@ async fn pump(sh: Arc<Shared>) {
         }
         let sleep = deadline.map(|t| Duration::from_nanos(t.0.saturating_sub(sh.hca.now().0)));
         tokio::select! {
+            biased;
             _ = &mut notified => {}
             _ = sh.kick.notified() => {}
             _ = async {

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use super::SoftHca;
+use super::{Fabric, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity};
 use crate::hca::registry::{DeviceInfo, DeviceList, RegistryError};
 
@@ -40,19 +40,38 @@ struct Inner {
 }
 
 /// Shared handle to the host's soft devices.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct DeviceManager {
     inner: Arc<Mutex<Inner>>,
     changed: Arc<Notify>,
-    offload: bool,
+    fabric: Fabric,
+}
+
+impl Default for DeviceManager {
+    fn default() -> DeviceManager {
+        DeviceManager::new(false)
+    }
 }
 
 impl DeviceManager {
+    /// Devices on UDP sockets, with or without segmentation offload (see [`Fabric::Udp`]).
     pub fn new(offload: bool) -> DeviceManager {
+        DeviceManager::on(Fabric::Udp { offload })
+    }
+
+    /// Devices attached to `fabric`: UDP, or a simulated network
+    /// ([`crate::driver::SimNet::device_manager`]).
+    pub fn on(fabric: Fabric) -> DeviceManager {
         DeviceManager {
-            offload,
-            ..DeviceManager::default()
+            inner: Arc::default(),
+            changed: Arc::default(),
+            fabric,
         }
+    }
+
+    /// The network this manager's devices attach to.
+    pub fn fabric(&self) -> &Fabric {
+        &self.fabric
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -69,7 +88,7 @@ impl DeviceManager {
             .last_generation(&config.identity.name)
             .map_or(0, |g| g + 1);
         fresh.seed = config.seed ^ next_gen.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let hca = SoftHca::start_with(fresh, self.offload).await?;
+        let hca = SoftHca::start_on(fresh, &self.fabric).await?;
         config.addr = hca.addr();
         let info = match self.lock().list.plug(config.identity.clone()) {
             Ok(i) => i,
@@ -125,7 +144,7 @@ impl DeviceManager {
         let mut fresh = config.clone();
         let next_gen = self.lock().list.get(name).map_or(0, |i| i.generation + 1);
         fresh.seed = config.seed ^ next_gen.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let hca = SoftHca::start_with(fresh, self.offload).await?;
+        let hca = SoftHca::start_on(fresh, &self.fabric).await?;
         let info = self.lock().list.reset(name)?;
         self.lock().running.insert(
             name.to_string(),

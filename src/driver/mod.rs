@@ -1,5 +1,7 @@
-//! The tokio driver: one task per open soft-HCA context owns its UDP socket and its timer,
-//! feeds the sans-I/O [`Device`] with datagrams and `now`, and sends what it produces.
+//! The tokio driver: one task per open soft-HCA context owns its port (a UDP socket, or a
+//! port on a simulated network, see [`Fabric`]) and its timer, feeds the sans-I/O [`Device`]
+//! with datagrams and `now` (tokio's clock, so paused time pauses it), and sends what it
+//! produces.
 //! Applications reach the device through a [`SoftHca`] handle; completions wake them through
 //! a [`tokio::sync::Notify`]. `backend` puts the soft-HCA behind the host's backend seam
 //! ([`crate::verbs`]), with [`CmService`] as its connection manager.
@@ -8,6 +10,8 @@ mod backend;
 pub mod cm;
 pub mod manager;
 mod metrics_pub;
+mod port;
+pub mod simnet;
 mod socket;
 
 use std::net::SocketAddr;
@@ -24,6 +28,9 @@ use crate::hca::{AsyncEvent, WorkCompletion};
 
 pub use cm::CmService;
 pub use manager::{DeviceManager, ManagerError};
+pub use port::Fabric;
+use port::PacketPort;
+pub use simnet::SimNet;
 pub use socket::{bind_roce_socket, RxBatch, TxBatch};
 
 /// The busy-poll window new contexts start with, in ns (see [`SoftHca::set_busy_poll`]).
@@ -51,12 +58,15 @@ struct Shared {
     kick: Notify,
     /// Completions, async events or MADs are available.
     wake: Arc<Notify>,
-    /// Zero of the device's virtual clock.
-    epoch: std::time::Instant,
+    /// Zero of the device's virtual clock (tokio time).
+    epoch: tokio::time::Instant,
     /// Set when the driver task has ended and closed the socket.
     stopped: tokio::sync::watch::Sender<bool>,
     /// Busy-poll window in ns (0: off); see [`SoftHca::set_busy_poll`].
     busy_poll_ns: AtomicU64,
+    /// On a simulated network: the seed this context's CM draws from. `None` on a real
+    /// network, where everything secret comes from the OS CSPRNG.
+    replay_seed: Option<u64>,
 }
 
 /// A handle to a running soft-HCA context. Cheap to clone.
@@ -81,22 +91,49 @@ impl SoftHca {
 
     /// As [`SoftHca::start`], choosing whether UDP segmentation offload (GSO/GRO) is used.
     /// Offload is for soft-HCA peers; turn it off towards rxe or a NIC (see `socket`).
-    pub async fn start_with(mut config: DeviceConfig, offload: bool) -> std::io::Result<SoftHca> {
-        let (sock, gro) = bind_roce_socket(config.addr, offload)?;
-        config.addr = sock.local_addr()?;
-        let addr = config.addr;
+    pub async fn start_with(config: DeviceConfig, offload: bool) -> std::io::Result<SoftHca> {
+        Self::start_on(config, &Fabric::Udp { offload }).await
+    }
+
+    /// Start a context attached to `fabric`: bound to `config.addr` (port 0 picks one). On
+    /// UDP its keys and QPNs come from the OS CSPRNG; on a simulated network from a seed
+    /// derived from the network's seed and `config.seed`, so that the run replays.
+    pub async fn start_on(mut config: DeviceConfig, fabric: &Fabric) -> std::io::Result<SoftHca> {
+        match fabric {
+            Fabric::Udp { offload } => {
+                let port = port::UdpPort::bind(config.addr, *offload)?;
+                config.addr = port.local_addr();
+                Ok(Self::launch(Device::new(config), port, None))
+            }
+            Fabric::Sim(net) => {
+                let port = net.bind(config.addr)?;
+                config.addr = port.addr();
+                config.seed = net.seed_for(config.seed);
+                let cm_seed = simnet::mix(config.seed, 0xC0);
+                Ok(Self::launch(
+                    Device::new_seeded(config),
+                    port,
+                    Some(cm_seed),
+                ))
+            }
+        }
+    }
+
+    fn launch<P: PacketPort>(dev: Device, port: P, replay_seed: Option<u64>) -> SoftHca {
+        let addr = port.local_addr();
         let shared = Arc::new(Shared {
-            dev: Mutex::new(Device::new(config)),
+            dev: Mutex::new(dev),
             kick: Notify::new(),
             wake: Arc::new(Notify::new()),
-            epoch: std::time::Instant::now(),
+            epoch: tokio::time::Instant::now(),
             stopped: tokio::sync::watch::channel(false).0,
             busy_poll_ns: AtomicU64::new(DEFAULT_BUSY_POLL_NS.load(Ordering::Relaxed)),
+            replay_seed,
         });
         let task_shared = shared.clone();
         crate::harness::alloc_audit::spawn(async move {
             let done = task_shared.clone();
-            if let Err(e) = drive(task_shared, sock, gro).await {
+            if let Err(e) = drive(task_shared, port).await {
                 tracing::error!(error = %e, "soft-HCA driver stopped");
                 // A dead socket is a dead device.
                 done.dev.lock().unwrap_or_else(|e| e.into_inner()).fatal();
@@ -105,7 +142,12 @@ impl SoftHca {
             // `drive` returned, so the socket is closed.
             done.stopped.send_replace(true);
         });
-        Ok(SoftHca { shared, addr })
+        SoftHca { shared, addr }
+    }
+
+    /// The seed this context's CM draws from on a simulated network; `None` on a real one.
+    pub fn replay_seed(&self) -> Option<u64> {
+        self.shared.replay_seed
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -220,13 +262,7 @@ impl SoftHca {
 
 /// The driver loop: receive a batch, advance timers, transmit everything ready, publish
 /// metrics, wake waiters; sleep until the next datagram, deadline or kick.
-async fn drive(
-    shared: Arc<Shared>,
-    sock: tokio::net::UdpSocket,
-    offload: bool,
-) -> std::io::Result<()> {
-    let mut rx = RxBatch::new();
-    let mut tx = TxBatch::new(offload);
+async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Result<()> {
     let mut dirty = Vec::new();
     let name = shared
         .dev
@@ -245,7 +281,7 @@ async fn drive(
     let timer = tokio::time::sleep(Duration::from_secs(3600));
     tokio::pin!(timer);
     let mut armed: Option<tokio::time::Instant> = None;
-    let epoch = tokio::time::Instant::from_std(shared.epoch);
+    let epoch = shared.epoch;
     // Busy polling: after a turn that moved packets, keep checking the socket (yielding to
     // the runtime's other tasks in between) instead of sleeping, for `busy_poll`.
     let mut spin_until: Option<std::time::Instant> = None;
@@ -268,21 +304,21 @@ async fn drive(
         let spinning = spin_until.is_some_and(|t| std::time::Instant::now() < t);
         tokio::select! {
             biased;
-            r = sock.readable() => { r?; }
+            r = port.readable() => { r?; }
             _ = shared.kick.notified() => {}
             _ = &mut timer, if armed.is_some() => { armed = None; }
             _ = tokio::task::yield_now(), if spinning => {}
         }
         // Receive whatever is queued (bounded), then let the core react all at once: that
         // is where ACK coalescing comes from.
-        let n = rx.recv(&sock)?;
+        let n = port.recv()?;
         let mut d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant(shared.epoch.elapsed().as_nanos() as u64);
+        let now = Instant(epoch.elapsed().as_nanos() as u64);
         if n > 0 {
             tracing::trace!(device = %name, n, "received");
         }
         for i in 0..n {
-            let (src, data) = rx.get(i);
+            let (src, data) = port.get(i);
             d.handle_datagram(now, src, data);
         }
         if d.poll_timeout().is_some_and(|t| t <= now) {
@@ -290,30 +326,32 @@ async fn drive(
         }
         // Collect a bounded batch under the lock, send it after releasing the lock.
         loop {
-            let start = tx.buf.len();
-            let Some(dst) = d.poll_transmit(now, &mut tx.buf) else {
+            let buf = port.tx_buf();
+            let start = buf.len();
+            let Some(dst) = d.poll_transmit(now, buf) else {
                 break;
             };
-            tx.push(dst, start);
-            if tx.len() >= 256 {
+            port.push(dst, start);
+            if port.tx_len() >= 256 {
                 break;
             }
         }
-        let more = tx.len() >= 256;
+        let sent = port.tx_len();
+        let more = sent >= 256;
         d.take_dirty_cqs(&mut dirty);
         let act = d.activity();
         let events = act != last_activity;
         last_activity = act;
         metrics.publish(d.stats());
         drop(d);
-        if !tx.is_empty() {
-            tracing::trace!(device = %name, n = tx.len(), "sending");
+        if sent > 0 {
+            tracing::trace!(device = %name, n = sent, "sending");
         }
         let busy_poll = shared.busy_poll_ns.load(Ordering::Relaxed);
-        if busy_poll > 0 && (n > 0 || !tx.is_empty()) {
+        if busy_poll > 0 && port.busy_poll() && (n > 0 || sent > 0) {
             spin_until = Some(std::time::Instant::now() + Duration::from_nanos(busy_poll));
         }
-        tx.flush(&sock);
+        port.flush();
         if more {
             shared.kick.notify_one();
         }

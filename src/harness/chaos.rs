@@ -1,6 +1,8 @@
 //! Chaos: verified I/O against the built-in target while the soft-HCA is reset, unplugged and
 //! re-plugged (same or other identity), the target restarted or frozen. Used by the `chaos`
-//! command, the recovery tests, the seed sweep and the recovery benchmark.
+//! command, the recovery tests, the seed sweeps and the recovery benchmark. Host and target
+//! run on UDP sockets or on a simulated network ([`crate::driver::SimNet`]), as the
+//! [`Fabric`] they are given says.
 //!
 //! Verification: each worker owns a range of blocks and a model of it. A write that was
 //! acknowledged updates the model; every read must match the model block for block. A write
@@ -14,7 +16,7 @@ use std::time::Duration;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::driver::{CmService, DeviceManager, SoftHca};
+use crate::driver::{CmService, DeviceManager, Fabric, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use crate::hca::PciAddr;
 use crate::nvme::Nqn;
@@ -34,6 +36,7 @@ pub struct TargetRig {
     pub target: Target,
     hca: SoftHca,
     generation: u64,
+    fabric: Fabric,
 }
 
 fn target_config(addr: SocketAddr, generation: u64) -> DeviceConfig {
@@ -53,16 +56,22 @@ fn target_config(addr: SocketAddr, generation: u64) -> DeviceConfig {
 impl TargetRig {
     /// Start on `ip` (port 0 picks one) with a RAM namespace of `bytes`, 512-byte blocks.
     pub async fn start(ip: [u8; 4], bytes: u64) -> anyhow::Result<TargetRig> {
+        Self::start_on(&Fabric::UDP, ip, bytes).await
+    }
+
+    /// [`TargetRig::start`] on `fabric` (UDP, or a simulated network).
+    pub async fn start_on(fabric: &Fabric, ip: [u8; 4], bytes: u64) -> anyhow::Result<TargetRig> {
         let ns = Arc::new(Namespace::ram(1, bytes, 9));
-        Self::start_with(SocketAddr::from((ip, 0)), ns, 0).await
+        Self::start_with(fabric, SocketAddr::from((ip, 0)), ns, 0).await
     }
 
     async fn start_with(
+        fabric: &Fabric,
         addr: SocketAddr,
         ns: Arc<Namespace>,
         generation: u64,
     ) -> anyhow::Result<TargetRig> {
-        let hca = SoftHca::start(target_config(addr, generation)).await?;
+        let hca = SoftHca::start_on(target_config(addr, generation), fabric).await?;
         let cfg = TargetConfig {
             subsystems: vec![Subsystem::new(Nqn::new(CHAOS_NQN)?, vec![ns.clone()])],
             ..TargetConfig::default()
@@ -75,6 +84,7 @@ impl TargetRig {
             target,
             hca,
             generation,
+            fabric: fabric.clone(),
         })
     }
 
@@ -91,7 +101,13 @@ impl TargetRig {
         if !down.is_zero() {
             tokio::time::sleep(down).await;
         }
-        let next = Self::start_with(self.addr, self.ns.clone(), self.generation + 1).await?;
+        let next = Self::start_with(
+            &self.fabric,
+            self.addr,
+            self.ns.clone(),
+            self.generation + 1,
+        )
+        .await?;
         *self = next;
         Ok(())
     }
@@ -307,7 +323,8 @@ pub async fn verify_worker(
         let off = rng.random_range(0..=region.blocks - nb);
         let lba = region.first + off;
         let range = off as usize * bs..(off + nb) as usize * bs;
-        let t0 = std::time::Instant::now();
+        // Tokio's clock: virtual time on a simulated network.
+        let t0 = tokio::time::Instant::now();
         if rng.random_bool(0.5) {
             let mut data = vec![0u8; range.len()];
             rng.fill(&mut data[..]);

@@ -50,12 +50,12 @@ impl Faults {
 
 /// One datagram in flight.
 #[derive(Debug, PartialEq, Eq)]
-struct InFlight {
-    at: Instant,
+pub struct InFlight {
+    pub at: Instant,
     seq: u64,
-    src: SocketAddr,
-    dst: SocketAddr,
-    data: Vec<u8>,
+    pub src: SocketAddr,
+    pub dst: SocketAddr,
+    pub data: Vec<u8>,
 }
 
 impl Ord for InFlight {
@@ -67,6 +67,89 @@ impl Ord for InFlight {
 impl PartialOrd for InFlight {
     fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
         Some(self.cmp(o))
+    }
+}
+
+/// The packets in flight on a simulated link and the fault model that put them there. One
+/// piece of code for both simulators: [`Sim`] steps it in its own virtual time, and the
+/// driver's `SimNet` (`crate::driver::simnet`) delivers from it in tokio time.
+#[derive(Debug, Default)]
+pub struct Wire {
+    queue: BinaryHeap<InFlight>,
+    seq: u64,
+}
+
+impl Wire {
+    /// Put `data`, sent at `now`, on the wire under `faults`: dropped, duplicated,
+    /// corrupted or delayed past later packets as `rng` decides, all of it counted in
+    /// `stats`. `cut`: the two ends are partitioned, so the packet is lost.
+    #[allow(clippy::too_many_arguments)]
+    pub fn send(
+        &mut self,
+        f: &Faults,
+        rng: &mut SmallRng,
+        stats: &mut LinkStats,
+        now: Instant,
+        src: SocketAddr,
+        dst: SocketAddr,
+        data: &[u8],
+        cut: bool,
+    ) {
+        stats.sent += 1;
+        if cut || rng.random_bool(f.drop) {
+            stats.dropped += 1;
+            return;
+        }
+        let copies = if rng.random_bool(f.duplicate) {
+            stats.duplicated += 1;
+            2
+        } else {
+            1
+        };
+        for _ in 0..copies {
+            let mut data = data.to_vec();
+            if rng.random_bool(f.corrupt) && !data.is_empty() {
+                let at = rng.random_range(0..data.len());
+                data[at] ^= 1 << rng.random_range(0..8);
+                stats.corrupted += 1;
+            }
+            let mut delay = f.latency_ns;
+            if f.reorder_window_ns > 0 && rng.random_bool(f.reorder) {
+                delay += rng.random_range(0..f.reorder_window_ns);
+                stats.reordered += 1;
+            }
+            self.seq += 1;
+            self.queue.push(InFlight {
+                at: Instant(now.0 + delay),
+                seq: self.seq,
+                src,
+                dst,
+                data,
+            });
+        }
+    }
+
+    /// When the next packet arrives.
+    pub fn next_delivery(&self) -> Option<Instant> {
+        self.queue.peek().map(|p| p.at)
+    }
+
+    /// The next packet due by `now`, in delivery order (time, then send order).
+    pub fn pop_due(&mut self, now: Instant) -> Option<InFlight> {
+        if self.queue.peek().is_some_and(|p| p.at <= now) {
+            self.queue.pop()
+        } else {
+            None
+        }
+    }
+
+    /// Drop everything in flight.
+    pub fn clear(&mut self) {
+        self.queue.clear();
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
     }
 }
 
@@ -92,8 +175,7 @@ pub struct Sim {
     pub partitions: Vec<(usize, usize)>,
     pub link: LinkStats,
     rng: SmallRng,
-    queue: BinaryHeap<InFlight>,
-    seq: u64,
+    wire: Wire,
     buf: Vec<u8>,
 }
 
@@ -134,8 +216,7 @@ impl Sim {
             partitions: Vec::new(),
             link: LinkStats::default(),
             rng,
-            queue: BinaryHeap::new(),
-            seq: 0,
+            wire: Wire::default(),
             buf: Vec::with_capacity(4200),
         }
     }
@@ -172,56 +253,24 @@ impl Sim {
                     break;
                 };
                 let src = self.devices[i].addr();
-                self.link.sent += 1;
-                self.enqueue(src, dst, i);
+                let cut = self.index_of(dst).is_some_and(|to| self.partitioned(i, to));
+                self.wire.send(
+                    &self.faults,
+                    &mut self.rng,
+                    &mut self.link,
+                    self.now,
+                    src,
+                    dst,
+                    &self.buf,
+                    cut,
+                );
             }
-        }
-    }
-
-    fn enqueue(&mut self, src: SocketAddr, dst: SocketAddr, from: usize) {
-        let f = self.faults;
-        if let Some(to) = self.index_of(dst) {
-            if self.partitioned(from, to) {
-                self.link.dropped += 1;
-                return;
-            }
-        }
-        if self.rng.random_bool(f.drop) {
-            self.link.dropped += 1;
-            return;
-        }
-        let copies = if self.rng.random_bool(f.duplicate) {
-            self.link.duplicated += 1;
-            2
-        } else {
-            1
-        };
-        for _ in 0..copies {
-            let mut data = self.buf.clone();
-            if self.rng.random_bool(f.corrupt) && !data.is_empty() {
-                let at = self.rng.random_range(0..data.len());
-                data[at] ^= 1 << self.rng.random_range(0..8);
-                self.link.corrupted += 1;
-            }
-            let mut delay = f.latency_ns;
-            if f.reorder_window_ns > 0 && self.rng.random_bool(f.reorder) {
-                delay += self.rng.random_range(0..f.reorder_window_ns);
-                self.link.reordered += 1;
-            }
-            self.seq += 1;
-            self.queue.push(InFlight {
-                at: Instant(self.now.0 + delay),
-                seq: self.seq,
-                src,
-                dst,
-                data,
-            });
         }
     }
 
     /// The next instant something happens: a delivery or a device timer.
     pub fn next_event(&self) -> Option<Instant> {
-        let q = self.queue.peek().map(|p| p.at);
+        let q = self.wire.next_delivery();
         let t = self.devices.iter().filter_map(|d| d.poll_timeout()).min();
         match (q, t) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -239,8 +288,7 @@ impl Sim {
         if next > self.now {
             self.now = next;
         }
-        while self.queue.peek().is_some_and(|p| p.at <= self.now) {
-            let Some(p) = self.queue.pop() else { break };
+        while let Some(p) = self.wire.pop_due(self.now) {
             match self.index_of(p.dst) {
                 Some(i) => {
                     self.link.delivered += 1;
@@ -277,6 +325,6 @@ impl Sim {
 
     /// Drop everything in flight (e.g. at a device reset, packets to the old context).
     pub fn clear_link(&mut self) {
-        self.queue.clear();
+        self.wire.clear();
     }
 }

@@ -2,7 +2,7 @@
 //! with a queue (REP + NVMe accept) or an NVMe reject, and drop queues whose connection
 //! goes away.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use tokio::sync::mpsc;
 
@@ -21,9 +21,11 @@ pub fn serve_cm(target: Target, cm: CmService) {
         let (gone_tx, mut gone_rx) = mpsc::unbounded_channel::<ConnId>();
         let (drop_tx, mut drop_rx) = mpsc::unbounded_channel::<Qpn>();
         target.on_drop(drop_tx);
-        let mut by_conn: HashMap<ConnId, Qpn> = HashMap::new();
+        let mut by_conn: BTreeMap<ConnId, Qpn> = BTreeMap::new();
         loop {
+            // Biased so that a simulated run replays (tokio's unbiased choice is random).
             tokio::select! {
+                biased;
                 req = requests.recv() => {
                     let Some(req) = req else { return };
                     let nvme = match req.nvme {

@@ -866,7 +866,9 @@ impl<S: DeviceSource> Supervisor<S> {
                 .sm
                 .poll_timeout()
                 .map(|t| t.saturating_since(self.now()));
+            // Biased, so that a simulated run replays (tokio's unbiased choice is random).
             tokio::select! {
+                biased;
                 _ = &mut changed_fut => {}
                 _ = &mut delete_fut => {}
                 _ = &mut alarm_fut => {}
@@ -937,7 +939,7 @@ impl Controller {
         let subnqn = Nqn::new(&o.subnqn)?;
         let hostnqn = Nqn::new(&o.hostnqn)?;
         let discovery = subnqn.is_discovery();
-        let clock = Clock(std::time::Instant::now());
+        let clock = Clock(tokio::time::Instant::now());
         let alarm = Arc::new(Alarm::default());
         let admin_spec = QueueSpec {
             qid: 0,
@@ -1028,13 +1030,16 @@ impl Controller {
         // at once. Nobody is recovering this controller yet, so that is a failed connect,
         // as in Linux, with the cause; never a command held for a recovery that never comes.
         let watch = sup.shared.clone();
+        // Biased (a simulated run must replay), the alarm first: a connection that failed
+        // while its bring-up finished is a failed connect.
         let r = tokio::select! {
-            r = c.bring_up(&mut sup, discovery) => r,
+            biased;
             cause = watch.alarmed() => Err(HostError::Connect(format!(
                 "the connection failed while it was being set up ({}); nothing is connected, \
                  try again",
                 cause.name()
             ))),
+            r = c.bring_up(&mut sup, discovery) => r,
         };
         let now = clock.now();
         if let Err(e) = r {

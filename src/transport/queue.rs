@@ -990,9 +990,10 @@ pub struct QueueCtl<D: DeviceContext> {
 }
 
 /// The controller's monotonic clock, shared by its queues (device contexts come and go,
-/// each with its own epoch).
+/// each with its own epoch). Tokio's clock, so that a paused runtime (a simulated network)
+/// runs the controller in virtual time.
 #[derive(Clone, Copy)]
-pub struct Clock(pub std::time::Instant);
+pub struct Clock(pub tokio::time::Instant);
 
 impl Clock {
     pub fn now(&self) -> Instant {
@@ -1273,7 +1274,19 @@ async fn run<D: DeviceContext>(ctl: QueueCtl<D>, mut rx: mpsc::Receiver<Request>
         }
         let sleep_for = next_timeout.map(|t| t.saturating_since(ctl.now()));
         wcs.clear();
+        // Biased, so that a simulated run replays (tokio's unbiased choice is random), with
+        // the timer first: a deadline is ready once, and a queue whose completions never
+        // stop must still see the commands that stopped.
         tokio::select! {
+            biased;
+            _ = async {
+                match sleep_for {
+                    Some(d) => tokio::time::sleep(d).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                ctl.lock().check_timeouts(ctl.now());
+            }
             req = rx.recv(), if open && accepting => match req {
                 Some(r) => {
                     let mut c = ctl.lock();
@@ -1323,14 +1336,6 @@ async fn run<D: DeviceContext>(ctl: QueueCtl<D>, mut rx: mpsc::Receiver<Request>
                         }
                     }
                 }
-            }
-            _ = async {
-                match sleep_for {
-                    Some(d) => tokio::time::sleep(d).await,
-                    None => std::future::pending().await,
-                }
-            } => {
-                ctl.lock().check_timeouts(ctl.now());
             }
         }
         let mut c = ctl.lock();

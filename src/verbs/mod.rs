@@ -1,7 +1,8 @@
 //! The backend seam: what the NVMe-oF host needs from an RDMA device, and nothing about how
 //! a device provides it. `src/transport/` and `src/reconnect/` are written against these
 //! traits and names only, so the same host (its recovery path included) runs on the
-//! soft-HCA and on a kernel verbs device.
+//! soft-HCA (on UDP, or on the seeded simulated network of `crate::driver::SimNet` in
+//! virtual time) and on a kernel verbs device.
 //!
 //! - [`DeviceContext`]: one open context of a device (identity, liveness, PD, MRs over host
 //!   memory the host keeps across contexts, CQ, RC QP, batched post, CQ poll and wait).
