@@ -380,6 +380,17 @@ impl<S: DeviceSource> Supervisor<S> {
         }
     }
 
+    /// Why a connection was torn down under us: the device's death when it died (a removed
+    /// device drops its connections, and rdma_cm may say so before anything else does), else
+    /// the peer's or the fabric's disconnect.
+    fn disconnect_cause(&self) -> Cause {
+        match self.dev.as_ref().map(|d| d.dev.lifecycle()) {
+            Some(Lifecycle::Removed) => Cause::DeviceRemoved,
+            Some(Lifecycle::Fatal) => Cause::DeviceFatal,
+            _ => Cause::CmDisconnect,
+        }
+    }
+
     /// Find our device: the live current context of the source's device.
     fn find_device(&self) -> Option<Opened<S::Device>> {
         self.devs.source.open(&self.devs.name)
@@ -818,7 +829,7 @@ impl<S: DeviceSource> Supervisor<S> {
             }
             while let Ok(id) = self.disc_rx.try_recv() {
                 if self.conns.contains(&Some(id)) {
-                    q.push(Event::Failed(Cause::CmDisconnect));
+                    q.push(Event::Failed(self.disconnect_cause()));
                 }
             }
             if self.sm.state() == CtrlState::Live {
@@ -876,7 +887,7 @@ impl<S: DeviceSource> Supervisor<S> {
                 id = self.disc_rx.recv() => {
                     if let Some(id) = id {
                         if self.conns.contains(&Some(id)) {
-                            q.push(Event::Failed(Cause::CmDisconnect));
+                            q.push(Event::Failed(self.disconnect_cause()));
                         }
                     }
                 }
