@@ -9,6 +9,7 @@
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -31,6 +32,8 @@ const THREADS: usize = 8;
 
 struct NsFile {
     dev: Arc<BlockDev>,
+    /// Open handles on the file (a loop device holds one): what makes the export in use.
+    opens: Arc<AtomicUsize>,
     rt: Handle,
     name: String,
     uid: u32,
@@ -139,10 +142,30 @@ impl Filesystem for NsFile {
         if ino != FILE_INO {
             return reply.error(Errno::EISDIR);
         }
+        self.opens.fetch_add(1, Ordering::SeqCst);
         reply.opened(
             FileHandle(0),
             FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES,
         )
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        if ino == FILE_INO {
+            // Saturating: a release the kernel sends for an open we never counted is no harm.
+            let _ = self
+                .opens
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        }
+        reply.ok()
     }
 
     fn read(
@@ -292,6 +315,7 @@ impl Filesystem for NsFile {
 /// A mounted single-file FUSE file system; unmounted on drop.
 pub struct FuseMount {
     session: Option<fuser::BackgroundSession>,
+    opens: Arc<AtomicUsize>,
     mountpoint: PathBuf,
     file: PathBuf,
 }
@@ -304,6 +328,18 @@ impl FuseMount {
 
     pub fn mountpoint(&self) -> &Path {
         &self.mountpoint
+    }
+
+    /// Open handles on the file now (each open by a process or a loop device, until its
+    /// release reaches us).
+    pub fn open_files(&self) -> usize {
+        self.opens.load(Ordering::SeqCst)
+    }
+
+    /// The live count behind [`open_files`](Self::open_files), for watching it without
+    /// holding the mount.
+    pub fn open_counter(&self) -> Arc<AtomicUsize> {
+        self.opens.clone()
     }
 
     /// Unmount and wait for the FUSE thread. Fails (and stays mounted) while the file is in
@@ -346,8 +382,10 @@ pub fn mount_fuse(
             ),
         ));
     }
+    let opens = Arc::new(AtomicUsize::new(0));
     let fs = NsFile {
         dev,
+        opens: opens.clone(),
         rt,
         name: name.to_string(),
         // SAFETY: geteuid/getegid cannot fail and touch no memory.
@@ -370,6 +408,7 @@ pub fn mount_fuse(
         .map_err(|e| ExportError::io(format!("fuse mount at {}", mountpoint.display()), e))?;
     Ok(FuseMount {
         session: Some(session),
+        opens,
         mountpoint: mountpoint.to_path_buf(),
         file: mountpoint.join(name),
     })

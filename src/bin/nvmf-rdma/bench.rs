@@ -69,6 +69,7 @@ pub(crate) fn run_bench(
                 traddr,
                 trsvcid,
                 hostnqn: None,
+                hostid: None,
                 host_traddr,
             },
             nqn: nqn.unwrap_or_else(|| DEMO_NQN.into()),

@@ -4,6 +4,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::client::daemon_controller_names;
 use crate::{args::*, control::*, host::*, signals::*, units::*};
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::support::{run_dir, CtrlInfo, Health};
@@ -19,12 +20,21 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
         sig = signals.recv() => bail!("{sig} while connecting to {}: nothing was connected", s.nqn),
     };
     let exports = start_exports(&c, &s, &x).await?;
+    for l in exports.describe() {
+        println!("{l}");
+    }
     let dir = run_dir();
     make_run_dir(&dir)?;
+    // Names the daemon holds are taken too (it skips ours the same way).
+    let daemon_names = daemon_controller_names().await;
     let mut n = 0;
     let (name, path) = loop {
         let name = format!("nvmf{n}");
         let p = dir.join(format!("{name}.sock"));
+        if daemon_names.contains(&name) {
+            n += 1;
+            continue;
+        }
         if !p.exists() || tokio::net::UnixStream::connect(&p).await.is_err() {
             let _ = std::fs::remove_file(&p);
             break (name, p);
@@ -178,10 +188,34 @@ pub(crate) async fn report_state_changes(
 /// The exports `connect` runs next to the controller (stopped before it disconnects).
 pub(crate) struct Exports {
     pub(crate) nbd: Option<tokio::task::JoinHandle<()>>,
+    /// Where the NBD export listens, and its counters (clients connected now).
+    pub(crate) nbd_at: Option<(export::ExportAddr, Arc<export::NbdStats>)>,
     pub(crate) fuse: Option<export::FuseMount>,
+    /// The namespace the exports serve.
+    pub(crate) nsid: u32,
 }
 
 impl Exports {
+    /// What `connect` prints about the exports once they are ready.
+    pub(crate) fn describe(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some((a, _)) = &self.nbd_at {
+            v.push(format!(
+                "nbd: serving namespace {} at {a} ({})",
+                self.nsid,
+                a.uri()
+            ));
+        }
+        if let Some(m) = &self.fuse {
+            v.push(format!(
+                "fuse: namespace {} is {}",
+                self.nsid,
+                m.file().display()
+            ));
+        }
+        v
+    }
+
     pub(crate) async fn stop(self) {
         if let Some(t) = self.nbd {
             t.abort();
@@ -205,7 +239,9 @@ pub(crate) async fn start_exports(
 ) -> Result<Exports> {
     let mut out = Exports {
         nbd: None,
+        nbd_at: None,
         fuse: None,
+        nsid: s.nsid,
     };
     if x.nbd.is_none() && x.fuse.is_none() {
         return Ok(out);
@@ -215,12 +251,7 @@ pub(crate) async fn start_exports(
         let l =
             export::NbdListener::bind_with(addr, export::NbdLimits::default(), x.nbd_allow_remote)
                 .await?;
-        println!(
-            "nbd: serving namespace {} at {} ({})",
-            s.nsid,
-            l.addr(),
-            l.addr().uri()
-        );
+        out.nbd_at = Some((l.addr().clone(), l.stats()));
         let (dev, name) = (dev.clone(), format!("ns{}", s.nsid));
         out.nbd = Some(tokio::spawn(async move {
             if let Err(e) = l.serve(dev, name).await {
@@ -235,7 +266,6 @@ pub(crate) async fn start_exports(
             mp,
             &format!("ns{}", s.nsid),
         )?;
-        println!("fuse: namespace {} is {}", s.nsid, m.file().display());
         out.fuse = Some(m);
     }
     Ok(out)
