@@ -361,7 +361,12 @@ pub(crate) struct ConnectMode {
     #[arg(long)]
     pub(crate) foreground: bool,
     /// Output format of the result.
-    #[arg(short = 'o', long = "output-format", value_enum, default_value = "normal")]
+    #[arg(
+        short = 'o',
+        long = "output-format",
+        value_enum,
+        default_value = "normal"
+    )]
     pub(crate) output: ListFormat,
 }
 
@@ -375,7 +380,12 @@ pub(crate) struct ConnectAllArgs {
     #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
     pub(crate) traddr: Option<SocketAddr>,
     /// NVMe-oF service port of the discovery controller.
-    #[arg(short = 's', long = "trsvcid", default_value_t = 4420, requires = "traddr")]
+    #[arg(
+        short = 's',
+        long = "trsvcid",
+        default_value_t = 4420,
+        requires = "traddr"
+    )]
     pub(crate) trsvcid: u16,
     #[arg(short = 'q', long = "hostnqn", requires = "traddr")]
     pub(crate) hostnqn: Option<String>,
@@ -391,7 +401,12 @@ pub(crate) struct ConnectAllArgs {
     pub(crate) queue_size: usize,
     #[command(flatten)]
     pub(crate) policy: PolicyArgs,
-    #[arg(short = 'o', long = "output-format", value_enum, default_value = "normal")]
+    #[arg(
+        short = 'o',
+        long = "output-format",
+        value_enum,
+        default_value = "normal"
+    )]
     pub(crate) output: ListFormat,
 }
 
@@ -434,6 +449,9 @@ pub(crate) struct DaemonArgs {
     /// Where the config file is [default: $NVMF_RDMA_CONFIG_DIR, else /etc/nvmf-rdma].
     #[arg(long, value_name = "DIR")]
     pub(crate) config_dir: Option<PathBuf>,
+    /// Seconds a control-socket client has to send each request line [default: 30].
+    #[arg(long, value_name = "SECS", value_parser = parse_pos_secs, hide = true)]
+    pub(crate) client_timeout: Option<u64>,
 }
 
 pub(crate) fn cores() -> usize {

@@ -12,7 +12,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 use crate::args::{ConnectMode, DaemonArgs, ExportArgs, ListFormat, Subsys};
 use crate::config::params_of;
-use crate::control::{ask, foreground_controllers, disconnect_foreground};
+use crate::control::{ask, disconnect_foreground, foreground_controllers};
 use crate::daemon::start_background;
 use crate::proto::{PROTOCOL_VERSION, SOCKET_NAME};
 
@@ -53,7 +53,9 @@ pub(crate) async fn try_call(mut req: Value) -> Result<Option<Value>> {
     }
     let v: Value = serde_json::from_str(line.trim()).context("the daemon's answer is not JSON")?;
     if v["ok"] != json!(true) {
-        let msg = v["error"].as_str().unwrap_or("the daemon refused the request");
+        let msg = v["error"]
+            .as_str()
+            .unwrap_or("the daemon refused the request");
         match v["hint"].as_str() {
             Some(h) => bail!("{msg} ({h})"),
             None => bail!("{msg}"),
@@ -181,7 +183,11 @@ pub(crate) async fn run_list(output: ListFormat) -> Result<()> {
             state,
             st("io_queues"),
         );
-        println!("{:<8} {}", "", Health::from_json(&c.to_string()).describe(&state));
+        println!(
+            "{:<8} {}",
+            "",
+            Health::from_json(&c.to_string()).describe(&state)
+        );
         for x in c["exports"].as_array().into_iter().flatten() {
             let what = match x["type"].as_str() {
                 Some("nbd") => format!(
@@ -248,9 +254,8 @@ pub(crate) async fn run_list_subsys(output: ListFormat) -> Result<()> {
         for c in cs {
             let p = path(c);
             println!(
-                " +- {} {} {} {}",
+                " +- {} rdma {} {}",
                 p["Name"].as_str().unwrap_or("?"),
-                "rdma",
                 p["Address"].as_str().unwrap_or("?"),
                 p["State"].as_str().unwrap_or("?")
             );

@@ -48,9 +48,10 @@ pub(crate) fn params_of(s: &Subsys, x: &ExportArgs, m: &ConnectMode) -> ConnectP
         ctrl_loss_tmo: tmo(s.policy.ctrl_loss_tmo),
         fast_io_fail_tmo: tmo(s.policy.fast_io_fail_tmo),
         replug_window: s.policy.replug_window,
-        identity: s.policy.identity.map(|i| {
-            format!("{i:?}").to_ascii_lowercase()
-        }),
+        identity: s
+            .policy
+            .identity
+            .map(|i| format!("{i:?}").to_ascii_lowercase()),
         io_timeout: s.policy.io_timeout,
         nsid: Some(s.nsid),
         // The daemon has another working directory: paths go absolute.
@@ -69,12 +70,7 @@ pub(crate) fn params_of(s: &Subsys, x: &ExportArgs, m: &ConnectMode) -> ConnectP
 pub(crate) fn parse_connect(args: &[String]) -> Result<(Subsys, ExportArgs, ConnectMode), String> {
     match Cli::try_parse_from(args) {
         Ok(Cli {
-            cmd:
-                Cmd::Connect {
-                    sub,
-                    export,
-                    mode,
-                },
+            cmd: Cmd::Connect { sub, export, mode },
             ..
         }) => Ok((sub, export, mode)),
         Ok(_) => Err("not a connect request".into()),
@@ -85,7 +81,10 @@ pub(crate) fn parse_connect(args: &[String]) -> Result<(Subsys, ExportArgs, Conn
 /// clap's message without its usage block and `error:` prefix.
 pub(crate) fn clap_line(e: &clap::Error) -> String {
     let t = e.to_string();
-    let first = t.lines().find(|l| !l.trim().is_empty()).unwrap_or("bad arguments");
+    let first = t
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("bad arguments");
     first.trim_start_matches("error: ").trim().to_string()
 }
 

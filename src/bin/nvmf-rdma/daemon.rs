@@ -136,7 +136,9 @@ struct State {
     /// Soft-HCAs bound to a fixed port (towards RoCEv2 peers), shared by their controllers.
     managers: tokio::sync::Mutex<HashMap<SocketAddr, DeviceManager>>,
     stopping: AtomicBool,
-    stop_req: tokio::sync::mpsc::Sender<(bool, tokio::sync::oneshot::Sender<Result<(), ProtoError>>)>,
+    client_timeout: Duration,
+    stop_req:
+        tokio::sync::mpsc::Sender<(bool, tokio::sync::oneshot::Sender<Result<(), ProtoError>>)>,
 }
 
 fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
@@ -162,13 +164,20 @@ impl State {
             let foreign = {
                 let inner = lock(&self.inner);
                 if !dup {
-                    let held = inner.ctrls.values().find(|e| &e.key == key).map(|e| e.name.clone());
+                    let held = inner
+                        .ctrls
+                        .values()
+                        .find(|e| &e.key == key)
+                        .map(|e| e.name.clone());
                     let pending = inner.reserved.values().any(|(k, _)| k == key);
                     if held.is_some() || pending {
                         let who = held.unwrap_or_else(|| "a controller being connected".into());
                         return Err(ProtoError::new(
                             ErrorCode::Duplicate,
-                            format!("already connected to {} at {} (trsvcid {}) as {who}", key.0, key.1, key.2),
+                            format!(
+                                "already connected to {} at {} (trsvcid {}) as {who}",
+                                key.0, key.1, key.2
+                            ),
                         )
                         .hint("pass -D (--duplicate-connect) for another controller"));
                     }
@@ -245,10 +254,13 @@ impl Exports {
 /// Connect as `p` asks; runs in its own task so a client that goes away changes nothing.
 async fn op_connect(st: Arc<State>, p: ConnectParams) -> Result<Value, ProtoError> {
     if st.stopping.load(Ordering::SeqCst) {
-        return Err(ProtoError::new(ErrorCode::Stopping, "the daemon is stopping"));
+        return Err(ProtoError::new(
+            ErrorCode::Stopping,
+            "the daemon is stopping",
+        ));
     }
-    let (sub, x, mode) = parse_connect(&p.to_args())
-        .map_err(|e| ProtoError::new(ErrorCode::BadRequest, e))?;
+    let (sub, x, mode) =
+        parse_connect(&p.to_args()).map_err(|e| ProtoError::new(ErrorCode::BadRequest, e))?;
     let o = options(&sub).map_err(|e| ProtoError::new(ErrorCode::BadRequest, format!("{e:#}")))?;
     let key: Key = (
         sub.nqn.clone(),
@@ -293,7 +305,10 @@ async fn connect_entry(
     x: ExportArgs,
     o: nvmf_rdma::transport::ConnectOptions,
 ) -> Result<Entry, ProtoError> {
-    let mgr = st.device(&sub).await.map_err(|e| failed(format!("{e:#}")))?;
+    let mgr = st
+        .device(&sub)
+        .await
+        .map_err(|e| failed(format!("{e:#}")))?;
     let what = format!("connect to {} at {}", sub.nqn, sub.fabric.traddr);
     let c = Controller::connect_managed(mgr, HOST_HCA, o)
         .await
@@ -352,7 +367,10 @@ async fn reap_when_dead(
     let Some(n) = n else { return };
     let e = {
         let mut inner = lock(&st.inner);
-        let busy = inner.ctrls.get(&n).is_some_and(|e| e.exports.probe().busy_now());
+        let busy = inner
+            .ctrls
+            .get(&n)
+            .is_some_and(|e| e.exports.probe().busy_now());
         if busy {
             println!("{name}: dead; kept (an export is in use) until `disconnect`");
             return;
@@ -382,23 +400,29 @@ async fn op_disconnect(
         .map(|(n, _)| *n)
         .collect();
     if picked.is_empty() && !what.is_empty() {
-        return Err(ProtoError::new(
-            ErrorCode::NotFound,
-            format!("no controller matches {what}"),
-        )
-        .hint("`nvmf-rdma list` shows the controllers"));
+        return Err(
+            ProtoError::new(ErrorCode::NotFound, format!("no controller matches {what}"))
+                .hint("`nvmf-rdma list` shows the controllers"),
+        );
     }
     if !force {
         check_not_in_use(st, &picked).await?;
     }
     let entries: Vec<Entry> = {
         let mut inner = lock(&st.inner);
-        picked.iter().filter_map(|n| inner.ctrls.remove(n)).collect()
+        picked
+            .iter()
+            .filter_map(|n| inner.ctrls.remove(n))
+            .collect()
     };
     let mut names = Vec::new();
     for e in entries {
         names.push(e.name.clone());
-        println!("{}: disconnecting{}", e.name, if force { " (forced)" } else { "" });
+        println!(
+            "{}: disconnecting{}",
+            e.name,
+            if force { " (forced)" } else { "" }
+        );
         e.stop().await;
         println!("{}: disconnected", names.last().map_or("", |s| s));
     }
@@ -433,16 +457,18 @@ async fn check_not_in_use(st: &Arc<State>, picked: &[u32]) -> Result<(), ProtoEr
 
 /// `connect-all`: each configured line (or the one given) connected; discovery lines expand
 /// to every subsystem their discovery controller lists. Already connected ones are skipped.
-async fn op_connect_all(st: &Arc<State>, given: Option<ConnectParams>) -> Result<Value, ProtoError> {
+async fn op_connect_all(
+    st: &Arc<State>,
+    given: Option<ConnectParams>,
+) -> Result<Value, ProtoError> {
     let lines: Vec<ConfigLine> = match given {
         Some(p) => vec![ConfigLine {
             line: 0,
             discovery: p.nqn == DISCOVERY_NQN,
             params: p,
         }],
-        None => read_config(&st.config_dir).map_err(|e| {
-            ProtoError::new(ErrorCode::BadRequest, e).hint("fix the config file")
-        })?,
+        None => read_config(&st.config_dir)
+            .map_err(|e| ProtoError::new(ErrorCode::BadRequest, e).hint("fix the config file"))?,
     };
     let mut results = Vec::new();
     for l in lines {
@@ -459,13 +485,16 @@ async fn op_connect_all(st: &Arc<State>, given: Option<ConnectParams>) -> Result
             vec![l.params.clone()]
         };
         for p in targets {
-            let mut r = json!({"line": l.line, "traddr": p.traddr, "trsvcid": p.trsvcid, "nqn": p.nqn});
+            let mut r =
+                json!({"line": l.line, "traddr": p.traddr, "trsvcid": p.trsvcid, "nqn": p.nqn});
             match op_connect(st.clone(), p).await {
                 Ok(v) => {
                     r["status"] = json!("connected");
                     r["device"] = v["device"].clone();
                 }
-                Err(e) if e.code == ErrorCode::Duplicate => r["status"] = json!("already-connected"),
+                Err(e) if e.code == ErrorCode::Duplicate => {
+                    r["status"] = json!("already-connected")
+                }
                 Err(e) => {
                     r["status"] = json!("failed");
                     r["error"] = json!(e.message);
@@ -514,7 +543,13 @@ async fn dispatch(st: &Arc<State>, req: Request) -> Result<Map<String, Value>, P
     };
     match req {
         Request::Status => {
-            let n = lock(&st.inner).ctrls.len();
+            let (n, connecting): (usize, Vec<String>) = {
+                let inner = lock(&st.inner);
+                (
+                    inner.ctrls.len(),
+                    inner.reserved.keys().map(|n| format!("nvmf{n}")).collect(),
+                )
+            };
             Ok(obj(json!({
                 "pid": std::process::id(),
                 "daemon_version": env!("CARGO_PKG_VERSION"),
@@ -522,6 +557,7 @@ async fn dispatch(st: &Arc<State>, req: Request) -> Result<Map<String, Value>, P
                 "run_dir": st.run_dir.display().to_string(),
                 "config_dir": st.config_dir.display().to_string(),
                 "controllers": n,
+                "connecting": connecting,
                 "stopping": st.stopping.load(Ordering::SeqCst),
             })))
         }
@@ -612,13 +648,19 @@ async fn serve_client(st: Arc<State>, stream: tokio::net::UnixStream) {
     let mut r = BufReader::with_capacity(4096, r);
     let mut buf = Vec::new();
     loop {
-        let line = match tokio::time::timeout(CLIENT_TIMEOUT, read_line(&mut r, &mut buf)).await {
+        let line = match tokio::time::timeout(st.client_timeout, read_line(&mut r, &mut buf)).await
+        {
             Err(_) => {
                 let e = ProtoError::new(
                     ErrorCode::Timeout,
-                    format!("no complete request line within {} s", CLIENT_TIMEOUT.as_secs()),
+                    format!(
+                        "no complete request line within {} s",
+                        st.client_timeout.as_secs()
+                    ),
                 );
-                let _ = w.write_all(format!("{}\n", err_line(&None, &e)).as_bytes()).await;
+                let _ = w
+                    .write_all(format!("{}\n", err_line(&None, &e)).as_bytes())
+                    .await;
                 return;
             }
             Ok(Err(_)) | Ok(Ok(None)) => return,
@@ -710,7 +752,10 @@ pub(crate) fn run_daemon(a: DaemonArgs, global: Vec<String>) -> Result<()> {
         .build()?;
     let r = rt.block_on(serve(a));
     if let Err(e) = &r {
-        let _ = sdnotify::notify(&format!("STATUS=error: {}", crate::proto::one_line(&format!("{e:#}"))));
+        let _ = sdnotify::notify(&format!(
+            "STATUS=error: {}",
+            crate::proto::one_line(&format!("{e:#}"))
+        ));
     }
     // FUSE threads and recovery tasks have been stopped; do not wait on stragglers.
     rt.shutdown_timeout(Duration::from_secs(2));
@@ -735,6 +780,7 @@ async fn serve(a: DaemonArgs) -> Result<()> {
         inner: Mutex::new(Inner::default()),
         managers: tokio::sync::Mutex::new(HashMap::new()),
         stopping: AtomicBool::new(false),
+        client_timeout: a.client_timeout.map_or(CLIENT_TIMEOUT, Duration::from_secs),
         stop_req: stop_tx,
     });
     let r = serve_until_stopped(&st, &listener, &mut signals, &mut stop_rx, a.connect_all).await;
@@ -747,7 +793,10 @@ async fn serve_until_stopped(
     st: &Arc<State>,
     listener: &tokio::net::UnixListener,
     signals: &mut StopSignals,
-    stop_rx: &mut tokio::sync::mpsc::Receiver<(bool, tokio::sync::oneshot::Sender<Result<(), ProtoError>>)>,
+    stop_rx: &mut tokio::sync::mpsc::Receiver<(
+        bool,
+        tokio::sync::oneshot::Sender<Result<(), ProtoError>>,
+    )>,
     connect_all: bool,
 ) -> Result<()> {
     let clients = Arc::new(Semaphore::new(MAX_CLIENTS));
@@ -878,6 +927,9 @@ pub(crate) fn start_background(a: &DaemonArgs, global: &[String]) -> Result<u32>
     }
     if let Some(d) = &a.config_dir {
         cmd.arg("--config-dir").arg(d);
+    }
+    if let Some(t) = a.client_timeout {
+        cmd.arg(format!("--client-timeout={t}"));
     }
     cmd.env("NOTIFY_SOCKET", &notify)
         .env("NVMF_RDMA_RUN_DIR", &dir)

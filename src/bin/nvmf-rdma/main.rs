@@ -25,8 +25,8 @@ use std::time::Duration;
 use crate::{
     args::*, bench::*, chaos::*, client::*, connect::*, daemon::*, demo::*, io::*, target::*,
 };
-use anyhow::{bail, Result};
 use anyhow::Context;
+use anyhow::{bail, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use nvmf_rdma::cli::metrics_http;
 use nvmf_rdma::cli::support::{lock_all_memory, parse_duration};
@@ -159,12 +159,22 @@ enum Cmd {
     ConnectAll(ConnectAllArgs),
     /// List the controllers (the daemon's and those held by `connect --foreground`).
     List {
-        #[arg(short = 'o', long = "output-format", value_enum, default_value = "normal")]
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "normal"
+        )]
         output: ListFormat,
     },
     /// List subsystems and the controllers (paths) to each.
     ListSubsys {
-        #[arg(short = 'o', long = "output-format", value_enum, default_value = "normal")]
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "normal"
+        )]
         output: ListFormat,
     },
     /// Disconnect controllers by NQN or name. Refused while an export is in use (a loop

@@ -284,14 +284,15 @@ pub(crate) fn parse_request(line: &str) -> (Option<Value>, Result<Request, Proto
             Some(Value::String(s)) => Ok(Some(s)),
             Some(_) => Err(bad(format!("\"{k}\" must be a string"))),
         };
-        let params = |m: &mut Map<String, Value>| -> Result<Option<Box<ConnectParams>>, ProtoError> {
-            match m.remove("params") {
-                None | Some(Value::Null) => Ok(None),
-                Some(p) => serde_json::from_value(p)
-                    .map(|p| Some(Box::new(p)))
-                    .map_err(|e| bad(format!("params: {e}"))),
-            }
-        };
+        let params =
+            |m: &mut Map<String, Value>| -> Result<Option<Box<ConnectParams>>, ProtoError> {
+                match m.remove("params") {
+                    None | Some(Value::Null) => Ok(None),
+                    Some(p) => serde_json::from_value(p)
+                        .map(|p| Some(Box::new(p)))
+                        .map_err(|e| bad(format!("params: {e}"))),
+                }
+            };
         let req = match op.as_str() {
             "status" => Request::Status,
             "list" => Request::List,
@@ -346,17 +347,32 @@ mod tests {
         let Ok(Request::Connect(p)) = r else {
             panic!("{r:?}")
         };
-        assert_eq!((p.nr_io_queues, p.fuse.as_deref()), (Some(4), Some("/mnt/x")));
+        assert_eq!(
+            (p.nr_io_queues, p.fuse.as_deref()),
+            (Some(4), Some("/mnt/x"))
+        );
         let a = p.to_args();
         assert!(a.windows(2).any(|w| w == ["-i", "4"]), "{a:?}");
         for (line, code, word) in [
             ("nonsense", ErrorCode::BadRequest, "not JSON"),
             ("[1]", ErrorCode::BadRequest, "object"),
             (r#"{"op":"list"}"#, ErrorCode::BadRequest, "version"),
-            (r#"{"version":2,"op":"list"}"#, ErrorCode::UnsupportedVersion, "2"),
+            (
+                r#"{"version":2,"op":"list"}"#,
+                ErrorCode::UnsupportedVersion,
+                "2",
+            ),
             (r#"{"version":1,"op":"fly"}"#, ErrorCode::BadRequest, "fly"),
-            (r#"{"version":1,"op":"list","x":1}"#, ErrorCode::BadRequest, "\"x\""),
-            (r#"{"version":1,"op":"disconnect"}"#, ErrorCode::BadRequest, "device"),
+            (
+                r#"{"version":1,"op":"list","x":1}"#,
+                ErrorCode::BadRequest,
+                "\"x\"",
+            ),
+            (
+                r#"{"version":1,"op":"disconnect"}"#,
+                ErrorCode::BadRequest,
+                "device",
+            ),
             (
                 r#"{"version":1,"op":"connect","params":{"traddr":"1.2.3.4","nqn":"n","queues":1}}"#,
                 ErrorCode::BadRequest,

@@ -255,7 +255,10 @@ mod tests {
                 release: "umount /mnt/d && losetup -d /dev/loop0".into(),
             }],
         );
-        assert!(m.contains("nvmf0 is in use") && m.contains("/dev/loop0"), "{m}");
+        assert!(
+            m.contains("nvmf0 is in use") && m.contains("/dev/loop0"),
+            "{m}"
+        );
         assert!(h.contains("losetup -d /dev/loop0"), "{h}");
     }
 }
