@@ -375,7 +375,10 @@ fn fuse_export_under_a_mounted_fs_is_refused_and_sigterm_leaves_nothing() {
         seen.push(n);
         assert!(seen.len() < 10, "no STOPPING=1: {seen:?}");
     }
-    assert!(seen.iter().any(|s| s.contains("refusing to stop")), "{seen:?}");
+    assert!(
+        seen.iter().any(|s| s.contains("refusing to stop")),
+        "{seen:?}"
+    );
     let left: Vec<_> = std::fs::read_dir(&rig.run)
         .unwrap()
         .filter_map(Result::ok)
@@ -426,6 +429,14 @@ fn connect_with_64_io_queues_and_keep_alive_5_goes_live() {
     );
     let out = rig.ok(&["disconnect-all"]);
     assert!(out.contains("disconnected 2"), "{out}");
+    // connect-all -a: every subsystem the discovery controller lists.
+    let out = rig.ok(&["connect-all", "-a", &addr, "-i", "1"]);
+    assert!(
+        out.contains("connecting to device: nvmf0") && out.contains(NQN),
+        "{out}"
+    );
+    let v = rig.list_json();
+    assert_eq!(controllers(&v).len(), 1, "{v}");
 }
 
 /// The controller belongs to the daemon, not to the command that asked for it: SIGKILL on

@@ -304,13 +304,15 @@ fn run() -> Result<()> {
         Cmd::Daemon(a) => run_daemon(a, global),
         Cmd::Man { dir } => write_man_pages(&dir),
         Cmd::Completions { shell } => {
-            clap_complete::generate(
-                shell,
-                &mut Cli::command(),
-                "nvmf-rdma",
-                &mut std::io::stdout(),
-            );
-            Ok(())
+            use std::io::Write;
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "nvmf-rdma", &mut out);
+            let mut so = std::io::stdout().lock();
+            // A closed pipe (`| head`) is the reader's choice, not an error to report.
+            match so.write_all(&out).and_then(|_| so.flush()) {
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+                r => r.context("write to stdout"),
+            }
         }
         cmd => tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
