@@ -612,3 +612,96 @@ fn every_bad_request_line_gets_one_error_line_and_loses_nothing() {
     let e = one_line_error(&o);
     assert!(e.contains("nvmf9") && e.contains("list"), "{e}");
 }
+
+/// Is `pid` gone (or a zombie nobody reaped yet)?
+fn gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(s) => s
+            .rsplit(')')
+            .next()
+            .is_some_and(|r| r.trim_start().starts_with('Z')),
+    }
+}
+
+fn wait_gone(pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !gone(pid) {
+        assert!(Instant::now() < deadline, "daemon {pid} still running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Without a daemon, `connect` starts one in the background and returns once its export is
+/// served (the NBD socket answers at once); `daemon --stop` ends it; a `daemon --background`
+/// ends on SIGHUP the same way. Nothing is left in the run dir but the log.
+#[test]
+fn connect_starts_a_daemon_when_none_runs_and_stop_ends_it() {
+    let rig = Rig::new("auto");
+    let (_t, addr) = start_target(NQN, &rig.dir);
+    let nbd = rig.dir.join("auto.nbd");
+    let nbd_arg = format!("unix:{}", nbd.display());
+    let o = rig.run(&[
+        "connect", "-a", &addr, "-n", NQN, "-i", "1", "--nbd", &nbd_arg,
+    ]);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    );
+    assert!(o.status.success(), "{out}{err}");
+    assert!(err.contains("started nvmf-rdma daemon"), "{err}");
+    assert!(out.contains("connecting to device: nvmf0"), "{out}");
+    drop(UnixStream::connect(&nbd).expect("the NBD export answers as connect returns"));
+    let pid: i32 = std::fs::read_to_string(rig.run.join("daemon.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // The next command finds it.
+    let o = rig.run(&["connect", "-a", &addr, "-n", NQN, "-i", "1", "-D"]);
+    assert!(o.status.success());
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("started"));
+    // The NBD client above may still be counted for a moment: stop is refused until then.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let o = rig.run(&["daemon", "--stop"]);
+        if o.status.success() {
+            assert!(String::from_utf8_lossy(&o.stdout).contains("daemon stopped"));
+            break;
+        }
+        let e = one_line_error(&o);
+        assert!(e.contains("NBD client"), "{e}");
+        assert!(Instant::now() < deadline, "stop still refused: {e}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    wait_gone(pid);
+    assert!(!nbd.exists());
+    let only_log = |run: &Path| {
+        let left: Vec<String> = std::fs::read_dir(run)
+            .unwrap()
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n != "daemon.log")
+            .collect();
+        assert!(left.is_empty(), "left in the run dir: {left:?}");
+    };
+    only_log(&rig.run);
+
+    let out = rig.ok(&["daemon", "--background"]);
+    assert!(out.contains("daemon running"), "{out}");
+    let pid: i32 = std::fs::read_to_string(rig.run.join("daemon.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    rig.ok(&["connect", "-a", &addr, "-n", NQN, "-i", "1"]);
+    // SAFETY: kill(2) on the daemon this test started.
+    unsafe { libc::kill(pid, libc::SIGHUP) };
+    wait_gone(pid);
+    only_log(&rig.run);
+    let log = std::fs::read_to_string(rig.run.join("daemon.log")).unwrap();
+    assert!(
+        log.contains("SIGHUP: stopped") && log.contains("nvmf0: disconnected"),
+        "{log}"
+    );
+}

@@ -446,6 +446,13 @@ pub(crate) struct DaemonArgs {
     /// At start, connect what the config file lists (CONFIG_DIR/discovery.conf).
     #[arg(long)]
     pub(crate) connect_all: bool,
+    /// Stop the running daemon (refused while an export is in use, unless --force) and wait
+    /// until it is gone.
+    #[arg(long, conflicts_with_all = ["background", "connect_all"])]
+    pub(crate) stop: bool,
+    /// With --stop: stop even if exports are in use (their users get I/O errors).
+    #[arg(long, requires = "stop")]
+    pub(crate) force: bool,
     /// Where the config file is [default: $NVMF_RDMA_CONFIG_DIR, else /etc/nvmf-rdma].
     #[arg(long, value_name = "DIR")]
     pub(crate) config_dir: Option<PathBuf>,

@@ -81,6 +81,26 @@ pub(crate) async fn daemon_controller_names() -> Vec<String> {
     }
 }
 
+/// Start a daemon in the background for a command that needs one. Another command may
+/// start one at the same moment: if ours loses that race, the winner serves us.
+async fn start_daemon(global: Vec<String>) -> Result<()> {
+    let r = tokio::task::spawn_blocking(move || start_background(&DaemonArgs::default(), &global))
+        .await?;
+    match r {
+        Ok(pid) => {
+            eprintln!(
+                "started nvmf-rdma daemon (pid {pid}; log {})",
+                run_dir().join("daemon.log").display()
+            );
+            Ok(())
+        }
+        Err(e) => match try_call(json!({"op": "status"})).await {
+            Ok(Some(_)) => Ok(()),
+            _ => Err(e),
+        },
+    }
+}
+
 /// `connect` through the daemon, starting one in the background when none runs. Returns
 /// once the controller is LIVE and its exports are ready.
 pub(crate) async fn run_connect_daemon(
@@ -96,14 +116,7 @@ pub(crate) async fn run_connect_daemon(
     let v = match try_call(req.clone()).await? {
         Some(v) => v,
         None => {
-            let pid = tokio::task::spawn_blocking(move || {
-                start_background(&DaemonArgs::default(), &global)
-            })
-            .await??;
-            eprintln!(
-                "started nvmf-rdma daemon (pid {pid}; log {})",
-                run_dir().join("daemon.log").display()
-            );
+            start_daemon(global).await?;
             call(req).await?
         }
     };
@@ -323,8 +336,7 @@ pub(crate) async fn run_connect_all(
     let v = match try_call(req.clone()).await? {
         Some(v) => v,
         None => {
-            tokio::task::spawn_blocking(move || start_background(&DaemonArgs::default(), &global))
-                .await??;
+            start_daemon(global).await?;
             call(req).await?
         }
     };

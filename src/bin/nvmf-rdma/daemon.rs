@@ -276,16 +276,26 @@ async fn op_connect(st: Arc<State>, p: ConnectParams) -> Result<Value, ProtoErro
     let name2 = name.clone();
     let job = tokio::spawn(async move {
         let r = connect_entry(&st2, name2, key, sub, x, o).await;
-        let mut inner = lock(&st2.inner);
-        inner.reserved.remove(&n);
-        match r {
-            Ok(e) => {
-                let v = e.info();
-                inner.ctrls.insert(n, e);
-                Ok(v)
+        let late = {
+            let mut inner = lock(&st2.inner);
+            inner.reserved.remove(&n);
+            match r {
+                // A stop that went through while we connected has disconnected everything
+                // else: this one goes too, or its exports would outlive the daemon.
+                Ok(e) if st2.stopping.load(Ordering::SeqCst) => e,
+                Ok(e) => {
+                    let v = e.info();
+                    inner.ctrls.insert(n, e);
+                    return Ok(v);
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) => Err(e),
-        }
+        };
+        late.stop().await;
+        Err(ProtoError::new(
+            ErrorCode::Stopping,
+            "the daemon stopped while connecting",
+        ))
     });
     let r = job
         .await
@@ -738,6 +748,9 @@ impl Drop for PidLock {
 
 /// `nvmf-rdma daemon`.
 pub(crate) fn run_daemon(a: DaemonArgs, global: Vec<String>) -> Result<()> {
+    if a.stop {
+        return stop_running(a.force);
+    }
     if a.background {
         return start_background(&a, &global).map(|pid| {
             println!(
@@ -760,6 +773,26 @@ pub(crate) fn run_daemon(a: DaemonArgs, global: Vec<String>) -> Result<()> {
     // FUSE threads and recovery tasks have been stopped; do not wait on stragglers.
     rt.shutdown_timeout(Duration::from_secs(2));
     r
+}
+
+/// `daemon --stop`: ask the daemon to stop and wait until its socket is gone.
+fn stop_running(force: bool) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let sock = run_dir().join(SOCKET_NAME);
+        crate::client::call(json!({"op": "stop", "force": force})).await?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while sock.exists() {
+            if Instant::now() > deadline {
+                bail!("the daemon accepted the stop but its socket is still there after 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        println!("daemon stopped");
+        Ok(())
+    })
 }
 
 async fn serve(a: DaemonArgs) -> Result<()> {
@@ -873,6 +906,11 @@ async fn serve_until_stopped(
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
         }
     }
+    // The client that asked for the stop still gets its answer; idle ones are cut off.
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
     tasks.abort_all();
     Ok(())
 }
