@@ -705,3 +705,80 @@ fn connect_starts_a_daemon_when_none_runs_and_stop_ends_it() {
         "{log}"
     );
 }
+
+/// `disconnect --force` under a mounted file system goes through: the FUSE mount leaves the
+/// mount table at once (lazy unmount) instead of lingering dead, and once the user unmounts
+/// and detaches the loop device nothing is left (no hang on the way).
+#[test]
+fn disconnect_force_detaches_a_busy_fuse_mount() {
+    let mut rig = Rig::new("force");
+    let (_t, addr) = start_target(NQN, &rig.dir);
+    let (_d, _n) = rig.daemon(&[]);
+    let fuse = rig.dir.join("fuse");
+    let data = rig.dir.join("data");
+    std::fs::create_dir_all(&fuse).unwrap();
+    std::fs::create_dir_all(&data).unwrap();
+    rig.ok(&[
+        "connect",
+        "-a",
+        &addr,
+        "-n",
+        NQN,
+        "-i",
+        "1",
+        "--fuse",
+        fuse.to_str().unwrap(),
+    ]);
+    let o = Command::new("losetup")
+        .args(["--direct-io=on", "--find", "--show"])
+        .arg(fuse.join("ns1"))
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let lo = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    rig.loops.push(lo.clone());
+    assert!(Command::new("mkfs.ext4")
+        .args(["-q", &lo])
+        .status()
+        .unwrap()
+        .success());
+    assert!(Command::new("mount")
+        .arg(&lo)
+        .arg(&data)
+        .status()
+        .unwrap()
+        .success());
+    rig.mounts.push(data.clone());
+
+    let out = rig.ok(&["disconnect", "-d", "nvmf0", "--force"]);
+    assert!(out.contains("disconnected 1"), "{out}");
+    assert!(
+        !mounted(&fuse),
+        "the busy FUSE mount is detached, not left dead"
+    );
+    assert!(controllers(&rig.list_json()).is_empty());
+    // The user's cleanup works and does not hang.
+    let umount = Command::new("umount").arg(&data).status().unwrap();
+    assert!(umount.success());
+    rig.mounts.clear();
+    assert!(Command::new("losetup")
+        .args(["-d", &lo])
+        .status()
+        .unwrap()
+        .success());
+    rig.loops.clear();
+    let file = fuse.join("ns1").display().to_string();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_dir("/sys/block")
+        .unwrap()
+        .filter_map(Result::ok)
+        .any(|e| {
+            std::fs::read_to_string(e.path().join("loop/backing_file"))
+                .is_ok_and(|b| b.trim() == file)
+        })
+    {
+        assert!(Instant::now() < deadline, "{lo} still backed by {file}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!mounted(&fuse) && !mounted(&data));
+}

@@ -217,18 +217,50 @@ impl Exports {
     }
 
     pub(crate) async fn stop(self) {
+        self.stop_with(false).await
+    }
+
+    /// Stop the NBD server and unmount the FUSE file system. With `detach_busy`, a mount
+    /// that is still in use (a forced disconnect) is detached lazily (MNT_DETACH): it leaves
+    /// the mount table now and goes when its last user lets go, instead of lingering dead.
+    pub(crate) async fn stop_with(self, detach_busy: bool) {
         if let Some(t) = self.nbd {
             t.abort();
             let _ = t.await;
         }
         if let Some(m) = self.fuse {
             let _ = tokio::task::spawn_blocking(move || {
+                let mp = m.mountpoint().to_path_buf();
                 if let Err(e) = m.unmount() {
                     eprintln!("{e}");
+                    if detach_busy {
+                        detach(&mp);
+                    }
                 }
             })
             .await;
         }
+    }
+}
+
+/// `umount -l MOUNTPOINT`.
+fn detach(mp: &std::path::Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(mp.as_os_str().as_bytes()) else {
+        return;
+    };
+    // SAFETY: a valid NUL-terminated path; umount2 touches no memory of ours.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+        eprintln!(
+            "{}: detached (lazy unmount); it goes when its last user lets go",
+            mp.display()
+        );
+    } else {
+        eprintln!(
+            "{}: lazy unmount failed: {}",
+            mp.display(),
+            std::io::Error::last_os_error()
+        );
     }
 }
 

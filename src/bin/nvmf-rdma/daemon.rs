@@ -97,7 +97,8 @@ impl Entry {
         for t in &self.tasks {
             t.abort();
         }
-        self.exports.stop().await;
+        // Only a forced disconnect (or an unexpected busy mount) gets here with a user left.
+        self.exports.stop_with(true).await;
         match Arc::try_unwrap(self.ctrl) {
             Ok(c) => c.disconnect().await,
             Err(_) => tracing::warn!("{}: controller still shared at disconnect", self.name),
