@@ -401,7 +401,7 @@ fn fuse_export_under_a_mounted_fs_is_refused_and_sigterm_leaves_nothing() {
 #[test]
 fn connect_with_64_io_queues_and_keep_alive_5_goes_live() {
     let rig = Rig::new("q64");
-    let (_t, addr) = start_target(NQN, &rig.dir);
+    let (t, addr) = start_target(NQN, &rig.dir);
     let (_d, _n) = rig.daemon(&[]);
     let out = rig.ok(&[
         "connect", "-a", &addr, "-n", NQN, "-i", "64", "-k", "5", "-o", "json",
@@ -409,6 +409,9 @@ fn connect_with_64_io_queues_and_keep_alive_5_goes_live() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["device"], "nvmf0");
     assert_eq!(v["controller"]["io_queues"], 64);
+    // The target logs its hosts.
+    let l = t.expect("host connected", Duration::from_secs(10));
+    assert!(l.contains(NQN) && l.contains("cntlid"), "{l}");
     // Still live well past a keep-alive period.
     let deadline = Instant::now() + Duration::from_secs(7);
     while Instant::now() < deadline {
@@ -429,6 +432,12 @@ fn connect_with_64_io_queues_and_keep_alive_5_goes_live() {
     );
     let out = rig.ok(&["disconnect-all"]);
     assert!(out.contains("disconnected 2"), "{out}");
+    t.expect("host disconnected", Duration::from_secs(10));
+    // discover -o json, nvme-cli's shape.
+    let v: serde_json::Value =
+        serde_json::from_str(rig.ok(&["discover", "-a", &addr, "-o", "json"]).trim()).unwrap();
+    assert_eq!(v["records"][0]["subnqn"], NQN, "{v}");
+    assert_eq!(v["records"][0]["trsvcid"], "4420", "{v}");
     // connect-all -a: every subsystem the discovery controller lists.
     let out = rig.ok(&["connect-all", "-a", &addr, "-i", "1"]);
     assert!(

@@ -603,6 +603,11 @@ impl Engine {
         if let Some(c) = q.cntlid {
             if q.qid == 0 {
                 if let Some(ctrl) = self.ctrls.remove(&c) {
+                    tracing::info!(
+                        cntlid = c,
+                        host = %ctrl.hostnqn,
+                        "host disconnected: controller torn down"
+                    );
                     for other in ctrl.queues {
                         if other != qpn {
                             self.remove_queue(d, other);
@@ -1062,6 +1067,14 @@ impl Engine {
             };
             self.grow(d, qpn)?;
             let discovery = subsys == usize::MAX;
+            tracing::info!(
+                cntlid = id,
+                host = %cd.hostnqn.as_str(),
+                subsystem = %cd.subnqn.as_str(),
+                peer = %self.queues.get(&qpn).map_or("?".to_string(), |q| q.peer_ip.to_string()),
+                kato_ms,
+                "host connected"
+            );
             self.ctrls.insert(
                 id,
                 Ctrl {

@@ -304,7 +304,7 @@ pub(crate) async fn start_exports(
 }
 
 /// `discover`: the discovery log of a discovery controller, nvme-cli style.
-pub(crate) async fn run_discover(f: Fabric) -> Result<()> {
+pub(crate) async fn run_discover(f: Fabric, output: ListFormat) -> Result<()> {
     check_transport(&f)?;
     let (hca, cm) = host_stack(f.traddr, f.host_traddr).await?;
     let mut o = ConnectOptions::new(f.traddr, nvmf_rdma::nvme::fabrics::DISCOVERY_NQN);
@@ -314,6 +314,29 @@ pub(crate) async fn run_discover(f: Fabric) -> Result<()> {
         o.hostnqn = h;
     }
     let entries = discover(hca, cm, o).await.context("discovery failed")?;
+    if output == ListFormat::Json {
+        // nvme-cli's field names and words.
+        let records: Vec<serde_json::Value> = entries
+            .iter()
+            .map(|e| {
+                serde_json::json!({
+                    "trtype": "rdma",
+                    "adrfam": if e.adrfam == 2 { "ipv6" } else { "ipv4" },
+                    "subtype": match e.subtype {
+                        1 => "discovery subsystem referral",
+                        3 => "current discovery subsystem",
+                        _ => "nvme subsystem",
+                    },
+                    "portid": e.portid,
+                    "trsvcid": e.trsvcid.text().trim(),
+                    "subnqn": e.subnqn.text().trim(),
+                    "traddr": e.traddr.text().trim(),
+                })
+            })
+            .collect();
+        println!("{}", serde_json::json!({ "records": records }));
+        return Ok(());
+    }
     println!("Discovery Log Number of Records {}", entries.len());
     for (i, e) in entries.iter().enumerate() {
         println!("=====Discovery Log Entry {i}======");

@@ -137,7 +137,17 @@ enum Cmd {
     #[cfg(feature = "hw")]
     Hw(nvmf_rdma::hw::cli::HwArgs),
     /// Ask a discovery controller which subsystems it offers.
-    Discover(Fabric),
+    Discover {
+        #[command(flatten)]
+        fabric: Fabric,
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "normal"
+        )]
+        output: ListFormat,
+    },
     /// Run the daemon that owns controllers, their recovery and their exports (foreground,
     /// for systemd with sd_notify; or --background). The other commands talk to it over
     /// RUN_DIR/daemon.sock (docs/control-protocol.md).
@@ -272,11 +282,20 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    // RUST_LOG decides when set; otherwise the target logs its hosts (connect, disconnect,
+    // keep-alive expiry) and everything else only errors.
+    let filter = match std::env::var_os("RUST_LOG") {
+        None if matches!(cli.cmd, Cmd::Target(_)) => {
+            tracing_subscriber::EnvFilter::new("error,nvmf_rdma::nvmet=info")
+        }
+        _ => tracing_subscriber::EnvFilter::from_default_env(),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
     cli.setup()?;
     // What a daemon started from here inherits of the global options.
     let mut global = vec![format!("--busy-poll={}us", cli.busy_poll.as_micros())];
@@ -327,7 +346,7 @@ async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
         Cmd::Target(t) => run_target(t).await,
         #[cfg(feature = "hw")]
         Cmd::Hw(a) => Ok(nvmf_rdma::hw::cli::run(a).await?),
-        Cmd::Discover(f) => run_discover(f).await,
+        Cmd::Discover { fabric, output } => run_discover(fabric, output).await,
         Cmd::Connect { sub, export, mode } => {
             if mode.foreground {
                 run_connect(sub, export).await
