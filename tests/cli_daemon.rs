@@ -609,6 +609,19 @@ fn every_bad_request_line_gets_one_error_line_and_loses_nothing() {
             "{v}"
         );
     }
+    // 64 clients at once (this one and 63 idle), then the next is told it is busy.
+    let idle: Vec<UnixStream> = (0..63)
+        .map(|_| UnixStream::connect(rig.run.join("daemon.sock")).unwrap())
+        .collect();
+    let extra = UnixStream::connect(rig.run.join("daemon.sock")).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut a = String::new();
+    BufReader::new(extra).read_line(&mut a).unwrap();
+    let v: serde_json::Value = serde_json::from_str(a.trim()).unwrap();
+    assert_eq!(v["code"], "busy", "{v}");
+    drop(idle);
     // A silent client is told and closed.
     let s = UnixStream::connect(rig.run.join("daemon.sock")).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

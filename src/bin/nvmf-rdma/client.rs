@@ -32,11 +32,33 @@ fn no_daemon() -> anyhow::Error {
     )
 }
 
+/// The daemon answered `ok: false`: its code and its one-line message with the hint.
+#[derive(Debug)]
+pub(crate) struct DaemonRefused {
+    pub(crate) code: String,
+    message: String,
+}
+
+impl std::fmt::Display for DaemonRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for DaemonRefused {}
+
 /// Send one request (the version is added) and return the answer object, or its error as
 /// one line with its hint. `Ok(None)`: no daemon answers on the socket.
 pub(crate) async fn try_call(mut req: Value) -> Result<Option<Value>> {
-    let Ok(s) = tokio::net::UnixStream::connect(daemon_socket()).await else {
-        return Ok(None);
+    let path = daemon_socket();
+    let s = match tokio::net::UnixStream::connect(&path).await {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => bail!(
+            "cannot reach the daemon at {}: permission denied (it runs as another user: run \
+             this as that user or root, or use NVMF_RDMA_RUN_DIR for a daemon of your own)",
+            path.display()
+        ),
+        Err(_) => return Ok(None),
     };
     req["version"] = json!(PROTOCOL_VERSION);
     let (r, mut w) = s.into_split();
@@ -49,17 +71,25 @@ pub(crate) async fn try_call(mut req: Value) -> Result<Option<Value>> {
         .await
         .context("read the daemon's answer")?;
     if line.is_empty() {
-        bail!("the daemon closed the connection without an answer (is it stopping?)");
+        bail!(
+            "the daemon closed the connection without an answer (it is stopping, or serves \
+             only root and its own user)"
+        );
     }
     let v: Value = serde_json::from_str(line.trim()).context("the daemon's answer is not JSON")?;
     if v["ok"] != json!(true) {
         let msg = v["error"]
             .as_str()
             .unwrap_or("the daemon refused the request");
-        match v["hint"].as_str() {
-            Some(h) => bail!("{msg} ({h})"),
-            None => bail!("{msg}"),
+        let message = match v["hint"].as_str() {
+            Some(h) => format!("{msg} ({h})"),
+            None => msg.to_string(),
+        };
+        return Err(DaemonRefused {
+            code: v["code"].as_str().unwrap_or("").to_string(),
+            message,
         }
+        .into());
     }
     Ok(Some(v))
 }
@@ -294,7 +324,9 @@ pub(crate) async fn run_disconnect(
         Ok(Some(v)) => n += v["disconnected"].as_array().map_or(0, |a| a.len()),
         Ok(None) => {}
         // Nothing of the daemon's matched: the foreground ones may.
-        Err(e) if e.to_string().starts_with("no controller matches") => {}
+        Err(e)
+            if e.downcast_ref::<DaemonRefused>()
+                .is_some_and(|r| r.code == "not-found") => {}
         Err(e) => return Err(e),
     }
     n += disconnect_foreground(nqn.as_deref(), device.as_deref()).await?;

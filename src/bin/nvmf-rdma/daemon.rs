@@ -895,12 +895,10 @@ async fn serve_until_stopped(
                         tasks.spawn(async move { serve_client(st, stream).await; drop(permit); });
                     }
                     Err(_) => {
+                        // Told without a task of its own (a fresh socket's buffer takes
+                        // the line), so a flood of clients costs nothing that stays.
                         let e = ProtoError::new(ErrorCode::Busy, format!("{MAX_CLIENTS} clients already")).hint("try again");
-                        tasks.spawn(async move {
-                            let mut s = stream;
-                            let _ = tokio::time::timeout(Duration::from_secs(1),
-                                s.write_all(format!("{}\n", err_line(&None, &e)).as_bytes())).await;
-                        });
+                        let _ = stream.try_write(format!("{}\n", err_line(&None, &e)).as_bytes());
                     }
                 }
             }

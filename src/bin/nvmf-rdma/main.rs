@@ -73,6 +73,12 @@ impl Cli {
             }
         }
         if let Some(addr) = self.metrics_addr {
+            if matches!(&self.cmd, Cmd::Connect { mode, .. } if !mode.foreground) {
+                bail!(
+                    "--metrics-addr serves this process's controllers: give it to \
+                     `nvmf-rdma daemon` (or use connect --foreground)"
+                );
+            }
             if !matches!(
                 self.cmd,
                 Cmd::Connect { .. }

@@ -428,3 +428,23 @@ fn man_pages_and_completions_cover_the_daemon_commands() {
         assert!(s.contains(w), "completions lack {w}");
     }
 }
+
+#[test]
+fn metrics_addr_on_a_daemon_connect_is_refused_with_a_hint() {
+    let cli = Cli::try_parse_from([
+        "nvmf-rdma",
+        "connect",
+        "-a",
+        "127.0.0.1",
+        "-n",
+        "nqn.a:b",
+        "--metrics-addr",
+        "127.0.0.1:1",
+    ])
+    .unwrap();
+    let e = cli.setup().unwrap_err().to_string();
+    assert!(
+        e.contains("nvmf-rdma daemon") && e.contains("--foreground"),
+        "{e}"
+    );
+}
