@@ -94,8 +94,10 @@ impl Entry {
     }
 
     async fn stop(self) {
-        for t in &self.tasks {
+        // Aborted and awaited: a task's hold on the controller is gone before it is deleted.
+        for t in self.tasks {
             t.abort();
+            let _ = t.await;
         }
         // Only a forced disconnect (or an unexpected busy mount) gets here with a user left.
         self.exports.stop_with(true).await;
@@ -138,6 +140,10 @@ struct State {
     managers: tokio::sync::Mutex<HashMap<SocketAddr, DeviceManager>>,
     stopping: AtomicBool,
     client_timeout: Duration,
+    /// Discovery controllers watched for log changes, by address, service and host NQN.
+    watchers: Mutex<HashMap<Key, tokio::task::JoinHandle<()>>>,
+    /// Where a watcher sends a discovery line whose log changed (connect-all runs it).
+    rescan: tokio::sync::mpsc::Sender<ConnectParams>,
     stop_req:
         tokio::sync::mpsc::Sender<(bool, tokio::sync::oneshot::Sender<Result<(), ProtoError>>)>,
 }
@@ -235,6 +241,43 @@ impl State {
             mgrs.insert(addr, mgr.clone());
         }
         Ok(mgr)
+    }
+}
+
+impl State {
+    /// Keep a discovery controller for `p` (a discovery line) watched, once.
+    fn watch(self: &Arc<Self>, p: &ConnectParams) {
+        let key: Key = (
+            p.nqn.clone(),
+            p.traddr.clone(),
+            p.trsvcid.unwrap_or(4420),
+            p.hostnqn.clone().unwrap_or_default(),
+        );
+        let mut w = self.watchers.lock().unwrap_or_else(|e| e.into_inner());
+        if w.get(&key).is_some_and(|t| !t.is_finished()) || self.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let task = tokio::spawn(watch_discovery(
+            self.clone(),
+            p.clone(),
+            self.rescan.clone(),
+        ));
+        w.insert(key, task);
+    }
+
+    /// Stop every discovery watcher (and its controller).
+    async fn unwatch_all(&self) {
+        let tasks: Vec<_> = self
+            .watchers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, t)| t)
+            .collect();
+        for t in tasks {
+            t.abort();
+            let _ = t.await;
+        }
     }
 }
 
@@ -340,6 +383,7 @@ async fn connect_entry(
     let tasks = vec![
         tokio::spawn(report_state_changes(name.clone(), c.watch_status())),
         tokio::spawn(reap_when_dead(st.clone(), name.clone(), c.watch_status())),
+        tokio::spawn(watch_namespaces(name.clone(), c.clone())),
     ];
     Ok(Entry {
         name,
@@ -349,6 +393,78 @@ async fn connect_entry(
         exports,
         tasks,
     })
+}
+
+/// Asynchronous events of a controller: a Namespace Attribute Changed notice rescans its
+/// namespaces (`list` shows an added one, a new size). Ends when the controller is deleted.
+async fn watch_namespaces(name: String, c: Arc<Controller>) {
+    loop {
+        match c.next_async_event().await {
+            Ok(ev) if ev.namespaces_changed() => match c.rescan_namespaces().await {
+                Ok(ns) => {
+                    let ids: Vec<String> = ns
+                        .iter()
+                        .map(|n| format!("{} ({} blocks)", n.nsid, n.blocks))
+                        .collect();
+                    println!("{name}: namespaces changed: {}", ids.join(", "));
+                }
+                Err(e) => println!("{name}: namespaces changed, rescan failed: {e}"),
+            },
+            Ok(ev) => println!(
+                "{name}: async event type {} info {:#x} (log page {:#x})",
+                ev.kind, ev.info, ev.log_page
+            ),
+            Err(_) => return,
+        }
+    }
+}
+
+/// One discovery controller `connect-all` keeps connected per discovery line, so that a
+/// Discovery Log Page Changed event brings its new subsystems in (sent to `rescan`).
+async fn watch_discovery(
+    st: Arc<State>,
+    p: ConnectParams,
+    rescan: tokio::sync::mpsc::Sender<ConnectParams>,
+) {
+    let what = format!("discovery controller at {}", p.traddr);
+    loop {
+        let c = async {
+            let (sub, _, _) = parse_connect(&p.to_args()).map_err(anyhow::Error::msg)?;
+            let mut o = options(&sub)?;
+            // Held for good, so kept alive (a discovery controller without keep-alive is
+            // expired by the target after two minutes).
+            if o.keep_alive_tmo.is_zero() {
+                o.keep_alive_tmo = Duration::from_secs(5);
+            }
+            let mgr = st.device(&sub).await?;
+            anyhow::Ok(Controller::connect_managed(mgr, HOST_HCA, o).await?)
+        }
+        .await;
+        let c = match c {
+            Ok(c) => c,
+            Err(e) => {
+                println!("{what}: {e:#}; trying again in 10 s");
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                continue;
+            }
+        };
+        println!("{what}: watching its log for changes");
+        loop {
+            match c.next_async_event().await {
+                Ok(ev) if ev.discovery_changed() => {
+                    println!("{what}: discovery log changed; connect-all");
+                    let _ = rescan.try_send(p.clone());
+                }
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        c.disconnect().await;
+        if st.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 /// What to try after a failed connect, from its message.
@@ -483,6 +599,9 @@ async fn op_connect_all(
     };
     let mut results = Vec::new();
     for l in lines {
+        if l.discovery {
+            st.watch(&l.params);
+        }
         let targets = if l.discovery {
             match discover_params(&l.params).await {
                 Ok(v) => v,
@@ -808,6 +927,8 @@ async fn serve(a: DaemonArgs) -> Result<()> {
         .with_context(|| format!("chmod 0600 {}", sock.display()))?;
     let mut signals = StopSignals::new()?;
     let (stop_tx, mut stop_rx) = tokio::sync::mpsc::channel(4);
+    // Bounded: a watcher that finds it full drops its request; one queued covers it.
+    let (rescan_tx, mut rescan_rx) = tokio::sync::mpsc::channel::<ConnectParams>(16);
     let st = Arc::new(State {
         run_dir: dir.clone(),
         config_dir: config_dir(a.config_dir.as_deref()),
@@ -815,9 +936,28 @@ async fn serve(a: DaemonArgs) -> Result<()> {
         managers: tokio::sync::Mutex::new(HashMap::new()),
         stopping: AtomicBool::new(false),
         client_timeout: a.client_timeout.map_or(CLIENT_TIMEOUT, Duration::from_secs),
+        watchers: Mutex::new(HashMap::new()),
+        rescan: rescan_tx,
         stop_req: stop_tx,
     });
+    let rescans = {
+        let st = st.clone();
+        tokio::spawn(async move {
+            while let Some(p) = rescan_rx.recv().await {
+                if let Ok(v) = op_connect_all(&st, Some(p)).await {
+                    for r in v["results"].as_array().into_iter().flatten() {
+                        if r["status"] != "already-connected" {
+                            println!("connect-all: {r}");
+                        }
+                    }
+                }
+            }
+        })
+    };
     let r = serve_until_stopped(&st, &listener, &mut signals, &mut stop_rx, a.connect_all).await;
+    rescans.abort();
+    let _ = rescans.await;
+    st.unwatch_all().await;
     drop(listener);
     let _ = std::fs::remove_file(&sock);
     r
