@@ -828,8 +828,9 @@ fn namespaces_of(c: &serde_json::Value) -> Vec<(u64, u64)> {
 }
 
 /// Asynchronous Event Requests: a namespace added to a running target shows up in the
-/// daemon's `list` without a reconnect (Namespace Attribute Changed, then a rescan), and a
-/// second one too (the event is re-armed by reading the Changed Namespace List).
+/// daemon's `list` without a reconnect (Namespace Attribute Changed, then a rescan) and as a
+/// file of the controller's FUSE export, and a second one too (the event is re-armed by
+/// reading the Changed Namespace List).
 #[test]
 fn a_namespace_added_to_a_running_target_shows_up_in_list() {
     use nvmf_rdma::harness::nvmf_perf::{LocalTarget, DEMO_NQN};
@@ -838,7 +839,19 @@ fn a_namespace_added_to_a_running_target_shows_up_in_list() {
     let t = LocalTarget::start(16 << 20, 9).unwrap();
     let addr = t.addr.to_string();
     let (_d, _n) = rig.daemon(&[]);
-    rig.ok(&["connect", "-a", &addr, "-n", DEMO_NQN, "-i", "1"]);
+    let fuse = rig.dir.join("fuse");
+    std::fs::create_dir_all(&fuse).unwrap();
+    rig.ok(&[
+        "connect",
+        "-a",
+        &addr,
+        "-n",
+        DEMO_NQN,
+        "-i",
+        "1",
+        "--fuse",
+        fuse.to_str().unwrap(),
+    ]);
     let v = rig.list_json();
     assert_eq!(namespaces_of(&v["controllers"][0]), [(1, 32768)], "{v}");
     let cntlid = v["controllers"][0]["cntlid"].clone();
@@ -846,12 +859,44 @@ fn a_namespace_added_to_a_running_target_shows_up_in_list() {
         t.target
             .add_namespace(DEMO_NQN, Namespace::ram(nsid, blocks * 512, 9))
             .unwrap();
-        let v = rig.wait_list(&format!("namespace {nsid} in list"), |v| {
-            namespaces_of(&v["controllers"][0]).contains(&(nsid as u64, blocks))
+        let v = rig.wait_list(&format!("namespace {nsid} in list and its export"), |v| {
+            let c = &v["controllers"][0];
+            namespaces_of(c).contains(&(nsid as u64, blocks))
+                && c["exports"][0]["files"]
+                    .as_array()
+                    .is_some_and(|f| f.len() == nsid as usize)
         });
         assert_eq!(v["controllers"][0]["cntlid"], cntlid, "no reconnect: {v}");
         assert_eq!(v["controllers"][0]["state"], "live");
+        // The new namespace is a file of the FUSE export, of its size, and holds data.
+        let file = fuse.join(format!("ns{nsid}"));
+        assert_eq!(std::fs::metadata(&file).unwrap().len(), blocks * 512);
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&file)
+            .unwrap();
+        use std::io::{Seek, SeekFrom};
+        let data = vec![nsid as u8; 4096];
+        f.seek(SeekFrom::Start(8192)).unwrap();
+        f.write_all(&data).unwrap();
+        let mut back = vec![0u8; 4096];
+        f.seek(SeekFrom::Start(8192)).unwrap();
+        f.read_exact(&mut back).unwrap();
+        assert_eq!(back, data);
     }
+    let names: Vec<String> = std::fs::read_dir(&fuse)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    // Closed files: the controller disconnects and the mount goes.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !rig.run(&["disconnect", "-d", "nvmf0"]).status.success() {
+        assert!(Instant::now() < deadline, "disconnect still refused");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!mounted(&fuse));
 }
 
 /// A subsystem added to the discovery log is picked up by `connect-all`'s watch on the

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, run_dir, CtrlInfo, Health};
 use nvmf_rdma::driver::DeviceManager;
+use nvmf_rdma::export::{BlockDev, FuseFiles};
 use nvmf_rdma::nvme::fabrics::DISCOVERY_NQN;
 use nvmf_rdma::reconnect::CtrlState;
 use nvmf_rdma::transport::{discover, Controller};
@@ -117,9 +118,15 @@ fn exports_json(x: &Exports) -> Value {
         }));
     }
     if let Some(m) = &x.fuse {
+        let files: Vec<String> = m
+            .files()
+            .names()
+            .iter()
+            .map(|n| m.mountpoint().join(n).display().to_string())
+            .collect();
         v.push(json!({
             "type": "fuse", "nsid": x.nsid, "mountpoint": m.mountpoint().display().to_string(),
-            "file": m.file().display().to_string(), "open_handles": m.open_files(),
+            "file": m.file().display().to_string(), "files": files, "open_handles": m.open_files(),
         }));
     }
     Value::Array(v)
@@ -383,7 +390,11 @@ async fn connect_entry(
     let tasks = vec![
         tokio::spawn(report_state_changes(name.clone(), c.watch_status())),
         tokio::spawn(reap_when_dead(st.clone(), name.clone(), c.watch_status())),
-        tokio::spawn(watch_namespaces(name.clone(), c.clone())),
+        tokio::spawn(watch_namespaces(
+            name.clone(),
+            c.clone(),
+            exports.fuse.as_ref().map(|m| m.files()),
+        )),
     ];
     Ok(Entry {
         name,
@@ -396,8 +407,9 @@ async fn connect_entry(
 }
 
 /// Asynchronous events of a controller: a Namespace Attribute Changed notice rescans its
-/// namespaces (`list` shows an added one, a new size). Ends when the controller is deleted.
-async fn watch_namespaces(name: String, c: Arc<Controller>) {
+/// namespaces (`list` shows an added one, a new size), and a FUSE export gains a file
+/// `ns<NSID>` for each added namespace. Ends when the controller is deleted.
+async fn watch_namespaces(name: String, c: Arc<Controller>, fuse: Option<FuseFiles>) {
     loop {
         match c.next_async_event().await {
             Ok(ev) if ev.namespaces_changed() => match c.rescan_namespaces().await {
@@ -407,6 +419,21 @@ async fn watch_namespaces(name: String, c: Arc<Controller>) {
                         .map(|n| format!("{} ({} blocks)", n.nsid, n.blocks))
                         .collect();
                     println!("{name}: namespaces changed: {}", ids.join(", "));
+                    if let Some(files) = &fuse {
+                        let have = files.names();
+                        for n in ns {
+                            let file = format!("ns{}", n.nsid);
+                            if have.contains(&file) {
+                                continue;
+                            }
+                            let added = BlockDev::new(c.clone(), n.nsid)
+                                .and_then(|d| files.add(&file, Arc::new(d)));
+                            match added {
+                                Ok(()) => println!("{name}: fuse: namespace {} is {file}", n.nsid),
+                                Err(e) => println!("{name}: fuse: {file}: {e}"),
+                            }
+                        }
+                    }
                 }
                 Err(e) => println!("{name}: namespaces changed, rescan failed: {e}"),
             },

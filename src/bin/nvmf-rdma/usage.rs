@@ -109,17 +109,19 @@ const RELEASE_GRACE: Duration = Duration::from_secs(2);
 /// daemon's table so the look (which may wait) holds no lock.
 #[derive(Clone)]
 pub(crate) struct Probe {
-    pub(crate) fuse: Option<(PathBuf, Arc<AtomicUsize>)>,
+    /// Every file of the FUSE mount, and its count of open handles (all files together).
+    pub(crate) fuse: Option<(Vec<PathBuf>, Arc<AtomicUsize>)>,
     pub(crate) nbd: Option<(ExportAddr, Arc<NbdStats>)>,
 }
 
 impl Exports {
     pub(crate) fn probe(&self) -> Probe {
         Probe {
-            fuse: self
-                .fuse
-                .as_ref()
-                .map(|m| (m.file().to_path_buf(), m.open_counter())),
+            fuse: self.fuse.as_ref().map(|m| {
+                let files = m.files().names();
+                let paths = files.iter().map(|n| m.mountpoint().join(n)).collect();
+                (paths, m.open_counter())
+            }),
             nbd: self.nbd_at.clone(),
         }
     }
@@ -153,21 +155,27 @@ pub(crate) async fn holders(p: &Probe) -> Vec<Holder> {
             });
         }
     }
-    if let Some((file, opens)) = &p.fuse {
-        out.extend(fuse_holders(file, opens).await);
+    if let Some((files, opens)) = &p.fuse {
+        out.extend(fuse_holders(files, opens).await);
     }
     out
 }
 
-/// Holders of a FUSE export's file.
-async fn fuse_holders(file: &Path, opens: &AtomicUsize) -> Vec<Holder> {
-    let file: PathBuf = file.to_path_buf();
-    let loops = loop_devices_on(Path::new("/sys/block"), &file);
+/// Holders of a FUSE export's files.
+async fn fuse_holders(files: &[PathBuf], opens: &AtomicUsize) -> Vec<Holder> {
+    let loops: Vec<(PathBuf, String)> = files
+        .iter()
+        .flat_map(|f| {
+            loop_devices_on(Path::new("/sys/block"), f)
+                .into_iter()
+                .map(move |d| (f.clone(), d))
+        })
+        .collect();
     if !loops.is_empty() {
         let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
         return loops
             .into_iter()
-            .map(|dev| {
+            .map(|(file, dev)| {
                 let mounts = mounts_of(&info, &dev);
                 let (what, release) = if mounts.is_empty() {
                     (
@@ -197,11 +205,12 @@ async fn fuse_holders(file: &Path, opens: &AtomicUsize) -> Vec<Holder> {
     if n == 0 {
         return Vec::new();
     }
-    let procs = processes_with(&file);
+    let procs: Vec<String> = files.iter().flat_map(|f| processes_with(f)).collect();
+    let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
     let what = if procs.is_empty() {
-        format!("{} is open ({n} handle(s))", file.display())
+        format!("{} is open ({n} handle(s))", names.join(", "))
     } else {
-        format!("{} is open by {}", file.display(), procs.join(", "))
+        format!("{} is open by {}", names.join(", "), procs.join(", "))
     };
     vec![Holder {
         what,
