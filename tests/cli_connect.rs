@@ -141,6 +141,7 @@ impl Rig {
     fn connect(&self, policy: &[&str]) -> Proc {
         let mut args = vec![
             "connect",
+            "--foreground",
             "-a",
             &self.addr,
             "-n",
@@ -259,7 +260,18 @@ fn the_control_socket_is_private_whatever_the_umask() {
     let rig = Rig::new("umask");
     let dir = rig.dir.join("run");
     let args = [
-        "connect", "-a", &rig.addr, "-n", NQN, "-i", "1", "-Q", "32", "-l", "5",
+        "connect",
+        "--foreground",
+        "-a",
+        &rig.addr,
+        "-n",
+        NQN,
+        "-i",
+        "1",
+        "-Q",
+        "32",
+        "-l",
+        "5",
     ];
     let mut c = Proc::start_umask(&args, &dir, Some("000"));
     c.expect("connected to", Duration::from_secs(20));
@@ -305,7 +317,18 @@ fn the_nbd_listener_outlives_running_out_of_file_descriptors() {
     let nbd = format!("unix:{}", sock.display());
     let mut cmd = Command::new(BIN);
     cmd.args([
-        "connect", "-a", &rig.addr, "-n", NQN, "-i", "1", "-Q", "16", "--nbd", &nbd,
+        "connect",
+        "--foreground",
+        "-a",
+        &rig.addr,
+        "-n",
+        NQN,
+        "-i",
+        "1",
+        "-Q",
+        "16",
+        "--nbd",
+        &nbd,
     ])
     .env("NVMF_RDMA_RUN_DIR", &rig.dir);
     // SAFETY: setrlimit is async-signal-safe; it only lowers this child's own limit.

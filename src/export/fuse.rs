@@ -1,5 +1,6 @@
 //! The namespace as one regular file in a FUSE mount, for kernels without an NBD driver:
-//! `losetup --direct-io=on /dev/loopN MOUNTPOINT/ns1` makes it a block device.
+//! `losetup --direct-io=on /dev/loopN MOUNTPOINT/ns1` makes it a block device. Namespaces
+//! that appear later can be added as more files of the same mount ([`FuseFiles::add`]).
 //!
 //! Files are opened `direct_io` (no page cache between the loop device and the controller,
 //! and O_DIRECT opens work), reads and writes of any alignment go to [`BlockDev`], `fsync` and
@@ -9,6 +10,7 @@
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -30,9 +32,12 @@ const MAX_IO: u32 = 1 << 20;
 const THREADS: usize = 8;
 
 struct NsFile {
-    dev: Arc<BlockDev>,
+    /// The files, each a namespace: inode 2 + index. Namespaces the controller reports
+    /// later are added while mounted ([`FuseFiles::add`]).
+    files: FuseFiles,
+    /// Open handles on the file (a loop device holds one): what makes the export in use.
+    opens: Arc<AtomicUsize>,
     rt: Handle,
-    name: String,
     uid: u32,
     gid: u32,
     born: SystemTime,
@@ -40,12 +45,18 @@ struct NsFile {
 
 impl NsFile {
     fn attr(&self, ino: INodeNo) -> Option<FileAttr> {
-        let (kind, perm, nlink, size) = if ino == INodeNo::ROOT {
-            (FileType::Directory, 0o755, 2, 0)
-        } else if ino == FILE_INO {
-            (FileType::RegularFile, 0o600, 1, self.dev.size())
+        let first = self.files.get(0)?;
+        let (kind, perm, nlink, size, bs) = if ino == INodeNo::ROOT {
+            (FileType::Directory, 0o755, 2, 0, first.block_size())
         } else {
-            return None;
+            let dev = self.dev_of(ino)?;
+            (
+                FileType::RegularFile,
+                0o600,
+                1,
+                dev.size(),
+                dev.block_size(),
+            )
         };
         Some(FileAttr {
             ino,
@@ -62,8 +73,14 @@ impl NsFile {
             gid: self.gid,
             rdev: 0,
             flags: 0,
-            blksize: self.dev.block_size().max(4096),
+            blksize: bs.max(4096),
         })
+    }
+
+    /// The namespace behind file inode `ino`.
+    fn dev_of(&self, ino: INodeNo) -> Option<Arc<BlockDev>> {
+        let i = ino.0.checked_sub(FILE_INO.0)?;
+        self.files.get(usize::try_from(i).ok()?)
     }
 
     fn wait<T>(
@@ -85,11 +102,13 @@ impl Filesystem for NsFile {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        match self.attr(FILE_INO) {
-            Some(a) if parent == INodeNo::ROOT && name == OsStr::new(&self.name) => {
-                reply.entry(&TTL, &a, fuser::Generation(0))
-            }
-            _ => reply.error(Errno::ENOENT),
+        let ino = (parent == INodeNo::ROOT)
+            .then(|| self.files.index_of(name))
+            .flatten()
+            .map(|i| INodeNo(FILE_INO.0 + i as u64));
+        match ino.and_then(|ino| self.attr(ino)) {
+            Some(a) => reply.entry(&TTL, &a, fuser::Generation(0)),
+            None => reply.error(Errno::ENOENT),
         }
     }
 
@@ -136,13 +155,33 @@ impl Filesystem for NsFile {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        if ino != FILE_INO {
+        if self.dev_of(ino).is_none() {
             return reply.error(Errno::EISDIR);
         }
+        self.opens.fetch_add(1, Ordering::SeqCst);
         reply.opened(
             FileHandle(0),
             FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES,
         )
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        if self.dev_of(ino).is_some() {
+            // Saturating: a release the kernel sends for an open we never counted is no harm.
+            let _ = self
+                .opens
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        }
+        reply.ok()
     }
 
     fn read(
@@ -156,12 +195,12 @@ impl Filesystem for NsFile {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        if ino != FILE_INO {
+        let Some(dev) = self.dev_of(ino) else {
             return reply.error(Errno::EISDIR);
-        }
-        let end = self.dev.size();
+        };
+        let end = dev.size();
         let n = end.saturating_sub(offset).min(size as u64) as usize;
-        match self.wait(self.dev.read_at(offset.min(end), n)) {
+        match self.wait(dev.read_at(offset.min(end), n)) {
             Ok(d) => reply.data(&d),
             Err(e) => reply.error(e),
         }
@@ -179,17 +218,17 @@ impl Filesystem for NsFile {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        if ino != FILE_INO {
+        let Some(dev) = self.dev_of(ino) else {
             return reply.error(Errno::EISDIR);
-        }
-        let room = self.dev.size().saturating_sub(offset);
+        };
+        let room = dev.size().saturating_sub(offset);
         if room == 0 && !data.is_empty() {
             return reply.error(Errno::from_i32(libc::ENOSPC));
         }
         let data = &data[..(data.len() as u64).min(room) as usize];
         // O_SYNC / O_DSYNC writers get FUA semantics.
         let sync = flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0;
-        match self.wait(self.dev.write_at(offset, data, sync)) {
+        match self.wait(dev.write_at(offset, data, sync)) {
             Ok(()) => reply.written(data.len() as u32),
             Err(e) => reply.error(e),
         }
@@ -198,12 +237,15 @@ impl Filesystem for NsFile {
     fn flush(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         _fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        match self.wait(self.dev.flush()) {
+        let Some(dev) = self.dev_of(ino) else {
+            return reply.ok();
+        };
+        match self.wait(dev.flush()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
@@ -212,12 +254,15 @@ impl Filesystem for NsFile {
     fn fsync(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         _fh: FileHandle,
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.wait(self.dev.flush()) {
+        let Some(dev) = self.dev_of(ino) else {
+            return reply.ok();
+        };
+        match self.wait(dev.flush()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
@@ -233,11 +278,11 @@ impl Filesystem for NsFile {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        if ino != FILE_INO {
+        let Some(dev) = self.dev_of(ino) else {
             return reply.error(Errno::EISDIR);
-        }
+        };
         let end = offset.checked_add(length);
-        let inside = end.is_some_and(|e| e <= self.dev.size());
+        let inside = end.is_some_and(|e| e <= dev.size());
         let zero = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;
         let known = zero | libc::FALLOC_FL_KEEP_SIZE;
         if mode & !known != 0 {
@@ -252,7 +297,7 @@ impl Filesystem for NsFile {
         }
         // A punched hole must read back as zeroes, which Deallocate does not promise on every
         // controller: both modes are Write Zeroes.
-        match self.wait(self.dev.write_zeroes_at(offset, length, false)) {
+        match self.wait(dev.write_zeroes_at(offset, length, false)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
@@ -269,11 +314,13 @@ impl Filesystem for NsFile {
         if ino != INodeNo::ROOT {
             return reply.error(Errno::ENOTDIR);
         }
-        let entries = [
-            (INodeNo::ROOT, FileType::Directory, "."),
-            (INodeNo::ROOT, FileType::Directory, ".."),
-            (FILE_INO, FileType::RegularFile, self.name.as_str()),
+        let mut entries = vec![
+            (INodeNo::ROOT, FileType::Directory, ".".to_string()),
+            (INodeNo::ROOT, FileType::Directory, "..".to_string()),
         ];
+        for (i, name) in self.files.names().into_iter().enumerate() {
+            entries.push((INodeNo(FILE_INO.0 + i as u64), FileType::RegularFile, name));
+        }
         for (i, (ino, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
             if reply.add(*ino, (i + 1) as u64, *kind, name) {
                 break;
@@ -283,15 +330,82 @@ impl Filesystem for NsFile {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let bs = self.dev.block_size() as u64;
-        let blocks = self.dev.size() / bs;
+        let files = self.files.all();
+        let bs = files.first().map_or(512, |d| d.block_size() as u64);
+        let blocks = files.iter().map(|d| d.size()).sum::<u64>() / bs;
         reply.statfs(blocks, 0, 0, 2, 0, bs as u32, 255, bs as u32);
     }
 }
 
 /// A mounted single-file FUSE file system; unmounted on drop.
+/// The files of a mount, shared with its file system: the namespaces it serves.
+#[derive(Clone)]
+pub struct FuseFiles(Arc<std::sync::RwLock<FileList>>);
+
+/// File name and namespace, in inode order.
+type FileList = Vec<(String, Arc<BlockDev>)>;
+
+/// Most files one mount serves (namespaces added while mounted).
+pub const MAX_FILES: usize = 1024;
+
+impl FuseFiles {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, FileList> {
+        self.0.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn get(&self, i: usize) -> Option<Arc<BlockDev>> {
+        self.read().get(i).map(|(_, d)| d.clone())
+    }
+
+    fn index_of(&self, name: &OsStr) -> Option<usize> {
+        self.read().iter().position(|(n, _)| OsStr::new(n) == name)
+    }
+
+    fn all(&self) -> Vec<Arc<BlockDev>> {
+        self.read().iter().map(|(_, d)| d.clone()).collect()
+    }
+
+    /// The file names, in inode order.
+    pub fn names(&self) -> Vec<String> {
+        self.read().iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// Serve `dev` as the file `name` too (a namespace that appeared while mounted). A name
+    /// already there, a bad name or more than [`MAX_FILES`] is refused.
+    pub fn add(&self, name: &str, dev: Arc<BlockDev>) -> Result<(), ExportError> {
+        check_name(name)?;
+        let mut v = self.0.write().unwrap_or_else(|e| e.into_inner());
+        if v.len() >= MAX_FILES || v.iter().any(|(n, _)| n == name) {
+            return Err(ExportError::io(
+                "fuse file",
+                std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    format!("{name} exists, or the mount has {MAX_FILES} files"),
+                ),
+            ));
+        }
+        v.push((name.to_string(), dev));
+        Ok(())
+    }
+}
+
+fn check_name(name: &str) -> Result<(), ExportError> {
+    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        return Err(ExportError::io(
+            "fuse file name",
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("bad name {name:?}"),
+            ),
+        ));
+    }
+    Ok(())
+}
+
 pub struct FuseMount {
     session: Option<fuser::BackgroundSession>,
+    opens: Arc<AtomicUsize>,
+    files: FuseFiles,
     mountpoint: PathBuf,
     file: PathBuf,
 }
@@ -304,6 +418,23 @@ impl FuseMount {
 
     pub fn mountpoint(&self) -> &Path {
         &self.mountpoint
+    }
+
+    /// The mount's files (the first is [`file`](Self::file)); more can be added.
+    pub fn files(&self) -> FuseFiles {
+        self.files.clone()
+    }
+
+    /// Open handles on the file now (each open by a process or a loop device, until its
+    /// release reaches us).
+    pub fn open_files(&self) -> usize {
+        self.opens.load(Ordering::SeqCst)
+    }
+
+    /// The live count behind [`open_files`](Self::open_files), for watching it without
+    /// holding the mount.
+    pub fn open_counter(&self) -> Arc<AtomicUsize> {
+        self.opens.clone()
     }
 
     /// Unmount and wait for the FUSE thread. Fails (and stays mounted) while the file is in
@@ -337,19 +468,16 @@ pub fn mount_fuse(
     mountpoint: &Path,
     name: &str,
 ) -> Result<FuseMount, ExportError> {
-    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
-        return Err(ExportError::io(
-            "fuse file name",
-            std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("bad name {name:?}"),
-            ),
-        ));
-    }
-    let fs = NsFile {
+    check_name(name)?;
+    let opens = Arc::new(AtomicUsize::new(0));
+    let files = FuseFiles(Arc::new(std::sync::RwLock::new(vec![(
+        name.to_string(),
         dev,
+    )])));
+    let fs = NsFile {
+        files: files.clone(),
+        opens: opens.clone(),
         rt,
-        name: name.to_string(),
         // SAFETY: geteuid/getegid cannot fail and touch no memory.
         uid: unsafe { libc::geteuid() },
         gid: unsafe { libc::getegid() },
@@ -370,6 +498,8 @@ pub fn mount_fuse(
         .map_err(|e| ExportError::io(format!("fuse mount at {}", mountpoint.display()), e))?;
     Ok(FuseMount {
         session: Some(session),
+        opens,
+        files,
         mountpoint: mountpoint.to_path_buf(),
         file: mountpoint.join(name),
     })

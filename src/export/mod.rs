@@ -18,7 +18,7 @@ use tokio::task::JoinSet;
 
 use crate::transport::{Controller, HostError};
 
-pub use fuse::{mount_fuse, FuseMount};
+pub use fuse::{mount_fuse, FuseFiles, FuseMount};
 pub use nbd_server::{ExportAddr, NbdLimits, NbdListener, NbdStats};
 
 /// NVMe Write Zeroes carries a 16-bit 0-based block count.

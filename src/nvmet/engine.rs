@@ -21,7 +21,7 @@ use crate::nvme::{
     FixedStr, IdentifyController, IdentifyNamespace, SglDescriptor, Sqe, Status, Vs,
 };
 
-use super::{Subsystem, TargetConfig};
+use super::{Namespace, Subsystem, TargetConfig};
 
 const SQE_LEN: usize = 64;
 const CQE_LEN: usize = 16;
@@ -31,6 +31,13 @@ const ADMIN_CAPSULE: usize = SQE_LEN;
 const ADMIN_STAGING: usize = 8192;
 /// Outstanding Async Event Requests we hold per controller (AERL + 1).
 const AER_LIMIT: usize = 4;
+/// Entries of the Changed Namespace List log page (1024 dwords).
+const CHANGED_NS_MAX: usize = 1024;
+/// Async event completion Dword 0: Notice (2), namespace attribute changed (0x00), log page
+/// 0x04 (changed namespace list).
+const AEN_NS_CHANGED: u32 = 0x2 | (0x04 << 16);
+/// Notice, discovery log page changed (0xF0), log page 0x70.
+const AEN_DISCOVERY_CHANGED: u32 = 0x2 | (0xF0 << 8) | (0x70 << 16);
 /// Staging of a queue before Fabrics Connect: room for the Connect data only.
 const CONNECT_DATA: usize = 1024;
 /// Keep-alive of a discovery controller whose host asked for none (nvmet
@@ -189,6 +196,12 @@ struct Ctrl {
     io_queues: u16,
     queues: Vec<Qpn>,
     aers: usize,
+    /// Asynchronous events not yet reported (no AER was outstanding), as completion Dword
+    /// 0 values; at most one of each kind, so bounded by the kinds there are.
+    events: Vec<u32>,
+    /// Namespaces changed since the host last read the Changed Namespace List log page
+    /// (at most [`CHANGED_NS_MAX`]; past it the list says "more than that": 0xFFFFFFFF).
+    changed_ns: Vec<u32>,
     /// Last command seen from any of its queues (keep-alive is traffic based); `None`
     /// until the first expiry check.
     last_seen: Option<crate::hca::Instant>,
@@ -293,6 +306,74 @@ impl Target {
     pub fn drop_queue(&self, qpn: Qpn) {
         let mut e = self.lock();
         self.hca.with(|d, _| e.remove_queue(d, qpn));
+    }
+
+    /// Add namespace `ns` to the running subsystem `subnqn`. Its controllers are told with a
+    /// Namespace Attribute Changed event (and the Changed Namespace List log page).
+    pub fn add_namespace(&self, subnqn: &str, ns: Namespace) -> Result<(), String> {
+        let mut e = self.lock();
+        let idx = e
+            .cfg
+            .subsystems
+            .iter()
+            .position(|s| s.nqn.as_str() == subnqn)
+            .ok_or_else(|| format!("no subsystem {subnqn}"))?;
+        let nsid = ns.nsid;
+        if e.cfg.subsystems[idx]
+            .namespaces
+            .iter()
+            .any(|n| n.nsid == nsid)
+        {
+            return Err(format!("namespace {nsid} exists in {subnqn}"));
+        }
+        Arc::make_mut(&mut e.cfg).subsystems[idx]
+            .namespaces
+            .push(Arc::new(ns));
+        tracing::info!(subsystem = subnqn, nsid, "namespace added");
+        let ids: Vec<u16> = e
+            .ctrls
+            .iter()
+            .filter(|(_, c)| c.subsys == idx)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &ids {
+            if let Some(c) = e.ctrls.get_mut(id) {
+                if c.changed_ns.len() < CHANGED_NS_MAX {
+                    c.changed_ns.push(nsid);
+                } else {
+                    c.changed_ns = vec![0xFFFF_FFFF];
+                }
+            }
+        }
+        self.hca.with(|d, _| {
+            for id in ids {
+                e.raise(d, id, AEN_NS_CHANGED);
+            }
+        });
+        Ok(())
+    }
+
+    /// Add subsystem `sub` to the running target. Discovery controllers are told with a
+    /// Discovery Log Page Changed event.
+    pub fn add_subsystem(&self, sub: Subsystem) -> Result<(), String> {
+        let mut e = self.lock();
+        if e.cfg.subsystems.iter().any(|s| s.nqn == sub.nqn) {
+            return Err(format!("subsystem {} exists", sub.nqn.as_str()));
+        }
+        tracing::info!(subsystem = sub.nqn.as_str(), "subsystem added");
+        Arc::make_mut(&mut e.cfg).subsystems.push(sub);
+        let ids: Vec<u16> = e
+            .ctrls
+            .iter()
+            .filter(|(_, c)| c.subsys == usize::MAX)
+            .map(|(id, _)| *id)
+            .collect();
+        self.hca.with(|d, _| {
+            for id in ids {
+                e.raise(d, id, AEN_DISCOVERY_CHANGED);
+            }
+        });
+        Ok(())
     }
 
     /// Play a hung controller (chaos and tests): while frozen, every command that arrives
@@ -606,6 +687,11 @@ impl Engine {
         if let Some(c) = q.cntlid {
             if q.qid == 0 {
                 if let Some(ctrl) = self.ctrls.remove(&c) {
+                    tracing::info!(
+                        cntlid = c,
+                        host = %ctrl.hostnqn,
+                        "host disconnected: controller torn down"
+                    );
                     for other in ctrl.queues {
                         if other != qpn {
                             self.remove_queue(d, other);
@@ -792,6 +878,46 @@ impl Engine {
                     q.cmds[c].stage = Stage::Free;
                     q.free.push(c);
                     release_boot_recv(d, qpn, q);
+                }
+            }
+        }
+    }
+
+    /// Tell controller `id` about event `ev`: complete an outstanding Async Event Request,
+    /// or keep the event (once) for the next one.
+    fn raise(&mut self, d: &mut Device, id: u16, ev: u32) {
+        let Some(ctrl) = self.ctrls.get(&id) else {
+            return;
+        };
+        let admin = ctrl
+            .queues
+            .iter()
+            .copied()
+            .find(|q| self.queues.get(q).is_some_and(|q| q.qid == 0));
+        let parked = admin.and_then(|qpn| {
+            let q = self.queues.get(&qpn)?;
+            let c = q.cmds.iter().position(|c| {
+                c.stage == Stage::Parked && c.sqe.opcode == opcode::admin::ASYNC_EVENT_REQUEST
+            })?;
+            Some((qpn, c))
+        });
+        match parked {
+            Some((qpn, c)) => {
+                if let Some(ctrl) = self.ctrls.get_mut(&id) {
+                    ctrl.aers = ctrl.aers.saturating_sub(1);
+                }
+                tracing::info!(
+                    cntlid = id,
+                    event = format_args!("{ev:#x}"),
+                    "async event sent"
+                );
+                self.respond(d, qpn, c, Status::SUCCESS, ev as u64, 0);
+            }
+            None => {
+                if let Some(ctrl) = self.ctrls.get_mut(&id) {
+                    if !ctrl.events.contains(&ev) {
+                        ctrl.events.push(ev);
+                    }
                 }
             }
         }
@@ -1065,6 +1191,14 @@ impl Engine {
             };
             self.grow(d, qpn)?;
             let discovery = subsys == usize::MAX;
+            tracing::info!(
+                cntlid = id,
+                host = %cd.hostnqn.as_str(),
+                subsystem = %cd.subnqn.as_str(),
+                peer = %self.queues.get(&qpn).map_or("?".to_string(), |q| q.peer_ip.to_string()),
+                kato_ms,
+                "host connected"
+            );
             self.ctrls.insert(
                 id,
                 Ctrl {
@@ -1081,6 +1215,8 @@ impl Engine {
                     io_queues: 0,
                     queues: vec![qpn],
                     aers: 0,
+                    events: Vec::new(),
+                    changed_ns: Vec::new(),
                     last_seen: None,
                 },
             );
@@ -1272,6 +1408,14 @@ impl Engine {
                     .ctrls
                     .get_mut(&ctrl_id)
                     .ok_or(Status::COMMAND_SEQUENCE_ERROR)?;
+                if !ctrl.events.is_empty() {
+                    // An event came while no request was outstanding: report it now.
+                    let ev = ctrl.events.remove(0);
+                    return Ok(Done::Respond {
+                        result: ev as u64,
+                        data_out: 0,
+                    });
+                }
                 if ctrl.aers >= AER_LIMIT {
                     return Err(Status::ASYNC_EVENT_LIMIT_EXCEEDED.with_dnr());
                 }
@@ -1285,6 +1429,22 @@ impl Engine {
                 let offset = sqe.cdw12 as u64 | ((sqe.cdw13 as u64) << 32);
                 let len = numd * 4;
                 let page = match lid {
+                    // Changed Namespace List: reading it clears it (and re-arms the event).
+                    0x04 => {
+                        let ctrl_id = self.queues[&qpn]
+                            .cntlid
+                            .ok_or(Status::COMMAND_SEQUENCE_ERROR)?;
+                        let ctrl = self
+                            .ctrls
+                            .get_mut(&ctrl_id)
+                            .ok_or(Status::COMMAND_SEQUENCE_ERROR)?;
+                        let mut page = vec![0u8; 4096];
+                        let list = std::mem::take(&mut ctrl.changed_ns);
+                        for (i, id) in list.iter().enumerate() {
+                            page[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
+                        }
+                        page
+                    }
                     0x70 => {
                         let host = self.ctrl_of(qpn, true)?.hostnqn.clone();
                         self.discovery_log(&host)

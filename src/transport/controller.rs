@@ -153,6 +153,44 @@ impl NsInfo {
     }
 }
 
+/// An Asynchronous Event the controller reported (NVMe base spec, Asynchronous Event
+/// Request completion, Dword 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AsyncEvent {
+    /// 0 error, 1 SMART / health, 2 notice, 6 I/O command set specific, 7 vendor.
+    pub kind: u8,
+    /// For a notice: 0x00 namespace attribute changed, 0xF0 discovery log page changed.
+    pub info: u8,
+    /// The log page that tells more (0x04 changed namespace list, 0x70 discovery log).
+    pub log_page: u8,
+}
+
+impl AsyncEvent {
+    pub const NOTICE: u8 = 2;
+    pub const NS_ATTR_CHANGED: u8 = 0x00;
+    pub const DISCOVERY_LOG_CHANGED: u8 = 0xF0;
+
+    pub fn from_result(dw0: u32) -> AsyncEvent {
+        AsyncEvent {
+            kind: (dw0 & 0x7) as u8,
+            info: (dw0 >> 8) as u8,
+            log_page: (dw0 >> 16) as u8,
+        }
+    }
+
+    pub fn to_result(self) -> u32 {
+        u32::from(self.kind & 7) | u32::from(self.info) << 8 | u32::from(self.log_page) << 16
+    }
+
+    pub fn namespaces_changed(&self) -> bool {
+        self.kind == Self::NOTICE && self.info == Self::NS_ATTR_CHANGED
+    }
+
+    pub fn discovery_changed(&self) -> bool {
+        self.kind == Self::NOTICE && self.info == Self::DISCOVERY_LOG_CHANGED
+    }
+}
+
 /// What `list` and the metrics show.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CtrlStatus {
@@ -224,7 +262,8 @@ pub struct Controller {
     pub ident: IdentifyController,
     admin: QueueHandle,
     io: Vec<QueueHandle>,
-    namespaces: Vec<NsInfo>,
+    /// Read at connect, and again when the target announces a change (Async Events).
+    namespaces: std::sync::RwLock<Vec<NsInfo>>,
     next: AtomicUsize,
     max_io: usize,
     shared: Arc<CtrlShared>,
@@ -1029,7 +1068,7 @@ impl Controller {
             ident: IdentifyController::default(),
             admin: admin_h,
             io: Vec::new(),
-            namespaces: Vec::new(),
+            namespaces: std::sync::RwLock::new(Vec::new()),
             next: AtomicUsize::new(0),
             max_io: 0,
             shared,
@@ -1117,10 +1156,18 @@ impl Controller {
             sup.io[qid as usize - 1].lock().resume(sup.now());
         }
         // Namespaces.
+        let ns = self.identify_namespaces().await?;
+        *self.namespaces.get_mut().unwrap_or_else(|e| e.into_inner()) = ns;
+        Ok(())
+    }
+
+    /// The active namespaces and their sizes, as the controller reports them now.
+    async fn identify_namespaces(&self) -> Result<Vec<NsInfo>, HostError> {
         let r = self
             .bring_up_cmd(admin::identify_active_namespaces(0, 0), 4096)
             .await?;
         let ids: Vec<u32> = crate::nvme::identify::active_namespace_ids(&r.data).collect();
+        let mut out = Vec::with_capacity(ids.len());
         for nsid in ids {
             let r = self
                 .bring_up_cmd(admin::identify_namespace(0, nsid), 4096)
@@ -1130,13 +1177,48 @@ impl Controller {
             let bs = ns.block_size().ok_or_else(|| {
                 HostError::Protocol(format!("namespace {nsid} has no valid LBA format"))
             })?;
-            self.namespaces.push(NsInfo {
+            out.push(NsInfo {
                 nsid,
                 block_size: bs,
                 blocks: ns.nsze,
             });
         }
-        Ok(())
+        Ok(out)
+    }
+
+    /// Read the namespaces again (after a Namespace Attribute Changed event): added ones
+    /// appear in [`namespaces`](Self::namespaces), removed ones go, sizes are updated.
+    pub async fn rescan_namespaces(&self) -> Result<Vec<NsInfo>, HostError> {
+        let ns = self.identify_namespaces().await?;
+        *self.namespaces.write().unwrap_or_else(|e| e.into_inner()) = ns.clone();
+        Ok(ns)
+    }
+
+    /// Wait for the controller's next Asynchronous Event: one Async Event Request stays
+    /// outstanding on the admin queue (exempt from the I/O timeout) until the target has
+    /// something to say. For a Notice, the log page it names is read, as the spec asks
+    /// before the controller reports that kind of event again. Fails when the controller
+    /// is deleted.
+    pub async fn next_async_event(&self) -> Result<AsyncEvent, HostError> {
+        let r = self
+            .admin
+            .submit(admin::async_event_request(0), None, 0)
+            .await?;
+        let ev = AsyncEvent::from_result(r.cqe.result as u32);
+        if ev.kind == 2 && ev.log_page != 0 && ev.log_page != crate::nvme::admin::lid::DISCOVERY {
+            // Re-arms the event; its contents (the changed namespaces) are not needed, as
+            // the caller rescans.
+            let _ = tokio::time::timeout(
+                self.opts.connect_timeout,
+                self.admin.submit(
+                    admin::get_log_page(0, 0xFFFF_FFFF, ev.log_page, 0, 4096)?,
+                    None,
+                    4096,
+                ),
+            )
+            .await;
+        }
+        Ok(ev)
     }
 
     /// An admin command of bring-up, bounded by `connect_timeout`.
@@ -1227,12 +1309,18 @@ impl Controller {
         self.shared.status.borrow().machine.cause == Some(Cause::KeepAliveLost)
     }
 
-    pub fn namespaces(&self) -> &[NsInfo] {
-        &self.namespaces
+    /// The active namespaces (a copy: a rescan may change them).
+    pub fn namespaces(&self) -> Vec<NsInfo> {
+        self.namespaces
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub fn namespace(&self, nsid: u32) -> Result<NsInfo, HostError> {
         self.namespaces
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
             .iter()
             .find(|n| n.nsid == nsid)
             .copied()

@@ -8,7 +8,8 @@ pub mod fixed;
 pub mod queue;
 
 pub use controller::{
-    default_hostid, discover, ConnectOptions, Controller, CtrlStatus, NsInfo, SOFT_INLINE_DEPTH,
+    default_hostid, discover, AsyncEvent, ConnectOptions, Controller, CtrlStatus, NsInfo,
+    SOFT_INLINE_DEPTH,
 };
 pub use error::HostError;
 pub use fixed::Fixed;

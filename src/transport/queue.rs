@@ -185,6 +185,12 @@ struct Slot {
     reply: Option<oneshot::Sender<Result<Response, HostError>>>,
 }
 
+/// An Async Event Request waits for the target to have something to say, however long:
+/// no I/O timeout applies to it.
+fn waits_for_an_event(qid: u16, sqe: &Sqe) -> bool {
+    qid == 0 && sqe.opcode == crate::nvme::admin::opcode::admin::ASYNC_EVENT_REQUEST
+}
+
 /// The verbs objects of one device context over the queue's buffers.
 struct Verbs<D> {
     dev: D,
@@ -914,6 +920,7 @@ impl<D: DeviceContext> QueueCore<D> {
             let s = &mut self.slots[i];
             if s.state == SlotState::Posted
                 && s.cqe.is_none()
+                && !waits_for_an_event(self.spec.qid, &s.sqe)
                 && s.posted_at + self.io_timeout <= now
             {
                 expired = true;
@@ -940,7 +947,11 @@ impl<D: DeviceContext> QueueCore<D> {
         }
         self.slots
             .iter()
-            .filter(|s| s.state == SlotState::Posted && s.cqe.is_none())
+            .filter(|s| {
+                s.state == SlotState::Posted
+                    && s.cqe.is_none()
+                    && !waits_for_an_event(self.spec.qid, &s.sqe)
+            })
             .map(|s| s.posted_at + self.io_timeout)
             .min()
     }

@@ -27,9 +27,12 @@ pub(crate) struct Fabric {
     /// NVMe-oF service port.
     #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
     pub(crate) trsvcid: u16,
-    /// Host NQN (default: from the host ID).
+    /// Host NQN (default: /etc/nvme/hostnqn, else from the host ID).
     #[arg(short = 'q', long = "hostnqn")]
     pub(crate) hostnqn: Option<String>,
+    /// Host ID, a UUID (default: /etc/nvme/hostid, else from /etc/machine-id).
+    #[arg(short = 'I', long = "hostid", value_parser = parse_hostid)]
+    pub(crate) hostid: Option<String>,
     /// Address of the host's soft-HCA (IP, port 4791, or IP:PORT). Default: the local
     /// address that routes to the target, on port 4791 unless the target is on loopback.
     #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr)]
@@ -91,6 +94,7 @@ pub(crate) struct PolicyArgs {
     /// Seconds of reconnecting after which held and new I/O fails (the controller keeps
     /// trying); -1 = off [default: -1]
     #[arg(
+        short = 'F',
         long = "fast_io_fail_tmo",
         alias = "fast-io-fail-tmo",
         value_name = "SECS",
@@ -186,7 +190,7 @@ impl PolicyArgs {
 }
 
 /// Block-device exports of the namespace `--nsid` while `connect` holds the controller.
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Default)]
 pub(crate) struct ExportArgs {
     /// Serve the namespace over NBD at unix:PATH or IP:PORT (e.g. 127.0.0.1:10809).
     #[arg(long, value_name = "ADDR")]
@@ -337,6 +341,136 @@ pub(crate) struct TargetArgs {
     /// Host NQNs allowed to connect (repeat); any host when none is given.
     #[arg(long = "allow-host")]
     pub(crate) allow_host: Vec<String>,
+}
+
+/// A host ID as nvme-cli writes it: a UUID.
+pub(crate) fn parse_hostid(s: &str) -> Result<String, String> {
+    crate::host::parse_uuid(s)
+        .map(|_| s.to_string())
+        .ok_or_else(|| format!("'{s}' is not a UUID (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)"))
+}
+
+/// `-o`: nvme-cli's output formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, ValueEnum)]
+pub(crate) enum ListFormat {
+    #[default]
+    Normal,
+    Json,
+}
+
+/// `connect` besides the subsystem and its exports.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct ConnectMode {
+    /// Connect even if a controller to the same subsystem, address and host NQN exists.
+    #[arg(short = 'D', long = "duplicate-connect")]
+    pub(crate) duplicate_connect: bool,
+    /// Hold the controller in this process until a stop signal or `disconnect`, without the
+    /// daemon (the controller and its exports end with the process).
+    #[arg(long)]
+    pub(crate) foreground: bool,
+    /// Output format of the result.
+    #[arg(
+        short = 'o',
+        long = "output-format",
+        value_enum,
+        default_value = "normal"
+    )]
+    pub(crate) output: ListFormat,
+}
+
+/// `connect-all`: a discovery controller's address, or nothing (the config file).
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ConnectAllArgs {
+    /// Transport type; only rdma.
+    #[arg(short = 't', long = "transport", default_value = "rdma")]
+    pub(crate) transport: String,
+    /// Discovery controller address (IP or IP:PORT); without it, the config file's lines.
+    #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
+    pub(crate) traddr: Option<SocketAddr>,
+    /// NVMe-oF service port of the discovery controller.
+    #[arg(
+        short = 's',
+        long = "trsvcid",
+        default_value_t = 4420,
+        requires = "traddr"
+    )]
+    pub(crate) trsvcid: u16,
+    #[arg(short = 'q', long = "hostnqn", requires = "traddr")]
+    pub(crate) hostnqn: Option<String>,
+    #[arg(short = 'I', long = "hostid", value_parser = parse_hostid, requires = "traddr")]
+    pub(crate) hostid: Option<String>,
+    #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr, requires = "traddr")]
+    pub(crate) host_traddr: Option<SocketAddr>,
+    /// RDMA device the host runs on, as connect's --device.
+    #[arg(long, default_value = "soft", requires = "traddr")]
+    pub(crate) device: DeviceChoice,
+    /// I/O queues per controller (default: one per core).
+    #[arg(short = 'i', long = "nr-io-queues", default_value_t = cores())]
+    pub(crate) nr_io_queues: usize,
+    /// Entries per I/O queue (16..=1024).
+    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
+    pub(crate) queue_size: usize,
+    #[command(flatten)]
+    pub(crate) policy: PolicyArgs,
+    #[arg(
+        short = 'o',
+        long = "output-format",
+        value_enum,
+        default_value = "normal"
+    )]
+    pub(crate) output: ListFormat,
+}
+
+impl ConnectAllArgs {
+    /// The discovery controller as connect arguments (with the discovery NQN), if -a given.
+    pub(crate) fn into_subsys(self) -> Result<Option<(Subsys, ConnectMode)>> {
+        let Some(traddr) = self.traddr else {
+            return Ok(None);
+        };
+        let s = Subsys {
+            fabric: Fabric {
+                transport: self.transport,
+                traddr,
+                trsvcid: self.trsvcid,
+                hostnqn: self.hostnqn,
+                hostid: self.hostid,
+                host_traddr: self.host_traddr,
+                device: self.device,
+            },
+            nqn: nvmf_rdma::nvme::fabrics::DISCOVERY_NQN.into(),
+            nr_io_queues: self.nr_io_queues,
+            queue_size: self.queue_size,
+            policy: self.policy,
+            nsid: 1,
+        };
+        crate::host::options(&s)?;
+        Ok(Some((s, ConnectMode::default())))
+    }
+}
+
+/// `daemon`.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct DaemonArgs {
+    /// Start in the background and return once it serves its socket (and `--connect-all`
+    /// is done); the log goes to RUN_DIR/daemon.log.
+    #[arg(long)]
+    pub(crate) background: bool,
+    /// At start, connect what the config file lists (CONFIG_DIR/discovery.conf).
+    #[arg(long)]
+    pub(crate) connect_all: bool,
+    /// Stop the running daemon (refused while an export is in use, unless --force) and wait
+    /// until it is gone.
+    #[arg(long, conflicts_with_all = ["background", "connect_all"])]
+    pub(crate) stop: bool,
+    /// With --stop: stop even if exports are in use (their users get I/O errors).
+    #[arg(long, requires = "stop")]
+    pub(crate) force: bool,
+    /// Where the config file is [default: $NVMF_RDMA_CONFIG_DIR, else /etc/nvmf-rdma].
+    #[arg(long, value_name = "DIR")]
+    pub(crate) config_dir: Option<PathBuf>,
+    /// Seconds a control-socket client has to send each request line [default: 30].
+    #[arg(long, value_name = "SECS", value_parser = parse_pos_secs, hide = true)]
+    pub(crate) client_timeout: Option<u64>,
 }
 
 pub(crate) fn cores() -> usize {

@@ -70,6 +70,7 @@ pub(crate) fn run_bench(
                 traddr,
                 trsvcid,
                 hostnqn: None,
+                hostid: None,
                 host_traddr,
                 device,
             },

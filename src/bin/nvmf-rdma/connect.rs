@@ -4,6 +4,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::client::daemon_controller_names;
 use crate::{args::*, control::*, host::*, signals::*, units::*};
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::device::{self, DeviceChoice};
@@ -20,12 +21,21 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
         sig = signals.recv() => bail!("{sig} while connecting to {}: nothing was connected", s.nqn),
     };
     let exports = start_exports(&c, &s, &x).await?;
+    for l in exports.describe() {
+        println!("{l}");
+    }
     let dir = run_dir();
     make_run_dir(&dir)?;
+    // Names the daemon holds are taken too (it skips ours the same way).
+    let daemon_names = daemon_controller_names().await;
     let mut n = 0;
     let (name, path) = loop {
         let name = format!("nvmf{n}");
         let p = dir.join(format!("{name}.sock"));
+        if daemon_names.contains(&name) {
+            n += 1;
+            continue;
+        }
         if !p.exists() || tokio::net::UnixStream::connect(&p).await.is_err() {
             let _ = std::fs::remove_file(&p);
             break (name, p);
@@ -179,23 +189,79 @@ pub(crate) async fn report_state_changes(
 /// The exports `connect` runs next to the controller (stopped before it disconnects).
 pub(crate) struct Exports {
     pub(crate) nbd: Option<tokio::task::JoinHandle<()>>,
+    /// Where the NBD export listens, and its counters (clients connected now).
+    pub(crate) nbd_at: Option<(export::ExportAddr, Arc<export::NbdStats>)>,
     pub(crate) fuse: Option<export::FuseMount>,
+    /// The namespace the exports serve.
+    pub(crate) nsid: u32,
 }
 
 impl Exports {
+    /// What `connect` prints about the exports once they are ready.
+    pub(crate) fn describe(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some((a, _)) = &self.nbd_at {
+            v.push(format!(
+                "nbd: serving namespace {} at {a} ({})",
+                self.nsid,
+                a.uri()
+            ));
+        }
+        if let Some(m) = &self.fuse {
+            v.push(format!(
+                "fuse: namespace {} is {}",
+                self.nsid,
+                m.file().display()
+            ));
+        }
+        v
+    }
+
     pub(crate) async fn stop(self) {
+        self.stop_with(false).await
+    }
+
+    /// Stop the NBD server and unmount the FUSE file system. With `detach_busy`, a mount
+    /// that is still in use (a forced disconnect) is detached lazily (MNT_DETACH): it leaves
+    /// the mount table now and goes when its last user lets go, instead of lingering dead.
+    pub(crate) async fn stop_with(self, detach_busy: bool) {
         if let Some(t) = self.nbd {
             t.abort();
             let _ = t.await;
         }
         if let Some(m) = self.fuse {
             let _ = tokio::task::spawn_blocking(move || {
+                let mp = m.mountpoint().to_path_buf();
                 if let Err(e) = m.unmount() {
                     eprintln!("{e}");
+                    if detach_busy {
+                        detach(&mp);
+                    }
                 }
             })
             .await;
         }
+    }
+}
+
+/// `umount -l MOUNTPOINT`.
+fn detach(mp: &std::path::Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(mp.as_os_str().as_bytes()) else {
+        return;
+    };
+    // SAFETY: a valid NUL-terminated path; umount2 touches no memory of ours.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+        eprintln!(
+            "{}: detached (lazy unmount); it goes when its last user lets go",
+            mp.display()
+        );
+    } else {
+        eprintln!(
+            "{}: lazy unmount failed: {}",
+            mp.display(),
+            std::io::Error::last_os_error()
+        );
     }
 }
 
@@ -206,7 +272,9 @@ pub(crate) async fn start_exports(
 ) -> Result<Exports> {
     let mut out = Exports {
         nbd: None,
+        nbd_at: None,
         fuse: None,
+        nsid: s.nsid,
     };
     if x.nbd.is_none() && x.fuse.is_none() {
         return Ok(out);
@@ -216,12 +284,7 @@ pub(crate) async fn start_exports(
         let l =
             export::NbdListener::bind_with(addr, export::NbdLimits::default(), x.nbd_allow_remote)
                 .await?;
-        println!(
-            "nbd: serving namespace {} at {} ({})",
-            s.nsid,
-            l.addr(),
-            l.addr().uri()
-        );
+        out.nbd_at = Some((l.addr().clone(), l.stats()));
         let (dev, name) = (dev.clone(), format!("ns{}", s.nsid));
         out.nbd = Some(tokio::spawn(async move {
             if let Err(e) = l.serve(dev, name).await {
@@ -236,14 +299,13 @@ pub(crate) async fn start_exports(
             mp,
             &format!("ns{}", s.nsid),
         )?;
-        println!("fuse: namespace {} is {}", s.nsid, m.file().display());
         out.fuse = Some(m);
     }
     Ok(out)
 }
 
 /// `discover`: the discovery log of a discovery controller, nvme-cli style.
-pub(crate) async fn run_discover(f: Fabric) -> Result<()> {
+pub(crate) async fn run_discover(f: Fabric, output: ListFormat) -> Result<()> {
     check_transport(&f)?;
     let mut o = ConnectOptions::new(f.traddr, nvmf_rdma::nvme::fabrics::DISCOVERY_NQN);
     o.trsvcid = f.trsvcid;
@@ -259,6 +321,29 @@ pub(crate) async fn run_discover(f: Fabric) -> Result<()> {
         DeviceChoice::Kernel(sel) => device::discover_kernel(sel, o).await,
     }
     .context("discovery failed")?;
+    if output == ListFormat::Json {
+        // nvme-cli's field names and words.
+        let records: Vec<serde_json::Value> = entries
+            .iter()
+            .map(|e| {
+                serde_json::json!({
+                    "trtype": "rdma",
+                    "adrfam": if e.adrfam == 2 { "ipv6" } else { "ipv4" },
+                    "subtype": match e.subtype {
+                        1 => "discovery subsystem referral",
+                        3 => "current discovery subsystem",
+                        _ => "nvme subsystem",
+                    },
+                    "portid": e.portid,
+                    "trsvcid": e.trsvcid.text().trim(),
+                    "subnqn": e.subnqn.text().trim(),
+                    "traddr": e.traddr.text().trim(),
+                })
+            })
+            .collect();
+        println!("{}", serde_json::json!({ "records": records }));
+        return Ok(());
+    }
     println!("Discovery Log Number of Records {}", entries.len());
     for (i, e) in entries.iter().enumerate() {
         println!("=====Discovery Log Entry {i}======");

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::cli::support::{json_field, run_dir, Health};
+use nvmf_rdma::cli::support::{json_field, run_dir};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 /// Longest control-socket request line, and how long a client may take to send it.
@@ -94,14 +94,19 @@ pub(crate) async fn ask(path: &std::path::Path, req: &str) -> Option<String> {
     Some(line.trim().to_string())
 }
 
-pub(crate) async fn controllers() -> Vec<(PathBuf, String)> {
+/// Controllers held by `connect --foreground` processes: their socket and `info` JSON.
+pub(crate) async fn foreground_controllers() -> Vec<(PathBuf, String)> {
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir(run_dir()) else {
         return out;
     };
     let mut paths: Vec<PathBuf> = rd
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "sock"))
+        .filter(|p| {
+            p.extension().is_some_and(|x| x == "sock")
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("nvmf"))
+        })
         .collect();
     paths.sort();
     for p in paths {
@@ -112,52 +117,18 @@ pub(crate) async fn controllers() -> Vec<(PathBuf, String)> {
     out
 }
 
-pub(crate) async fn run_list(output: &str) -> Result<()> {
-    let ctrls = controllers().await;
-    match output {
-        "json" => {
-            let items: Vec<&str> = ctrls.iter().map(|(_, j)| j.as_str()).collect();
-            println!("{{\"controllers\":[{}]}}", items.join(","));
-        }
-        "normal" => {
-            println!(
-                "{:<8} {:<40} {:<22} {:>6} {:<10} {:>3}",
-                "Name", "SubNQN", "Address", "CNTLID", "State", "IOQ"
-            );
-            for (_, j) in &ctrls {
-                let state = json_field(j, "state").unwrap_or("?");
-                println!(
-                    "{:<8} {:<40} {:<22} {:>6} {:<10} {:>3}",
-                    json_field(j, "name").unwrap_or("?"),
-                    json_field(j, "subnqn").unwrap_or("?"),
-                    json_field(j, "traddr").unwrap_or("?"),
-                    json_field(j, "cntlid").unwrap_or("?"),
-                    state,
-                    json_field(j, "io_queues").unwrap_or("?"),
-                );
-                println!("{:<8} {}", "", Health::from_json(j).describe(state));
-            }
-        }
-        o => bail!("unknown output format '{o}': use normal or json"),
-    }
-    Ok(())
-}
-
 /// How long `disconnect` waits for a controller's `connect` to finish.
 pub(crate) const DISCONNECT_WAIT: Duration = Duration::from_secs(10);
 
-pub(crate) async fn run_disconnect(nqn: Option<String>, device: Option<String>) -> Result<()> {
-    if nqn.is_none() && device.is_none() {
-        bail!("give -n NQN or -d DEVICE");
-    }
+/// Disconnect the `connect --foreground` controllers that match; how many.
+pub(crate) async fn disconnect_foreground(
+    nqn: Option<&str>,
+    device: Option<&str>,
+) -> Result<usize> {
     let mut n = 0;
-    for (p, j) in controllers().await {
-        let hit = nqn
-            .as_deref()
-            .is_some_and(|q| json_field(&j, "subnqn") == Some(q))
-            || device
-                .as_deref()
-                .is_some_and(|d| json_field(&j, "name") == Some(d));
+    for (p, j) in foreground_controllers().await {
+        let hit = nqn.is_some_and(|q| json_field(&j, "subnqn") == Some(q))
+            || device.is_some_and(|d| json_field(&j, "name") == Some(d));
         if hit && ask(&p, "disconnect").await.as_deref() == Some("ok") {
             // Done when its `connect` has let the controller go and removed its socket.
             let deadline = Instant::now() + DISCONNECT_WAIT;
@@ -175,12 +146,5 @@ pub(crate) async fn run_disconnect(nqn: Option<String>, device: Option<String>) 
             n += 1;
         }
     }
-    println!(
-        "NQN:{} disconnected {n} controller(s)",
-        nqn.or(device).unwrap_or_default()
-    );
-    if n == 0 {
-        bail!("no matching controller");
-    }
-    Ok(())
+    Ok(n)
 }

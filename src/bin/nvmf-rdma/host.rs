@@ -66,6 +66,12 @@ pub(crate) fn options(s: &Subsys) -> Result<ConnectOptions> {
     let mut o = ConnectOptions::new(s.fabric.traddr, &s.nqn);
     o.trsvcid = s.fabric.trsvcid;
     apply_system_host_ids(&mut o, std::path::Path::new(NVME_CONF_DIR));
+    if let Some(id) = s.fabric.hostid.as_deref().and_then(parse_uuid) {
+        o.hostid = id;
+        if s.fabric.hostnqn.is_none() {
+            o.hostnqn = Nqn::from_uuid(&id).as_str().to_string();
+        }
+    }
     if let Some(h) = &s.fabric.hostnqn {
         Nqn::new(h).map_err(|e| anyhow::anyhow!("bad host NQN: {e}"))?;
         o.hostnqn = h.clone();

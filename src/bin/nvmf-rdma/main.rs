@@ -3,22 +3,31 @@
 mod args;
 mod bench;
 mod chaos;
+mod client;
+mod config;
 mod connect;
 mod control;
+mod daemon;
 mod demo;
 mod host;
 mod io;
+mod proto;
+mod sdnotify;
 mod signals;
 mod target;
 mod units;
+mod usage;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::{args::*, bench::*, chaos::*, connect::*, control::*, demo::*, io::*, target::*};
+use crate::{
+    args::*, bench::*, chaos::*, client::*, connect::*, daemon::*, demo::*, io::*, target::*,
+};
+use anyhow::Context;
 use anyhow::{bail, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use nvmf_rdma::cli::metrics_http;
 use nvmf_rdma::cli::support::{lock_all_memory, parse_duration};
 use nvmf_rdma::harness::hca_perf;
@@ -64,11 +73,21 @@ impl Cli {
             }
         }
         if let Some(addr) = self.metrics_addr {
+            if matches!(&self.cmd, Cmd::Connect { mode, .. } if !mode.foreground) {
+                bail!(
+                    "--metrics-addr serves this process's controllers: give it to \
+                     `nvmf-rdma daemon` (or use connect --foreground)"
+                );
+            }
             if !matches!(
                 self.cmd,
-                Cmd::Connect { .. } | Cmd::Chaos(_) | Cmd::Demo { .. } | Cmd::Target(_)
+                Cmd::Connect { .. }
+                    | Cmd::Chaos(_)
+                    | Cmd::Demo { .. }
+                    | Cmd::Target(_)
+                    | Cmd::Daemon(_)
             ) {
-                bail!("--metrics-addr is for connect, chaos, demo and target");
+                bail!("--metrics-addr is for connect, daemon, chaos, demo and target");
             }
             metrics_http::install(addr)?;
             eprintln!("metrics: http://{addr}/metrics");
@@ -124,21 +143,58 @@ enum Cmd {
     #[cfg(feature = "hw")]
     Hw(nvmf_rdma::hw::cli::HwArgs),
     /// Ask a discovery controller which subsystems it offers.
-    Discover(Fabric),
-    /// Connect to a subsystem and hold the controller until interrupted or `disconnect`.
+    Discover {
+        #[command(flatten)]
+        fabric: Fabric,
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "normal"
+        )]
+        output: ListFormat,
+    },
+    /// Run the daemon that owns controllers, their recovery and their exports (foreground,
+    /// for systemd with sd_notify; or --background). The other commands talk to it over
+    /// RUN_DIR/daemon.sock (docs/control-protocol.md).
+    Daemon(DaemonArgs),
+    /// Connect to a subsystem through the daemon (started in the background if none runs);
+    /// returns once the controller is live and its exports are ready, and prints its name.
+    /// With --foreground: hold it in this process instead, until a stop signal or
+    /// `disconnect`.
     Connect {
         #[command(flatten)]
         sub: Subsys,
         #[command(flatten)]
         export: ExportArgs,
+        #[command(flatten)]
+        mode: ConnectMode,
     },
-    /// List the controllers held by running `connect` commands.
+    /// Connect every subsystem a discovery controller lists (-a), or, without -a, what the
+    /// daemon's config file lists (CONFIG_DIR/discovery.conf).
+    ConnectAll(ConnectAllArgs),
+    /// List the controllers (the daemon's and those held by `connect --foreground`).
     List {
-        /// Output format: normal or json.
-        #[arg(short = 'o', long = "output-format", default_value = "normal")]
-        output: String,
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "normal"
+        )]
+        output: ListFormat,
     },
-    /// Disconnect a controller held by `connect`.
+    /// List subsystems and the controllers (paths) to each.
+    ListSubsys {
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "normal"
+        )]
+        output: ListFormat,
+    },
+    /// Disconnect controllers by NQN or name. Refused while an export is in use (a loop
+    /// device on the FUSE file, an open file, NBD clients), naming what holds it.
     Disconnect {
         /// By subsystem NQN.
         #[arg(short = 'n', long = "nqn")]
@@ -146,6 +202,25 @@ enum Cmd {
         /// By controller name (from `list`).
         #[arg(short = 'd', long = "device")]
         device: Option<String>,
+        /// Disconnect even if an export is in use (its users get I/O errors).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Disconnect every controller; refused while any export is in use.
+    DisconnectAll {
+        /// Disconnect even if exports are in use.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Write the man pages (nvmf-rdma.1 and one per subcommand) into DIR.
+    Man {
+        #[arg(long, value_name = "DIR", default_value = ".")]
+        dir: PathBuf,
+    },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
     },
     /// Read blocks and write them to a file, raw to stdout (`--output -`), or as a hex dump.
     Read {
@@ -213,12 +288,26 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    // RUST_LOG decides when set; otherwise the target logs its hosts (connect, disconnect,
+    // keep-alive expiry) and everything else only errors.
+    let filter = match std::env::var_os("RUST_LOG") {
+        None if matches!(cli.cmd, Cmd::Target(_)) => {
+            tracing_subscriber::EnvFilter::new("error,nvmf_rdma::nvmet=info")
+        }
+        _ => tracing_subscriber::EnvFilter::from_default_env(),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
     cli.setup()?;
+    // What a daemon started from here inherits of the global options.
+    let mut global = vec![format!("--busy-poll={}us", cli.busy_poll.as_micros())];
+    if cli.mlock {
+        global.push("--mlock".into());
+    }
     match cli.cmd {
         Cmd::Demo { size, seconds } => demo(size, seconds),
         Cmd::HcaDemo { size, chunk } => hca_demo(size, chunk),
@@ -237,24 +326,49 @@ fn run() -> Result<()> {
             }
             Ok(())
         }
+        Cmd::Daemon(a) => run_daemon(a, global),
+        Cmd::Man { dir } => write_man_pages(&dir),
+        Cmd::Completions { shell } => {
+            use std::io::Write;
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "nvmf-rdma", &mut out);
+            let mut so = std::io::stdout().lock();
+            // A closed pipe (`| head`) is the reader's choice, not an error to report.
+            match so.write_all(&out).and_then(|_| so.flush()) {
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+                r => r.context("write to stdout"),
+            }
+        }
         cmd => tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()?
-            .block_on(run_async(cmd)),
+            .block_on(run_async(cmd, global)),
     }
 }
 
-async fn run_async(cmd: Cmd) -> Result<()> {
+async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
     match cmd {
         Cmd::Target(t) => run_target(t).await,
         #[cfg(feature = "hw")]
         Cmd::Hw(a) => Ok(nvmf_rdma::hw::cli::run(a).await?),
-        Cmd::Discover(f) => run_discover(f).await,
-        Cmd::Connect { sub, export } => run_connect(sub, export).await,
+        Cmd::Discover { fabric, output } => run_discover(fabric, output).await,
+        Cmd::Connect { sub, export, mode } => {
+            if mode.foreground {
+                run_connect(sub, export).await
+            } else {
+                run_connect_daemon(sub, export, mode, global).await
+            }
+        }
+        Cmd::ConnectAll(a) => {
+            let output = a.output;
+            run_connect_all(a.into_subsys()?, output, global).await
+        }
+        Cmd::ListSubsys { output } => run_list_subsys(output).await,
+        Cmd::DisconnectAll { force } => run_disconnect_all(force).await,
         Cmd::Chaos(a) => run_chaos(a).await,
-        Cmd::List { output } => run_list(&output).await,
-        Cmd::Disconnect { nqn, device } => run_disconnect(nqn, device).await,
+        Cmd::List { output } => run_list(output).await,
+        Cmd::Disconnect { nqn, device, force } => run_disconnect(nqn, device, force).await,
         Cmd::Read {
             sub,
             lba,
@@ -277,6 +391,30 @@ async fn run_async(cmd: Cmd) -> Result<()> {
         } => run_verify(sub, lba, size, chunk, seed).await,
         _ => unreachable!("handled synchronously"),
     }
+}
+
+/// `man`: nvmf-rdma.1 and nvmf-rdma-SUBCOMMAND.1 for each subcommand.
+fn write_man_pages(dir: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    let cmd = Cli::command();
+    let mut n = 0;
+    let mut write = |name: String, c: clap::Command| -> Result<()> {
+        let path = dir.join(format!("{name}.1"));
+        let mut out = Vec::new();
+        clap_mangen::Man::new(c).render(&mut out)?;
+        std::fs::write(&path, out).with_context(|| format!("write {}", path.display()))?;
+        n += 1;
+        Ok(())
+    };
+    write("nvmf-rdma".into(), cmd.clone())?;
+    for sub in cmd.get_subcommands().filter(|s| s.get_name() != "help") {
+        let name = format!("nvmf-rdma-{}", sub.get_name());
+        // A one-shot command: the few leaked names live as long as the process anyway.
+        let leaked: &'static str = Box::leak(name.clone().into_boxed_str());
+        write(name, sub.clone().name(leaked))?;
+    }
+    println!("wrote {n} man pages to {}", dir.display());
+    Ok(())
 }
 
 #[cfg(test)]

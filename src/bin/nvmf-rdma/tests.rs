@@ -400,3 +400,51 @@ fn connect_exports_parse() {
     ];
     assert!(Cli::try_parse_from(bad).is_err());
 }
+
+#[test]
+fn man_pages_and_completions_cover_the_daemon_commands() {
+    use clap::CommandFactory;
+    let dir = std::env::temp_dir().join(format!("nvmf-man-{}", std::process::id()));
+    write_man_pages(&dir).unwrap();
+    let page = std::fs::read_to_string(dir.join("nvmf-rdma-daemon.1")).unwrap();
+    assert!(page.contains("connect\\-all"), "{page}");
+    assert!(dir.join("nvmf-rdma.1").exists() && dir.join("nvmf-rdma-list-subsys.1").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+    let mut out = Vec::new();
+    clap_complete::generate(
+        clap_complete::Shell::Bash,
+        &mut Cli::command(),
+        "nvmf-rdma",
+        &mut out,
+    );
+    let s = String::from_utf8(out).unwrap();
+    for w in [
+        "daemon",
+        "connect-all",
+        "disconnect-all",
+        "list-subsys",
+        "--duplicate-connect",
+    ] {
+        assert!(s.contains(w), "completions lack {w}");
+    }
+}
+
+#[test]
+fn metrics_addr_on_a_daemon_connect_is_refused_with_a_hint() {
+    let cli = Cli::try_parse_from([
+        "nvmf-rdma",
+        "connect",
+        "-a",
+        "127.0.0.1",
+        "-n",
+        "nqn.a:b",
+        "--metrics-addr",
+        "127.0.0.1:1",
+    ])
+    .unwrap();
+    let e = cli.setup().unwrap_err().to_string();
+    assert!(
+        e.contains("nvmf-rdma daemon") && e.contains("--foreground"),
+        "{e}"
+    );
+}

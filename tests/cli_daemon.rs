@@ -1,0 +1,931 @@
+//! `nvmf-rdma daemon` as a process (issue 16): it owns controllers and their exports, the CLI
+//! is its client, exports are never pulled out from under a mounted file system, stop
+//! signals leave nothing behind, a killed `connect` leaves its controller with the daemon,
+//! and a restarted daemon brings the configured controllers back. Each test has its own run
+//! and config directories (NVMF_RDMA_RUN_DIR, NVMF_RDMA_CONFIG_DIR): nothing touches /etc or
+//! /run.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixDatagram, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_nvmf-rdma");
+const NQN: &str = "nqn.2026-11.io.nvmf-rdma:daemon-a";
+const NQN_B: &str = "nqn.2026-11.io.nvmf-rdma:daemon-b";
+
+/// A child process whose output lines are collected.
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    fn spawn(mut cmd: Command) -> Proc {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start nvmf-rdma");
+        let (tx, lines) = mpsc::channel();
+        for out in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for l in BufReader::new(out).lines().map_while(Result::ok) {
+                    let _ = tx.send(l);
+                }
+            });
+        }
+        Proc { child, lines }
+    }
+
+    fn expect(&self, what: &str, limit: Duration) -> String {
+        let deadline = Instant::now() + limit;
+        let mut seen = Vec::new();
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.contains(what) => return l,
+                Ok(l) => seen.push(l),
+                Err(_) => break,
+            }
+        }
+        panic!(
+            "no line with {what:?} within {limit:?}; saw:\n{}",
+            seen.join("\n")
+        );
+    }
+
+    fn exits(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "still running {limit:?} later");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill(2) on our own child's PID.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A built-in target on a free loopback port.
+fn start_target(nqn: &str, dir: &Path) -> (Proc, String) {
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "target",
+        "--listen",
+        "127.0.0.1:0",
+        "--ram",
+        "64M",
+        "-n",
+        nqn,
+    ])
+    .env("NVMF_RDMA_RUN_DIR", dir.join("target-run"));
+    let t = Proc::spawn(cmd);
+    let line = t.expect("listening on", Duration::from_secs(30));
+    let addr = line
+        .split_whitespace()
+        .skip_while(|w| *w != "on")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    (t, addr)
+}
+
+/// One test's directories and the cleanup that must happen whatever fails: loop devices on
+/// our files detached, our mounts unmounted, processes killed.
+struct Rig {
+    dir: PathBuf,
+    run: PathBuf,
+    etc: PathBuf,
+    loops: Vec<String>,
+    mounts: Vec<PathBuf>,
+}
+
+impl Rig {
+    fn new(tag: &str) -> Rig {
+        let dir = std::env::temp_dir().join(format!("nvmf-daemon-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (run, etc) = (dir.join("run"), dir.join("etc"));
+        std::fs::create_dir_all(&etc).unwrap();
+        Rig {
+            dir,
+            run,
+            etc,
+            loops: Vec::new(),
+            mounts: Vec::new(),
+        }
+    }
+
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(BIN);
+        c.args(args)
+            .env("NVMF_RDMA_RUN_DIR", &self.run)
+            .env("NVMF_RDMA_CONFIG_DIR", &self.etc)
+            // Users have it set; errors must still be one line.
+            .env("RUST_BACKTRACE", "1")
+            .env_remove("NOTIFY_SOCKET");
+        c
+    }
+
+    /// Run a CLI command to its end (bounded).
+    fn run(&self, args: &[&str]) -> Output {
+        let mut p = self
+            .cmd(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while p.try_wait().unwrap().is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "{args:?} still running after 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        p.wait_with_output().unwrap()
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let o = self.run(args);
+        assert!(
+            o.status.success(),
+            "{args:?} failed: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// A foreground daemon with a notify socket of ours; returns once it sent READY=1.
+    fn daemon(&self, extra: &[&str]) -> (Proc, UnixDatagram) {
+        std::fs::create_dir_all(&self.dir).unwrap();
+        let np = self.dir.join("notify.sock");
+        let _ = std::fs::remove_file(&np);
+        let n = UnixDatagram::bind(&np).unwrap();
+        n.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut args = vec!["daemon"];
+        args.extend_from_slice(extra);
+        let mut c = self.cmd(&args);
+        c.env("NOTIFY_SOCKET", &np);
+        let d = Proc::spawn(c);
+        assert_eq!(notified(&n), "READY=1", "first notification");
+        (d, n)
+    }
+
+    fn list_json(&self) -> serde_json::Value {
+        serde_json::from_str(self.ok(&["list", "-o", "json"]).trim()).unwrap()
+    }
+
+    /// Poll `list` until `pred` holds (bounded).
+    fn wait_list(
+        &self,
+        what: &str,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let v = self.list_json();
+            if pred(&v) {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: not within 30 s; list: {v}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        for m in self.mounts.iter().rev() {
+            let _ = Command::new("umount").arg("-l").arg(m).status();
+        }
+        for l in &self.loops {
+            let _ = Command::new("losetup").args(["-d", l]).status();
+        }
+        let _ = Command::new("fusermount3")
+            .args(["-u", "-z"])
+            .arg(self.dir.join("fuse"))
+            .stderr(Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The first line of the next notification (READY=1, STOPPING=1, ...).
+fn notified(n: &UnixDatagram) -> String {
+    let mut buf = [0u8; 1024];
+    let k = n.recv(&mut buf).expect("a notification within 60 s");
+    String::from_utf8_lossy(&buf[..k])
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_string()
+}
+
+fn controllers(v: &serde_json::Value) -> Vec<serde_json::Value> {
+    v["controllers"].as_array().cloned().unwrap_or_default()
+}
+
+fn mounted(p: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(&p.display().to_string()))
+}
+
+fn one_line_error(o: &Output) -> String {
+    let e = String::from_utf8_lossy(&o.stderr).trim().to_string();
+    assert_eq!(e.lines().count(), 1, "not one line: {e}");
+    assert!(!e.contains("backtrace") && !e.contains("Caused by"), "{e}");
+    e
+}
+
+/// Issue 16's script: connect --fuse, then losetup / mkfs.ext4 / mount straight away (no
+/// sleep), disconnect refused while mounted (naming the loop device and how to release it),
+/// released, disconnected, SIGTERM: exit 0, STOPPING=1 sent, nothing left behind.
+#[test]
+fn fuse_export_under_a_mounted_fs_is_refused_and_sigterm_leaves_nothing() {
+    let mut rig = Rig::new("fuse");
+    let (_t, addr) = start_target(NQN, &rig.dir);
+    let (mut d, notify) = rig.daemon(&[]);
+    // The run dir and socket are private whatever the umask.
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&rig.run), 0o700);
+    assert_eq!(mode(&rig.run.join("daemon.sock")), 0o600);
+
+    let fuse = rig.dir.join("fuse");
+    let data = rig.dir.join("data");
+    std::fs::create_dir_all(&fuse).unwrap();
+    std::fs::create_dir_all(&data).unwrap();
+    let out = rig.ok(&[
+        "connect",
+        "-a",
+        &addr,
+        "-n",
+        NQN,
+        "-i",
+        "2",
+        "--fuse",
+        fuse.to_str().unwrap(),
+    ]);
+    assert!(out.starts_with("connecting to device: nvmf0\n"), "{out}");
+    let file = fuse.join("ns1");
+    assert!(out.contains(&file.display().to_string()), "{out}");
+
+    let o = Command::new("losetup")
+        .args(["--direct-io=on", "--find", "--show"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "losetup: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let lo = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    rig.loops.push(lo.clone());
+    let st = Command::new("mkfs.ext4")
+        .args(["-q", &lo])
+        .status()
+        .unwrap();
+    assert!(st.success(), "mkfs.ext4");
+    let st = Command::new("mount").arg(&lo).arg(&data).status().unwrap();
+    assert!(st.success(), "mount");
+    rig.mounts.push(data.clone());
+    std::fs::write(data.join("hello"), b"still here").unwrap();
+
+    // Refused, and the message says what holds it and how to let go.
+    let o = rig.run(&["disconnect", "-d", "nvmf0"]);
+    assert!(!o.status.success());
+    let e = one_line_error(&o);
+    assert!(e.contains("in use") && e.contains(&lo), "{e}");
+    assert!(
+        e.contains(&format!("losetup -d {lo}")) && e.contains("umount"),
+        "{e}"
+    );
+    // A stop signal is refused the same way, and the mount keeps working.
+    d.signal(libc::SIGTERM);
+    d.expect("not stopping", Duration::from_secs(30));
+    assert!(
+        d.child.try_wait().unwrap().is_none(),
+        "the daemon stopped under a mount"
+    );
+    assert_eq!(std::fs::read(data.join("hello")).unwrap(), b"still here");
+    let v = rig.list_json();
+    assert_eq!(controllers(&v).len(), 1);
+    assert_eq!(v["controllers"][0]["state"], "live");
+
+    // Released: now it goes.
+    assert!(Command::new("umount")
+        .arg(&data)
+        .status()
+        .unwrap()
+        .success());
+    rig.mounts.clear();
+    assert!(Command::new("losetup")
+        .args(["-d", &lo])
+        .status()
+        .unwrap()
+        .success());
+    rig.loops.clear();
+    let out = rig.ok(&["disconnect", "-d", "nvmf0"]);
+    assert!(
+        out.contains("Device:nvmf0 disconnected 1 controller(s)"),
+        "{out}"
+    );
+    assert!(
+        !mounted(&fuse),
+        "the FUSE mount is gone with the controller"
+    );
+
+    // Nothing is in use now: the stop goes through (and leaves nothing).
+    d.signal(libc::SIGTERM);
+    let s = d.exits(Duration::from_secs(30));
+    assert_eq!(s.code(), Some(0), "{s}");
+    // The refusal was told as a STATUS=; then the stop.
+    let mut seen = Vec::new();
+    loop {
+        let n = notified(&notify);
+        if n == "STOPPING=1" {
+            break;
+        }
+        seen.push(n);
+        assert!(seen.len() < 10, "no STOPPING=1: {seen:?}");
+    }
+    assert!(
+        seen.iter().any(|s| s.contains("refusing to stop")),
+        "{seen:?}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&rig.run)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "daemon.log")
+        .collect();
+    assert!(left.is_empty(), "left in the run dir: {left:?}");
+    let loops = std::fs::read_dir("/sys/block")
+        .unwrap()
+        .filter_map(Result::ok)
+        .any(|e| {
+            std::fs::read_to_string(e.path().join("loop/backing_file"))
+                .is_ok_and(|b| b.trim() == file.display().to_string())
+        });
+    assert!(!loops, "a loop device still refers to {}", file.display());
+    assert!(!mounted(&fuse) && !mounted(&data));
+}
+
+/// `connect -i 64 -k 5` (issue 16: the keep-alive expired while 64 I/O queues connected).
+#[test]
+fn connect_with_64_io_queues_and_keep_alive_5_goes_live() {
+    let rig = Rig::new("q64");
+    let (t, addr) = start_target(NQN, &rig.dir);
+    let (_d, _n) = rig.daemon(&[]);
+    let out = rig.ok(&[
+        "connect", "-a", &addr, "-n", NQN, "-i", "64", "-k", "5", "-o", "json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["device"], "nvmf0");
+    assert_eq!(v["controller"]["io_queues"], 64);
+    // The target logs its hosts.
+    let l = t.expect("host connected", Duration::from_secs(10));
+    assert!(l.contains(NQN) && l.contains("cntlid"), "{l}");
+    // Still live well past a keep-alive period.
+    let deadline = Instant::now() + Duration::from_secs(7);
+    while Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        let v = rig.list_json();
+        assert_eq!(v["controllers"][0]["state"], "live", "{v}");
+    }
+    // Duplicate refused (nvme-cli), allowed with -D.
+    let o = rig.run(&["connect", "-a", &addr, "-n", NQN, "-i", "1"]);
+    let e = one_line_error(&o);
+    assert!(e.contains("already connected") && e.contains("-D"), "{e}");
+    let out = rig.ok(&["connect", "-a", &addr, "-n", NQN, "-i", "1", "-D"]);
+    assert!(out.contains("nvmf1"), "{out}");
+    let out = rig.ok(&["list-subsys"]);
+    assert!(
+        out.contains(NQN) && out.contains("nvmf0") && out.contains("nvmf1"),
+        "{out}"
+    );
+    let out = rig.ok(&["disconnect-all"]);
+    assert!(out.contains("disconnected 2"), "{out}");
+    t.expect("host disconnected", Duration::from_secs(10));
+    // discover -o json, nvme-cli's shape.
+    let v: serde_json::Value =
+        serde_json::from_str(rig.ok(&["discover", "-a", &addr, "-o", "json"]).trim()).unwrap();
+    assert_eq!(v["records"][0]["subnqn"], NQN, "{v}");
+    assert_eq!(v["records"][0]["trsvcid"], "4420", "{v}");
+    // connect-all -a: every subsystem the discovery controller lists.
+    let out = rig.ok(&["connect-all", "-a", &addr, "-i", "1"]);
+    assert!(
+        out.contains("connecting to device: nvmf0") && out.contains(NQN),
+        "{out}"
+    );
+    let v = rig.list_json();
+    assert_eq!(controllers(&v).len(), 1, "{v}");
+}
+
+/// The controller belongs to the daemon, not to the command that asked for it: SIGKILL on
+/// `connect` while the daemon is connecting changes nothing.
+#[test]
+fn killing_connect_midway_leaves_the_controller_with_the_daemon() {
+    let rig = Rig::new("kill");
+    let (_t, addr) = start_target(NQN, &rig.dir);
+    let (_d, _n) = rig.daemon(&[]);
+    // 64 queues take seconds to connect: long enough to be killed during it.
+    let mut c = Proc::spawn(rig.cmd(&["connect", "-a", &addr, "-n", NQN, "-i", "64", "-k", "30"]));
+    // Wait until the daemon is connecting for it, then kill the client.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut s = UnixStream::connect(rig.run.join("daemon.sock")).unwrap();
+        s.write_all(b"{\"version\":1,\"op\":\"status\"}\n").unwrap();
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        if v["connecting"].as_array().is_some_and(|a| !a.is_empty()) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the daemon never started connecting: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        c.child.try_wait().unwrap().is_none(),
+        "connect finished before it was killed"
+    );
+    c.signal(libc::SIGKILL);
+    let s = c.exits(Duration::from_secs(10));
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&s),
+        Some(libc::SIGKILL)
+    );
+    let v = rig.wait_list("the controller of the killed connect", |v| {
+        controllers(v)
+            .iter()
+            .any(|c| c["name"] == "nvmf0" && c["state"] == "live")
+    });
+    assert_eq!(v["controllers"][0]["io_queues"], 64);
+}
+
+/// systemd-style supervision: the daemon dies (SIGKILL), a new one starts with
+/// --connect-all and the configured controllers come back: a direct line with its NBD
+/// export and a discovery line's subsystem. A second daemon on the same run dir is refused.
+#[test]
+fn a_restarted_daemon_restores_the_configured_controllers() {
+    let rig = Rig::new("restart");
+    let (_ta, addr_a) = start_target(NQN, &rig.dir);
+    let (_tb, addr_b) = start_target(NQN_B, &rig.dir);
+    let nbd = rig.dir.join("a.nbd");
+    std::fs::write(
+        rig.etc.join("discovery.conf"),
+        format!(
+            "# one subsystem with an export, and a discovery controller\n\
+             -t rdma -a {addr_a} -n {NQN} -i 1 --nbd unix:{}\n\
+             -t rdma -a {addr_b} -s 4420 -i 1\n",
+            nbd.display()
+        ),
+    )
+    .unwrap();
+    let want = |v: &serde_json::Value| {
+        let cs = controllers(v);
+        cs.len() == 2
+            && cs.iter().all(|c| c["state"] == "live")
+            && cs.iter().any(|c| c["subnqn"] == NQN)
+            && cs.iter().any(|c| c["subnqn"] == NQN_B)
+    };
+    let (mut d, _n) = rig.daemon(&["--connect-all"]);
+    // READY=1 comes after connect-all: both are there at once.
+    let v = rig.list_json();
+    assert!(want(&v), "{v}");
+    let second = rig.run(&["daemon"]);
+    let e = one_line_error(&second);
+    assert!(e.contains("already runs"), "{e}");
+
+    d.signal(libc::SIGKILL);
+    d.exits(Duration::from_secs(10));
+    // What a crash leaves (the socket, the NBD socket) is taken over by the next daemon.
+    let (mut d, _n) = rig.daemon(&["--connect-all"]);
+    let v = rig.list_json();
+    assert!(want(&v), "{v}");
+    let a = controllers(&v)
+        .into_iter()
+        .find(|c| c["subnqn"] == NQN)
+        .unwrap();
+    assert_eq!(a["exports"][0]["type"], "nbd");
+    // The NBD export answers (a client connects and is counted).
+    let s = UnixStream::connect(&nbd).expect("the NBD export is served");
+    rig.wait_list("the NBD client counted", |v| {
+        controllers(v)
+            .iter()
+            .any(|c| c["exports"][0]["clients"] == 1)
+    });
+    // connect-all again: nothing new, nothing failed.
+    let out = rig.ok(&["connect-all"]);
+    assert_eq!(out.matches("already connected").count(), 2, "{out}");
+    // An NBD client holds the export: disconnect is refused until it leaves.
+    let o = rig.run(&["disconnect", "-n", NQN]);
+    let e = one_line_error(&o);
+    assert!(e.contains("NBD client"), "{e}");
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !rig.run(&["disconnect", "-n", NQN]).status.success() {
+        assert!(
+            Instant::now() < deadline,
+            "still refused after the NBD client left"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!nbd.exists(), "the NBD socket went with its export");
+    d.signal(libc::SIGINT);
+    assert_eq!(d.exits(Duration::from_secs(30)).code(), Some(0));
+    assert!(!rig.run.join("daemon.sock").exists());
+}
+
+/// The control protocol: a bad line gets a one-line JSON error and the connection goes on;
+/// too long a line, an unknown version or op, a silent client.
+#[test]
+fn every_bad_request_line_gets_one_error_line_and_loses_nothing() {
+    let rig = Rig::new("proto");
+    let (_d, _n) = rig.daemon(&["--client-timeout", "1"]);
+    let s = UnixStream::connect(rig.run.join("daemon.sock")).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    let mut ask = |line: &[u8]| -> serde_json::Value {
+        w.write_all(line).unwrap();
+        let mut a = String::new();
+        r.read_line(&mut a).unwrap();
+        assert!(a.ends_with('\n') && a.matches('\n').count() == 1, "{a:?}");
+        serde_json::from_str(&a).unwrap()
+    };
+    let long = format!(
+        "{{\"version\":1,\"op\":\"list\",\"pad\":\"{}\"}}\n",
+        "x".repeat(100_000)
+    );
+    for (line, code) in [
+        (&b"hello\n"[..], "bad-request"),
+        (b"{\"version\":7,\"op\":\"list\"}\n", "unsupported-version"),
+        (b"{\"version\":1,\"op\":\"explode\"}\n", "bad-request"),
+        (long.as_bytes(), "line-too-long"),
+        (
+            b"{\"version\":1,\"op\":\"disconnect\",\"device\":\"nvmf9\"}\n",
+            "not-found",
+        ),
+    ] {
+        let v = ask(line);
+        assert_eq!(v["ok"], false, "{v}");
+        assert_eq!(v["code"], code, "{v}");
+        assert_eq!(v["version"], 1);
+        // The next good line on the same connection is answered.
+        let v = ask(b"{\"version\":1,\"op\":\"list\",\"id\":\"x\"}\n");
+        assert_eq!(
+            (v["ok"].clone(), v["id"].clone()),
+            (true.into(), "x".into()),
+            "{v}"
+        );
+    }
+    // 64 clients at once (this one and 63 idle), then the next is told it is busy.
+    let idle: Vec<UnixStream> = (0..63)
+        .map(|_| UnixStream::connect(rig.run.join("daemon.sock")).unwrap())
+        .collect();
+    let extra = UnixStream::connect(rig.run.join("daemon.sock")).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut a = String::new();
+    BufReader::new(extra).read_line(&mut a).unwrap();
+    let v: serde_json::Value = serde_json::from_str(a.trim()).unwrap();
+    assert_eq!(v["code"], "busy", "{v}");
+    drop(idle);
+    // A silent client is told and closed (once the daemon has seen the idle ones go).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = UnixStream::connect(rig.run.join("daemon.sock")).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut a = String::new();
+        BufReader::new(s).read_to_string(&mut a).unwrap();
+        let v: serde_json::Value = serde_json::from_str(a.trim()).unwrap();
+        if v["code"] == "busy" && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
+        }
+        assert_eq!(v["code"], "timeout", "{v}");
+        break;
+    }
+    // CLI errors are one line even with RUST_BACKTRACE=1.
+    let o = rig.run(&["disconnect", "-d", "nvmf9"]);
+    let e = one_line_error(&o);
+    assert!(e.contains("nvmf9") && e.contains("list"), "{e}");
+}
+
+/// Is `pid` gone (or a zombie nobody reaped yet)?
+fn gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(s) => s
+            .rsplit(')')
+            .next()
+            .is_some_and(|r| r.trim_start().starts_with('Z')),
+    }
+}
+
+fn wait_gone(pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !gone(pid) {
+        assert!(Instant::now() < deadline, "daemon {pid} still running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Without a daemon, `connect` starts one in the background and returns once its export is
+/// served (the NBD socket answers at once); `daemon --stop` ends it; a `daemon --background`
+/// ends on SIGHUP the same way. Nothing is left in the run dir but the log.
+#[test]
+fn connect_starts_a_daemon_when_none_runs_and_stop_ends_it() {
+    let rig = Rig::new("auto");
+    let (_t, addr) = start_target(NQN, &rig.dir);
+    let nbd = rig.dir.join("auto.nbd");
+    let nbd_arg = format!("unix:{}", nbd.display());
+    let o = rig.run(&[
+        "connect", "-a", &addr, "-n", NQN, "-i", "1", "--nbd", &nbd_arg,
+    ]);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    );
+    assert!(o.status.success(), "{out}{err}");
+    assert!(err.contains("started nvmf-rdma daemon"), "{err}");
+    assert!(out.contains("connecting to device: nvmf0"), "{out}");
+    drop(UnixStream::connect(&nbd).expect("the NBD export answers as connect returns"));
+    let pid: i32 = std::fs::read_to_string(rig.run.join("daemon.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // The next command finds it.
+    let o = rig.run(&["connect", "-a", &addr, "-n", NQN, "-i", "1", "-D"]);
+    assert!(o.status.success());
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("started"));
+    // The NBD client above may still be counted for a moment: stop is refused until then.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let o = rig.run(&["daemon", "--stop"]);
+        if o.status.success() {
+            assert!(String::from_utf8_lossy(&o.stdout).contains("daemon stopped"));
+            break;
+        }
+        let e = one_line_error(&o);
+        assert!(e.contains("NBD client"), "{e}");
+        assert!(Instant::now() < deadline, "stop still refused: {e}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    wait_gone(pid);
+    assert!(!nbd.exists());
+    let only_log = |run: &Path| {
+        let left: Vec<String> = std::fs::read_dir(run)
+            .unwrap()
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n != "daemon.log")
+            .collect();
+        assert!(left.is_empty(), "left in the run dir: {left:?}");
+    };
+    only_log(&rig.run);
+
+    let out = rig.ok(&["daemon", "--background"]);
+    assert!(out.contains("daemon running"), "{out}");
+    let pid: i32 = std::fs::read_to_string(rig.run.join("daemon.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    rig.ok(&["connect", "-a", &addr, "-n", NQN, "-i", "1"]);
+    // SAFETY: kill(2) on the daemon this test started.
+    unsafe { libc::kill(pid, libc::SIGHUP) };
+    wait_gone(pid);
+    only_log(&rig.run);
+    let log = std::fs::read_to_string(rig.run.join("daemon.log")).unwrap();
+    assert!(
+        log.contains("SIGHUP: stopped") && log.contains("nvmf0: disconnected"),
+        "{log}"
+    );
+}
+
+/// `disconnect --force` under a mounted file system goes through: the FUSE mount leaves the
+/// mount table at once (lazy unmount) instead of lingering dead, and once the user unmounts
+/// and detaches the loop device nothing is left (no hang on the way).
+#[test]
+fn disconnect_force_detaches_a_busy_fuse_mount() {
+    let mut rig = Rig::new("force");
+    let (_t, addr) = start_target(NQN, &rig.dir);
+    let (_d, _n) = rig.daemon(&[]);
+    let fuse = rig.dir.join("fuse");
+    let data = rig.dir.join("data");
+    std::fs::create_dir_all(&fuse).unwrap();
+    std::fs::create_dir_all(&data).unwrap();
+    rig.ok(&[
+        "connect",
+        "-a",
+        &addr,
+        "-n",
+        NQN,
+        "-i",
+        "1",
+        "--fuse",
+        fuse.to_str().unwrap(),
+    ]);
+    let o = Command::new("losetup")
+        .args(["--direct-io=on", "--find", "--show"])
+        .arg(fuse.join("ns1"))
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let lo = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    rig.loops.push(lo.clone());
+    assert!(Command::new("mkfs.ext4")
+        .args(["-q", &lo])
+        .status()
+        .unwrap()
+        .success());
+    assert!(Command::new("mount")
+        .arg(&lo)
+        .arg(&data)
+        .status()
+        .unwrap()
+        .success());
+    rig.mounts.push(data.clone());
+
+    let out = rig.ok(&["disconnect", "-d", "nvmf0", "--force"]);
+    assert!(out.contains("disconnected 1"), "{out}");
+    assert!(
+        !mounted(&fuse),
+        "the busy FUSE mount is detached, not left dead"
+    );
+    assert!(controllers(&rig.list_json()).is_empty());
+    // The user's cleanup works and does not hang.
+    let umount = Command::new("umount").arg(&data).status().unwrap();
+    assert!(umount.success());
+    rig.mounts.clear();
+    assert!(Command::new("losetup")
+        .args(["-d", &lo])
+        .status()
+        .unwrap()
+        .success());
+    rig.loops.clear();
+    let file = fuse.join("ns1").display().to_string();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_dir("/sys/block")
+        .unwrap()
+        .filter_map(Result::ok)
+        .any(|e| {
+            std::fs::read_to_string(e.path().join("loop/backing_file"))
+                .is_ok_and(|b| b.trim() == file)
+        })
+    {
+        assert!(Instant::now() < deadline, "{lo} still backed by {file}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!mounted(&fuse) && !mounted(&data));
+}
+
+fn namespaces_of(c: &serde_json::Value) -> Vec<(u64, u64)> {
+    c["namespaces"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|n| {
+            (
+                n["nsid"].as_u64().unwrap_or(0),
+                n["blocks"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+/// Asynchronous Event Requests: a namespace added to a running target shows up in the
+/// daemon's `list` without a reconnect (Namespace Attribute Changed, then a rescan) and as a
+/// file of the controller's FUSE export, and a second one too (the event is re-armed by
+/// reading the Changed Namespace List).
+#[test]
+fn a_namespace_added_to_a_running_target_shows_up_in_list() {
+    use nvmf_rdma::harness::nvmf_perf::{LocalTarget, DEMO_NQN};
+    use nvmf_rdma::nvmet::Namespace;
+    let rig = Rig::new("aen-ns");
+    let t = LocalTarget::start(16 << 20, 9).unwrap();
+    let addr = t.addr.to_string();
+    let (_d, _n) = rig.daemon(&[]);
+    let fuse = rig.dir.join("fuse");
+    std::fs::create_dir_all(&fuse).unwrap();
+    rig.ok(&[
+        "connect",
+        "-a",
+        &addr,
+        "-n",
+        DEMO_NQN,
+        "-i",
+        "1",
+        "--fuse",
+        fuse.to_str().unwrap(),
+    ]);
+    let v = rig.list_json();
+    assert_eq!(namespaces_of(&v["controllers"][0]), [(1, 32768)], "{v}");
+    let cntlid = v["controllers"][0]["cntlid"].clone();
+    for (nsid, blocks) in [(2u32, 16384u64), (3, 8192)] {
+        t.target
+            .add_namespace(DEMO_NQN, Namespace::ram(nsid, blocks * 512, 9))
+            .unwrap();
+        let v = rig.wait_list(&format!("namespace {nsid} in list and its export"), |v| {
+            let c = &v["controllers"][0];
+            namespaces_of(c).contains(&(nsid as u64, blocks))
+                && c["exports"][0]["files"]
+                    .as_array()
+                    .is_some_and(|f| f.len() == nsid as usize)
+        });
+        assert_eq!(v["controllers"][0]["cntlid"], cntlid, "no reconnect: {v}");
+        assert_eq!(v["controllers"][0]["state"], "live");
+        // The new namespace is a file of the FUSE export, of its size, and holds data.
+        let file = fuse.join(format!("ns{nsid}"));
+        assert_eq!(std::fs::metadata(&file).unwrap().len(), blocks * 512);
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&file)
+            .unwrap();
+        use std::io::{Seek, SeekFrom};
+        let data = vec![nsid as u8; 4096];
+        f.seek(SeekFrom::Start(8192)).unwrap();
+        f.write_all(&data).unwrap();
+        let mut back = vec![0u8; 4096];
+        f.seek(SeekFrom::Start(8192)).unwrap();
+        f.read_exact(&mut back).unwrap();
+        assert_eq!(back, data);
+    }
+    let names: Vec<String> = std::fs::read_dir(&fuse)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    // Closed files: the controller disconnects and the mount goes.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !rig.run(&["disconnect", "-d", "nvmf0"]).status.success() {
+        assert!(Instant::now() < deadline, "disconnect still refused");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!mounted(&fuse));
+}
+
+/// A subsystem added to the discovery log is picked up by `connect-all`'s watch on the
+/// configured discovery controller (Discovery Log Page Changed).
+#[test]
+fn connect_all_picks_up_a_subsystem_added_to_the_discovery_log() {
+    use nvmf_rdma::harness::nvmf_perf::{LocalTarget, DEMO_NQN};
+    use nvmf_rdma::nvme::Nqn;
+    use nvmf_rdma::nvmet::{Namespace, Subsystem};
+    use std::sync::Arc;
+    let rig = Rig::new("aen-disc");
+    let t = LocalTarget::start(16 << 20, 9).unwrap();
+    std::fs::write(
+        rig.etc.join("discovery.conf"),
+        format!("-t rdma -a {} -s 4420 -i 1\n", t.addr),
+    )
+    .unwrap();
+    let (_d, _n) = rig.daemon(&["--connect-all"]);
+    let v = rig.list_json();
+    assert_eq!(controllers(&v).len(), 1, "{v}");
+    assert_eq!(v["controllers"][0]["subnqn"], DEMO_NQN);
+    let sub = Subsystem::new(
+        Nqn::new(NQN_B).unwrap(),
+        vec![Arc::new(Namespace::ram(1, 8 << 20, 9))],
+    );
+    t.target.add_subsystem(sub).unwrap();
+    rig.wait_list("the new subsystem connected", |v| {
+        controllers(v)
+            .iter()
+            .any(|c| c["subnqn"] == NQN_B && c["state"] == "live")
+    });
+}
