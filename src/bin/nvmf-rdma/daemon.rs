@@ -446,7 +446,21 @@ async fn watch_namespaces(name: String, c: Arc<Controller>, fuse: Option<FuseFil
                 "{name}: async event type {} info {:#x} (log page {:#x})",
                 ev.kind, ev.info, ev.log_page
             ),
-            Err(_) => return,
+            // Failed with the I/O of a recovery (fast_io_fail_tmo): ask again once the
+            // controller is live; a deleted one ends the watch.
+            Err(_) => {
+                let mut st = c.watch_status();
+                match st
+                    .wait_for(|s| matches!(s.state(), CtrlState::Live | CtrlState::Dead))
+                    .await
+                {
+                    Ok(s) if s.state() == CtrlState::Live => {}
+                    _ => return,
+                }
+                // A request that failed at once on a live controller is not retried in a
+                // loop.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
         }
     }
 }
