@@ -187,17 +187,25 @@ impl Engine {
                         c.key.subnqn, c.key.target
                     );
                 }
-                let (n, causes) = c
+                let (episodes, causes) = c
                     .recoveries
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .clone();
+                let st = c.ctrl.status().machine;
+                let lost = episodes.saturating_sub(st.recoveries);
                 eprintln!(
-                    "nvmf-rdma: {} at {}: {n} recoveries{}{}",
+                    "nvmf-rdma: {} at {}: {} recoveries{}{}{}",
                     c.key.subnqn,
                     c.key.target,
-                    if n > 0 { ", causes: " } else { "" },
-                    causes.join(", ")
+                    st.recoveries,
+                    if episodes > 0 { ", causes: " } else { "" },
+                    causes.join(", "),
+                    match (lost, st.fail_reason) {
+                        (0, _) => String::new(),
+                        (n, Some(r)) => format!("; {n} not recovered ({})", r.name()),
+                        (n, None) => format!("; {n} not recovered"),
+                    }
                 );
                 let Ok(c) = Arc::try_unwrap(c) else { continue };
                 if let Ok(ctrl) = Arc::try_unwrap(c.ctrl) {
@@ -224,6 +232,8 @@ async fn connect(o: &CtrlOptions, addr: SocketAddr, n: u8) -> Result<Controller,
     c.policy.ctrl_loss_tmo = o.recovery.ctrl_loss_tmo;
     c.policy.reconnect_delay = o.recovery.reconnect_delay;
     c.policy.fast_io_fail_tmo = o.recovery.fast_io_fail_tmo;
+    c.policy.identity = o.recovery.identity;
+    c.policy.replug_window = o.recovery.replug_window;
     let r = match &o.key.device {
         DeviceChoice::Soft => {
             let ip = local_ip_for(addr).map_err(|e| format!("no route to {addr}: {e}"))?;

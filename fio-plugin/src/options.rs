@@ -15,6 +15,8 @@ use nvmf_rdma::cli::device::DeviceChoice;
 use nvmf_rdma::cli::support::{parse_traddr, DEFAULT_ROCE_PORT};
 use nvmf_rdma::harness::nvmf_perf::DEMO_NQN;
 use nvmf_rdma::nvme::Nqn;
+use nvmf_rdma::reconnect::policy::DEFAULT_REPLUG_WINDOW;
+use nvmf_rdma::reconnect::IdentityMatch;
 
 /// The option strings exactly as the C shim's `struct nvmf_rs_strs` lays them out.
 #[repr(C)]
@@ -36,6 +38,8 @@ pub struct RawOptions {
     pub chaos_down_for: *const c_char,
     pub busy_poll: *const c_char,
     pub device: *const c_char,
+    pub identity: *const c_char,
+    pub replug_window: *const c_char,
 }
 
 /// Where the target is: an address, or the built-in RAM target of this size in this process.
@@ -71,6 +75,9 @@ pub struct Recovery {
     pub ctrl_loss_tmo: Option<Duration>,
     pub reconnect_delay: Duration,
     pub fast_io_fail_tmo: Option<Duration>,
+    /// Which device that comes back is ours.
+    pub identity: IdentityMatch,
+    pub replug_window: Duration,
 }
 
 /// Device chaos while the job runs: reset the host device every `every`, away for `down_for`.
@@ -104,7 +111,7 @@ pub struct OptionText {
     pairs: Vec<(&'static str, String)>,
 }
 
-const KEYS: [&str; 17] = [
+const KEYS: [&str; 19] = [
     "traddr",
     "trsvcid",
     "subnqn",
@@ -122,6 +129,8 @@ const KEYS: [&str; 17] = [
     "chaos_down_for",
     "busy_poll",
     "device",
+    "identity",
+    "replug_window",
 ];
 
 /// Filename keys that only say what SPDK's transport ID says and we already are.
@@ -153,6 +162,8 @@ impl OptionText {
             raw.chaos_down_for,
             raw.busy_poll,
             raw.device,
+            raw.identity,
+            raw.replug_window,
         ];
         let mut t = OptionText::default();
         for (key, p) in KEYS.iter().zip(ptrs) {
@@ -289,6 +300,16 @@ impl OptionText {
                 .transpose()?
                 .unwrap_or(Duration::from_secs(10)),
             fast_io_fail_tmo: parse_tmo(self.get("fast_io_fail_tmo"), "fast_io_fail_tmo", None)?,
+            identity: self
+                .get("identity")
+                .map(|v| v.parse().map_err(|e| format!("identity: {e}")))
+                .transpose()?
+                .unwrap_or_default(),
+            replug_window: self
+                .get("replug_window")
+                .map(|v| parse_secs("replug_window", v))
+                .transpose()?
+                .unwrap_or(DEFAULT_REPLUG_WINDOW),
         };
         let device: DeviceChoice = self
             .get("device")

@@ -33,6 +33,8 @@ struct nvmf_rs_strs {
 	const char *chaos_down_for;
 	const char *busy_poll;
 	const char *device;
+	const char *identity;
+	const char *replug_window;
 };
 
 struct nvmf_fio_options {
@@ -227,6 +229,10 @@ static struct fio_option options[] = {
 		 "Poll the soft-HCAs this long after packets move before sleeping, 0 = off (default 50us)"),
 	NVMF_OPT(device, "RDMA device",
 		 "soft (default: the built-in soft-HCA), or a kernel RDMA device (hw build): rxe0, guid:<GUID>, pci:<address>"),
+	NVMF_OPT(identity, "device identity",
+		 "Which device that comes back is ours: guid, pci, both (default), any"),
+	NVMF_OPT(replug_window, "replug window",
+		 "Seconds a removed device may take to come back (default 600)"),
 	{ .name = NULL },
 };
 

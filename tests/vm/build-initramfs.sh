@@ -50,7 +50,7 @@ add_lib libibverbs.so.1; add_lib librdmacm.so.1
 printf '/lib/x86_64-linux-gnu\n/usr/lib/x86_64-linux-gnu\n' > "$ROOT/etc/ld.so.conf"
 ldconfig -r "$ROOT"
 
-MODS="rdma_rxe ib_uverbs rdma_ucm nvme-rdma nvmet-rdma brd configfs virtio_pci virtio_net virtio_rng dummy
+MODS="rdma_rxe ib_uverbs rdma_ucm nvme-rdma nvmet-rdma brd configfs virtio_pci virtio_net virtio_rng dummy macvlan
       9p 9pnet_virtio crc32_generic crc32c_generic crc32c-intel"
 for m in $MODS; do
   modprobe -d "$KPKG" -S "$KVER" --show-depends "$m" | awk '$1=="insmod"{print $2}'

@@ -105,6 +105,31 @@ ours() { LD_LIBRARY_PATH=/mnt/out/hw/lib /mnt/out/hw/nvmf-rdma "$@"; }
 ours_hw() { ours hw "$@"; }
 # fio through our plugin on rxe0 (hw backend) against TRADDR/NQN, with verify=crc32c; 5 s in,
 # rxe0 is deleted, and 2 s later added again on the same netdev.
+# The same, but the device that comes back is another card: rxe0 is added again on a macvlan
+# of eth0 with its own MAC (so another GUID), its own IP and the route to TRADDR. With
+# IDENTITY=both ours must not reconnect through it (the held I/O fails at ctrl_loss_tmo /
+# replug_window, 12 s); with IDENTITY=any it must.
+hw_fio_other() {  # hw_fio_other TRADDR NQN IDENTITY
+  printf '%s\n' '[global]' 'ioengine=external:/mnt/out/hw/libnvmf_rdma_fio.so' 'thread=1' \
+    "traddr=$1" "subnqn=$2" 'device=rxe0' "identity=$3" 'filename=ns=1' 'size=32M' 'bs=4k' \
+    'iodepth=16' 'ctrl_loss_tmo=12' 'replug_window=12' 'reconnect_delay=1' 'verify=crc32c' \
+    'verify_backlog=256' 'verify_fatal=1' 'time_based=1' 'runtime=25' '[hwother]' 'rw=randwrite' > /tmp/hwo.fio
+  modprobe dummy 2>/dev/null; ip link add nvmfdummy0 type dummy 2>/dev/null; ip link set nvmfdummy0 up
+  rdma link add rxe9 type rxe netdev nvmfdummy0 2>/dev/null
+  LD_LIBRARY_PATH=/mnt/out/hw/lib fio /tmp/hwo.fio > /tmp/hwo-fio.txt 2>&1 & local p=$!
+  sleep 5
+  timeout 60 rdma link delete rxe0; echo "rdma link delete rc=$?"
+  ip link add mv0 link "$IF" type macvlan mode bridge; ip link set mv0 address 52:54:00:aa:bb:cc
+  ip link set mv0 up; ip addr add 192.168.100.3/24 dev mv0 2>/dev/null
+  ip route replace "$1/32" dev mv0 src 192.168.100.3
+  rdma link add rxe0 type rxe netdev mv0; echo "rdma link add on mv0 rc=$?"
+  rdma link show rxe0 | head -1; cat /sys/class/infiniband/rxe0/node_guid
+  wait $p; echo "fio rc=$?"
+  rdma link delete rxe0; ip route del "$1/32" dev mv0; ip link del mv0
+  rdma link delete rxe9 2>/dev/null; ip link del nvmfdummy0 2>/dev/null
+  rdma link add rxe0 type rxe netdev "$IF"
+  grep -E 'err=|nvmf-rdma|verify|error' /tmp/hwo-fio.txt | grep -v 'io_u error' | head -12
+}
 hw_fio_replug() {  # hw_fio_replug TRADDR NQN
   printf '%s\n' '[global]' 'ioengine=external:/mnt/out/hw/libnvmf_rdma_fio.so' 'thread=1' \
     "traddr=$1" "subnqn=$2" 'device=rxe0' 'filename=ns=1' 'size=32M' 'bs=4k' 'iodepth=16' \
