@@ -755,6 +755,18 @@ async fn watch_conn(conn: Arc<Conn>, ctx: Weak<Ctx>) {
     }
 }
 
+/// A resolution failure that a neighbour or route still being learned explains.
+fn resolve_transient(e: &HwError) -> bool {
+    match e {
+        HwError::Verbs { source, .. } => matches!(
+            source.raw_os_error(),
+            Some(libc::ENXIO | libc::ENODATA | libc::EHOSTUNREACH | libc::ETIMEDOUT)
+        ),
+        HwError::CmUnexpected { got, .. } => matches!(*got, "ADDR_ERROR" | "ROUTE_ERROR"),
+        _ => false,
+    }
+}
+
 fn refused(e: HwError) -> CmError {
     match e {
         HwError::Rejected {
@@ -784,8 +796,23 @@ impl HwCm {
         // rdma_cm addresses the listener by IP and service port (NVMe-oF: 4420); `peer` is
         // the target's RoCEv2 address as the soft-HCA names it (UDP port 4791).
         let peer = SocketAddr::new(peer.ip(), params.service_port);
-        let id = alloc_audit::platform(CmId::new).map_err(refused)?;
-        id.resolve(peer, timeout).await.map_err(refused)?;
+        // Address and route resolution can fail while the neighbour entry is still being
+        // learned (first contact: ENXIO / ENODATA from rdma_resolve_route, or an
+        // ADDR_ERROR / ROUTE_ERROR event); such a failure is retried with a fresh id until
+        // the attempt's deadline, as the kernel host's own retries would.
+        let deadline = tokio::time::Instant::now() + timeout;
+        let id = loop {
+            let id = alloc_audit::platform(CmId::new).map_err(refused)?;
+            match id.resolve(peer, timeout).await {
+                Ok(()) => break id,
+                Err(e) if resolve_transient(&e) && tokio::time::Instant::now() < deadline => {
+                    tracing::debug!("rdma_cm resolve of {peer}: {e}; again");
+                    drop(id);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(refused(e)),
+            }
+        };
         match id.device_guid() {
             Some(g) if g == ctx.identity.guid => {}
             Some(g) => {

@@ -103,12 +103,16 @@ linux_chaos() {  # linux_chaos BREAK RESTORE OUTAGE
 # the libraries it links (rdma-core itself is in the initramfs: libibverbs, librdmacm, rxe).
 ours() { LD_LIBRARY_PATH=/mnt/out/hw/lib /mnt/out/hw/nvmf-rdma "$@"; }
 ours_hw() { ours hw "$@"; }
-# fio through our plugin on rxe0 (hw backend) against TRADDR/NQN, with verify=crc32c; 5 s in,
-# rxe0 is deleted, and 2 s later added again on the same netdev.
+# fio through our plugin on rxe0 (hw backend) against TRADDR/NQN, with verify=crc32c; 2 s after
+# I/O starts flowing rxe0 is deleted, and 2 s later added again on the same netdev.
 # The same, but the device that comes back is another card: rxe0 is added again on a macvlan
 # of eth0 with its own MAC (so another GUID), its own IP and the route to TRADDR. With
 # IDENTITY=both ours must not reconnect through it (the held I/O fails at ctrl_loss_tmo /
 # replug_window, 12 s); with IDENTITY=any it must.
+wait_io() {  # wait_io FILE: until fio's once-a-second status in FILE shows I/O (at most 90 s)
+  local i; for i in $(seq 900); do grep -q 'IOPS=' "$1" 2>/dev/null && return 0; sleep 0.1; done
+  echo "fio showed no I/O within 90 s"; return 1
+}
 hw_fio_other() {  # hw_fio_other TRADDR NQN IDENTITY
   printf '%s\n' '[global]' 'ioengine=external:/mnt/out/hw/libnvmf_rdma_fio.so' 'thread=1' \
     "traddr=$1" "subnqn=$2" 'device=rxe0' "identity=$3" 'filename=ns=1' 'size=32M' 'bs=4k' \
@@ -116,8 +120,9 @@ hw_fio_other() {  # hw_fio_other TRADDR NQN IDENTITY
     'verify_backlog=256' 'verify_fatal=1' 'time_based=1' 'runtime=25' '[hwother]' 'rw=randwrite' > /tmp/hwo.fio
   modprobe dummy 2>/dev/null; ip link add nvmfdummy0 type dummy 2>/dev/null; ip link set nvmfdummy0 up
   rdma link add rxe9 type rxe netdev nvmfdummy0 2>/dev/null
-  LD_LIBRARY_PATH=/mnt/out/hw/lib fio /tmp/hwo.fio > /tmp/hwo-fio.txt 2>&1 & local p=$!
-  sleep 5
+  LD_LIBRARY_PATH=/mnt/out/hw/lib fio --status-interval=1 /tmp/hwo.fio > /tmp/hwo-fio.txt 2>&1 &
+  local p=$!
+  wait_io /tmp/hwo-fio.txt; sleep 2   # connected and I/O flowing; then 2 s into it
   timeout 60 rdma link delete rxe0; echo "rdma link delete rc=$?"
   ip link add mv0 link "$IF" type macvlan mode bridge; ip link set mv0 address 52:54:00:aa:bb:cc
   ip link set mv0 up; ip addr add 192.168.100.3/24 dev mv0 2>/dev/null
@@ -128,26 +133,29 @@ hw_fio_other() {  # hw_fio_other TRADDR NQN IDENTITY
   rdma link delete rxe0; ip route del "$1/32" dev mv0; ip link del mv0
   rdma link delete rxe9 2>/dev/null; ip link del nvmfdummy0 2>/dev/null
   rdma link add rxe0 type rxe netdev "$IF"
-  grep -E 'err=|nvmf-rdma|verify|error' /tmp/hwo-fio.txt | grep -v 'io_u error' | head -12
+  grep -E 'nvmf-rdma|verify|error' /tmp/hwo-fio.txt | grep -v 'io_u error' | sort -u | head -12
+  grep -E 'err=' /tmp/hwo-fio.txt | tail -1
 }
 hw_fio_replug() {  # hw_fio_replug TRADDR NQN
   printf '%s\n' '[global]' 'ioengine=external:/mnt/out/hw/libnvmf_rdma_fio.so' 'thread=1' \
     "traddr=$1" "subnqn=$2" 'device=rxe0' 'filename=ns=1' 'size=32M' 'bs=4k' 'iodepth=16' \
     'ctrl_loss_tmo=60' 'reconnect_delay=1' 'verify=crc32c' 'verify_backlog=256' 'verify_fatal=1' \
-    'time_based=1' 'runtime=20' '[hwverify]' 'rw=randwrite' > /tmp/hw.fio
+    'time_based=1' 'runtime=20' '[hwreplug]' 'rw=randwrite' > /tmp/hw.fio
   # A second RDMA device (rxe9 on a dummy netdev): librdmacm re-reads the device list to let go
   # of a removed device's context, but gives up when the list is empty, and the kernel finishes
   # removing rxe0 only once that context is closed (see README, Devices).
   modprobe dummy 2>/dev/null; ip link add nvmfdummy0 type dummy 2>/dev/null; ip link set nvmfdummy0 up
   rdma link add rxe9 type rxe netdev nvmfdummy0 2>/dev/null
-  LD_LIBRARY_PATH=/mnt/out/hw/lib fio /tmp/hw.fio > /tmp/hw-fio.txt 2>&1 & local p=$!
-  sleep 5
+  LD_LIBRARY_PATH=/mnt/out/hw/lib fio --status-interval=1 /tmp/hw.fio > /tmp/hw-fio.txt 2>&1 &
+  local p=$!
+  wait_io /tmp/hw-fio.txt; sleep 2   # connected and I/O flowing; then 2 s into it
   timeout 60 rdma link delete rxe0; echo "rdma link delete rc=$?"
   sleep 2
   rdma link add rxe0 type rxe netdev "$IF"; echo "rdma link add rc=$?"
   wait $p; echo "fio rc=$?"
   rdma link delete rxe9 2>/dev/null; ip link del nvmfdummy0 2>/dev/null
-  grep -E 'err=|IOPS|nvmf-rdma|verify|error' /tmp/hw-fio.txt | head -20
+  grep -E 'nvmf-rdma|verify|error' /tmp/hw-fio.txt | sort -u | head -12
+  grep -E 'err=' /tmp/hw-fio.txt | tail -1   # the final report (status lines come before it)
 }
 kfio_result() {  # kfio_result DEV RW BS QD SECS: one fio job, one KERNEL-RESULT line
   local f=/tmp/kfio-$2-$3.terse
