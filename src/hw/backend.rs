@@ -202,7 +202,6 @@ struct Ctx {
     res: Mutex<Option<Res>>,
     /// rdma_cm connections made through this context.
     conns: Mutex<HashMap<u32, Arc<Conn>>>,
-    next_conn: AtomicU32,
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
     /// The source's notify: a death is a change of the device list as the host sees it.
     changed: Arc<Notify>,
@@ -306,7 +305,6 @@ impl HwContext {
                 dev,
             })),
             conns: Mutex::new(HashMap::new()),
-            next_conn: AtomicU32::new(1),
             tasks: Mutex::new(Vec::new()),
             changed,
         });
@@ -697,6 +695,9 @@ fn release_cm_contexts() {
 // ---------------------------------------------------------------------------------------
 // Connection manager
 
+/// The next [`ConnId`] of any context of this process.
+static NEXT_CONN: AtomicU32 = AtomicU32::new(1);
+
 /// One rdma_cm connection.
 struct Conn {
     id: CmId,
@@ -859,7 +860,9 @@ impl HwCm {
             rts.0.rnr_retry,
             rts.0.timeout,
         );
-        let n = ctx.next_conn.fetch_add(1, Ordering::Relaxed);
+        // Numbered across contexts: a late disconnect report of a dead context's connection
+        // must not name a connection of its successor.
+        let n = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
         let conn = Arc::new(Conn {
             id,
             watcher: Mutex::new(None),
@@ -1028,7 +1031,10 @@ async fn poll_devices(sh: Weak<SourceShared>) {
     loop {
         tokio::time::sleep(DEVICE_POLL).await;
         let Some(s) = sh.upgrade() else { return };
-        let devs = alloc_audit::platform(|| list_devices().unwrap_or_default());
+        // A list that cannot be read this round (EMFILE, ...) says nothing about the devices.
+        let Ok(devs) = alloc_audit::platform(list_devices) else {
+            continue;
+        };
         let now: Vec<(String, Guid)> = devs.iter().map(|d| (d.name.clone(), d.guid)).collect();
         let dead: Vec<HwContext> = s
             .current
