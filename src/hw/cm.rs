@@ -20,7 +20,6 @@ use rdma_mummy_sys::{
     rdma_event_channel, rdma_get_cm_event, rdma_init_qp_attr, rdma_port_space, rdma_resolve_addr,
     rdma_resolve_route,
 };
-use sideway::ibverbs::queue_pair::{BasicQueuePair, QueuePair, QueuePairAttribute};
 use tokio::io::unix::AsyncFd;
 
 use super::map;
@@ -273,22 +272,6 @@ impl CmId {
         unsafe { (*self.id).port_num }
     }
 
-    /// Move `qp` to `state` (`ibv_qp_state`: 1 INIT, 2 RTR, 3 RTS) with rdma_cm's attributes.
-    pub fn modify_qp(&self, qp: &mut BasicQueuePair, state: u32) -> Result<(), HwError> {
-        let mut attr = MaybeUninit::<ibv_qp_attr>::zeroed();
-        let mut mask = 0;
-        // SAFETY: attr is zeroed and large enough; qp_state selects what is computed.
-        unsafe {
-            (*attr.as_mut_ptr()).qp_state = state;
-            if rdma_init_qp_attr(self.id, attr.as_mut_ptr(), &mut mask) != 0 {
-                return Err(HwError::verbs("rdma_init_qp_attr"));
-            }
-            let a = QueuePairAttribute::from(attr.assume_init_ref(), mask);
-            qp.modify(&a)
-                .map_err(|e| HwError::sideway("ibv_modify_qp", e))
-        }
-    }
-
     /// The attributes rdma_cm computes for moving a QP to `state` (`ibv_qp_state`: 1 INIT,
     /// 2 RTR, 3 RTS) on this id's path, with their mask.
     pub fn qp_attr(&self, state: u32) -> Result<(ibv_qp_attr, i32), HwError> {
@@ -347,49 +330,6 @@ impl CmId {
             return Err(HwError::verbs("rdma_establish"));
         }
         Ok(())
-    }
-
-    /// Send the REQ carrying `private` (the NVMe-oF request, 32 bytes), wait for the REP and
-    /// return its private data; a REJ becomes [`HwError::Rejected`] with the NVMe status.
-    pub async fn connect(
-        &self,
-        qp: &mut BasicQueuePair,
-        private: &[u8],
-        responder_resources: u8,
-        timeout: Duration,
-    ) -> Result<Vec<u8>, HwError> {
-        let len = u8::try_from(private.len())
-            .map_err(|_| HwError::Invalid(format!("{} bytes of private data", private.len())))?;
-        let mut p = rdma_conn_param {
-            private_data: private.as_ptr().cast(),
-            private_data_len: len,
-            responder_resources,
-            initiator_depth: 0,
-            flow_control: 1,
-            retry_count: 7,
-            rnr_retry_count: 7,
-            srq: 0,
-            qp_num: qp.qp_number(),
-        };
-        // SAFETY: `p` and `private` outlive the call; librdmacm copies the private data.
-        if unsafe { rdma_connect(self.id, &mut p) } != 0 {
-            return Err(HwError::verbs("rdma_connect"));
-        }
-        let e = self.event(timeout, "CONNECT_RESPONSE").await?;
-        let accept = connect_outcome(&e)?;
-        if e.kind == ev::CONNECT_RESPONSE {
-            // INIT -> INIT first, as librdmacm's ucma_modify_qp_rtr does: before the REP the
-            // CM computed INIT with no remote access; now that the responder resources are
-            // agreed it grants REMOTE_WRITE/READ, which the target's RDMA READ/WRITE need.
-            self.modify_qp(qp, 1)?;
-            self.modify_qp(qp, 2)?;
-            self.modify_qp(qp, 3)?;
-            // SAFETY: connected id; sends the RTU.
-            if unsafe { rdma_establish(self.id) } != 0 {
-                return Err(HwError::verbs("rdma_establish"));
-            }
-        }
-        Ok(accept)
     }
 
     /// Send a DREQ (idempotent from the caller's point of view: errors are returned, not fatal).
