@@ -7,12 +7,11 @@ use std::time::Duration;
 use crate::client::daemon_controller_names;
 use crate::{args::*, control::*, host::*, signals::*, units::*};
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::cli::device::{self, DeviceChoice};
 use nvmf_rdma::cli::support::{run_dir, CtrlInfo, Health};
 use nvmf_rdma::export;
 use nvmf_rdma::harness::hca_perf;
 use nvmf_rdma::reconnect::CtrlState;
-use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
+use nvmf_rdma::transport::{ConnectOptions, Controller};
 
 pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
     let mut signals = StopSignals::new()?;
@@ -310,17 +309,10 @@ pub(crate) async fn run_discover(f: Fabric, output: ListFormat) -> Result<()> {
     let mut o = ConnectOptions::new(f.traddr, nvmf_rdma::nvme::fabrics::DISCOVERY_NQN);
     o.trsvcid = f.trsvcid;
     apply_system_host_ids(&mut o, std::path::Path::new(NVME_CONF_DIR));
-    if let Some(h) = f.hostnqn {
-        o.hostnqn = h;
+    if let Some(h) = &f.hostnqn {
+        o.hostnqn = h.clone();
     }
-    let entries = match &f.device {
-        DeviceChoice::Soft => {
-            let (hca, cm) = host_stack(f.traddr, f.host_traddr).await?;
-            discover(hca, cm, o).await
-        }
-        DeviceChoice::Kernel(sel) => device::discover_kernel(sel, o).await,
-    }
-    .context("discovery failed")?;
+    let entries = discover_on(&f, o, "discovery failed").await?;
     if output == ListFormat::Json {
         // nvme-cli's field names and words.
         let records: Vec<serde_json::Value> = entries

@@ -23,7 +23,7 @@ use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::export::{BlockDev, FuseFiles};
 use nvmf_rdma::nvme::fabrics::DISCOVERY_NQN;
 use nvmf_rdma::reconnect::CtrlState;
-use nvmf_rdma::transport::{discover, Controller};
+use nvmf_rdma::transport::Controller;
 use serde_json::{json, Map, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::OwnedReadHalf;
@@ -33,7 +33,7 @@ use crate::args::{DaemonArgs, ExportArgs, Subsys};
 use crate::config::{config_dir, parse_connect, read_config, ConfigLine};
 use crate::connect::{report_state_changes, start_exports, Exports};
 use crate::control::{make_run_dir, same_user};
-use crate::host::{device_config, host_stack, options, HOST_HCA};
+use crate::host::{device_config, discover_on, options, HOST_HCA};
 use crate::proto::{
     err_line, ok_line, parse_request, ConnectParams, ErrorCode, ProtoError, Request, MAX_LINE,
     PROTOCOL_VERSION, SOCKET_NAME,
@@ -694,14 +694,7 @@ async fn op_connect_all(
 async fn discover_params(p: &ConnectParams) -> Result<Vec<ConnectParams>> {
     let (sub, _, _) = parse_connect(&p.to_args()).map_err(anyhow::Error::msg)?;
     let o = options(&sub)?;
-    let entries = match &sub.fabric.device {
-        DeviceChoice::Soft => {
-            let (hca, cm) = host_stack(sub.fabric.traddr, sub.fabric.host_traddr).await?;
-            discover(hca, cm, o).await
-        }
-        DeviceChoice::Kernel(sel) => device::discover_kernel(sel, o).await,
-    }
-    .context("no discovery log")?;
+    let entries = discover_on(&sub.fabric, o, "no discovery log").await?;
     let mut out = Vec::new();
     for e in entries {
         let nqn = e.subnqn.text().trim().to_string();

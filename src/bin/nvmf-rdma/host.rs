@@ -9,8 +9,9 @@ use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, DEFAULT_ROCE_PORT};
 use nvmf_rdma::driver::{CmService, DeviceManager, SoftHca};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::PciAddr;
+use nvmf_rdma::nvme::discovery::DiscoveryLogEntry;
 use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::transport::{ConnectOptions, Controller};
+use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
 
 /// A device on `addr`; off loopback its peers may be rxe or NICs (see `roce_peer`).
 pub(crate) fn device_config(name: &str, addr: SocketAddr, n: u8) -> DeviceConfig {
@@ -45,6 +46,23 @@ pub(crate) async fn host_stack(
         .with_context(|| format!("cannot start the host soft-HCA on {addr}"))?;
     let cm = CmService::for_device(&hca);
     Ok((hca, cm))
+}
+
+/// The discovery log of the discovery controller `o` names, through the device `f` names
+/// (`what` says what failed if reading the log does).
+pub(crate) async fn discover_on(
+    f: &Fabric,
+    o: ConnectOptions,
+    what: &'static str,
+) -> Result<Vec<DiscoveryLogEntry>> {
+    let entries = match &f.device {
+        DeviceChoice::Soft => {
+            let (hca, cm) = host_stack(f.traddr, f.host_traddr).await?;
+            discover(hca, cm, o).await
+        }
+        DeviceChoice::Kernel(sel) => device::discover_kernel(sel, o).await,
+    };
+    entries.context(what)
 }
 
 pub(crate) fn check_transport(f: &Fabric) -> Result<()> {
