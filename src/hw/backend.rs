@@ -466,6 +466,20 @@ impl DeviceContext for HwContext {
         })
     }
 
+    /// User-space verbs have no fast registration (IB_WR_REG_MR is a kernel verb); memory
+    /// windows of type 2 would be the way, and sideway does not bind them yet. So a region
+    /// keeps its key for the life of the connection here, as with Linux nvme-rdma's
+    /// `register_always=N`.
+    fn per_use_keys(&self) -> bool {
+        false
+    }
+
+    fn rekey_mr(&self, _mr: &mut MrInfo) -> Result<(), VerbsError> {
+        Ok(())
+    }
+
+    fn invalidate_mr(&self, _mr: &MrInfo) {}
+
     fn create_cq(&self, depth: usize) -> Result<CqId, VerbsError> {
         self.with(|r| {
             let cqe = u32::try_from(depth).map_err(|_| VerbsError::InvalidArgument("CQ depth"))?;
