@@ -12,6 +12,11 @@ case_interop1() {
   tr '\r' '\n' < "$OUT/interop1-verify.txt" | grep -v '^$' | tail -2 | sed 's/^/    /'
   check "interop1: connect + identify + write 32 MiB + read back, every byte matches" \
     grep -q "every byte read back matches" "$OUT/interop1-verify.txt"
+  # nvmet-rdma answers a keyed command whose SGL asks for it (subtype 0xF) with SEND with
+  # Invalidate of its key: our per-command keys are shut by the target, none by us.
+  check "interop1: nvmet invalidates each command's memory key with its response" \
+    grep -qE "^memory keys: .* [1-9][0-9]* invalidated by the target's response, 0 by this host" \
+    "$OUT/interop1-verify.txt"
   # odd sizes: 512 B (inline in the capsule) and 4.5 KiB (keyed SGL, split at MTU 1024)
   local n
   for n in 512 4608; do
