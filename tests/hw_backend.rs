@@ -16,6 +16,12 @@ use nvmf_rdma::hw::verbs::{roce_v2_ipv4_gid, HwLoopPair};
 use nvmf_rdma::hw::HwError;
 use nvmf_rdma::transport::{ConnectOptions, Controller};
 
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
+
+#[global_allocator]
+static A: counting_alloc::Counting = counting_alloc::Counting;
+
 fn devices_or_skip(test: &str) -> Option<Vec<HwDeviceInfo>> {
     match list_devices() {
         Ok(d) if !d.is_empty() => Some(d),
@@ -149,5 +155,91 @@ fn target_write_verify_when_configured() {
         }
         assert_eq!(c.status().machine.recoveries, 0);
         c.disconnect().await;
+    });
+}
+
+/// The recovery path on a kernel device allocates nothing in the host's code, as on the
+/// soft-HCA (`tests/recovery_alloc.rs`): from the fault (our context of the device dropped
+/// as on DEVICE_FATAL, [`nvmf_rdma::verbs::DeviceSource::inflict_reset`]) until the
+/// controller is live again with the I/O that was in flight resubmitted. libibverbs,
+/// librdmacm and their bindings are the platform's (`alloc_audit`), as the soft-HCA is.
+#[test]
+fn hw_recovery_allocates_nothing_in_the_host_when_configured() {
+    use nvmf_rdma::harness::alloc_audit::Platform;
+    use nvmf_rdma::reconnect::CtrlState;
+    use std::sync::Arc;
+    let name = "hw_recovery_allocates_nothing_in_the_host_when_configured";
+    let (Ok(addr), Ok(nqn)) = (
+        std::env::var("NVMF_HW_TARGET"),
+        std::env::var("NVMF_HW_NQN"),
+    ) else {
+        eprintln!("{name}: skipping: NVMF_HW_TARGET/NVMF_HW_NQN not set");
+        return;
+    };
+    let Some(devs) = devices_or_skip(name) else {
+        return;
+    };
+    let dev = devs[0].name.clone();
+    let rt = runtime();
+    rt.block_on(async {
+        let mut o = ConnectOptions::new(addr.parse().expect("NVMF_HW_TARGET is ip:port"), &nqn);
+        o.nr_io_queues = 2;
+        o.connect_timeout = Duration::from_secs(20);
+        o.policy.reconnect_delay = Duration::ZERO;
+        o.policy.ctrl_loss_tmo = Some(Duration::from_secs(60));
+        let c = Arc::new(
+            Controller::connect_managed(HwSource::new(), &dev, o)
+                .await
+                .unwrap(),
+        );
+        let ns = c.namespaces()[0];
+        // Warm up: every slot of both queues used once.
+        for i in 0..64u64 {
+            c.write(ns.nsid, 4096 + i * 8, &[i as u8; 4096])
+                .await
+                .unwrap();
+        }
+        // I/O in flight at the fault.
+        const N: usize = 24;
+        let mut writes = Vec::new();
+        for i in 0..N {
+            let c = c.clone();
+            let data = vec![i as u8 ^ 0x5A; 4096 * (1 + i % 8)];
+            writes.push(tokio::spawn(async move {
+                let lba = i as u64 * 256;
+                c.write(ns.nsid, lba, &data).await.map(|_| (lba, data))
+            }));
+        }
+        tokio::task::yield_now().await;
+        counting_alloc::start();
+        Platform::new(async {
+            c.reset_device(Duration::ZERO).await.unwrap();
+            c.wait_status(Duration::from_secs(30), |s| {
+                s.machine.recoveries >= 1 && s.state() == CtrlState::Live
+            })
+            .await
+            .unwrap();
+        })
+        .await;
+        let n = counting_alloc::stop();
+        println!(
+            "{name}: allocations during recovery on {dev}: host {}, platform {}; I/Os held {}",
+            n.host,
+            n.platform,
+            c.queue_stats().iter().map(|q| q.requeued).sum::<u64>()
+        );
+        assert_eq!(
+            n.host,
+            0,
+            "the host allocated during recovery; first sites:\n{}",
+            n.traces.join("\n-----\n")
+        );
+        for w in writes {
+            let (lba, data) = w.await.unwrap().expect("the write completes");
+            assert!(c.read(ns.nsid, lba, data.len()).await.unwrap() == data);
+        }
+        if let Ok(c) = Arc::try_unwrap(c) {
+            c.disconnect().await;
+        }
     });
 }

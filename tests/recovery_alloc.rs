@@ -5,10 +5,7 @@
 //!
 //! And memory does not creep: live heap after 1000 resets equals live heap after one.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,75 +15,11 @@ use nvmf_rdma::harness::chaos::{connect_host, host_options, TargetRig, CHAOS_NQN
 use nvmf_rdma::nvmet::Target;
 use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
 
-struct Counting;
-
-static RECORDING: AtomicBool = AtomicBool::new(false);
-static HOST_ALLOCS: AtomicU64 = AtomicU64::new(0);
-static PLATFORM_ALLOCS: AtomicU64 = AtomicU64::new(0);
-static LIVE_BYTES: AtomicI64 = AtomicI64::new(0);
-static TRACES: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-thread_local! {
-    static IN_HOOK: Cell<bool> = const { Cell::new(false) };
-}
-
-fn on_alloc(size: usize) {
-    LIVE_BYTES.fetch_add(size as i64, Ordering::Relaxed);
-    if !RECORDING.load(Ordering::Relaxed) {
-        return;
-    }
-    if alloc_audit::in_platform() {
-        PLATFORM_ALLOCS.fetch_add(1, Ordering::Relaxed);
-        return;
-    }
-    HOST_ALLOCS.fetch_add(1, Ordering::Relaxed);
-    // Keep where the first few came from (the capture allocates: not counted, guarded).
-    let reentered = IN_HOOK.try_with(|h| h.replace(true)).unwrap_or(true);
-    if !reentered {
-        let bt = std::backtrace::Backtrace::force_capture().to_string();
-        if let Ok(mut t) = TRACES.lock() {
-            if t.len() < 4 {
-                t.push(bt);
-            }
-        }
-        let _ = IN_HOOK.try_with(|h| h.set(false));
-    }
-}
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        if !IN_HOOK.try_with(|h| h.get()).unwrap_or(true) {
-            on_alloc(l.size());
-        } else {
-            LIVE_BYTES.fetch_add(l.size() as i64, Ordering::Relaxed);
-        }
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        if !IN_HOOK.try_with(|h| h.get()).unwrap_or(true) {
-            on_alloc(l.size());
-        } else {
-            LIVE_BYTES.fetch_add(l.size() as i64, Ordering::Relaxed);
-        }
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE_BYTES.fetch_sub(l.size() as i64, Ordering::Relaxed);
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        LIVE_BYTES.fetch_sub(l.size() as i64, Ordering::Relaxed);
-        if !IN_HOOK.try_with(|h| h.get()).unwrap_or(true) {
-            on_alloc(new);
-        } else {
-            LIVE_BYTES.fetch_add(new as i64, Ordering::Relaxed);
-        }
-        unsafe { System.realloc(p, l, new) }
-    }
-}
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
 
 #[global_allocator]
-static A: Counting = Counting;
+static A: counting_alloc::Counting = counting_alloc::Counting;
 
 /// The tests share the counters: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -185,9 +118,7 @@ fn from_the_fatal_event_to_resubmission_the_host_allocates_nothing() {
         while t.target.stalled_io() < N {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        HOST_ALLOCS.store(0, Ordering::SeqCst);
-        PLATFORM_ALLOCS.store(0, Ordering::SeqCst);
-        RECORDING.store(true, Ordering::SeqCst);
+        counting_alloc::start();
         // The fault, and the observer waiting for resubmission, are not the host's code.
         Platform::new(async {
             mgr.reset(HOST_DEV, Duration::ZERO).await.unwrap();
@@ -198,16 +129,16 @@ fn from_the_fatal_event_to_resubmission_the_host_allocates_nothing() {
             .unwrap();
         })
         .await;
-        RECORDING.store(false, Ordering::SeqCst);
-        let host = HOST_ALLOCS.load(Ordering::SeqCst);
-        let platform = PLATFORM_ALLOCS.load(Ordering::SeqCst);
-        println!("allocations during recovery: host {host}, platform {platform}");
-        let traces = TRACES.lock().unwrap().clone();
+        let n = counting_alloc::stop();
+        println!(
+            "allocations during recovery: host {}, platform {}",
+            n.host, n.platform
+        );
         assert_eq!(
-            host,
+            n.host,
             0,
             "the host allocated during recovery; first sites:\n{}",
-            traces.join("\n-----\n")
+            n.traces.join("\n-----\n")
         );
         let requeued: u64 = ctrl.queue_stats().iter().map(|s| s.requeued).sum();
         assert!(
@@ -293,7 +224,7 @@ fn memory_after_1000_resets_equals_memory_after_one() {
         // The old context's tasks end once they see it is gone; give them a moment.
         let settle = || async {
             tokio::time::sleep(Duration::from_millis(300)).await;
-            LIVE_BYTES.load(Ordering::SeqCst)
+            counting_alloc::live_bytes()
         };
         reset_and_recover(1).await;
         let after_one = settle().await;

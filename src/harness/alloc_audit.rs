@@ -32,6 +32,13 @@ pub fn platform<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Run the rest of the current scope as platform code: the returned guard ends it. Not to
+/// be held across an `.await` (the depth is the thread's; use [`Platform`] for futures).
+#[must_use = "the guard ends the platform section when dropped"]
+pub fn enter() -> impl Drop {
+    Guard::enter()
+}
+
 /// Mark the whole current thread as platform code (for its lifetime).
 pub fn mark_thread_platform() {
     let _ = DEPTH.try_with(|d| d.set(d.get() + 1));

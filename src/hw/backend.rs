@@ -951,13 +951,20 @@ impl CmPort for HwCm {
         if self.ctx.gone() {
             return Err(CmError::DeviceGone("the RDMA device is gone"));
         }
-        let died = self.ctx.died.notified();
-        tokio::pin!(died);
-        died.as_mut().enable();
-        tokio::select! {
-            r = self.connect_inner(peer, params, private, timeout) => r,
-            _ = &mut died => Err(CmError::DeviceGone("the RDMA device went away while connecting")),
-        }
+        // rdma_cm is the platform's connection manager, as the soft-HCA's CM is
+        // (`CmService::connect`): what it allocates is not the host's.
+        alloc_audit::Platform::new(async {
+            let died = self.ctx.died.notified();
+            tokio::pin!(died);
+            died.as_mut().enable();
+            tokio::select! {
+                r = self.connect_inner(peer, params, private, timeout) => r,
+                _ = &mut died => {
+                    Err(CmError::DeviceGone("the RDMA device went away while connecting"))
+                }
+            }
+        })
+        .await
     }
 
     fn abort(&self, id: ConnId) {
@@ -1048,8 +1055,11 @@ async fn poll_devices(sh: Weak<SourceShared>) {
     loop {
         tokio::time::sleep(DEVICE_POLL).await;
         let Some(s) = sh.upgrade() else { return };
+        // The device list stands in for the kernel's device events: platform code, as the
+        // soft-HCA's device manager is.
+        let _platform = alloc_audit::enter();
         // A list that cannot be read this round (EMFILE, ...) says nothing about the devices.
-        let Ok(devs) = alloc_audit::platform(list_devices) else {
+        let Ok(devs) = list_devices() else {
             continue;
         };
         let now: Vec<(String, Guid)> = devs.iter().map(|d| (d.name.clone(), d.guid)).collect();
@@ -1084,6 +1094,7 @@ impl DeviceSource for HwSource {
     type Device = HwContext;
 
     fn open(&self, name: &str) -> Option<Opened<HwContext>> {
+        let _platform = alloc_audit::enter();
         let sel = selector(name)?;
         if self
             .sh
@@ -1129,6 +1140,7 @@ impl DeviceSource for HwSource {
     }
 
     fn present(&self, name: &str) -> bool {
+        let _platform = alloc_audit::enter();
         let Some(sel) = selector(name) else {
             return false;
         };

@@ -190,7 +190,8 @@ hw_stage() {  # on the host, before boot: build, strip and stage the binaries un
       tee "$OUT/hw-testbuild.txt" | sed -n 's/.*Executable .*(\(.*hw_backend-[0-9a-f]*\))$/\1/p' | tail -1)
     [ -n "$t" ] || { tail -5 "$OUT/hw-testbuild.txt"; return 1; }
     case $t in /*) ;; *) t=$REPO/$t;; esac
-    strip -o "$OUT/hw/hw_backend" "$t" || return 1
+    # Symbols kept (debug info dropped): a failing test names the functions in its traces.
+    strip --strip-debug -o "$OUT/hw/hw_backend" "$t" || return 1
   fi
   # the fio plugin with the hw backend (fio-plugin/setup.sh builds fio 3.33's headers, the
   # same fio Debian ships and the initramfs carries)
