@@ -18,9 +18,17 @@ pub struct Identity {
 /// Host memory a device may read and write through memory regions. The host allocates it
 /// once and registers the same buffers again on every new context, so nothing on the
 /// recovery path allocates; a backend that needs pinned or aligned pages provides them here.
-pub trait HostBuffer: Send + Sync + 'static {
+pub trait HostBuffer: Sized + Send + Sync + 'static {
     /// `len` zeroed bytes, ready to register (pages faulted in where that matters).
     fn alloc(len: usize) -> Self;
+    /// As [`HostBuffer::alloc`], or `None` when the memory cannot be had: what a peer asks
+    /// for must not abort the process.
+    fn try_alloc(len: usize) -> Option<Self>;
+    /// `len` zeroed bytes whose pages come in as they are first used (where registering
+    /// does not pin them all anyway), or `None` when the memory cannot be had. For a
+    /// target's staging: a 128-entry queue of 1 MiB slots then costs a mapping, not 128 MiB
+    /// of page faults before the host hears back.
+    fn try_alloc_lazy(len: usize) -> Option<Self>;
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
         self.len() == 0
