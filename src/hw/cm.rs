@@ -591,6 +591,17 @@ mod tests {
     }
 
     #[test]
+    fn peer_addresses_decode_what_sockaddr_encodes() {
+        for a in ["192.168.100.1:40123", "[fe80::5054:ff:fe12:3456]:4420"] {
+            let a: SocketAddr = a.parse().unwrap();
+            assert_eq!(socket_addr(&sockaddr(a)), Some(a));
+        }
+        // SAFETY: all-zero is a valid sockaddr_storage (family AF_UNSPEC).
+        let none: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        assert_eq!(socket_addr(&none), None);
+    }
+
+    #[test]
     fn sockaddr_encodes_v4_and_v6() {
         let ss = sockaddr("10.0.2.15:4420".parse().unwrap());
         // SAFETY: we just wrote a sockaddr_in there.

@@ -347,4 +347,17 @@ case_hw_target() {
   gx_wait "$tid" 30 | cut -c1-200
   grep -E 'stopping|gone|Error' "$OUT/hw-target.log" | cut -c1-200 | sed 's/^/    /'
   check "hw target: stops cleanly on SIGTERM" grep -q 'SIGTERM: stopping' "$OUT/hw-target.log"
+
+  log "hw target: rxe0 deleted under the running target (then re-added, nvmet port re-enabled)"
+  rm -f "$OUT/hw-target-gone.log"
+  GX_TIMEOUT=120 gx "LD_LIBRARY_PATH=/mnt/out/hw/lib /mnt/out/hw/nvmf-rdma target --device rxe0 \
+      --listen $GUEST_IP -s $port --ram 16M -n $ONQN > /mnt/out/hw-target-gone.log 2>&1 & p=\$!
+    for i in \$(seq 150); do grep -q listening /mnt/out/hw-target-gone.log && break; sleep 0.2; done
+    timeout 60 rdma link delete rxe0; echo \"rdma link delete rc=\$?\"
+    for i in \$(seq 150); do kill -0 \$p 2>/dev/null || break; sleep 0.2; done
+    kill -9 \$p 2>/dev/null; wait \$p; echo \"target rc=\$? (137: still running 30 s after the delete)\"
+    rdma link add rxe0 type rxe netdev \$IF; sleep 1; port_cycle" > "$OUT/hw-target-gone.txt"
+  cut -c1-200 "$OUT/hw-target-gone.txt"; grep -v INFO "$OUT/hw-target-gone.log" | cut -c1-200 | sed 's/^/    target| /'
+  check "hw target: device deleted: the delete completes, the target says so in one line and exits 1" \
+    eval "grep -q 'rdma link delete rc=0' '$OUT/hw-target-gone.txt' && grep -q 'target rc=1 ' '$OUT/hw-target-gone.txt' && grep -q 'RDMA device rxe0 is gone' '$OUT/hw-target-gone.log'"
 }
