@@ -682,6 +682,10 @@ fn io_stats(c: &Controller) -> QueueStats {
         s.unknown_cid += x.unknown_cid;
         s.duplicate_completion += x.duplicate_completion;
         s.bad_response_len += x.bad_response_len;
+        s.in_capsule += x.in_capsule;
+        s.remote_invalidations += x.remote_invalidations;
+        s.local_invalidations += x.local_invalidations;
+        s.bogus_invalidations += x.bogus_invalidations;
     }
     s
 }
@@ -1028,4 +1032,87 @@ async fn a_command_never_answered_times_out_and_fails_after_its_retries() {
         assert!(got == truth(lba, BS), "lba {lba}");
     }
     within(5, "disconnect", c.disconnect()).await;
+}
+
+/// Per-command keys (issue 15, row 12): a target that RDMA WRITEs into a command's buffer
+/// after the host completed the command is refused by the host's HCA: the key that
+/// command named was invalidated at completion (here by the host itself: the fake never
+/// sends with invalidate). The refusal fails the connection, recovery sends the next
+/// command again, and nothing is lost. Before per-command keys the late write landed in
+/// the slot, now holding the next command's data, and the fake stored the junk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_rdma_write_after_completion_is_refused_and_loses_nothing() {
+    let (f, fhca) = fake(
+        30,
+        fake_cfg(),
+        script(|lba| {
+            if lba == 1000 {
+                Lie::LateWrite
+            } else {
+                Lie::Honest
+            }
+        }),
+    )
+    .await;
+    let c = host_of(31, &fhca, 1).await;
+    let got = within(5, "read", c.read(1, 1000, 4096)).await.unwrap();
+    assert!(got == truth(1000, 4096));
+    // 8 KiB does not fit the fake's 4 KiB of in-capsule data: a keyed write, whose data
+    // the fake fetches from the very slot the read used, after its late write.
+    let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 + 3) as u8).collect();
+    within(10, "write after the late write", c.write(1, 2000, &data))
+        .await
+        .expect("the write survives the late write");
+    let back = within(5, "read back", c.read(1, 2000, 8192)).await.unwrap();
+    assert!(
+        back == data,
+        "the late write reached the next command's data"
+    );
+    let fs = f.stats();
+    assert_eq!(
+        fs.transport_errors, 1,
+        "the host refused the late write: {fs:?}"
+    );
+    let st = c.status();
+    assert!(st.machine.recoveries >= 1, "the refusal was recovered from");
+    let qs = io_stats(&c);
+    assert!(qs.local_invalidations >= 3, "{qs:?}");
+    assert_eq!(qs.remote_invalidations, 0, "{qs:?}");
+    within(10, "disconnect", c.disconnect()).await;
+}
+
+/// Against the built-in target every keyed command's key is invalidated by the target's
+/// SEND with Invalidate, so the host never has to invalidate one itself; in-capsule writes
+/// hand out no remote key at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_target_invalidates_each_keyed_commands_key_with_its_response() {
+    let (_t, thca) = builtin_target(32).await;
+    let (hca, cm) = device("host", 33).await;
+    let c = within(
+        20,
+        "connect",
+        Controller::connect(hca, cm, host_opts(thca.addr(), HOST_OK, 1, 16)),
+    )
+    .await
+    .unwrap();
+    let small = vec![0x5Au8; 4096];
+    let big: Vec<u8> = (0..65536u32).map(|i| (i ^ (i >> 8)) as u8).collect();
+    within(5, "in-capsule write", c.write(1, 0, &small))
+        .await
+        .unwrap();
+    within(5, "keyed write", c.write(1, 100, &big))
+        .await
+        .unwrap();
+    assert!(within(5, "read", c.read(1, 0, 4096)).await.unwrap() == small);
+    assert!(within(5, "read", c.read(1, 100, 65536)).await.unwrap() == big);
+    let qs = io_stats(&c);
+    // The small write, and the I/O queue's Fabrics Connect.
+    assert_eq!(qs.in_capsule, 2, "{qs:?}");
+    assert_eq!(qs.remote_invalidations, 3, "{qs:?}");
+    assert_eq!(
+        (qs.local_invalidations, qs.bogus_invalidations),
+        (0, 0),
+        "{qs:?}"
+    );
+    within(10, "disconnect", c.disconnect()).await;
 }

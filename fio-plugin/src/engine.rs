@@ -15,10 +15,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use nvmf_rdma::cli::device::{connect_kernel, DeviceChoice};
-use nvmf_rdma::cli::support::local_ip_for;
+use nvmf_rdma::cli::support::{local_ip_for, soft_device_config};
 use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::nvmf_perf::LocalTarget;
-use nvmf_rdma::hca::{DeviceConfig, DeviceIdentity, IcrcCheck, PciAddr};
 use nvmf_rdma::transport::{ConnectOptions, Controller};
 
 use crate::options::{Chaos, CtrlKey, CtrlOptions, TargetAddr};
@@ -237,18 +236,7 @@ async fn connect(o: &CtrlOptions, addr: SocketAddr, n: u8) -> Result<Controller,
     let r = match &o.key.device {
         DeviceChoice::Soft => {
             let ip = local_ip_for(addr).map_err(|e| format!("no route to {addr}: {e}"))?;
-            let pid = std::process::id();
-            let cfg = DeviceConfig {
-                identity: DeviceIdentity::from_mac(
-                    &format!("fio{n}"),
-                    [0x52, 0x54, 0x00, 0x40, (pid & 0xFF) as u8, n],
-                    PciAddr::new(0, 0x40, n, 0),
-                ),
-                addr: SocketAddr::new(ip, 0),
-                icrc: IcrcCheck::Verify,
-                peer_port: None,
-                seed: pid as u64 ^ ((n as u64) << 32),
-            };
+            let cfg = soft_device_config(&format!("fio{n}"), SocketAddr::new(ip, 0), n);
             // The device lives in a device manager, so the controller survives its resets.
             let mgr = DeviceManager::new(addr.ip().is_loopback());
             let name = cfg.identity.name.clone();

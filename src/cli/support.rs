@@ -13,6 +13,30 @@ use crate::transport::CtrlStatus;
 pub const DEFAULT_ROCE_PORT: u16 = crate::hca::device::ROCE_V2_PORT;
 pub use crate::hca::device::roce_peer;
 
+/// A soft-HCA device `name` on `addr`, the `n`th of this process. The MAC is locally
+/// administered and random per process: it (and the GUID made from it) goes out in every
+/// CM REQ and REP, so it must tell a peer nothing (no PID), yet differ between processes on
+/// one IP, as the CM tells connections apart by it. Towards a RoCEv2 peer (rxe, a NIC) the
+/// device speaks to UDP port 4791 and cannot check ICRCs (see the README's Security).
+pub fn soft_device_config(name: &str, addr: SocketAddr, n: u8) -> crate::hca::DeviceConfig {
+    use crate::hca::device::{DeviceIdentity, IcrcCheck};
+    let r: [u8; 3] = rand::random();
+    let mac = [0x52, 0x54, r[0], r[1], r[2], n];
+    let roce = roce_peer(addr.ip());
+    crate::hca::DeviceConfig {
+        identity: DeviceIdentity::from_mac(name, mac, crate::hca::PciAddr::new(0, 0x30, n, 0)),
+        addr,
+        icrc: if roce {
+            IcrcCheck::Skip
+        } else {
+            IcrcCheck::Verify
+        },
+        peer_port: roce.then_some(DEFAULT_ROCE_PORT),
+        // Only the simulator seeds a device; this one draws from the OS CSPRNG.
+        seed: 0,
+    }
+}
+
 /// Parse `-a/--traddr`: `IP` (RoCEv2 port 4791) or `IP:PORT` / `[IPv6]:PORT` for a soft-HCA
 /// bound elsewhere.
 pub fn parse_traddr(s: &str) -> Result<SocketAddr, String> {

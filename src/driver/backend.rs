@@ -108,6 +108,21 @@ impl DeviceContext for SoftHca {
         })
     }
 
+    fn per_use_keys(&self) -> bool {
+        true
+    }
+
+    fn rekey_mr(&self, mr: &mut MrInfo) -> Result<(), VerbsError> {
+        *mr = self.with_quiet(|d, _| d.rekey_mr(mr.lkey))?;
+        Ok(())
+    }
+
+    fn invalidate_mr(&self, mr: &MrInfo) {
+        self.with_quiet(|d, _| {
+            let _ = d.invalidate_mr(mr.lkey);
+        })
+    }
+
     fn create_cq(&self, depth: usize) -> Result<CqId, VerbsError> {
         self.with_quiet(|d, _| d.create_cq(depth))
     }

@@ -459,6 +459,25 @@ impl Device {
         Ok(())
     }
 
+    /// Give the region registered under `key` a fresh key, valid from now on (fast
+    /// registration); the old key is refused at once.
+    pub fn rekey_mr(&mut self, key: MemKey) -> Result<MrInfo, VerbsError> {
+        self.live()?;
+        self.mrs
+            .rekey(&mut self.rng, key)
+            .ok_or(VerbsError::InvalidHandle("memory region"))
+    }
+
+    /// Local invalidate: the region under `key` refuses every access until rekeyed. On a dead
+    /// device this succeeds (nothing can reach the region any more).
+    pub fn invalidate_mr(&mut self, key: MemKey) -> Result<(), VerbsError> {
+        if self.mrs.invalidate_local(key).is_ok() || !self.is_live() {
+            Ok(())
+        } else {
+            Err(VerbsError::InvalidHandle("memory region"))
+        }
+    }
+
     pub fn dereg_mr(&mut self, key: MemKey) -> Result<(), VerbsError> {
         if self.mrs.remove(key) || !self.is_live() {
             Ok(())

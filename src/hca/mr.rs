@@ -287,6 +287,35 @@ impl MrTable {
         }))
     }
 
+    /// Fast registration (the effect of IB_WR_REG_MR with a new key): the region under `key`
+    /// answers from now on to a fresh key only, lkey and rkey alike, and is valid again.
+    /// The old key is refused at once. Returns the region's new description.
+    pub fn rekey(&mut self, rng: &mut impl Rng, key: MemKey) -> Option<MrInfo> {
+        let mut mr = self.by_key.remove(&key.0)?;
+        let new = loop {
+            let k: u32 = rng.random();
+            if k != 0 && k != key.0 && !self.by_key.contains_key(&k) {
+                break k;
+            }
+        };
+        mr.info.lkey = MemKey(new);
+        if mr.info.rkey.0 != 0 {
+            mr.info.rkey = MemKey(new);
+        }
+        mr.valid = true;
+        let info = mr.info;
+        self.by_key.insert(new, mr);
+        Some(info)
+    }
+
+    /// Local invalidate (IB_WR_LOCAL_INV): the region refuses every access under `key` until
+    /// it is given a new one. Invalidating an invalid region is no error.
+    pub fn invalidate_local(&mut self, key: MemKey) -> Result<(), AccessError> {
+        let mr = self.by_key.get_mut(&key.0).ok_or(AccessError::BadKey)?;
+        mr.valid = false;
+        Ok(())
+    }
+
     /// SEND with Invalidate: only remotely accessible regions of the QP's PD may be invalidated.
     pub fn invalidate(&mut self, pd: PdId, rkey: MemKey) -> Result<(), AccessError> {
         let mr = self.by_key.get_mut(&rkey.0).ok_or(AccessError::BadKey)?;
@@ -305,6 +334,37 @@ impl MrTable {
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    #[test]
+    fn a_rekeyed_region_answers_to_its_new_key_only_and_local_invalidate_shuts_it() {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+        let mut t = MrTable::default();
+        let mem = HostMem::new(4096);
+        let rw = Access::REMOTE_WRITE | Access::LOCAL_WRITE;
+        let old = t.insert(&mut rng, PdId(1), mem.clone(), 0, 4096, rw);
+        let new = t.rekey(&mut rng, old.lkey).unwrap();
+        assert_ne!(new.rkey, old.rkey);
+        assert_eq!(new.lkey, new.rkey);
+        assert_eq!((new.addr, new.len), (old.addr, old.len));
+        let at = |t: &MrTable, k: MemKey| {
+            t.resolve(PdId(1), k, old.addr, 8, Access::REMOTE_WRITE, true)
+                .map(|r| r.is_some())
+        };
+        assert_eq!(at(&t, old.rkey), Err(AccessError::BadKey));
+        assert_eq!(at(&t, new.rkey), Ok(true));
+        t.invalidate_local(new.lkey).unwrap();
+        assert_eq!(at(&t, new.rkey), Err(AccessError::BadKey));
+        // A second invalidation is harmless; a rekey makes the region usable again.
+        t.invalidate_local(new.lkey).unwrap();
+        let again = t.rekey(&mut rng, new.lkey).unwrap();
+        assert_eq!(at(&t, again.rkey), Ok(true));
+        assert_eq!(t.len(), 1);
+        assert!(
+            t.rekey(&mut rng, new.lkey).is_none(),
+            "the old key names nothing"
+        );
+        assert!(t.remove(again.lkey));
+    }
 
     #[test]
     fn checks_key_pd_bounds_and_access() {

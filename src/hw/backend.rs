@@ -15,7 +15,7 @@
 //! preallocate.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
@@ -490,6 +490,20 @@ impl DeviceContext for HwContext {
             r.mrs.remove(&mr.lkey.0);
         })
     }
+
+    /// User-space verbs have no fast registration (IB_WR_REG_MR is a kernel verb); memory
+    /// windows of type 2 would be the way, and sideway does not bind them yet. So a region
+    /// keeps its key for the life of the connection here, as with Linux nvme-rdma's
+    /// `register_always=N`.
+    fn per_use_keys(&self) -> bool {
+        false
+    }
+
+    fn rekey_mr(&self, _mr: &mut MrInfo) -> Result<(), VerbsError> {
+        Ok(())
+    }
+
+    fn invalidate_mr(&self, _mr: &MrInfo) {}
 
     fn create_cq(&self, depth: usize) -> Result<CqId, VerbsError> {
         self.with(|r| {
@@ -1227,6 +1241,8 @@ struct SourceShared {
     /// The current context per device selector.
     current: Mutex<HashMap<String, (HwContext, u64)>>,
     generation: AtomicU64,
+    /// Selectors held down by [`DeviceSource::inflict_reset`]: no context until it ends.
+    held_down: Mutex<HashSet<String>>,
 }
 
 /// The kernel RDMA devices of this host, named by selector: a device name (`rxe0`),
@@ -1251,6 +1267,7 @@ impl HwSource {
             changed: Arc::new(Notify::new()),
             current: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
+            held_down: Mutex::new(HashSet::new()),
         });
         tokio::spawn(poll_devices(Arc::downgrade(&sh)));
         HwSource { sh }
@@ -1314,6 +1331,15 @@ impl DeviceSource for HwSource {
 
     fn open(&self, name: &str) -> Option<Opened<HwContext>> {
         let sel = selector(name)?;
+        if self
+            .sh
+            .held_down
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(name)
+        {
+            return None;
+        }
         alloc_audit::platform(|| {
             let devs = list_devices().ok()?;
             let info = sel.select(&devs)?.clone();
@@ -1369,10 +1395,37 @@ impl DeviceSource for HwSource {
         self.sh.changed.clone()
     }
 
-    async fn inflict_reset(&self, name: &str, _down_for: Duration) -> Result<(), String> {
-        Err(format!(
-            "a kernel RDMA device cannot be reset from here; fault {name} from outside \
-             (rxe: `rdma link delete {name}`, then `rdma link add`)"
-        ))
+    /// A reset as the host sees one: the current context dies as on IBV_EVENT_DEVICE_FATAL
+    /// (every verbs object and cm_id of ours dropped at once), no context is handed out for
+    /// `down_for`, then the device is opened anew. The kernel device itself is untouched:
+    /// this drives our whole recovery path on a real device (chaos, tests).
+    async fn inflict_reset(&self, name: &str, down_for: Duration) -> Result<(), String> {
+        let cur = self
+            .sh
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .map(|(c, _)| c.clone());
+        let Some(c) = cur.filter(|c| !c.ctx.gone()) else {
+            return Err(format!("RDMA device {name} has no open context to reset"));
+        };
+        let held = |on: bool| {
+            let mut h = self.sh.held_down.lock().unwrap_or_else(|e| e.into_inner());
+            if on {
+                h.insert(name.to_string());
+            } else {
+                h.remove(name);
+            }
+        };
+        held(true);
+        c.ctx.kill(FATAL);
+        self.sh.changed.notify_waiters();
+        if !down_for.is_zero() {
+            tokio::time::sleep(down_for).await;
+        }
+        held(false);
+        self.sh.changed.notify_waiters();
+        Ok(())
     }
 }

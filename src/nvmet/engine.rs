@@ -1740,10 +1740,22 @@ fn spaced<const N: usize>(v: &str) -> FixedStr<N> {
 
 /// SEND command slot `c`'s response capsule (already in its buffer); a slot whose SEND
 /// cannot be posted is free again.
+///
+/// A command whose keyed SGL asked for it (subtype 0xF) gets a SEND with Invalidate of its
+/// key, as nvmet-rdma answers: the host's buffer is shut to us the moment the response
+/// lands, with no local invalidation on the host's side.
 fn send_response<D: DeviceContext>(d: &mut Io<D>, qpn: Qpn, q: &mut TQueue<D::Mem>, c: usize) {
+    let op = match SglDescriptor::parse(&q.cmds[c].sqe.dptr) {
+        Ok(SglDescriptor::Keyed {
+            key,
+            invalidate: true,
+            ..
+        }) => SendOp::SendWithInv(MemKey(key)),
+        _ => SendOp::Send,
+    };
     let wr = SendWr {
         wr_id: wr_id(WR_SEND, c),
-        op: SendOp::Send,
+        op,
         sgl: Sgl::one(
             q.rsp.1.addr + (c * CQE_LEN) as u64,
             CQE_LEN as u32,

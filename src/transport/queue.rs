@@ -27,9 +27,9 @@ use tokio::sync::{mpsc, oneshot, Notify};
 use crate::nvme::{Cqe, SglDescriptor, Sqe};
 use crate::reconnect::{Cause, FailReason};
 use crate::verbs::{
-    Access, CqId, DeviceContext, HostBuffer, Instant, Lifecycle, MrInfo, Mtu, PdId, PeerInfo, Psn,
-    QpCaps, Qpn, RcAttr, RecvWr, SendOp, SendWr, Sge, Sgl, VerbsError, WcOpcode, WcStatus,
-    WorkCompletion,
+    Access, CqId, DeviceContext, HostBuffer, Instant, Lifecycle, MemKey, MrInfo, Mtu, PdId,
+    PeerInfo, Psn, QpCaps, Qpn, RcAttr, RecvWr, SendOp, SendWr, Sge, Sgl, VerbsError, WcOpcode,
+    WcStatus, WorkCompletion,
 };
 
 use super::HostError;
@@ -80,6 +80,13 @@ pub struct QueueStats {
     /// Capsules sent with their data inside (shallow writes, an I/O queue's Fabrics
     /// Connect); the other data went as keyed SGLs.
     pub in_capsule: u64,
+    /// Commands whose data buffer's key the target invalidated with its response (SEND
+    /// with Invalidate), and those whose key the host invalidated itself at completion.
+    pub remote_invalidations: u64,
+    pub local_invalidations: u64,
+    /// Responses that invalidated a key other than their command's: the connection is
+    /// failed and recovered, as Linux does.
+    pub bogus_invalidations: u64,
 }
 
 /// Sizes of one queue.
@@ -182,6 +189,9 @@ struct Slot {
     /// Held by a failure after it was posted: the old connection may still deliver its
     /// answer (until its QP is destroyed), and that answer completes it.
     held_out: bool,
+    /// The slot's data region answers to a key the target was given for this command, and
+    /// nobody has invalidated it yet.
+    key_live: bool,
     reply: Option<oneshot::Sender<Result<Response, HostError>>>,
 }
 
@@ -198,8 +208,14 @@ struct Verbs<D> {
     cq: CqId,
     cmd_mr: MrInfo,
     rsp_mr: MrInfo,
+    /// The whole data area for local access only: in-capsule data is gathered under this
+    /// key, so that the per-slot regions the target may reach need no valid key then.
+    data_local: MrInfo,
     /// How many of `QueueCore::data_mrs` are registered.
     data_mrs: usize,
+    /// Each keyed command gets its own key, invalidated at completion
+    /// ([`DeviceContext::per_use_keys`]).
+    per_use_keys: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -291,6 +307,7 @@ impl<D: DeviceContext> QueueCore<D> {
                 retries: 0,
                 posted_at: Instant(0),
                 held_out: false,
+                key_live: false,
                 reply: None,
             })
             .collect();
@@ -388,7 +405,9 @@ impl<D: DeviceContext> QueueCore<D> {
             cq,
             cmd_mr: MrInfo::default(),
             rsp_mr: MrInfo::default(),
+            data_local: MrInfo::default(),
             data_mrs: 0,
+            per_use_keys: dev.per_use_keys(),
         };
         let bad = |v: Verbs<D>, e: VerbsError| (Some(v), HostError::from(e));
         match dev.reg_mr(pd, &self.cmd, 0, self.cmd.len(), Access::empty()) {
@@ -399,10 +418,18 @@ impl<D: DeviceContext> QueueCore<D> {
             Ok(m) => v.rsp_mr = m,
             Err(e) => return Err(bad(v, e)),
         }
+        match dev.reg_mr(pd, &self.data, 0, self.data.len(), Access::empty()) {
+            Ok(m) => v.data_local = m,
+            Err(e) => return Err(bad(v, e)),
+        }
         let rw = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
         for i in 0..size {
             match dev.reg_mr(pd, &self.data, i * max_io, max_io, rw) {
                 Ok(m) => {
+                    if v.per_use_keys {
+                        // Reachable by no one until a command hands out a fresh key for it.
+                        dev.invalidate_mr(&m);
+                    }
                     self.data_mrs[i] = m;
                     v.data_mrs = i + 1;
                 }
@@ -444,8 +471,9 @@ impl<D: DeviceContext> QueueCore<D> {
         self.sends.clear();
         self.recvs.clear();
         for s in self.slots.iter_mut() {
-            // The QP goes now: nothing more can be answered on it.
+            // The QP goes now: nothing more can be answered on it, and the regions go too.
             s.held_out = false;
+            s.key_live = false;
         }
         if let Some(v) = self.verbs.take() {
             let d = &v.dev;
@@ -456,6 +484,9 @@ impl<D: DeviceContext> QueueCore<D> {
             }
             if v.rsp_mr.lkey.0 != 0 {
                 d.dereg_mr(&v.rsp_mr);
+            }
+            if v.data_local.lkey.0 != 0 {
+                d.dereg_mr(&v.data_local);
             }
             for m in &self.data_mrs[..v.data_mrs] {
                 d.dereg_mr(m);
@@ -678,9 +709,28 @@ impl<D: DeviceContext> QueueCore<D> {
         let Some(v) = &self.verbs else { return };
         let spec = self.spec;
         let capsule = self.capsule();
-        let mr = self.data_mrs[i];
         // User slots in flight, this one included (the last slot is the reserved one).
         let in_flight = self.slots.len() - 1 - self.free.len();
+        let (out, inn) = (self.slots[i].data_out, self.slots[i].data_in);
+        let in_capsule =
+            out > 0 && spec.qid > 0 && out <= spec.inline && in_flight <= spec.inline_depth;
+        let keyed = (out > 0 && !in_capsule) || (out == 0 && inn > 0);
+        let invalidate = keyed && v.per_use_keys;
+        if invalidate {
+            // A key of its own for this command; the previous one is refused from now on.
+            if v.dev.rekey_mr(&mut self.data_mrs[i]).is_err() {
+                let s = &mut self.slots[i];
+                s.state = SlotState::Held;
+                s.cqe = None;
+                s.send_done = false;
+                let c = self.device_cause().unwrap_or(Cause::Transport);
+                self.fail_connection(c);
+                return;
+            }
+            self.slots[i].key_live = true;
+        }
+        let Some(v) = &self.verbs else { return };
+        let mr = self.data_mrs[i];
         let s = &mut self.slots[i];
         s.gen = (s.gen + 1) & ((1 << (16 - SLOT_BITS)) - 1);
         let mut sqe = s.sqe;
@@ -692,25 +742,20 @@ impl<D: DeviceContext> QueueCore<D> {
             lkey: v.cmd_mr.lkey,
         };
         let mut nsge = 1;
-        let sgl = if s.data_out > 0 {
-            if spec.qid > 0 && s.data_out <= spec.inline && in_flight <= spec.inline_depth {
-                self.stats.in_capsule += 1;
-                sges[1] = Sge {
-                    addr: mr.addr,
-                    len: s.data_out as u32,
-                    lkey: mr.lkey,
-                };
-                nsge = 2;
-                SglDescriptor::InCapsule {
-                    offset: 0,
-                    len: s.data_out as u32,
-                }
-            } else {
-                SglDescriptor::keyed(mr.addr, s.data_out as u64, mr.rkey.0, false)
-                    .unwrap_or(SglDescriptor::NULL)
+        let sgl = if in_capsule {
+            self.stats.in_capsule += 1;
+            sges[1] = Sge {
+                addr: mr.addr,
+                len: s.data_out as u32,
+                lkey: v.data_local.lkey,
+            };
+            nsge = 2;
+            SglDescriptor::InCapsule {
+                offset: 0,
+                len: s.data_out as u32,
             }
-        } else if s.data_in > 0 {
-            SglDescriptor::keyed(mr.addr, s.data_in as u64, mr.rkey.0, false)
+        } else if keyed {
+            SglDescriptor::keyed(mr.addr, out.max(inn) as u64, mr.rkey.0, invalidate)
                 .unwrap_or(SglDescriptor::NULL)
         } else {
             SglDescriptor::NULL
@@ -784,7 +829,9 @@ impl<D: DeviceContext> QueueCore<D> {
                     }
                 }
             }
-            (WR_RECV, WcOpcode::Recv) => self.on_response(idx, wc.byte_len as usize),
+            (WR_RECV, WcOpcode::Recv) => {
+                self.on_response(idx, wc.byte_len as usize, wc.invalidated)
+            }
             _ => {}
         }
     }
@@ -805,7 +852,7 @@ impl<D: DeviceContext> QueueCore<D> {
         }
     }
 
-    fn on_response(&mut self, r: usize, len: usize) {
+    fn on_response(&mut self, r: usize, len: usize, invalidated: Option<MemKey>) {
         let Some(v) = &self.verbs else { return };
         if r >= self.spec.size {
             return;
@@ -819,13 +866,31 @@ impl<D: DeviceContext> QueueCore<D> {
             tracing::warn!(len, "response capsule of the wrong size ignored");
             return;
         }
-        let Ok(cqe) = Cqe::parse(&b) else { return };
-        let slot = (cqe.cid & ((1 << SLOT_BITS) - 1)) as usize;
-        let gen = cqe.cid >> SLOT_BITS;
-        let Some(s) = self.slots.get_mut(slot) else {
-            self.stats.unknown_cid += 1;
+        let Ok(cqe) = Cqe::parse(&b) else {
+            self.bogus_invalidation(invalidated);
             return;
         };
+        let slot = (cqe.cid & ((1 << SLOT_BITS) - 1)) as usize;
+        let gen = cqe.cid >> SLOT_BITS;
+        let Some(s) = self.slots.get(slot) else {
+            self.stats.unknown_cid += 1;
+            self.bogus_invalidation(invalidated);
+            return;
+        };
+        let answers = s.gen == gen
+            && (s.state == SlotState::Posted || (s.state == SlotState::Held && s.held_out));
+        if let Some(k) = invalidated {
+            if answers && s.key_live && k == self.data_mrs[slot].rkey {
+                self.slots[slot].key_live = false;
+                self.stats.remote_invalidations += 1;
+            } else {
+                // The target shut a key that is not this command's (maybe another one's in
+                // flight): this connection can no longer be trusted with its keys.
+                self.bogus_invalidation(invalidated);
+                return;
+            }
+        }
+        let s = &mut self.slots[slot];
         if s.state == SlotState::Held && s.held_out && s.gen == gen {
             // The connection failed while this command was out, but the target had run it:
             // complete it with its answer rather than send it again.
@@ -854,12 +919,40 @@ impl<D: DeviceContext> QueueCore<D> {
         self.try_finish(slot);
     }
 
+    /// A response invalidated a key that was not its command's (or came with no command):
+    /// fail the connection; recovery sends what is out again on a new one.
+    fn bogus_invalidation(&mut self, invalidated: Option<MemKey>) {
+        if let Some(k) = invalidated {
+            self.stats.bogus_invalidations += 1;
+            tracing::warn!(
+                rkey = k.0,
+                "the target invalidated a key of no command in flight"
+            );
+            self.fail_connection(Cause::Transport);
+        }
+    }
+
+    /// The command in slot `i` is done with its data region: the target must not reach it
+    /// any more (Linux nvme-rdma posts a LOCAL_INV unless the target sent with invalidate).
+    fn release_key(&mut self, i: usize) {
+        if !std::mem::take(&mut self.slots[i].key_live) {
+            return;
+        }
+        if let Some(v) = &self.verbs {
+            v.dev.invalidate_mr(&self.data_mrs[i]);
+            self.stats.local_invalidations += 1;
+        }
+    }
+
     fn try_finish(&mut self, i: usize) {
         let s = &self.slots[i];
         if !(s.state == SlotState::Posted && s.send_done) {
             return;
         }
         let Some(cqe) = s.cqe else { return };
+        // Before the data is read out: nothing the target writes later lands in it.
+        self.release_key(i);
+        let s = &self.slots[i];
         if i == self.control_slot() {
             self.slots[i].state = SlotState::Free;
             self.slots[i].cqe = None;
@@ -898,6 +991,7 @@ impl<D: DeviceContext> QueueCore<D> {
     }
 
     fn finish(&mut self, i: usize, r: Result<Response, HostError>) {
+        self.release_key(i);
         let s = &mut self.slots[i];
         if let Some(tx) = s.reply.take() {
             let _ = tx.send(r);

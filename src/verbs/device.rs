@@ -86,6 +86,17 @@ pub trait DeviceContext: Clone + Send + Sync + 'static {
         access: Access,
     ) -> Result<MrInfo, VerbsError>;
     fn dereg_mr(&self, mr: &MrInfo);
+    /// Can a region be given a fresh key for each use ([`DeviceContext::rekey_mr`],
+    /// [`DeviceContext::invalidate_mr`])? Where it cannot, a region keeps the key it was
+    /// registered with until it is deregistered.
+    fn per_use_keys(&self) -> bool;
+    /// Fast registration (what IB_WR_REG_MR with a new key does): from now on the region
+    /// answers to a fresh key only, lkey and rkey alike, and is valid; `mr` is updated. The
+    /// old key is refused at once. A no-op where [`DeviceContext::per_use_keys`] is false.
+    fn rekey_mr(&self, mr: &mut MrInfo) -> Result<(), VerbsError>;
+    /// Local invalidate (IB_WR_LOCAL_INV): the region refuses every access until the next
+    /// [`DeviceContext::rekey_mr`]. A no-op where [`DeviceContext::per_use_keys`] is false.
+    fn invalidate_mr(&self, mr: &MrInfo);
     fn create_cq(&self, depth: usize) -> Result<CqId, VerbsError>;
     fn destroy_cq(&self, cq: CqId);
     /// An RC QP in INIT on `cq` (send and receive), with `access` for remote peers. On error

@@ -62,6 +62,10 @@ pub enum Lie {
     WritePastBuffer,
     /// Write the read data with an rkey the host never handed out.
     WriteBogusRkey,
+    /// Answer honestly, then, when the queue's next command arrives and before handling it,
+    /// RDMA WRITE garbage to this command's buffer under the key this command named: a
+    /// late write, after the host completed the command.
+    LateWrite,
     /// Never answer.
     Silence,
 }
@@ -216,6 +220,8 @@ struct FakeQueue {
     backlog: VecDeque<WorkCompletion>,
     rng: SmallRng,
     next_wr: u64,
+    /// (address, length, key) of a command answered with [`Lie::LateWrite`].
+    late: Option<(u64, u32, u32)>,
 }
 
 const WR_RECV: u64 = 1 << 32;
@@ -280,6 +286,7 @@ impl FakeQueue {
                 held: Vec::new(),
                 backlog: VecDeque::new(),
                 rng: SmallRng::seed_from_u64(seed),
+                late: None,
                 next_wr: 0,
             })
         })
@@ -450,6 +457,11 @@ impl FakeQueue {
 
     /// Handle one command: fetch its data, work out the honest answer, deliver (or hold) it.
     async fn command(&mut self, hca: &SoftHca, sh: &Shared, sqe: Sqe) -> Result<(), ()> {
+        if let Some((addr, len, key)) = self.late.take() {
+            let mut junk = vec![0u8; len as usize];
+            self.rng.fill(&mut junk[..]);
+            self.rdma_write(hca, &junk, addr, key).await?;
+        }
         let sgl = SglDescriptor::parse(&sqe.dptr).unwrap_or(SglDescriptor::NULL);
         let io = self.qid != 0 && sqe.opcode != opcode::FABRICS;
         let mut lie = Lie::Honest;
@@ -525,6 +537,13 @@ impl FakeQueue {
             }
         }
         self.send_bytes(hca, &cqe).await?;
+        if a.lie == Lie::LateWrite {
+            if let Ok(SglDescriptor::Keyed { addr, len, key, .. }) =
+                SglDescriptor::parse(&a.sqe.dptr)
+            {
+                self.late = Some((addr, len, key));
+            }
+        }
         if a.lie == Lie::Duplicate {
             self.send_bytes(hca, &cqe).await?;
         }

@@ -12,6 +12,11 @@ case_interop1() {
   tr '\r' '\n' < "$OUT/interop1-verify.txt" | grep -v '^$' | tail -2 | sed 's/^/    /'
   check "interop1: connect + identify + write 32 MiB + read back, every byte matches" \
     grep -q "every byte read back matches" "$OUT/interop1-verify.txt"
+  # nvmet-rdma answers a keyed command whose SGL asks for it (subtype 0xF) with SEND with
+  # Invalidate of its key: our per-command keys are shut by the target, none by us.
+  check "interop1: nvmet invalidates each command's memory key with its response" \
+    grep -qE "^memory keys: .* [1-9][0-9]* invalidated by the target's response, 0 by this host" \
+    "$OUT/interop1-verify.txt"
   # odd sizes: 512 B (inline in the capsule) and 4.5 KiB (keyed SGL, split at MTU 1024)
   local n
   for n in 512 4608; do
@@ -213,6 +218,15 @@ case_hw() {
   tr '\r' '\n' < "$OUT/hw-verify.txt" | grep -v '^ *guest| *$' | tail -3 | cut -c1-220
   check "hw: the ordinary host on rxe0 (--device rxe0: rdma_cm, 2 I/O queues) writes 32 MiB and reads it back, every byte matches" \
     eval "[ $rc = 0 ] && grep -q 'every byte read back matches' '$OUT/hw-verify.txt'"
+  # chaos on a kernel device: resets of our context of rxe0 (every verbs object and cm_id
+  # dropped at once, as on DEVICE_FATAL, the device opened anew) and controller resets,
+  # under 4 verifying workers.
+  GX_TIMEOUT=150 gx "ours chaos --device rxe0 -a $GUEST_IP -n $KNQN --size 16M --workers 4 -i 2 \
+    --seconds 12 --every 1500ms --down-max 300ms --faults reset,user-reset" > "$OUT/hw-chaos.txt"
+  rc=$?
+  grep -E '(faults|recoveries|mismatches|failed I/Os|hangs|result) ' "$OUT/hw-chaos.txt" | cut -c1-200
+  check "hw: chaos --device rxe0 (resets of our rxe0 context + controller resets): result PASS" \
+    eval "[ $rc = 0 ] && grep -qE 'result +PASS' '$OUT/hw-chaos.txt'"
   if [ "$secs" != 0 ]; then
     GX_TIMEOUT=$((secs * 4 + 180)) gx "ours bench --device rxe0 -a $GUEST_IP -n $KNQN --seconds $secs" > "$OUT/hw-bench.txt"
     rc=$?

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use crate::{args::*, host::*, units::*};
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::cli::device::DeviceChoice;
+use nvmf_rdma::cli::device::{connect_kernel, DeviceChoice};
 use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, Health};
 use nvmf_rdma::cli::wire_json::JsonObj;
 use nvmf_rdma::driver::DeviceManager;
@@ -116,10 +116,12 @@ pub(crate) fn spread_json(s: Option<(Duration, Duration, Duration)>, unit: f64) 
 }
 
 /// Inflict `kind` and wait until the controller is LIVE again (or gives up, or `bound`).
+/// `mgr` is the soft-HCA's device manager; without one (a kernel RDMA device) only the
+/// faults of [`KERNEL_FAULTS`] can be inflicted.
 pub(crate) async fn inflict(
     kind: FaultKind,
     down: Duration,
-    mgr: &DeviceManager,
+    mgr: Option<&DeviceManager>,
     c: &Controller,
     target: Option<&mut TargetRig>,
     bound: Duration,
@@ -140,6 +142,17 @@ pub(crate) async fn inflict(
     };
     let mut base = before.machine.recoveries;
     let r: Result<()> = async {
+        let Some(mgr) = mgr else {
+            return match kind {
+                // The device source drops the context as on DEVICE_FATAL and opens it anew.
+                FaultKind::Reset => Ok(c.reset_device(down).await?),
+                FaultKind::UserReset => {
+                    c.reset();
+                    Ok(())
+                }
+                k => bail!("--faults {} needs the soft-HCA", k.name()),
+            };
+        };
         match kind {
             FaultKind::Reset => chaos::Fault::Reset { down }.inflict(mgr, c, target).await,
             FaultKind::Replug => chaos::Fault::Replug { down }.inflict(mgr, c, target).await,
@@ -472,6 +485,12 @@ pub(crate) fn wire_quote(s: &str) -> String {
     nvmf_rdma::cli::wire_json::quote(s)
 }
 
+/// The faults chaos can inflict on a kernel RDMA device: a reset of our context of it (every
+/// verbs object dropped as on DEVICE_FATAL, the device opened anew after the down time) and
+/// the controller reset a user asks for. Unplugging one is `rdma link delete` (rxe) or a
+/// PCI remove, done from outside.
+pub(crate) const KERNEL_FAULTS: [FaultKind; 2] = [FaultKind::Reset, FaultKind::UserReset];
+
 pub(crate) fn check_chaos_args(a: &ChaosArgs) -> Result<()> {
     if !(a.seconds > 0.0 && a.seconds <= 86_400.0) {
         bail!("--seconds must be more than 0 and at most 86400");
@@ -487,6 +506,16 @@ pub(crate) fn check_chaos_args(a: &ChaosArgs) -> Result<()> {
     }
     if a.ext.traddr.is_some() && a.faults.contains(&FaultKind::TargetRestart) {
         bail!("--faults target-restart needs the built-in target (no --traddr)");
+    }
+    // (clap makes --device need --traddr: the built-in target of chaos is on the soft-HCA.)
+    if let DeviceChoice::Kernel(d) = &a.ext.device {
+        if let Some(k) = a.faults.iter().find(|k| !KERNEL_FAULTS.contains(k)) {
+            bail!(
+                "--faults {}: on kernel RDMA device {d} chaos can inflict reset and user-reset; \
+                 unplug it from outside (rxe: `rdma link delete {d}`, then `rdma link add`)",
+                k.name()
+            );
+        }
     }
     if !(16..=1024).contains(&a.queue_size) {
         bail!("--queue-size must be between 16 and 1024");
@@ -554,14 +583,20 @@ pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
         println!("{header}");
     }
 
-    if let DeviceChoice::Kernel(d) = &a.ext.device {
-        bail!(
-            "chaos injects faults into our own soft-HCA; on kernel RDMA device {d} fault it from \
-             outside (rdma link delete/add) under fio's verify through the plugin (device={d})"
-        );
-    }
-    let (mut target, mgr, c) = match a.ext.traddr {
-        None => {
+    let (mut target, mgr, c) = match (a.ext.traddr, &a.ext.device) {
+        (Some(traddr), DeviceChoice::Kernel(d)) => {
+            let mut o = chaos::host_options(traddr, a.nr_io_queues, a.queue_size, r.policy);
+            o.io_timeout = r.io_timeout;
+            o.trsvcid = a.ext.trsvcid;
+            if let Some(n) = &a.ext.nqn {
+                o.subnqn = n.clone();
+            }
+            let c = connect_kernel(d, o)
+                .await
+                .with_context(|| format!("the host cannot connect to {traddr} through {d}"))?;
+            (None, None, c)
+        }
+        (None, _) => {
             let target = TargetRig::start(CHAOS_IP, a.size as u64)
                 .await
                 .context("cannot start the built-in target")?;
@@ -571,9 +606,9 @@ pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
             let c = chaos::connect_host(&mgr, CHAOS_IP, o)
                 .await
                 .context("the host cannot connect to the built-in target")?;
-            (Some(target), mgr, c)
+            (Some(target), Some(mgr), c)
         }
-        Some(traddr) => {
+        (Some(traddr), DeviceChoice::Soft) => {
             let addr = host_bind_addr(traddr, a.ext.host_traddr)
                 .context("no route to the target address")?;
             let mgr = DeviceManager::new(!roce_peer(traddr.ip()));
@@ -591,7 +626,7 @@ pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
             let c = Controller::connect_managed(mgr.clone(), chaos::HOST_DEV, o)
                 .await
                 .with_context(|| format!("the host cannot connect to {traddr}"))?;
-            (None, mgr, c)
+            (None, Some(mgr), c)
         }
     };
     let c = Arc::new(c);
@@ -656,7 +691,7 @@ pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
         let mut f = inflict(
             kind,
             down,
-            &mgr,
+            mgr.as_ref(),
             &c,
             target.as_mut(),
             hang_after,

@@ -5,35 +5,14 @@ use std::net::SocketAddr;
 use crate::args::*;
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::device::{self, DeviceChoice};
-use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, DEFAULT_ROCE_PORT};
+use nvmf_rdma::cli::support::{host_bind_addr, roce_peer};
 use nvmf_rdma::driver::{CmService, DeviceManager, SoftHca};
-use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
-use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::nvme::discovery::DiscoveryLogEntry;
 use nvmf_rdma::nvme::Nqn;
 use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
 
 /// A device on `addr`; off loopback its peers may be rxe or NICs (see `roce_peer`).
-pub(crate) fn device_config(name: &str, addr: SocketAddr, n: u8) -> DeviceConfig {
-    // Locally administered, random per process: the MAC (and the GUID made from it) goes
-    // out in every CM REQ and REP, so it must tell a peer nothing (it held the PID), yet
-    // differ between processes on one IP, as the CM tells connections apart by it.
-    let r: [u8; 3] = rand::random();
-    let mac = [0x52, 0x54, r[0], r[1], r[2], n];
-    let roce = roce_peer(addr.ip());
-    DeviceConfig {
-        identity: DeviceIdentity::from_mac(name, mac, PciAddr::new(0, 0x30, n, 0)),
-        addr,
-        icrc: if roce {
-            IcrcCheck::Skip
-        } else {
-            IcrcCheck::Verify
-        },
-        peer_port: roce.then_some(DEFAULT_ROCE_PORT),
-        // Only the simulator seeds a device; this one draws from the OS CSPRNG.
-        seed: 0,
-    }
-}
+pub(crate) use nvmf_rdma::cli::support::soft_device_config as device_config;
 
 /// A host soft-HCA on the local address that routes to `target`.
 pub(crate) async fn host_stack(

@@ -77,6 +77,15 @@ pub(crate) async fn verify(
     }
     eprintln!();
     println!("verified {} bytes: every byte read back matches", size);
+    let (remote, local) = c.queue_stats().iter().fold((0, 0), |(r, l), q| {
+        (r + q.remote_invalidations, l + q.local_invalidations)
+    });
+    if remote + local > 0 {
+        // Per-command keys (a device that cannot re-key keeps one per connection).
+        println!(
+            "memory keys: one per command; {remote} invalidated by the target's response, {local} by this host"
+        );
+    }
     Ok(())
 }
 

@@ -358,6 +358,31 @@ fn chaos_flags_and_defaults() {
 }
 
 #[test]
+fn chaos_on_a_kernel_device_takes_the_faults_it_can_inflict() {
+    let err = |extra: &[&str]| {
+        check_chaos_args(&chaos_args(extra).unwrap())
+            .err()
+            .map(|e| e.to_string())
+    };
+    let ok = [
+        "--device",
+        "rxe0",
+        "-a",
+        "192.168.100.2",
+        "--faults",
+        "reset,user-reset",
+    ];
+    assert_eq!(err(&ok), None);
+    // No built-in target on a kernel device: --device needs --traddr.
+    assert!(chaos_args(&["--device", "rxe0", "--faults", "reset"]).is_err());
+    // Unplugging a kernel device is done from outside.
+    for f in ["replug", "replug-other", "reset,replug"] {
+        let e = err(&["--device", "rxe0", "-a", "192.168.100.2", "--faults", f]).unwrap();
+        assert!(e.contains("rdma link delete rxe0"), "{e}");
+    }
+}
+
+#[test]
 fn connect_exports_parse() {
     let c = Cli::try_parse_from([
         "nvmf-rdma",
