@@ -112,6 +112,10 @@ impl DeviceContext for SoftHca {
         true
     }
 
+    fn send_with_invalidate(&self) -> bool {
+        true
+    }
+
     fn rekey_mr(&self, mr: &mut MrInfo) -> Result<(), VerbsError> {
         *mr = self.with_quiet(|d, _| d.rekey_mr(mr.lkey))?;
         Ok(())

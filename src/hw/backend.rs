@@ -499,6 +499,11 @@ impl DeviceContext for HwContext {
         false
     }
 
+    /// sideway 0.4.3's post path has no SEND_WITH_INV setter (see `post_send_wr`).
+    fn send_with_invalidate(&self) -> bool {
+        false
+    }
+
     fn rekey_mr(&self, _mr: &mut MrInfo) -> Result<(), VerbsError> {
         Ok(())
     }

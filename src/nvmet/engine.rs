@@ -1743,14 +1743,15 @@ fn spaced<const N: usize>(v: &str) -> FixedStr<N> {
 ///
 /// A command whose keyed SGL asked for it (subtype 0xF) gets a SEND with Invalidate of its
 /// key, as nvmet-rdma answers: the host's buffer is shut to us the moment the response
-/// lands, with no local invalidation on the host's side.
+/// lands, with no local invalidation on the host's side. A device that cannot send with
+/// invalidate answers with a plain SEND: the host then invalidates the key itself.
 fn send_response<D: DeviceContext>(d: &mut Io<D>, qpn: Qpn, q: &mut TQueue<D::Mem>, c: usize) {
     let op = match SglDescriptor::parse(&q.cmds[c].sqe.dptr) {
         Ok(SglDescriptor::Keyed {
             key,
             invalidate: true,
             ..
-        }) => SendOp::SendWithInv(MemKey(key)),
+        }) if d.dev.send_with_invalidate() => SendOp::SendWithInv(MemKey(key)),
         _ => SendOp::Send,
     };
     let wr = SendWr {

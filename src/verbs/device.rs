@@ -90,6 +90,12 @@ pub trait DeviceContext: Clone + Send + Sync + 'static {
     /// [`DeviceContext::invalidate_mr`])? Where it cannot, a region keeps the key it was
     /// registered with until it is deregistered.
     fn per_use_keys(&self) -> bool;
+    /// Can a SEND carry an invalidation of the peer's key ([`SendOp::SendWithInv`])? Where it
+    /// cannot, a target answers with a plain SEND and the host invalidates the key itself
+    /// (as Linux nvme-rdma does when the response did not).
+    ///
+    /// [`SendOp::SendWithInv`]: super::SendOp::SendWithInv
+    fn send_with_invalidate(&self) -> bool;
     /// Fast registration (what IB_WR_REG_MR with a new key does): from now on the region
     /// answers to a fresh key only, lkey and rkey alike, and is valid; `mr` is updated. The
     /// old key is refused at once. A no-op where [`DeviceContext::per_use_keys`] is false.
