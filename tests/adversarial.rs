@@ -64,10 +64,10 @@ fn subsystem(nqn: &str) -> Subsystem {
 }
 
 /// A target on device `i` with `tc`, and the device's CM.
-async fn target(i: u8, tc: TargetConfig) -> (Target, SoftHca) {
+async fn target(i: u8, tc: TargetConfig) -> (Target<SoftHca>, SoftHca) {
     let hca = SoftHca::start(cfg("tgt", i)).await.unwrap();
     let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::for_device(&hca));
+    serve_cm(t.clone(), CmService::for_device(&hca)).unwrap();
     (t, hca)
 }
 
@@ -606,7 +606,7 @@ async fn what_a_peer_sees() -> (u32, u32, u32, u32) {
     };
     let hca = SoftHca::start(cfg("same", 30)).await.unwrap();
     let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::for_device(&hca));
+    serve_cm(t.clone(), CmService::for_device(&hca)).unwrap();
     let (_h, cm) = host_dev(31).await;
     let params = ConnectParams::new(Qpn::new(0x400), 4420);
     let est = within(

@@ -362,7 +362,7 @@ fn keep_busy(c: Arc<Controller>, stop: Arc<AtomicBool>) -> tokio::task::JoinHand
     })
 }
 
-async fn builtin_target(i: u8) -> (Target, SoftHca) {
+async fn builtin_target(i: u8) -> (Target<SoftHca>, SoftHca) {
     let (hca, cm) = device("tgt", i).await;
     let ns = Arc::new(Namespace::ram(1, 8 << 20, 9));
     let tc = TargetConfig {
@@ -371,7 +371,7 @@ async fn builtin_target(i: u8) -> (Target, SoftHca) {
         ..TargetConfig::default()
     };
     let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), cm);
+    serve_cm(t.clone(), cm).unwrap();
     (t, hca)
 }
 

@@ -26,7 +26,7 @@ fn cfg(name: &str, i: u8) -> DeviceConfig {
     }
 }
 
-async fn target(bytes: u64) -> (Target, SoftHca) {
+async fn target(bytes: u64) -> (Target<SoftHca>, SoftHca) {
     let hca = SoftHca::start(cfg("tgt0", 1)).await.unwrap();
     let ns = Arc::new(Namespace::ram(1, bytes, 9));
     let tc = TargetConfig {
@@ -34,7 +34,7 @@ async fn target(bytes: u64) -> (Target, SoftHca) {
         ..TargetConfig::default()
     };
     let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::for_device(&hca));
+    serve_cm(t.clone(), CmService::for_device(&hca)).unwrap();
     (t, hca)
 }
 

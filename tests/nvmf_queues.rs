@@ -53,7 +53,7 @@ fn subsystem(nqn: &str, ns: Namespace) -> Subsystem {
 
 /// A target on its own soft-HCA serving `subsystems`. Staging is kept at 128 KiB per command
 /// so many deep queues stay cheap; larger host transfers are split by the host.
-async fn target(i: u8, subsystems: Vec<Subsystem>) -> (Target, SoftHca) {
+async fn target(i: u8, subsystems: Vec<Subsystem>) -> (Target<SoftHca>, SoftHca) {
     let hca = SoftHca::start(cfg("tgt", i)).await.unwrap();
     let tc = TargetConfig {
         subsystems,
@@ -61,7 +61,7 @@ async fn target(i: u8, subsystems: Vec<Subsystem>) -> (Target, SoftHca) {
         ..TargetConfig::default()
     };
     let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::for_device(&hca));
+    serve_cm(t.clone(), CmService::for_device(&hca)).unwrap();
     (t, hca)
 }
 
@@ -92,7 +92,7 @@ async fn connect(hca: &SoftHca, cm: &CmService, o: ConnectOptions) -> Controller
 }
 
 /// Wait until the target holds `n` queues.
-async fn target_queues(t: &Target, n: usize) {
+async fn target_queues(t: &Target<SoftHca>, n: usize) {
     for _ in 0..300 {
         if t.queue_count() == n {
             return;

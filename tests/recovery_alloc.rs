@@ -29,7 +29,7 @@ const IP: [u8; 4] = [127, 0, 0, 1];
 /// The target on its own thread and runtime, all of it platform code.
 struct RemoteTarget {
     addr: SocketAddr,
-    target: Target,
+    target: Target<nvmf_rdma::driver::SoftHca>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }

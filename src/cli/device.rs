@@ -107,6 +107,100 @@ pub async fn discover_kernel(
     }
 }
 
+/// The built-in target on a kernel RDMA device (`target --device`).
+pub struct KernelTarget {
+    #[cfg(feature = "hw")]
+    target: crate::nvmet::Target<crate::hw::backend::HwContext>,
+    #[cfg(feature = "hw")]
+    source: crate::hw::backend::HwSource,
+    #[cfg(feature = "hw")]
+    name: String,
+}
+
+/// Start the built-in target on the kernel RDMA device `sel`, listening through rdma_cm on
+/// `cfg.advertise` (an address of the device's network interface) at `cfg.port`. The error
+/// is one line saying what to do.
+pub fn start_target_kernel(
+    sel: &str,
+    cfg: crate::nvmet::TargetConfig,
+) -> Result<KernelTarget, String> {
+    #[cfg(feature = "hw")]
+    {
+        use crate::hw::backend::HwSource;
+        use crate::nvmet::{serve_cm, Target};
+        use crate::verbs::DeviceSource;
+        let at = cfg.advertise.map(|a| a.ip());
+        if at.is_none_or(|ip| ip.is_loopback() || ip.is_unspecified()) {
+            return Err(format!(
+                "--device {sel}: give --listen an IP address of {sel}'s network interface \
+                 (rdma_cm listens there)"
+            ));
+        }
+        HwSource::check(sel).map_err(|e| format!("--device {sel}: {e}"))?;
+        let source = HwSource::new();
+        let opened = source
+            .open(sel)
+            .ok_or_else(|| format!("--device {sel}: cannot open the RDMA device"))?;
+        let cm = source.cm(&opened.dev);
+        let target = Target::start(opened.dev, cfg)
+            .map_err(|e| format!("--device {sel}: cannot set up the target: {e}"))?;
+        serve_cm(target.clone(), cm).map_err(|e| format!("--device {sel}: {e}"))?;
+        Ok(KernelTarget {
+            target,
+            source,
+            name: sel.to_string(),
+        })
+    }
+    #[cfg(not(feature = "hw"))]
+    {
+        let _ = cfg;
+        Err(no_hw(sel).to_string())
+    }
+}
+
+impl KernelTarget {
+    pub fn stats(&self) -> crate::nvmet::TargetStats {
+        #[cfg(feature = "hw")]
+        {
+            self.target.stats()
+        }
+        #[cfg(not(feature = "hw"))]
+        {
+            crate::nvmet::TargetStats::default()
+        }
+    }
+
+    /// Wait until the device dies (fatal error or removal); says so in one line. The target
+    /// does not come back with the device: its queues and controllers died with it, and
+    /// hosts reconnect to whatever is started next.
+    pub async fn died(&self) -> String {
+        #[cfg(feature = "hw")]
+        {
+            use crate::verbs::{DeviceContext, DeviceSource, Lifecycle};
+            let changed = self.source.changed();
+            loop {
+                let n = changed.notified();
+                tokio::pin!(n);
+                n.as_mut().enable();
+                match self.target.device().lifecycle() {
+                    Lifecycle::Live => n.await,
+                    l => {
+                        return format!(
+                            "RDMA device {} is gone ({l:?}): the target stops; start it again \
+                             once the device is back",
+                            self.name
+                        )
+                    }
+                }
+            }
+        }
+        #[cfg(not(feature = "hw"))]
+        {
+            std::future::pending::<String>().await
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

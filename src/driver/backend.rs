@@ -13,14 +13,14 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, Notify};
 
-use crate::cm::{ConnId, ConnectParams, Established};
+use crate::cm::{AcceptParams, ConnId, ConnectParams, Established};
 use crate::harness::alloc_audit;
 use crate::hca::rc::{create_qp_init, qp_to_rts, RcOptions};
 use crate::hca::HostMem;
 use crate::verbs::{
-    Access, CmError, CmPort, CqId, DeviceContext, DeviceSource, HostBuffer, Identity, Lifecycle,
-    MrInfo, Opened, PdId, PeerInfo, Psn, QpCaps, Qpn, RcAttr, RecvWr, SendWr, VerbsError,
-    WorkCompletion,
+    Access, CmError, CmListen, CmPort, CqId, DeviceContext, DeviceSource, HostBuffer, Identity,
+    Incoming, Lifecycle, MrInfo, Opened, PdId, PeerInfo, Psn, QpCaps, Qpn, RcAttr, RecvWr, SendWr,
+    VerbsError, WorkCompletion,
 };
 
 use super::{CmService, DeviceManager, SoftHca};
@@ -28,6 +28,14 @@ use super::{CmService, DeviceManager, SoftHca};
 impl HostBuffer for HostMem {
     fn alloc(len: usize) -> HostMem {
         HostMem::new(len)
+    }
+
+    fn try_alloc(len: usize) -> Option<HostMem> {
+        HostMem::try_new(len).ok()
+    }
+
+    fn try_alloc_lazy(len: usize) -> Option<HostMem> {
+        HostMem::try_new_lazy(len)
     }
 
     fn len(&self) -> usize {
@@ -101,6 +109,10 @@ impl DeviceContext for SoftHca {
     }
 
     fn per_use_keys(&self) -> bool {
+        true
+    }
+
+    fn send_with_invalidate(&self) -> bool {
         true
     }
 
@@ -252,5 +264,26 @@ impl CmPort for CmService {
 
     fn watch(&self, id: ConnId, tx: mpsc::UnboundedSender<ConnId>) {
         CmService::watch(self, id, tx)
+    }
+}
+
+impl CmListen for CmService {
+    /// Our IB CM answers on the device's own address whatever `at.ip()` says: a soft-HCA
+    /// context has one address.
+    fn listen(&self, at: SocketAddr) -> Result<mpsc::UnboundedReceiver<Incoming>, CmError> {
+        Ok(CmService::listen(self, at.port()))
+    }
+
+    /// Nothing to tie: the soft-HCA's QP takes its path from [`DeviceContext::rc_to_rts`].
+    fn attach(&self, _id: ConnId, _qpn: Qpn) -> Result<(), CmError> {
+        Ok(())
+    }
+
+    fn accept(&self, id: ConnId, params: AcceptParams, private: &[u8]) -> Result<(), CmError> {
+        CmService::accept(self, id, params, private)
+    }
+
+    fn reject(&self, id: ConnId, private: &[u8]) {
+        CmService::reject(self, id, private)
     }
 }

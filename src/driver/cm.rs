@@ -14,7 +14,7 @@ use crate::cm::{
     service_id, AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnId, ConnectParams, ConnectRequest,
     Established, RejectReason,
 };
-use crate::verbs::{CmError, Lifecycle};
+use crate::verbs::{CmError, Incoming, Lifecycle, PeerInfo};
 
 use super::SoftHca;
 
@@ -22,7 +22,7 @@ struct Shared {
     hca: SoftHca,
     cm: Mutex<CmEndpoint>,
     waiters: Mutex<BTreeMap<ConnId, oneshot::Sender<CmEvent>>>,
-    listener: Mutex<Option<mpsc::UnboundedSender<ConnectRequest>>>,
+    listener: Mutex<Option<mpsc::UnboundedSender<Incoming>>>,
     /// Connections whose teardown someone wants to hear about.
     watchers: Mutex<BTreeMap<ConnId, mpsc::UnboundedSender<ConnId>>>,
     kick: Notify,
@@ -166,7 +166,7 @@ impl CmService {
     }
 
     /// Passive side: connection requests for `port` arrive on the returned channel.
-    pub fn listen(&self, port: u16) -> mpsc::UnboundedReceiver<ConnectRequest> {
+    pub fn listen(&self, port: u16) -> mpsc::UnboundedReceiver<Incoming> {
         let (tx, rx) = mpsc::unbounded_channel();
         self.cm().listen(service_id(port));
         *self.sh.listener.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
@@ -290,7 +290,7 @@ fn dispatch(sh: &Shared, ev: CmEvent) {
         CmEvent::ConnectRequest(req) => {
             let l = sh.listener.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(tx) = l.as_ref() {
-                let _ = tx.send(req);
+                let _ = tx.send(incoming(req));
             }
         }
         CmEvent::Disconnected { id } => {
@@ -318,5 +318,20 @@ fn dispatch(sh: &Shared, ev: CmEvent) {
                 let _ = e;
             }
         }
+    }
+}
+
+/// What the target needs of a REQ.
+fn incoming(req: ConnectRequest) -> Incoming {
+    Incoming {
+        id: req.id,
+        peer: PeerInfo {
+            addr: req.peer,
+            qpn: req.remote_qpn,
+            psn: req.remote_psn,
+        },
+        local_psn: req.local_psn,
+        path_mtu: req.path_mtu,
+        nvme: req.nvme,
     }
 }

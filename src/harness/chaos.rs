@@ -33,7 +33,7 @@ pub const HOST_DEV: &str = "host0";
 pub struct TargetRig {
     pub addr: SocketAddr,
     pub ns: Arc<Namespace>,
-    pub target: Target,
+    pub target: Target<SoftHca>,
     hca: SoftHca,
     generation: u64,
     fabric: Fabric,
@@ -77,7 +77,7 @@ impl TargetRig {
             ..TargetConfig::default()
         };
         let target = Target::start(hca.clone(), cfg)?;
-        serve_cm(target.clone(), CmService::for_device(&hca));
+        serve_cm(target.clone(), CmService::for_device(&hca))?;
         Ok(TargetRig {
             addr: hca.addr(),
             ns,

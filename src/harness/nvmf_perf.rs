@@ -34,7 +34,7 @@ fn dev_config(name: &str, i: u8, ip: [u8; 4]) -> DeviceConfig {
 /// A built-in target with one RAM namespace, running on its own thread and runtime.
 pub struct LocalTarget {
     pub addr: SocketAddr,
-    pub target: Target,
+    pub target: Target<SoftHca>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -65,7 +65,7 @@ impl LocalTarget {
                             ..TargetConfig::default()
                         };
                         let t = Target::start(hca.clone(), cfg)?;
-                        serve_cm(t.clone(), CmService::for_device(&hca));
+                        serve_cm(t.clone(), CmService::for_device(&hca))?;
                         anyhow::Ok((hca.addr(), t))
                     }
                     .await;
@@ -90,7 +90,7 @@ impl LocalTarget {
 
 impl Drop for LocalTarget {
     fn drop(&mut self) {
-        self.target.hca().fatal();
+        self.target.device().fatal();
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }

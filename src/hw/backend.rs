@@ -31,19 +31,19 @@ use sideway::ibverbs::queue_pair::{
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, Notify};
 
-use super::cm::{ev, CmId};
+use super::cm::{ev, CmId, ConnRequest, ListenEvent};
 use super::device::{access_flags, list_devices, HwCq, HwDevice, HwDeviceInfo, Selector};
 use super::events::AsyncEvents;
 use super::map::HwEvent;
 use super::verbs::{poll_raw, post_recv_wr, post_send_wr};
 use super::{watch, BorrowedRawFd, HwError};
-use crate::cm::private::NvmeCmAccept;
-use crate::cm::{ConnId, ConnectParams, Established};
+use crate::cm::private::{NvmeCmAccept, NvmeCmRequest};
+use crate::cm::{AcceptParams, ConnId, ConnectParams, Established};
 use crate::harness::alloc_audit;
 use crate::verbs::{
-    Access, AsyncEvent, CmError, CmPort, CqId, DeviceContext, DeviceSource, Guid, HostBuffer,
-    Identity, Lifecycle, MemKey, MrInfo, Mtu, Opened, PdId, PeerInfo, Psn, QpCaps, Qpn, RcAttr,
-    RecvWr, SendWr, VerbsError, WcOpcode, WorkCompletion,
+    Access, AsyncEvent, CmError, CmListen, CmPort, CqId, DeviceContext, DeviceSource, Guid,
+    HostBuffer, Identity, Incoming, Lifecycle, MemKey, MrInfo, Mtu, Opened, PdId, PeerInfo, Psn,
+    QpCaps, Qpn, RcAttr, RecvWr, SendWr, VerbsError, WcOpcode, WorkCompletion,
 };
 
 /// How often a source reads the device list to see devices come and go (libibverbs has no
@@ -91,17 +91,38 @@ impl HwMem {
     }
 }
 
-impl HostBuffer for HwMem {
-    fn alloc(len: usize) -> HwMem {
-        let layout = Layout::from_size_align(len.max(1), 4096).expect("buffer size overflows");
+impl HwMem {
+    /// `len` zeroed, page-aligned bytes (pages come in as registration pins them), or why
+    /// not: the layout, if it cannot be had.
+    fn try_new(len: usize) -> Result<HwMem, Option<Layout>> {
+        let layout = Layout::from_size_align(len.max(1), 4096).map_err(|_| None)?;
         // SAFETY: non-zero size.
         let p = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        HwMem {
+        let ptr = NonNull::new(p).ok_or(Some(layout))?;
+        Ok(HwMem {
             ptr,
             layout,
             lock: Mutex::new(()),
+        })
+    }
+}
+
+impl HostBuffer for HwMem {
+    fn alloc(len: usize) -> HwMem {
+        match HwMem::try_new(len) {
+            Ok(m) => m,
+            Err(Some(layout)) => std::alloc::handle_alloc_error(layout),
+            Err(None) => panic!("buffer size overflows"),
         }
+    }
+
+    fn try_alloc(len: usize) -> Option<HwMem> {
+        HwMem::try_new(len).ok()
+    }
+
+    /// Registration pins every page of a kernel device's MR, so nothing is lazier than this.
+    fn try_alloc_lazy(len: usize) -> Option<HwMem> {
+        HwMem::try_new(len).ok()
     }
 
     fn len(&self) -> usize {
@@ -168,12 +189,16 @@ impl Drop for CqEntry {
     }
 }
 
-/// What rdma_cm computed for a QP's path, kept from the REP until the host moves the QP.
+/// What rdma_cm computed for a QP's path (INIT, RTR, RTS attributes with their masks).
+type Path = [(ibv_qp_attr, i32); 3];
+
+/// A QP's path, kept from the REP (active side) or the REQ (passive side) until the owner
+/// moves the QP to RTS.
 struct Pending {
-    init: (ibv_qp_attr, i32),
-    rtr: (ibv_qp_attr, i32),
-    rts: (ibv_qp_attr, i32),
-    conn: Arc<Conn>,
+    path: Path,
+    /// Active side: the connection to send the RTU on once the QP is in RTS. The passive
+    /// side answers with an accept instead.
+    establish: Option<Arc<Conn>>,
 }
 
 struct QpEntry {
@@ -474,6 +499,11 @@ impl DeviceContext for HwContext {
         false
     }
 
+    /// sideway 0.4.3's post path has no SEND_WITH_INV setter (see `post_send_wr`).
+    fn send_with_invalidate(&self) -> bool {
+        false
+    }
+
     fn rekey_mr(&self, _mr: &mut MrInfo) -> Result<(), VerbsError> {
         Ok(())
     }
@@ -564,7 +594,8 @@ impl DeviceContext for HwContext {
                 .pending
                 .take()
                 .ok_or(VerbsError::InvalidArgument("QP has no rdma_cm connection"))?;
-            if p.rtr.0.dest_qp_num != peer.qpn.get() {
+            let [init, rtr, rts] = p.path;
+            if rtr.0.dest_qp_num != peer.qpn.get() {
                 return Err(VerbsError::InvalidArgument(
                     "peer QPN differs from the CM's",
                 ));
@@ -576,20 +607,25 @@ impl DeviceContext for HwContext {
             // INIT -> INIT first, as librdmacm's ucma_modify_qp_rtr does: now that the
             // responder resources are agreed the CM grants the remote access the target's
             // RDMA READ/WRITE need.
-            let init = QueuePairAttribute::from(&p.init.0, p.init.1);
+            let init = QueuePairAttribute::from(&init.0, init.1);
             modify(&mut e.qp, &init, "modify QP to INIT")?;
-            let mut rtr = QueuePairAttribute::from(&p.rtr.0, p.rtr.1);
-            let cm_mtu = mtu_of(p.rtr.0.path_mtu);
+            let cm_mtu = mtu_of(rtr.0.path_mtu);
+            let mut rtr = QueuePairAttribute::from(&rtr.0, rtr.1);
             rtr.setup_path_mtu(ib_mtu(cm_mtu.min(attr.mtu)));
             modify(&mut e.qp, &rtr, "modify QP to RTR")?;
-            let mut rts = QueuePairAttribute::from(&p.rts.0, p.rts.1);
+            let mut rts = QueuePairAttribute::from(&rts.0, rts.1);
             rts.setup_timeout(attr.timeout)
                 .setup_retry_cnt(attr.retry_cnt)
                 .setup_rnr_retry(attr.rnr_retry);
             modify(&mut e.qp, &rts, "modify QP to RTS")?;
-            Ok(p.conn)
+            Ok(p.establish)
         })?;
-        alloc_audit::platform(|| conn.id.establish()).map_err(|e| verr("rdma_establish", e))
+        match conn {
+            Some(c) => {
+                alloc_audit::platform(|| c.id.establish()).map_err(|e| verr("rdma_establish", e))
+            }
+            None => Ok(()),
+        }
     }
 
     fn destroy_qp(&self, qpn: Qpn) {
@@ -719,9 +755,25 @@ struct Conn {
     watcher: Mutex<Option<mpsc::UnboundedSender<ConnId>>>,
     broken: std::sync::atomic::AtomicBool,
     conn_id: ConnId,
+    /// Passive side: the request's path, until [`CmListen::attach`] hands it to our QP.
+    request: Mutex<Option<Path>>,
+    /// Woken when the connection is forgotten (abort, disconnect, reject), so that its
+    /// watcher lets go of the id and the id is destroyed.
+    closed: Notify,
 }
 
 impl Conn {
+    fn new(id: CmId, n: u32, request: Option<Path>) -> Conn {
+        Conn {
+            id,
+            watcher: Mutex::new(None),
+            broken: std::sync::atomic::AtomicBool::new(false),
+            conn_id: ConnId(n),
+            request: Mutex::new(request),
+            closed: Notify::new(),
+        }
+    }
+
     /// The connection broke: tell the watcher, once.
     fn report(&self) {
         self.broken.store(true, Ordering::Release);
@@ -742,30 +794,46 @@ pub struct HwCm {
     ctx: Arc<Ctx>,
 }
 
-/// Read one connection's events until it ends: DISCONNECTED breaks it, DEVICE_REMOVAL kills
-/// the context (which destroys every id on the device, as the kernel waits for).
+/// Read one connection's events until it ends or is forgotten: DISCONNECTED (or, on the
+/// passive side, a request that never became a connection) breaks it and forgets it,
+/// DEVICE_REMOVAL kills the context (which destroys every id on the device, as the kernel
+/// waits for).
 async fn watch_conn(conn: Arc<Conn>, ctx: Weak<Ctx>) {
     loop {
-        let e = conn
-            .id
-            .event(Duration::from_secs(24 * 3600), "connection event")
-            .await;
+        let e = tokio::select! {
+            e = conn.id.event(Duration::from_secs(24 * 3600), "connection event") => e,
+            _ = conn.closed.notified() => return,
+        };
         let Some(c) = ctx.upgrade() else { return };
-        match e {
+        let broken = match e {
             Ok(e) if e.kind == ev::DEVICE_REMOVAL => {
                 c.kill(REMOVED);
                 return;
             }
-            Ok(e) if e.kind == ev::DISCONNECTED => {
-                conn.report();
-                return;
+            Ok(e)
+                if matches!(
+                    e.kind,
+                    ev::DISCONNECTED | ev::CONNECT_ERROR | ev::UNREACHABLE | ev::REJECTED
+                ) =>
+            {
+                tracing::debug!(device = %c.info.name, "rdma_cm event {}", e.name());
+                true
             }
-            Ok(e) => tracing::debug!(device = %c.info.name, "rdma_cm event {}", e.name()),
-            Err(HwError::CmTimeout(_)) => {}
-            Err(_) => {
-                conn.report();
-                return;
+            Ok(e) => {
+                tracing::debug!(device = %c.info.name, "rdma_cm event {}", e.name());
+                false
             }
+            Err(HwError::CmTimeout(_)) => false,
+            Err(_) => true,
+        };
+        if broken {
+            conn.report();
+            // Its owner learns it from the report; the id goes once nobody holds it.
+            c.conns
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&conn.conn_id.0);
+            return;
         }
     }
 }
@@ -874,15 +942,11 @@ impl HwCm {
             rts.0.rnr_retry,
             rts.0.timeout,
         );
+        let path = [init, rtr, rts];
         // Numbered across contexts: a late disconnect report of a dead context's connection
         // must not name a connection of its successor.
         let n = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
-        let conn = Arc::new(Conn {
-            id,
-            watcher: Mutex::new(None),
-            broken: std::sync::atomic::AtomicBool::new(false),
-            conn_id: ConnId(n),
-        });
+        let conn = Arc::new(Conn::new(id, n, None));
         let registered = alloc_audit::platform(|| {
             let mut res = ctx.res();
             let Some(r) = res.as_mut() else {
@@ -894,20 +958,10 @@ impl HwCm {
                 return Err(CmError::Refused("no such QP".into()));
             };
             q.pending = Some(Pending {
-                init,
-                rtr,
-                rts,
-                conn: conn.clone(),
+                path,
+                establish: Some(conn.clone()),
             });
-            ctx.conns
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(n, conn.clone());
-            let t = tokio::spawn(watch_conn(conn.clone(), Arc::downgrade(ctx)));
-            ctx.tasks
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(t.abort_handle());
+            self.spawn_watch(&conn);
             Ok(())
         });
         registered?;
@@ -931,12 +985,41 @@ impl HwCm {
         })
     }
 
+    /// Forget connection `id`: its watcher lets go of it, and its id is destroyed once the
+    /// caller drops what this returns.
     fn take(&self, id: ConnId) -> Option<Arc<Conn>> {
+        let c = self
+            .ctx
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id.0)?;
+        c.closed.notify_one();
+        Some(c)
+    }
+
+    fn conn(&self, id: ConnId) -> Option<Arc<Conn>> {
         self.ctx
             .conns
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&id.0)
+            .get(&id.0)
+            .cloned()
+    }
+
+    /// Watch `conn`'s events for as long as the context lives.
+    fn spawn_watch(&self, conn: &Arc<Conn>) {
+        self.ctx
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(conn.conn_id.0, conn.clone());
+        let t = tokio::spawn(watch_conn(conn.clone(), Arc::downgrade(&self.ctx)));
+        self.ctx
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(t.abort_handle());
     }
 }
 
@@ -988,6 +1071,174 @@ impl CmPort for HwCm {
                 }
                 _ => {
                     let _ = tx.send(id);
+                }
+            }
+        })
+    }
+}
+
+/// Connection requests a listener may have waiting (`rdma_listen` backlog).
+const LISTEN_BACKLOG: i32 = 128;
+
+/// Serve a listening id until the context dies: each CONNECT_REQUEST becomes a connection
+/// of the context, reported on `tx`; DEVICE_REMOVAL kills the context.
+async fn serve_listen(cm: HwCm, id: CmId, tx: mpsc::UnboundedSender<Incoming>) {
+    loop {
+        let e = id.listen_event().await;
+        if cm.ctx.gone() {
+            return;
+        }
+        match e {
+            Ok(ListenEvent::Request(r)) => {
+                if let Some(inc) = alloc_audit::platform(|| cm.on_request(r)) {
+                    if tx.send(inc).is_err() {
+                        return;
+                    }
+                }
+            }
+            Ok(ListenEvent::Other(e)) if e.kind == ev::DEVICE_REMOVAL => {
+                cm.ctx.kill(REMOVED);
+                return;
+            }
+            Ok(ListenEvent::Other(e)) => {
+                tracing::debug!(device = %cm.ctx.info.name, "rdma_cm listener event {}", e.name())
+            }
+            // A request whose id could not be moved to a channel of its own was refused.
+            Err(HwError::Verbs { call, source }) if call != "rdma_get_cm_event" => {
+                tracing::warn!(device = %cm.ctx.info.name, "connection request refused: {call}: {source}")
+            }
+            Err(e) => {
+                tracing::error!(device = %cm.ctx.info.name, "rdma_cm listener failed: {e}");
+                return;
+            }
+        }
+    }
+}
+
+impl HwCm {
+    /// A connection request: on this context's device and port 1, with a path rdma_cm can
+    /// give our QP, or refused here.
+    fn on_request(&self, r: ConnRequest) -> Option<Incoming> {
+        let name = &self.ctx.info.name;
+        let refuse = |why: String| {
+            tracing::warn!(device = %name, "connection request refused: {why}");
+            let _ = r.id.reject(&[]);
+        };
+        if r.id.device_guid() != Some(self.ctx.identity.guid) || r.id.port() != 1 {
+            refuse(format!(
+                "it came in on device guid {:?} port {}, not port 1 of {name}",
+                r.id.device_guid(),
+                r.id.port()
+            ));
+            return None;
+        }
+        let path = match (r.id.qp_attr(1), r.id.qp_attr(2), r.id.qp_attr(3)) {
+            (Ok(i), Ok(rtr), Ok(rts)) => [i, rtr, rts],
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+                refuse(format!("no QP path from rdma_cm: {e}"));
+                return None;
+            }
+        };
+        let [_, rtr, rts] = &path;
+        let peer =
+            r.id.peer_addr()
+                .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
+        let (qpn, psn) = (Qpn::new(rtr.0.dest_qp_num), Psn::new(rtr.0.rq_psn));
+        let (local_psn, path_mtu) = (Psn::new(rts.0.sq_psn), mtu_of(rtr.0.path_mtu));
+        let nvme = NvmeCmRequest::parse(&r.private);
+        let n = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+        let conn = Arc::new(Conn::new(r.id, n, Some(path)));
+        self.spawn_watch(&conn);
+        Some(Incoming {
+            id: ConnId(n),
+            peer: PeerInfo {
+                addr: peer,
+                qpn,
+                psn,
+            },
+            local_psn,
+            path_mtu,
+            nvme,
+        })
+    }
+}
+
+impl CmListen for HwCm {
+    fn listen(&self, at: SocketAddr) -> Result<mpsc::UnboundedReceiver<Incoming>, CmError> {
+        if self.ctx.gone() {
+            return Err(CmError::DeviceGone("the RDMA device is gone"));
+        }
+        let name = &self.ctx.info.name;
+        let id = alloc_audit::platform(|| -> Result<CmId, HwError> {
+            let id = CmId::new()?;
+            id.listen(at, LISTEN_BACKLOG)?;
+            Ok(id)
+        })
+        .map_err(|e| CmError::Refused(format!("cannot listen on {at}: {e}")))?;
+        match id.device_guid() {
+            Some(g) if g != self.ctx.identity.guid => {
+                return Err(CmError::Refused(format!(
+                    "{} is an address of RDMA device guid {g}, not of {name}: listen on an \
+                     address of {name}'s network interface",
+                    at.ip()
+                )))
+            }
+            // A wildcard address: requests through other devices are refused one by one.
+            _ => {}
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let t = tokio::spawn(serve_listen(self.clone(), id, tx));
+        self.ctx
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(t.abort_handle());
+        Ok(rx)
+    }
+
+    fn attach(&self, id: ConnId, qpn: Qpn) -> Result<(), CmError> {
+        alloc_audit::platform(|| {
+            let conn = self
+                .conn(id)
+                .ok_or_else(|| CmError::Refused("the connection request is gone".into()))?;
+            let path = conn
+                .request
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+                .ok_or_else(|| CmError::Refused("the request is attached already".into()))?;
+            let mut res = self.ctx.res();
+            let r = res
+                .as_mut()
+                .ok_or(CmError::DeviceGone("the RDMA device is gone"))?;
+            let q = r
+                .qps
+                .get_mut(&qpn.get())
+                .ok_or_else(|| CmError::Refused("no such QP".into()))?;
+            q.pending = Some(Pending {
+                path,
+                establish: None,
+            });
+            Ok(())
+        })
+    }
+
+    fn accept(&self, id: ConnId, params: AcceptParams, private: &[u8]) -> Result<(), CmError> {
+        alloc_audit::platform(|| {
+            let conn = self
+                .conn(id)
+                .ok_or_else(|| CmError::Refused("the connection request is gone".into()))?;
+            conn.id
+                .accept(params.local_qpn.get(), private, params.rnr_retry_count)
+                .map_err(|e| CmError::Refused(e.to_string()))
+        })
+    }
+
+    fn reject(&self, id: ConnId, private: &[u8]) {
+        alloc_audit::platform(|| {
+            if let Some(c) = self.take(id) {
+                if let Err(e) = c.id.reject(private) {
+                    tracing::debug!("rdma_reject: {e}");
                 }
             }
         })

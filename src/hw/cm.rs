@@ -1,4 +1,4 @@
-//! rdma_cm, active side, with private data: our own FFI over `rdma-mummy-sys`.
+//! rdma_cm with private data, active and passive side: our own FFI over `rdma-mummy-sys`.
 //!
 //! sideway 0.4.3 wraps rdma_cm, but its `ConnectionParameter` has no private-data setter, its
 //! `Identifier` does not expose the raw `rdma_cm_id`, and its `Event` does not expose the
@@ -7,6 +7,12 @@
 //! connection management is done here directly; the QP stays a sideway object, moved through
 //! INIT/RTR/RTS with the attributes `rdma_init_qp_attr` computes (the QP is not attached to
 //! the id, so librdmacm reports CONNECT_RESPONSE and we call `rdma_establish` ourselves).
+//!
+//! Passive side (the built-in target): a listening id ([`CmId::listen`]) reports each
+//! CONNECT_REQUEST with a new id, which is moved to an event channel of its own
+//! (`rdma_migrate_id`) so that it is read like an active connection; the target brings its
+//! own QP up with the same `rdma_init_qp_attr` attributes and answers with
+//! [`CmId::accept`] (`conn_param.qp_num` = that QP) or [`CmId::reject`].
 
 use std::mem::MaybeUninit;
 use std::net::SocketAddr;
@@ -14,11 +20,11 @@ use std::ptr::null_mut;
 use std::time::Duration;
 
 use rdma_mummy_sys::{
-    ibv_get_device_guid, ibv_qp_attr, rdma_ack_cm_event, rdma_cm_event, rdma_cm_id,
-    rdma_conn_param, rdma_connect, rdma_create_event_channel, rdma_create_id,
-    rdma_destroy_event_channel, rdma_destroy_id, rdma_disconnect, rdma_establish,
-    rdma_event_channel, rdma_get_cm_event, rdma_init_qp_attr, rdma_port_space, rdma_resolve_addr,
-    rdma_resolve_route,
+    ibv_get_device_guid, ibv_qp_attr, rdma_accept, rdma_ack_cm_event, rdma_bind_addr,
+    rdma_cm_event, rdma_cm_id, rdma_conn_param, rdma_connect, rdma_create_event_channel,
+    rdma_create_id, rdma_destroy_event_channel, rdma_destroy_id, rdma_disconnect, rdma_establish,
+    rdma_event_channel, rdma_get_cm_event, rdma_init_qp_attr, rdma_listen, rdma_migrate_id,
+    rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route,
 };
 use tokio::io::unix::AsyncFd;
 
@@ -31,11 +37,32 @@ use crate::hca::Guid;
 pub mod ev {
     pub const ADDR_RESOLVED: u32 = 0;
     pub const ROUTE_RESOLVED: u32 = 2;
+    pub const CONNECT_REQUEST: u32 = 4;
     pub const CONNECT_RESPONSE: u32 = 5;
+    pub const CONNECT_ERROR: u32 = 6;
+    pub const UNREACHABLE: u32 = 7;
     pub const REJECTED: u32 = 8;
     pub const ESTABLISHED: u32 = 9;
     pub const DISCONNECTED: u32 = 10;
     pub const DEVICE_REMOVAL: u32 = 11;
+}
+
+/// `RDMA_MAX_RESP_RES` / `RDMA_MAX_INIT_DEPTH`: "what the request asked for, capped by the
+/// device" in an accept's `rdma_conn_param`.
+const RDMA_MAX_DEPTH: u8 = 0xFF;
+
+/// A connection request taken off a listening id.
+pub struct ConnRequest {
+    /// The request's own id, on an event channel of its own.
+    pub id: CmId,
+    /// The request's private data (after the rdma_cm IP header).
+    pub private: Vec<u8>,
+}
+
+/// What a listening id reports.
+pub enum ListenEvent {
+    Request(ConnRequest),
+    Other(CmEvent),
 }
 
 /// One rdma_cm event, copied out before it is acked.
@@ -89,6 +116,51 @@ impl Drop for CmId {
             rdma_destroy_event_channel(self.chan);
         }
     }
+}
+
+/// The address in `ss`, if it is an IPv4 or IPv6 one.
+fn socket_addr(ss: &libc::sockaddr_storage) -> Option<SocketAddr> {
+    match i32::from(ss.ss_family) {
+        libc::AF_INET => {
+            // SAFETY: the family says sockaddr_in, which fits in sockaddr_storage.
+            let sin: libc::sockaddr_in =
+                unsafe { std::ptr::read((ss as *const libc::sockaddr_storage).cast()) };
+            let ip = std::net::Ipv4Addr::from(sin.sin_addr.s_addr.to_ne_bytes());
+            Some(SocketAddr::new(ip.into(), u16::from_be(sin.sin_port)))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: as above, sockaddr_in6.
+            let sin6: libc::sockaddr_in6 =
+                unsafe { std::ptr::read((ss as *const libc::sockaddr_storage).cast()) };
+            let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+            Some(SocketAddr::new(ip.into(), u16::from_be(sin6.sin6_port)))
+        }
+        _ => None,
+    }
+}
+
+/// The connection parameters of a connect or an accept: QP `qp_num` (not attached to the
+/// id), `private` data, flow control on, retries as Linux hosts and targets set them.
+fn conn_param(
+    qp_num: u32,
+    private: &[u8],
+    responder_resources: u8,
+    initiator_depth: u8,
+    rnr_retry_count: u8,
+) -> Result<rdma_conn_param, HwError> {
+    let len = u8::try_from(private.len())
+        .map_err(|_| HwError::Invalid(format!("{} bytes of private data", private.len())))?;
+    Ok(rdma_conn_param {
+        private_data: private.as_ptr().cast(),
+        private_data_len: len,
+        responder_resources,
+        initiator_depth,
+        flow_control: 1,
+        retry_count: 7,
+        rnr_retry_count,
+        srq: 0,
+        qp_num,
+    })
 }
 
 fn sockaddr(addr: SocketAddr) -> libc::sockaddr_storage {
@@ -160,8 +232,57 @@ impl CmId {
         }
     }
 
-    /// The next event, if one is pending.
-    pub fn try_event(&self) -> Result<Option<CmEvent>, HwError> {
+    /// Take `raw`, a connection request's id, off its listener's channel onto one of its
+    /// own. On failure the request is rejected and its id destroyed.
+    ///
+    /// # Safety
+    /// `raw` is the id of a CONNECT_REQUEST event already acked, not used elsewhere.
+    unsafe fn adopt(raw: *mut rdma_cm_id) -> Result<CmId, HwError> {
+        let refuse = |e: HwError| {
+            // SAFETY: per the contract, `raw` is ours to answer and destroy.
+            unsafe {
+                rdma_reject(raw, std::ptr::null(), 0);
+                rdma_destroy_id(raw);
+            }
+            e
+        };
+        // SAFETY: plain librdmacm constructor; NULL means failure with errno set.
+        let chan = unsafe { rdma_create_event_channel() };
+        if chan.is_null() {
+            return Err(refuse(HwError::verbs("rdma_create_event_channel")));
+        }
+        // SAFETY: `chan` is live.
+        let fd = unsafe { (*chan).fd };
+        let moved = set_nonblocking(fd)
+            .map_err(HwError::from)
+            // SAFETY: both live; the migrate waits for the request's event, acked already.
+            .and_then(|()| match unsafe { rdma_migrate_id(raw, chan) } {
+                0 => Ok(()),
+                _ => Err(HwError::verbs("rdma_migrate_id")),
+            })
+            // SAFETY: the channel (and its fd) lives as long as the `CmId` made of it, which
+            // drops the watch first.
+            .and_then(|()| unsafe { watch(fd) }.map_err(HwError::from));
+        match moved {
+            Ok(afd) => Ok(CmId {
+                afd: Some(afd),
+                id: raw,
+                chan,
+            }),
+            Err(e) => {
+                let e = refuse(e);
+                // SAFETY: no id is left on the channel (destroyed above).
+                unsafe { rdma_destroy_event_channel(chan) };
+                Err(e)
+            }
+        }
+    }
+
+    /// The next event, if one is pending, with what `also` reads of it before it is acked.
+    fn take_event<T>(
+        &self,
+        also: impl FnOnce(&rdma_cm_event) -> T,
+    ) -> Result<Option<(CmEvent, T)>, HwError> {
         let mut e: *mut rdma_cm_event = null_mut();
         // SAFETY: non-blocking channel; on success `e` is ours until acked.
         let ret = unsafe { rdma_get_cm_event(self.chan, &mut e) };
@@ -194,10 +315,92 @@ impl CmId {
                 status: (*e).status,
                 private,
             };
+            let extra = also(&*e);
             rdma_ack_cm_event(e);
-            ev
+            (ev, extra)
         };
         Ok(Some(out))
+    }
+
+    /// The next event, if one is pending.
+    pub fn try_event(&self) -> Result<Option<CmEvent>, HwError> {
+        Ok(self.take_event(|_| ())?.map(|(e, ())| e))
+    }
+
+    /// Wait for the next event of a listening id: a connection request (on an id of its
+    /// own), or anything else.
+    pub async fn listen_event(&self) -> Result<ListenEvent, HwError> {
+        loop {
+            let afd = self.afd.as_ref().ok_or(HwError::CmTimeout("closed id"))?;
+            let mut g = afd.readable().await?;
+            let got = self.take_event(|e| {
+                // SAFETY: plain field reads of a live event.
+                let kind = unsafe { std::ptr::addr_of!(e.event).cast::<u32>().read() };
+                (kind == ev::CONNECT_REQUEST).then_some(e.id)
+            })?;
+            match got {
+                None => g.clear_ready(),
+                Some((e, Some(raw))) if !raw.is_null() => {
+                    // SAFETY: the request's id, its event acked by `take_event`.
+                    let id = unsafe { CmId::adopt(raw) }?;
+                    return Ok(ListenEvent::Request(ConnRequest {
+                        id,
+                        private: e.private,
+                    }));
+                }
+                Some((e, _)) => return Ok(ListenEvent::Other(e)),
+            }
+        }
+    }
+
+    /// Bind to `at` (an address of an RDMA device's netdev, or a wildcard) and listen.
+    pub fn listen(&self, at: SocketAddr, backlog: i32) -> Result<(), HwError> {
+        let mut ss = sockaddr(at);
+        // SAFETY: `ss` outlives the call; librdmacm copies the address.
+        if unsafe { rdma_bind_addr(self.id, (&raw mut ss).cast()) } != 0 {
+            return Err(HwError::verbs("rdma_bind_addr"));
+        }
+        // SAFETY: bound id.
+        if unsafe { rdma_listen(self.id, backlog) } != 0 {
+            return Err(HwError::verbs("rdma_listen"));
+        }
+        Ok(())
+    }
+
+    /// The peer's address of a connection (its IP and rdma_cm source port).
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: plain field read; librdmacm fills the route of a request's id.
+        let ss = unsafe { &(*self.id).route.addr.dst_addr_union.dst_storage };
+        socket_addr(ss)
+    }
+
+    /// Accept a connection request with QP `qp_num` (not attached to the id, in RTS by now)
+    /// and `private` data. The read depths are the request's, capped by the device (what
+    /// the QP was brought up with).
+    pub fn accept(&self, qp_num: u32, private: &[u8], rnr_retry_count: u8) -> Result<(), HwError> {
+        let mut p = conn_param(
+            qp_num,
+            private,
+            RDMA_MAX_DEPTH,
+            RDMA_MAX_DEPTH,
+            rnr_retry_count,
+        )?;
+        // SAFETY: `p` and `private` outlive the call; librdmacm copies the private data.
+        if unsafe { rdma_accept(self.id, &mut p) } != 0 {
+            return Err(HwError::verbs("rdma_accept"));
+        }
+        Ok(())
+    }
+
+    /// Refuse a connection request with `private` data (a consumer-defined REJ).
+    pub fn reject(&self, private: &[u8]) -> Result<(), HwError> {
+        let len = u8::try_from(private.len())
+            .map_err(|_| HwError::Invalid(format!("{} bytes of private data", private.len())))?;
+        // SAFETY: librdmacm copies the private data.
+        if unsafe { rdma_reject(self.id, private.as_ptr().cast(), len) } != 0 {
+            return Err(HwError::verbs("rdma_reject"));
+        }
+        Ok(())
     }
 
     /// Wait for the next event.
@@ -298,20 +501,8 @@ impl CmId {
         initiator_depth: u8,
         timeout: Duration,
     ) -> Result<CmEvent, HwError> {
-        let len = u8::try_from(private.len())
-            .map_err(|_| HwError::Invalid(format!("{} bytes of private data", private.len())))?;
         let ret = {
-            let mut p = rdma_conn_param {
-                private_data: private.as_ptr().cast(),
-                private_data_len: len,
-                responder_resources,
-                initiator_depth,
-                flow_control: 1,
-                retry_count: 7,
-                rnr_retry_count: 7,
-                srq: 0,
-                qp_num,
-            };
+            let mut p = conn_param(qp_num, private, responder_resources, initiator_depth, 7)?;
             // SAFETY: `p` and `private` outlive the call; librdmacm copies the private data.
             unsafe { rdma_connect(self.id, &mut p) }
         };
@@ -397,6 +588,17 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn peer_addresses_decode_what_sockaddr_encodes() {
+        for a in ["192.168.100.1:40123", "[fe80::5054:ff:fe12:3456]:4420"] {
+            let a: SocketAddr = a.parse().unwrap();
+            assert_eq!(socket_addr(&sockaddr(a)), Some(a));
+        }
+        // SAFETY: all-zero is a valid sockaddr_storage (family AF_UNSPEC).
+        let none: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        assert_eq!(socket_addr(&none), None);
     }
 
     #[test]

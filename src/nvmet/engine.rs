@@ -1,5 +1,10 @@
 //! The target's command engine: queues, controllers, and the capsule → data → execute →
-//! response pipeline. All of it runs under the device lock, driven by completions.
+//! response pipeline, driven by completions, under one lock.
+//!
+//! It runs on any device behind the backend seam ([`crate::verbs`]): PD, MRs, CQ, QPs, posts
+//! and completions go through [`DeviceContext`], queue memory is the device's
+//! [`HostBuffer`], and time is tokio's clock (virtual on a simulated network), read once per
+//! turn, so the state machines themselves read no clock.
 
 use std::collections::VecDeque;
 use std::net::IpAddr;
@@ -7,18 +12,16 @@ use std::net::IpAddr;
 use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::driver::SoftHca;
-use crate::hca::mr::try_zeroed;
-use crate::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
-use crate::hca::{
-    Access, CqId, Device, HostMem, MrInfo, Mtu, PdId, Psn, QpCaps, Qpn, RecvWr, SendOp, SendWr,
-    Sgl, VerbsError, WcOpcode, WcStatus, WorkCompletion,
-};
 use crate::nvme::admin::{cns, feature, opcode};
 use crate::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use crate::nvme::{
     Cap, Cc, ConnectData, Cqe, Csts, DiscoveryLogEntry, DiscoveryLogHeader, DsmRange, FabricsCmd,
     FixedStr, IdentifyController, IdentifyNamespace, SglDescriptor, Sqe, Status, Vs,
+};
+use crate::verbs::{
+    Access, CqId, DeviceContext, HostBuffer, Instant, MemKey, MrInfo, Mtu, PdId, PeerInfo, Psn,
+    QpCaps, Qpn, RcAttr, RecvWr, SendOp, SendWr, Sgl, VerbsError, WcOpcode, WcStatus,
+    WorkCompletion,
 };
 
 use super::{Namespace, Subsystem, TargetConfig};
@@ -143,7 +146,7 @@ struct Cmd {
 /// One slot, not a few: the single receive buffer is reposted only once the command it
 /// carried is answered, and never after a Connect that succeeds, so when the rings are
 /// replaced nothing posted (receive, READ or SEND) still points into the old ones.
-struct TQueue {
+struct TQueue<M> {
     qid: u16,
     /// The queue size the host asked for (and gets after Connect).
     size: usize,
@@ -161,9 +164,9 @@ struct TQueue {
     boot_held: bool,
     /// Counted against `max_unconnected_per_ip` until Fabrics Connect succeeds.
     peer_ip: IpAddr,
-    recv: (HostMem, MrInfo),
-    rsp: (HostMem, MrInfo),
-    data: (HostMem, MrInfo),
+    recv: (M, MrInfo),
+    rsp: (M, MrInfo),
+    data: (M, MrInfo),
     cmds: Vec<Cmd>,
     free: Vec<usize>,
     /// Capsules that arrived while every command slot was taken, by receive buffer (not
@@ -174,10 +177,10 @@ struct TQueue {
     held: VecDeque<(usize, usize)>,
     dead: bool,
     /// When the queue was accepted: one that never completes Fabrics Connect is dropped.
-    born: crate::hca::Instant,
+    born: Instant,
 }
 
-impl TQueue {
+impl<M: HostBuffer> TQueue<M> {
     fn footprint(&self) -> usize {
         self.recv.0.len()
             + self.rsp.0.len()
@@ -204,14 +207,18 @@ struct Ctrl {
     changed_ns: Vec<u32>,
     /// Last command seen from any of its queues (keep-alive is traffic based); `None`
     /// until the first expiry check.
-    last_seen: Option<crate::hca::Instant>,
+    last_seen: Option<Instant>,
 }
 
-struct Engine {
+struct Engine<D: DeviceContext> {
     cfg: Arc<TargetConfig>,
     pd: PdId,
     cq: CqId,
-    queues: FxHashMap<Qpn, TQueue>,
+    /// Depth of `cq`, and how much of it the queues' slots can fill
+    /// ([`CQES_PER_SLOT`] each): a queue that would overrun the CQ is refused.
+    cqes: usize,
+    cqes_used: usize,
+    queues: FxHashMap<Qpn, TQueue<D::Mem>>,
     ctrls: FxHashMap<u16, Ctrl>,
     next_cntlid: u16,
     /// Queues without a controller (no Fabrics Connect yet) per peer IP address, for
@@ -226,8 +233,8 @@ struct Engine {
     /// A test's trap: after the target has executed this many commands in all, wake the
     /// test (and freeze, if asked) before anything else happens.
     trap: Option<(u64, bool, Arc<tokio::sync::Notify>)>,
-    /// The device's clock as of the current turn.
-    now: crate::hca::Instant,
+    /// The engine's clock as of the current turn.
+    now: Instant,
     /// Queues the engine dropped on its own (keep-alive expiry, transport error): the CM
     /// side forgets their connections.
     dropped: Option<tokio::sync::mpsc::UnboundedSender<Qpn>>,
@@ -239,25 +246,59 @@ struct Engine {
     responses: Vec<(Qpn, usize)>,
 }
 
-/// A running target on one soft-HCA.
-#[derive(Clone)]
-pub struct Target {
-    hca: SoftHca,
-    engine: Arc<Mutex<Engine>>,
+/// The engine and the device it posts to, under one lock.
+struct Locked<D: DeviceContext> {
+    e: Engine<D>,
+    d: Io<D>,
 }
 
-impl Target {
-    /// Set up the target's PD and CQ on `hca` and start the task that serves completions.
-    pub fn start(hca: SoftHca, cfg: TargetConfig) -> Result<Target, VerbsError> {
-        let (pd, cq) = hca.with(|d, _| -> Result<_, VerbsError> {
-            let pd = d.alloc_pd()?;
-            let cq = d.create_cq(crate::hca::device::MAX_CQE)?;
-            Ok((pd, cq))
-        })?;
-        let engine = Arc::new(Mutex::new(Engine {
+/// A running target on one device context. Cheap to clone.
+pub struct Target<D: DeviceContext> {
+    dev: D,
+    engine: Arc<Mutex<Locked<D>>>,
+    /// Zero of the engine's clock (tokio's, so virtual on a simulated network).
+    epoch: tokio::time::Instant,
+}
+
+impl<D: DeviceContext> Clone for Target<D> {
+    fn clone(&self) -> Self {
+        Target {
+            dev: self.dev.clone(),
+            engine: self.engine.clone(),
+            epoch: self.epoch,
+        }
+    }
+}
+
+/// The largest CQ the target asks for; a device that offers less gets asked for half, down
+/// to [`MIN_CQ`].
+const MAX_CQ: usize = 1 << 16;
+const MIN_CQ: usize = 1 << 10;
+/// Completions one command slot can have outstanding: its receive, an RDMA READ (or an
+/// unsignaled WRITE, which completes only when flushed) and its response SEND.
+const CQES_PER_SLOT: usize = 3;
+
+impl<D: DeviceContext> Target<D> {
+    /// Set up the target's PD and CQ on `dev` and start the task that serves completions.
+    pub fn start(dev: D, cfg: TargetConfig) -> Result<Target<D>, VerbsError> {
+        let pd = dev.alloc_pd()?;
+        let mut depth = MAX_CQ;
+        let cq = loop {
+            match dev.create_cq(depth) {
+                Ok(cq) => break cq,
+                Err(e) if depth <= MIN_CQ || e == VerbsError::DeviceGone => {
+                    dev.dealloc_pd(pd);
+                    return Err(e);
+                }
+                Err(_) => depth /= 2,
+            }
+        };
+        let e = Engine {
             cfg: Arc::new(cfg),
             pd,
             cq,
+            cqes: depth,
+            cqes_used: 0,
             queues: FxHashMap::default(),
             ctrls: FxHashMap::default(),
             next_cntlid: 1,
@@ -267,51 +308,75 @@ impl Target {
             stall_io: false,
             stalled: Vec::new(),
             trap: None,
-            now: crate::hca::Instant(0),
+            now: Instant(0),
             dropped: None,
             batching: false,
             responses: Vec::with_capacity(256),
-        }));
-        let t = Target { hca, engine };
+        };
+        let d = Io {
+            dev: dev.clone(),
+            recvs: Vec::with_capacity(1),
+            sends: Vec::with_capacity(1),
+        };
+        let t = Target {
+            dev,
+            engine: Arc::new(Mutex::new(Locked { e, d })),
+            epoch: tokio::time::Instant::now(),
+        };
         let task = t.clone();
         tokio::spawn(async move { task.serve().await });
         Ok(t)
     }
 
-    pub fn hca(&self) -> &SoftHca {
-        &self.hca
+    /// The device context the target runs on.
+    pub fn device(&self) -> &D {
+        &self.dev
     }
 
     pub fn config(&self) -> Arc<TargetConfig> {
-        self.lock().cfg.clone()
+        self.lock().e.cfg.clone()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Engine> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Locked<D>> {
         self.engine.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn stats(&self) -> TargetStats {
-        self.lock().stats.clone()
+    fn now(&self) -> Instant {
+        Instant(self.epoch.elapsed().as_nanos() as u64)
     }
 
-    /// Accept a queue connection: create its QP and rings, bring the QP to RTS, post the
-    /// receive ring. Returns our QPN, our starting PSN and the receive queue size (crqsize).
-    pub fn accept(&self, p: ConnParams) -> Result<(Qpn, u16), ConnReject> {
-        let mut e = self.lock();
-        self.hca.with(|d, _| e.add_queue(d, p))
+    pub fn stats(&self) -> TargetStats {
+        self.lock().e.stats.clone()
+    }
+
+    /// Accept a queue connection: create its QP and rings, let `bind` tie the QP to its
+    /// connection request ([`crate::verbs::CmListen::attach`]), bring the QP to RTS, post
+    /// the receive ring. Returns our QPN and the receive queue size (crqsize).
+    pub fn accept(
+        &self,
+        p: ConnParams,
+        bind: impl FnOnce(Qpn) -> bool,
+    ) -> Result<(Qpn, u16), ConnReject> {
+        let now = self.now();
+        let mut g = self.lock();
+        let Locked { e, d } = &mut *g;
+        e.now = now;
+        e.add_queue(d, p, bind)
     }
 
     /// The host went away (CM disconnect, transport error): drop the queue and, for an
     /// admin queue, its controller and every queue of it.
     pub fn drop_queue(&self, qpn: Qpn) {
-        let mut e = self.lock();
-        self.hca.with(|d, _| e.remove_queue(d, qpn));
+        let mut g = self.lock();
+        let Locked { e, d } = &mut *g;
+        e.remove_queue(d, qpn);
     }
 
     /// Add namespace `ns` to the running subsystem `subnqn`. Its controllers are told with a
     /// Namespace Attribute Changed event (and the Changed Namespace List log page).
     pub fn add_namespace(&self, subnqn: &str, ns: Namespace) -> Result<(), String> {
-        let mut e = self.lock();
+        let mut g = self.lock();
+        let Locked { e, d } = &mut *g;
         let idx = e
             .cfg
             .subsystems
@@ -345,18 +410,17 @@ impl Target {
                 }
             }
         }
-        self.hca.with(|d, _| {
-            for id in ids {
-                e.raise(d, id, AEN_NS_CHANGED);
-            }
-        });
+        for id in ids {
+            e.raise(d, id, AEN_NS_CHANGED);
+        }
         Ok(())
     }
 
     /// Add subsystem `sub` to the running target. Discovery controllers are told with a
     /// Discovery Log Page Changed event.
     pub fn add_subsystem(&self, sub: Subsystem) -> Result<(), String> {
-        let mut e = self.lock();
+        let mut g = self.lock();
+        let Locked { e, d } = &mut *g;
         if e.cfg.subsystems.iter().any(|s| s.nqn == sub.nqn) {
             return Err(format!("subsystem {} exists", sub.nqn.as_str()));
         }
@@ -368,35 +432,33 @@ impl Target {
             .filter(|(_, c)| c.subsys == usize::MAX)
             .map(|(id, _)| *id)
             .collect();
-        self.hca.with(|d, _| {
-            for id in ids {
-                e.raise(d, id, AEN_DISCOVERY_CHANGED);
-            }
-        });
+        for id in ids {
+            e.raise(d, id, AEN_DISCOVERY_CHANGED);
+        }
         Ok(())
     }
 
     /// Play a hung controller (chaos and tests): while frozen, every command that arrives
     /// is dropped unanswered; the transport and CM keep working.
     pub fn freeze(&self, frozen: bool) {
-        self.lock().frozen = frozen;
+        self.lock().e.frozen = frozen;
     }
 
     /// Play a stalled backend (tests): I/O commands are received but held; when the stall
     /// ends, the held ones whose queue still exists run in arrival order.
     pub fn stall_io(&self, on: bool) {
-        let mut e = self.lock();
+        let now = self.now();
+        let mut g = self.lock();
+        let Locked { e, d } = &mut *g;
         e.stall_io = on;
         if !on {
             let held = std::mem::take(&mut e.stalled);
-            self.hca.with(|d, now| {
-                e.now = now;
-                for (qpn, c) in held {
-                    if e.queues.contains_key(&qpn) {
-                        e.start(d, qpn, c);
-                    }
+            e.now = now;
+            for (qpn, c) in held {
+                if e.queues.contains_key(&qpn) {
+                    e.start(d, qpn, c);
                 }
-            });
+            }
         }
     }
 
@@ -406,34 +468,34 @@ impl Target {
     /// given commands of a host's bring-up.
     pub fn trap_after(&self, after: u64, freeze: bool) -> Arc<tokio::sync::Notify> {
         let hit = Arc::new(tokio::sync::Notify::new());
-        self.lock().trap = Some((after, freeze, hit.clone()));
+        self.lock().e.trap = Some((after, freeze, hit.clone()));
         hit
     }
 
     /// I/O commands held by [`Target::stall_io`].
     pub fn stalled_io(&self) -> usize {
-        self.lock().stalled.len()
+        self.lock().e.stalled.len()
     }
 
     /// Be told the QPN of every queue that goes away (the CM side uses it to forget the
     /// connection of a queue the engine dropped by itself).
     pub fn on_drop(&self, tx: tokio::sync::mpsc::UnboundedSender<Qpn>) {
-        self.lock().dropped = Some(tx);
+        self.lock().e.dropped = Some(tx);
     }
 
     /// Number of live queues.
     pub fn queue_count(&self) -> usize {
-        self.lock().queues.len()
+        self.lock().e.queues.len()
     }
 
     /// Bytes of queue memory the target holds: receive, response and staging rings and the
     /// per-slot capsule copies of every queue (what a peer makes us allocate).
     pub fn queue_memory(&self) -> usize {
-        self.lock().queues.values().map(TQueue::footprint).sum()
+        self.lock().e.queues.values().map(TQueue::footprint).sum()
     }
 
     async fn serve(self) {
-        let cq = self.lock().cq;
+        let cq = self.lock().e.cq;
         let mut batch = Vec::with_capacity(256);
         // Keep-alive expiry is checked on this tick; KATO is at least a second in practice.
         let mut tick = tokio::time::interval(KATO_CHECK);
@@ -445,26 +507,26 @@ impl Target {
             tokio::select! {
                 biased;
                 _ = tick.tick() => {
-                    let mut e = self.lock();
-                    self.hca.with(|d, now| {
-                        e.now = now;
-                        e.expire_controllers(d, now);
-                    });
+                    let now = self.now();
+                    let mut g = self.lock();
+                    let Locked { e, d } = &mut *g;
+                    e.now = now;
+                    e.expire_controllers(d, now);
                 }
-                n = self.hca.wait_cq(cq, 256, &mut batch) => {
+                n = self.dev.wait_cq(cq, 256, &mut batch) => {
                     if n == 0 {
                         return; // the device died
                     }
-                    let mut e = self.lock();
-                    self.hca.with(|d, now| {
-                        e.now = now;
-                        e.batching = true;
-                        for wc in &batch {
-                            e.on_completion(d, wc);
-                        }
-                        e.batching = false;
-                        e.post_responses(d);
-                    });
+                    let now = self.now();
+                    let mut g = self.lock();
+                    let Locked { e, d } = &mut *g;
+                    e.now = now;
+                    e.batching = true;
+                    for wc in &batch {
+                        e.on_completion(d, wc);
+                    }
+                    e.batching = false;
+                    e.post_responses(d);
                 }
             }
         }
@@ -477,21 +539,48 @@ const ORPHAN_QUEUE_NS: u64 = 10_000_000_000;
 /// How often controllers are checked for keep-alive expiry.
 const KATO_CHECK: std::time::Duration = std::time::Duration::from_millis(250);
 
-fn rdma_opts(mtu: Mtu) -> RcOptions {
-    RcOptions {
+fn rc_attr(mtu: Mtu) -> RcAttr {
+    RcAttr {
         mtu,
         timeout: 14,
         retry_cnt: 7,
         rnr_retry: 7,
         max_unacked: 256,
-        ..RcOptions::default()
     }
 }
 
-impl Engine {
+/// A buffer of `len` zeroes, or `None` when memory cannot be had.
+fn try_zeroed(len: usize) -> Option<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).ok()?;
+    v.resize(len, 0);
+    Some(v)
+}
+
+/// The device as the engine uses it, with the lists a post goes through (kept, so that
+/// posting allocates nothing).
+struct Io<D> {
+    dev: D,
+    recvs: Vec<RecvWr>,
+    sends: Vec<SendWr>,
+}
+
+impl<D: DeviceContext> Io<D> {
+    fn post_send(&mut self, qpn: Qpn, wr: SendWr) -> Result<(), VerbsError> {
+        self.sends.push(wr);
+        self.dev.post(qpn, &mut self.recvs, &mut self.sends)
+    }
+
+    fn post_recv(&mut self, qpn: Qpn, wr: RecvWr) -> Result<(), VerbsError> {
+        self.recvs.push(wr);
+        self.dev.post(qpn, &mut self.recvs, &mut self.sends)
+    }
+}
+
+impl<D: DeviceContext> Engine<D> {
     /// Linux nvmet: a controller that hears nothing from its host for KATO is torn down with
     /// its queues (the host's recovery makes a new one). Any command counts as traffic.
-    fn expire_controllers(&mut self, d: &mut Device, now: crate::hca::Instant) {
+    fn expire_controllers(&mut self, d: &mut Io<D>, now: Instant) {
         let mut dead = Vec::new();
         for (id, c) in self.ctrls.iter_mut() {
             let seen = *c.last_seen.get_or_insert(now);
@@ -522,7 +611,12 @@ impl Engine {
         }
     }
 
-    fn add_queue(&mut self, d: &mut Device, p: ConnParams) -> Result<(Qpn, u16), ConnReject> {
+    fn add_queue(
+        &mut self,
+        d: &mut Io<D>,
+        p: ConnParams,
+        bind: impl FnOnce(Qpn) -> bool,
+    ) -> Result<(Qpn, u16), ConnReject> {
         let size = p.hsqsize as usize + 1;
         if p.qid == 0 && !(fabrics::MIN_ADMIN_SQ_ENTRIES as usize..=4096).contains(&size) {
             return Err(ConnReject::InvalidHsqsize);
@@ -535,7 +629,10 @@ impl Engine {
         }
         let ip = p.peer.addr.ip();
         let of_ip = self.per_ip.get(&ip).copied().unwrap_or(0);
-        if self.queues.len() >= self.cfg.max_queues || of_ip >= self.cfg.max_unconnected_per_ip {
+        if self.queues.len() >= self.cfg.max_queues
+            || of_ip >= self.cfg.max_unconnected_per_ip
+            || self.cqes_used + CQES_PER_SLOT > self.cqes
+        {
             self.stats.refused_queues += 1;
             return Err(ConnReject::NoResources);
         }
@@ -559,13 +656,13 @@ impl Engine {
             max_send_wr: (size * 3) as u32,
             max_recv_wr: size as u32,
         };
-        let mrs = [recv.1.lkey, rsp.1.lkey, data.1.lkey];
-        let cleanup = |d: &mut Device| {
-            for k in mrs {
-                let _ = d.dereg_mr(k);
+        let mrs = [recv.1, rsp.1, data.1];
+        let cleanup = |d: &mut Io<D>| {
+            for mr in &mrs {
+                d.dev.dereg_mr(mr);
             }
         };
-        let qpn = match create_qp_init(d, self.pd, self.cq, caps, Access::empty()) {
+        let qpn = match d.dev.create_rc_qp(self.pd, self.cq, caps, Access::empty()) {
             Ok(q) => q,
             Err(_) => {
                 cleanup(d);
@@ -578,10 +675,13 @@ impl Engine {
             wr_id: wr_id(WR_RECV, 0),
             sgl: Sgl::one(recv.1.addr, capsule_len as u32, recv.1.lkey),
         };
-        let ok = qp_to_rts(d, qpn, p.peer, psn, &rdma_opts(p.path_mtu)).is_ok()
+        let ok = bind(qpn)
+            && d.dev
+                .rc_to_rts(qpn, p.peer, psn, &rc_attr(p.path_mtu))
+                .is_ok()
             && d.post_recv(qpn, recv_wr).is_ok();
         if !ok {
-            let _ = d.destroy_qp(qpn);
+            d.dev.destroy_qp(qpn);
             cleanup(d);
             self.stats.refused_queues += 1;
             return Err(ConnReject::NoResources);
@@ -610,6 +710,7 @@ impl Engine {
             },
         );
         *self.per_ip.entry(ip).or_insert(0) += 1;
+        self.cqes_used += CQES_PER_SLOT;
         self.stats.queues_connected += 1;
         Ok((qpn, size as u16))
     }
@@ -618,7 +719,7 @@ impl Engine {
     /// every receive buffer, before the Connect response tells the host it may send. The
     /// one pre-Connect slot is carried over (it holds the Connect). Out of memory is a
     /// Connect failure, not an abort.
-    fn grow(&mut self, d: &mut Device, qpn: Qpn) -> Result<(), Status> {
+    fn grow(&mut self, d: &mut Io<D>, qpn: Qpn) -> Result<(), Status> {
         let no_mem = Status::INTERNAL_ERROR;
         let pd = self.pd;
         let q = self.queues.get_mut(&qpn).ok_or(no_mem)?;
@@ -626,6 +727,11 @@ impl Engine {
             return Ok(());
         }
         let (size, old) = (q.size, q.cmds.len());
+        // The CQ is shared by every queue: one that could overrun it is not grown.
+        let more = (size - q.slots) * CQES_PER_SLOT;
+        if self.cqes_used + more > self.cqes {
+            return Err(no_mem);
+        }
         let (rings, extra) = alloc_rings(d, pd, size, q.capsule_len, q.io_staging_len)
             .map(|(r, c)| (r, c.into_iter().skip(old)))
             .ok_or(no_mem)?;
@@ -636,7 +742,7 @@ impl Engine {
         let [recv, rsp, data] = rings;
         if !fits {
             for mr in [recv.1, rsp.1, data.1] {
-                let _ = d.dereg_mr(mr.lkey);
+                d.dev.dereg_mr(&mr);
             }
             return Err(no_mem);
         }
@@ -646,9 +752,10 @@ impl Engine {
         q.free = free;
         for (now, new) in [(&mut q.recv, recv), (&mut q.rsp, rsp), (&mut q.data, data)] {
             let gone = std::mem::replace(now, new);
-            let _ = d.dereg_mr(gone.1.lkey);
+            d.dev.dereg_mr(&gone.1);
         }
         q.slots = size;
+        self.cqes_used += more;
         q.staging_len = q.io_staging_len;
         q.grown = true;
         for r in 0..size {
@@ -669,14 +776,15 @@ impl Engine {
         }
     }
 
-    fn remove_queue(&mut self, d: &mut Device, qpn: Qpn) {
+    fn remove_queue(&mut self, d: &mut Io<D>, qpn: Qpn) {
         let Some(q) = self.queues.remove(&qpn) else {
             return;
         };
-        let _ = d.destroy_qp(qpn);
+        d.dev.destroy_qp(qpn);
         for mr in [q.recv.1, q.rsp.1, q.data.1] {
-            let _ = d.dereg_mr(mr.lkey);
+            d.dev.dereg_mr(&mr);
         }
+        self.cqes_used = self.cqes_used.saturating_sub(q.slots * CQES_PER_SLOT);
         if q.cntlid.is_none() {
             self.connected_or_gone(q.peer_ip);
         }
@@ -704,7 +812,7 @@ impl Engine {
         }
     }
 
-    fn on_completion(&mut self, d: &mut Device, wc: &WorkCompletion) {
+    fn on_completion(&mut self, d: &mut Io<D>, wc: &WorkCompletion) {
         let kind = wc.wr_id >> 32;
         let slot = (wc.wr_id & 0xFFFF_FFFF) as usize;
         if wc.status != WcStatus::Success {
@@ -738,7 +846,7 @@ impl Engine {
         }
     }
 
-    fn on_capsule(&mut self, d: &mut Device, qpn: Qpn, r: usize, len: usize) {
+    fn on_capsule(&mut self, d: &mut Io<D>, qpn: Qpn, r: usize, len: usize) {
         let Some(q) = self.queues.get_mut(&qpn) else {
             return;
         };
@@ -763,9 +871,8 @@ impl Engine {
             return;
         };
         {
-            let g = q.recv.0.lock();
             let cmd = &mut q.cmds[c];
-            cmd.capsule[..len].copy_from_slice(&g[at..at + len]);
+            q.recv.0.read(at, &mut cmd.capsule[..len]);
             cmd.capsule_len = len;
         }
         if q.grown {
@@ -808,7 +915,7 @@ impl Engine {
     }
 
     /// Begin a command: fetch host data if it brings any, else execute now.
-    fn start(&mut self, d: &mut Device, qpn: Qpn, c: usize) {
+    fn start(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize) {
         let Some(q) = self.queues.get(&qpn) else {
             return;
         };
@@ -867,14 +974,14 @@ impl Engine {
                     wr_id: wr_id(WR_RDMA_READ, c),
                     op: SendOp::Read {
                         remote_addr: addr,
-                        rkey: crate::hca::MemKey(key),
+                        rkey: MemKey(key),
                     },
                     sgl: local,
                     signaled: true,
                     solicited: false,
                 };
                 q.cmds[c].stage = Stage::Fetching;
-                if d.post_send(crate::hca::Instant::ZERO, qpn, wr).is_err() {
+                if d.post_send(qpn, wr).is_err() {
                     q.cmds[c].stage = Stage::Free;
                     q.free.push(c);
                     release_boot_recv(d, qpn, q);
@@ -885,7 +992,7 @@ impl Engine {
 
     /// Tell controller `id` about event `ev`: complete an outstanding Async Event Request,
     /// or keep the event (once) for the next one.
-    fn raise(&mut self, d: &mut Device, id: u16, ev: u32) {
+    fn raise(&mut self, d: &mut Io<D>, id: u16, ev: u32) {
         let Some(ctrl) = self.ctrls.get(&id) else {
             return;
         };
@@ -924,7 +1031,7 @@ impl Engine {
     }
 
     /// Run the command whose data (if any) sits in its staging slot.
-    fn execute(&mut self, d: &mut Device, qpn: Qpn, c: usize) {
+    fn execute(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize) {
         let Some(q) = self.queues.get(&qpn) else {
             return;
         };
@@ -958,7 +1065,7 @@ impl Engine {
     /// RDMA WRITE `data_out` staged bytes to the host (if any), then SEND the response.
     fn respond(
         &mut self,
-        d: &mut Device,
+        d: &mut Io<D>,
         qpn: Qpn,
         c: usize,
         mut status: Status,
@@ -969,7 +1076,6 @@ impl Engine {
             return;
         };
         let sqe = q.cmds[c].sqe;
-        let now = crate::hca::Instant::ZERO;
         if data_out > 0 && status.is_success() {
             match SglDescriptor::parse(&sqe.dptr) {
                 // A buffer shorter than the data: refuse rather than write part of it.
@@ -982,13 +1088,13 @@ impl Engine {
                         wr_id: wr_id(WR_RDMA_WRITE, c),
                         op: SendOp::Write {
                             remote_addr: addr,
-                            rkey: crate::hca::MemKey(key),
+                            rkey: MemKey(key),
                         },
                         sgl: Sgl::one(q.data.1.addr + (c * q.staging_len) as u64, n, q.data.1.lkey),
                         signaled: false,
                         solicited: false,
                     };
-                    if d.post_send(now, qpn, wr).is_err() {
+                    if d.post_send(qpn, wr).is_err() {
                         status = Status::DATA_TRANSFER_ERROR;
                     } else {
                         self.stats.bytes_read += n as u64;
@@ -1012,7 +1118,7 @@ impl Engine {
     }
 
     /// Post the response SENDs held back during a batch, in the order they were made.
-    fn post_responses(&mut self, d: &mut Device) {
+    fn post_responses(&mut self, d: &mut Io<D>) {
         for i in 0..self.responses.len() {
             let (qpn, c) = self.responses[i];
             // The queue may have gone (a transport error later in the batch).
@@ -1040,7 +1146,7 @@ impl Engine {
 
     fn exec_fabrics(
         &mut self,
-        d: &mut Device,
+        d: &mut Io<D>,
         qpn: Qpn,
         c: usize,
         sqe: &Sqe,
@@ -1148,7 +1254,7 @@ impl Engine {
     #[allow(clippy::too_many_arguments)]
     fn exec_connect(
         &mut self,
-        d: &mut Device,
+        d: &mut Io<D>,
         qpn: Qpn,
         c: usize,
         recfmt: u16,
@@ -1559,10 +1665,9 @@ impl Engine {
                     return Err(Status::INVALID_FIELD.with_dnr());
                 }
                 let q = &self.queues[&qpn];
-                {
-                    let mut g = q.data.0.lock();
-                    ns.read(off, &mut g[c * staging..c * staging + len])?;
-                }
+                q.data
+                    .0
+                    .with_mut(|g| ns.read(off, &mut g[c * staging..c * staging + len]))?;
                 Ok(Done::Respond {
                     result: 0,
                     data_out: len,
@@ -1574,10 +1679,9 @@ impl Engine {
                     return Err(Status::INVALID_FIELD.with_dnr());
                 }
                 let q = &self.queues[&qpn];
-                {
-                    let g = q.data.0.lock();
-                    ns.write(off, &g[c * staging..c * staging + len])?;
-                }
+                q.data
+                    .0
+                    .with_mut(|g| ns.write(off, &g[c * staging..c * staging + len]))?;
                 self.stats.bytes_written += len as u64;
                 Ok(Done::Respond {
                     result: 0,
@@ -1639,14 +1743,15 @@ fn spaced<const N: usize>(v: &str) -> FixedStr<N> {
 ///
 /// A command whose keyed SGL asked for it (subtype 0xF) gets a SEND with Invalidate of its
 /// key, as nvmet-rdma answers: the host's buffer is shut to us the moment the response
-/// lands, with no local invalidation on the host's side.
-fn send_response(d: &mut Device, qpn: Qpn, q: &mut TQueue, c: usize) {
+/// lands, with no local invalidation on the host's side. A device that cannot send with
+/// invalidate answers with a plain SEND: the host then invalidates the key itself.
+fn send_response<D: DeviceContext>(d: &mut Io<D>, qpn: Qpn, q: &mut TQueue<D::Mem>, c: usize) {
     let op = match SglDescriptor::parse(&q.cmds[c].sqe.dptr) {
         Ok(SglDescriptor::Keyed {
             key,
             invalidate: true,
             ..
-        }) => SendOp::SendWithInv(crate::hca::MemKey(key)),
+        }) if d.dev.send_with_invalidate() => SendOp::SendWithInv(MemKey(key)),
         _ => SendOp::Send,
     };
     let wr = SendWr {
@@ -1660,14 +1765,14 @@ fn send_response(d: &mut Device, qpn: Qpn, q: &mut TQueue, c: usize) {
         signaled: true,
         solicited: false,
     };
-    if d.post_send(crate::hca::Instant::ZERO, qpn, wr).is_err() {
+    if d.post_send(qpn, wr).is_err() {
         q.cmds[c].stage = Stage::Free;
         q.free.push(c);
     }
 }
 
 /// Post receive buffer `r` again; false if the QP refused it.
-fn repost(d: &mut Device, qpn: Qpn, q: &TQueue, r: usize) -> bool {
+fn repost<D: DeviceContext>(d: &mut Io<D>, qpn: Qpn, q: &TQueue<D::Mem>, r: usize) -> bool {
     let sgl = Sgl::one(
         q.recv.1.addr + (r * q.capsule_len) as u64,
         q.capsule_len as u32,
@@ -1684,31 +1789,33 @@ fn repost(d: &mut Device, qpn: Qpn, q: &TQueue, r: usize) -> bool {
 }
 
 /// Before Connect: the one receive buffer goes back once its command is answered.
-fn release_boot_recv(d: &mut Device, qpn: Qpn, q: &mut TQueue) {
+fn release_boot_recv<D: DeviceContext>(d: &mut Io<D>, qpn: Qpn, q: &mut TQueue<D::Mem>) {
     if !q.grown && q.boot_held {
         q.boot_held = false;
         repost(d, qpn, q, 0);
     }
 }
 
-type Ring = (HostMem, MrInfo);
+type Ring<M> = (M, MrInfo);
+/// A queue's receive, response and staging rings, and its command slots.
+type Rings<M> = ([Ring<M>; 3], Vec<Cmd>);
 
 /// Receive, response and staging rings of `slots` slots, registered, and a command per
 /// slot; `None` (nothing left allocated or registered) if memory or the device refuses.
-fn alloc_rings(
-    d: &mut Device,
+fn alloc_rings<D: DeviceContext>(
+    d: &mut Io<D>,
     pd: PdId,
     slots: usize,
     capsule_len: usize,
     staging_len: usize,
-) -> Option<([Ring; 3], Vec<Cmd>)> {
+) -> Option<Rings<D::Mem>> {
     let mut cmds = Vec::new();
     cmds.try_reserve_exact(slots).ok()?;
     for _ in 0..slots {
         cmds.push(Cmd {
             stage: Stage::Free,
             sqe: Sqe::new(0, 0),
-            capsule: try_zeroed(capsule_len).ok()?,
+            capsule: try_zeroed(capsule_len)?,
             capsule_len: 0,
         });
     }
@@ -1719,24 +1826,24 @@ fn alloc_rings(
         (slots.checked_mul(CQE_LEN)?, Access::empty(), false),
         (slots.checked_mul(staging_len)?, Access::LOCAL_WRITE, true),
     ];
-    let mut rings: Vec<Ring> = Vec::with_capacity(3);
+    let mut rings: Vec<Ring<D::Mem>> = Vec::with_capacity(3);
     for (len, access, lazy) in specs {
         let mem = if lazy {
-            HostMem::try_new_lazy(len)
+            D::Mem::try_alloc_lazy(len)
         } else {
-            HostMem::try_new(len).ok()
+            D::Mem::try_alloc(len)
         };
-        let mr = mem.and_then(|m| d.reg_mr(pd, &m, 0, len, access).ok().map(|mr| (m, mr)));
+        let mr = mem.and_then(|m| d.dev.reg_mr(pd, &m, 0, len, access).ok().map(|mr| (m, mr)));
         match mr {
             Some(r) => rings.push(r),
             None => {
                 for (_, mr) in rings {
-                    let _ = d.dereg_mr(mr.lkey);
+                    d.dev.dereg_mr(&mr);
                 }
                 return None;
             }
         }
     }
-    let rings: [Ring; 3] = rings.try_into().ok()?;
+    let rings: [Ring<D::Mem>; 3] = rings.try_into().ok()?;
     Some((rings, cmds))
 }

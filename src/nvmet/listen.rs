@@ -1,22 +1,31 @@
-//! The target's side of RDMA CM: answer connection requests on the NVMe-oF service port
-//! with a queue (REP + NVMe accept) or an NVMe reject, and drop queues whose connection
-//! goes away.
+//! The target's side of the connection manager: answer connection requests on the NVMe-oF
+//! service port with a queue (accept + NVMe accept private data) or an NVMe reject, and drop
+//! queues whose connection goes away.
 
 use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use tokio::sync::mpsc;
 
 use crate::cm::{AcceptParams, ConnId, NvmeCmAccept, NvmeCmReject, NvmeRejectStatus};
-use crate::driver::CmService;
-use crate::hca::rc::PeerInfo;
-use crate::hca::Qpn;
+use crate::verbs::{CmError, CmListen, CmPort, DeviceContext, Qpn};
 
-use super::{ConnParams, ConnReject, Target};
+use super::{ConnParams, Target};
 
-/// Serve CM for `target` until the device dies.
-pub fn serve_cm(target: Target, cm: CmService) {
-    let port = target.config().port;
-    let mut requests = cm.listen(port);
+/// Serve the connection manager for `target` until the device dies: listen on the
+/// advertised address (any address of the device if none) at the configured port. Fails if
+/// the listen does (an address that is not the device's, a port in use).
+pub fn serve_cm<D>(target: Target<D>, cm: D::Cm) -> Result<(), CmError>
+where
+    D: DeviceContext,
+    D::Cm: CmListen,
+{
+    let cfg = target.config();
+    let ip = cfg
+        .advertise
+        .map(|a| a.ip())
+        .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    let mut requests = cm.listen(SocketAddr::new(ip, cfg.port))?;
     tokio::spawn(async move {
         let (gone_tx, mut gone_rx) = mpsc::unbounded_channel::<ConnId>();
         let (drop_tx, mut drop_rx) = mpsc::unbounded_channel::<Qpn>();
@@ -36,14 +45,14 @@ pub fn serve_cm(target: Target, cm: CmService) {
                         }
                     };
                     let p = ConnParams {
-                        peer: PeerInfo { addr: req.peer, qpn: req.remote_qpn, psn: req.remote_psn },
+                        peer: req.peer,
                         qid: nvme.qid,
                         hrqsize: nvme.hrqsize,
                         hsqsize: nvme.hsqsize,
                         path_mtu: req.path_mtu,
                         local_psn: req.local_psn,
                     };
-                    match target.accept(p) {
+                    match target.accept(p, |qpn| cm.attach(req.id, qpn).is_ok()) {
                         Ok((qpn, crqsize)) => {
                             let ap = AcceptParams::new(qpn);
                             let private = NvmeCmAccept { crqsize }.emit();
@@ -51,16 +60,12 @@ pub fn serve_cm(target: Target, cm: CmService) {
                                 cm.watch(req.id, gone_tx.clone());
                                 by_conn.insert(req.id, qpn);
                             } else {
+                                cm.abort(req.id);
                                 target.drop_queue(qpn);
                             }
                         }
                         Err(r) => {
-                            let st = match r {
-                                ConnReject::InvalidQid => NvmeRejectStatus::from_u16(3),
-                                ConnReject::InvalidHsqsize => NvmeRejectStatus::from_u16(4),
-                                ConnReject::InvalidHrqsize => NvmeRejectStatus::from_u16(5),
-                                ConnReject::NoResources => NvmeRejectStatus::from_u16(6),
-                            };
+                            let st = NvmeRejectStatus::from_u16(r.status());
                             cm.reject(req.id, &NvmeCmReject::new(st).emit());
                         }
                     }
@@ -91,4 +96,5 @@ pub fn serve_cm(target: Target, cm: CmService) {
             }
         }
     });
+    Ok(())
 }

@@ -1,5 +1,6 @@
-//! The built-in NVMe-oF target, on the same soft-HCA as the host: RAM- or file-backed
-//! namespaces, one or more subsystems, the discovery subsystem, and host allow-lists.
+//! The built-in NVMe-oF target, on any device behind the backend seam (the soft-HCA, or a
+//! kernel RDMA device with `--features hw`): RAM- or file-backed namespaces, one or more
+//! subsystems, the discovery subsystem, and host allow-lists.
 //!
 //! One engine per target device owns every queue on it. A queue is an RC QP with three
 //! registered rings: receive capsules (64-byte SQE + in-capsule data), responses (16-byte

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use crate::cm::{ConnId, ConnectParams, Established};
+use crate::cm::{AcceptParams, ConnId, ConnectParams, Established, NvmeCmRequest, PrivateError};
+
+use super::{Mtu, PeerInfo, Psn, Qpn};
 
 /// Why an active connect failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -38,4 +40,41 @@ pub trait CmPort: Clone + Send + Sync + 'static {
     fn disconnect(&self, id: ConnId);
     /// Be told (once) on `tx` when connection `id` is torn down by the peer or the transport.
     fn watch(&self, id: ConnId, tx: mpsc::UnboundedSender<ConnId>);
+}
+
+/// A connection request for a service we listen on (rdma_cm `CONNECT_REQUEST`), as the
+/// target needs it to set up a queue.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    pub id: ConnId,
+    /// The peer: its address (what per-address caps count), its QPN and the PSN it starts
+    /// sending with.
+    pub peer: PeerInfo,
+    /// The PSN we send with.
+    pub local_psn: Psn,
+    /// The path MTU of the request: our RDMA WRITEs and READ responses must not exceed it.
+    pub path_mtu: Mtu,
+    /// The private data parsed as an NVMe-oF CM request; on error
+    /// [`PrivateError::nvme_status`] is the reject status to answer with.
+    pub nvme: Result<NvmeCmRequest, PrivateError>,
+}
+
+/// The passive side of a context's connection manager: what the built-in target listens
+/// with. Answer every request with [`CmListen::accept`] or [`CmListen::reject`].
+///
+/// A queue is set up in this order: a QP in INIT on the target's CQ, [`CmListen::attach`]
+/// to the request, [`DeviceContext::rc_to_rts`](super::DeviceContext::rc_to_rts), receives
+/// posted, then [`CmListen::accept`] with the NVMe-oF accept private data.
+pub trait CmListen: CmPort {
+    /// Listen on `at` (IP and service port). Requests arrive on the returned channel until
+    /// the context dies. An address of another device, or of none, is refused.
+    fn listen(&self, at: SocketAddr) -> Result<mpsc::UnboundedReceiver<Incoming>, CmError>;
+    /// Our QP `qpn` (in INIT) is to carry request `id`: where the connection manager
+    /// decides the QP's path (rdma_cm), `rc_to_rts` on it takes it from the request.
+    fn attach(&self, id: ConnId, qpn: Qpn) -> Result<(), CmError>;
+    /// Accept request `id` with `params.local_qpn` (in RTS by now) and `private` (REP).
+    /// The connection can then be watched, disconnected and aborted as an active one.
+    fn accept(&self, id: ConnId, params: AcceptParams, private: &[u8]) -> Result<(), CmError>;
+    /// Refuse request `id` with `private` (a consumer-defined REJ) and forget it.
+    fn reject(&self, id: ConnId, private: &[u8]);
 }

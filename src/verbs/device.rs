@@ -18,9 +18,17 @@ pub struct Identity {
 /// Host memory a device may read and write through memory regions. The host allocates it
 /// once and registers the same buffers again on every new context, so nothing on the
 /// recovery path allocates; a backend that needs pinned or aligned pages provides them here.
-pub trait HostBuffer: Send + Sync + 'static {
+pub trait HostBuffer: Sized + Send + Sync + 'static {
     /// `len` zeroed bytes, ready to register (pages faulted in where that matters).
     fn alloc(len: usize) -> Self;
+    /// As [`HostBuffer::alloc`], or `None` when the memory cannot be had: what a peer asks
+    /// for must not abort the process.
+    fn try_alloc(len: usize) -> Option<Self>;
+    /// `len` zeroed bytes whose pages come in as they are first used (where registering
+    /// does not pin them all anyway), or `None` when the memory cannot be had. For a
+    /// target's staging: a 128-entry queue of 1 MiB slots then costs a mapping, not 128 MiB
+    /// of page faults before the host hears back.
+    fn try_alloc_lazy(len: usize) -> Option<Self>;
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
         self.len() == 0
@@ -82,6 +90,12 @@ pub trait DeviceContext: Clone + Send + Sync + 'static {
     /// [`DeviceContext::invalidate_mr`])? Where it cannot, a region keeps the key it was
     /// registered with until it is deregistered.
     fn per_use_keys(&self) -> bool;
+    /// Can a SEND carry an invalidation of the peer's key ([`SendOp::SendWithInv`])? Where it
+    /// cannot, a target answers with a plain SEND and the host invalidates the key itself
+    /// (as Linux nvme-rdma does when the response did not).
+    ///
+    /// [`SendOp::SendWithInv`]: super::SendOp::SendWithInv
+    fn send_with_invalidate(&self) -> bool;
     /// Fast registration (what IB_WR_REG_MR with a new key does): from now on the region
     /// answers to a fresh key only, lkey and rkey alike, and is valid; `mr` is updated. The
     /// old key is refused at once. A no-op where [`DeviceContext::per_use_keys`] is false.

@@ -9,7 +9,8 @@
 //! - [`DeviceSource`]: where the host finds a device's current context again after a reset
 //!   or a re-plug, and how it learns that the device list changed.
 //! - [`CmPort`]: the connection manager of a context (active connect with private data,
-//!   abort, disconnect, the peer's disconnect).
+//!   abort, disconnect, the peer's disconnect); [`CmListen`] its passive side (listen,
+//!   accept, reject), for the built-in target.
 //!
 //! The vocabulary (QPN, PSN, work requests and completions, access flags, ...) is defined by
 //! the soft-HCA today and re-exported here; the host names it through this module so that
@@ -19,7 +20,7 @@ mod cm;
 mod device;
 mod source;
 
-pub use cm::{CmError, CmPort};
+pub use cm::{CmError, CmListen, CmPort, Incoming};
 pub use device::{DeviceContext, HostBuffer, Identity, RcAttr};
 pub use source::{DeviceSource, Opened};
 

@@ -161,11 +161,7 @@ impl FakeTarget {
                     continue;
                 };
                 psn = psn.wrapping_mul(69069).wrapping_add(1) & 0xFF_FFFF;
-                let peer = PeerInfo {
-                    addr: req.peer,
-                    qpn: req.remote_qpn,
-                    psn: req.remote_psn,
-                };
+                let peer = req.peer;
                 let size = nvme.hsqsize as usize + 1;
                 let seed = sh.cfg.seed ^ psn as u64;
                 let q = FakeQueue::create(&hca, pd, peer, req.local_psn, size, nvme.qid, seed);

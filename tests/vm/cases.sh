@@ -314,3 +314,65 @@ case_hw_fio() {
   kill -INT "$tpid"; wait "$tpid" 2>/dev/null
   gx 'port_cycle' >/dev/null
 }
+
+# Issue 19: OUR target on the hw backend, in the guest on rxe0 (rdma_cm listen on the guest's
+# IP, port 4421 beside nvmet-rdma's 4420). (a) our soft-HCA initiator in the host netns runs
+# verify against it over the tap, plus a 512-byte inline and a 4.5 KiB keyed write/read;
+# (b) the kernel nvme-rdma host in the guest connects to it over rxe loopback and runs fio
+# with verify=crc32c.
+case_hw_target() {
+  local port=4421
+  log "hw target: our target on the guest's rxe0 (--device rxe0, $GUEST_IP:$port)"
+  rm -f "$OUT/hw-target.log"
+  gx_start "LD_LIBRARY_PATH=/mnt/out/hw/lib /mnt/out/hw/nvmf-rdma target --device rxe0 \
+    --listen $GUEST_IP -s $port --ram 128M -n $ONQN > /mnt/out/hw-target.log 2>&1 &
+    echo \$! > /tmp/hw-target.pid; wait \$!"
+  local tid=$GX_ID i
+  for i in $(seq 150); do grep -q listening "$OUT/hw-target.log" 2>/dev/null && break; sleep 0.2; done
+  sed 's/^/    target| /' "$OUT/hw-target.log" | cut -c1-200
+  check "hw target: our target listens through rdma_cm on rxe0 in the guest" grep -q 'listening on' "$OUT/hw-target.log"
+
+  timeout 180 ip netns exec "$NETNS" "$BIN" verify -a "$GUEST_IP" -s $port -n "$ONQN" -i 2 --size 32M \
+    > "$OUT/hw-target-verify.txt" 2>&1
+  tr '\r' '\n' < "$OUT/hw-target-verify.txt" | grep -v '^$' | tail -2 | sed 's/^/    /' | cut -c1-200
+  check "hw target: our soft-HCA initiator (host netns) writes 32 MiB to our hw target and reads it back, every byte matches" \
+    grep -q "every byte read back matches" "$OUT/hw-target-verify.txt"
+  local n
+  for n in 512 4608; do
+    head -c $n /dev/urandom > "$OUT/odd.bin"; rm -f "$OUT/odd.back"
+    timeout 60 ip netns exec "$NETNS" "$BIN" write -a "$GUEST_IP" -s $port -n "$ONQN" -i 1 --lba 200000 \
+      --input "$OUT/odd.bin" >/dev/null 2>&1 &&
+    timeout 60 ip netns exec "$NETNS" "$BIN" read -a "$GUEST_IP" -s $port -n "$ONQN" -i 1 --lba 200000 \
+      --size $n --output "$OUT/odd.back" >/dev/null 2>&1
+    check "hw target: $n-byte write at LBA 200000 reads back the same" cmp -s "$OUT/odd.bin" "$OUT/odd.back"
+  done
+
+  GX_TIMEOUT=90 gx "KPORT=$port kconnect $GUEST_IP $ONQN && nvme list | grep -E 'nvme|Node'"
+  check "hw target: the kernel nvme-rdma host in the guest connects to our hw target (rxe loopback)" test $? = 0
+  GX_TIMEOUT=240 gx "d=\$(kdev $GUEST_IP); fio --name=verify --filename=\$d --rw=randwrite --bs=4k \
+      --iodepth=16 --ioengine=libaio --direct=1 --size=24m --verify=crc32c --do_verify=1 \
+      --verify_fatal=1 > /tmp/fio.txt 2>&1; r=\$?; grep -E 'err=|IOPS' /tmp/fio.txt; exit \$r"
+  check "hw target: kernel host fio 4 KiB randwrite 24 MiB + verify=crc32c against our hw target" test $? = 0
+  GX_TIMEOUT=240 gx "d=\$(kdev $GUEST_IP); fio --name=verify128k --filename=\$d --rw=write --bs=128k \
+      --iodepth=8 --ioengine=libaio --direct=1 --offset=32m --size=32m --verify=crc32c --do_verify=1 \
+      --verify_fatal=1 > /tmp/fio.txt 2>&1; r=\$?; grep -E 'err=|IOPS' /tmp/fio.txt; exit \$r"
+  check "hw target: kernel host fio 128 KiB seq write 32 MiB + verify=crc32c" test $? = 0
+  gx "nvme disconnect-all" >/dev/null
+  gx 'kill -TERM $(cat /tmp/hw-target.pid)' >/dev/null
+  gx_wait "$tid" 30 | cut -c1-200
+  grep -E 'stopping|gone|Error' "$OUT/hw-target.log" | cut -c1-200 | sed 's/^/    /'
+  check "hw target: stops cleanly on SIGTERM" grep -q 'SIGTERM: stopping' "$OUT/hw-target.log"
+
+  log "hw target: rxe0 deleted under the running target (then re-added, nvmet port re-enabled)"
+  rm -f "$OUT/hw-target-gone.log"
+  GX_TIMEOUT=120 gx "LD_LIBRARY_PATH=/mnt/out/hw/lib /mnt/out/hw/nvmf-rdma target --device rxe0 \
+      --listen $GUEST_IP -s $port --ram 16M -n $ONQN > /mnt/out/hw-target-gone.log 2>&1 & p=\$!
+    for i in \$(seq 150); do grep -q listening /mnt/out/hw-target-gone.log && break; sleep 0.2; done
+    timeout 60 rdma link delete rxe0; echo \"rdma link delete rc=\$?\"
+    for i in \$(seq 150); do kill -0 \$p 2>/dev/null || break; sleep 0.2; done
+    kill -9 \$p 2>/dev/null; wait \$p; echo \"target rc=\$? (137: still running 30 s after the delete)\"
+    rdma link add rxe0 type rxe netdev \$IF; sleep 1; port_cycle" > "$OUT/hw-target-gone.txt"
+  cut -c1-200 "$OUT/hw-target-gone.txt"; grep -v INFO "$OUT/hw-target-gone.log" | cut -c1-200 | sed 's/^/    target| /'
+  check "hw target: device deleted: the delete completes, the target says so in one line and exits 1" \
+    eval "grep -q 'rdma link delete rc=0' '$OUT/hw-target-gone.txt' && grep -q 'target rc=1 ' '$OUT/hw-target-gone.txt' && grep -q 'RDMA device rxe0 is gone' '$OUT/hw-target-gone.log'"
+}

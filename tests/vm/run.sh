@@ -5,8 +5,8 @@
 #
 #   netns vmnet: tap0 192.168.100.1/24  <-- virtio-net -->  guest eth0 192.168.100.2/24 (rxe0)
 #
-# Usage (root): tests/vm/run.sh [CASE...]   cases: interop1 interop2 hw chaos hw_fio bench linux_chaos hw_extra
-# (default: the first four, as CI runs). One PASS/FAIL line per check; exits non-zero if any
+# Usage (root): tests/vm/run.sh [CASE...]   cases: interop1 interop2 hw chaos hw_fio hw_target bench linux_chaos hw_extra
+# (default: all but bench, linux_chaos and hw_extra). One PASS/FAIL line per check; exits non-zero if any
 # failed. The case hw runs our `hw` backend (libibverbs/librdmacm) inside the guest instead.
 # Knobs: VM=/tmp/nvmf-vm (work dir), NVMF_BIN (default target/release/nvmf-rdma, built if
 # missing), NVMF_HW_BIN (the hw case's binary; default: `cargo build --release --features hw`,
@@ -25,7 +25,7 @@ GUEST_IP=192.168.100.2
 KNQN=nqn.2026-11.io.nvmf-rdma:linux-nvmet    # the guest's nvmet subsystem
 ONQN=nqn.2026-11.io.nvmf-rdma:ours           # our target on the host
 BIN=${NVMF_BIN:-$REPO/target/release/nvmf-rdma}
-CASES=${*:-interop1 interop2 hw chaos hw_fio}
+CASES=${*:-interop1 interop2 hw chaos hw_fio hw_target}
 T0=$SECONDS
 FAILS=0
 QEMU_PID=""

@@ -317,9 +317,14 @@ impl FaultKind {
 
 #[derive(Args, Debug, Clone)]
 pub(crate) struct TargetArgs {
-    /// Address of the target's soft-HCA (IP or IP:PORT; RoCEv2 port 4791 by default).
+    /// Address of the target's soft-HCA (IP or IP:PORT; RoCEv2 port 4791 by default); with
+    /// a kernel --device, the IP of that device's network interface rdma_cm listens on.
     #[arg(long, default_value = "127.0.0.1", value_parser = parse_traddr)]
     pub(crate) listen: SocketAddr,
+    /// RDMA device the target runs on: soft (the built-in soft-HCA), or a kernel RDMA device
+    /// (rxe0, guid:<GUID>, pci:<address>; needs a build with `--features hw`).
+    #[arg(long, default_value = "soft")]
+    pub(crate) device: DeviceChoice,
     /// NVMe-oF service port.
     #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
     pub(crate) trsvcid: u16,

@@ -1,9 +1,11 @@
 //! `target`: the built-in NVMe-oF target until a stop signal.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use crate::{args::*, host::*, signals::*};
 use anyhow::{bail, Context, Result};
+use nvmf_rdma::cli::device::{start_target_kernel, DeviceChoice};
 use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::nvme::Nqn;
 use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
@@ -28,6 +30,18 @@ pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
     if !a.allow_host.is_empty() {
         sub.allowed_hosts = Some(a.allow_host.clone());
     }
+    let cfg = TargetConfig {
+        subsystems: vec![sub],
+        port: a.trsvcid,
+        ..TargetConfig::default()
+    };
+    match a.device.clone() {
+        DeviceChoice::Soft => run_soft(a, cfg).await,
+        DeviceChoice::Kernel(sel) => run_kernel(&sel, a, cfg).await,
+    }
+}
+
+async fn run_soft(a: TargetArgs, cfg: TargetConfig) -> Result<()> {
     let hca = SoftHca::start_with(
         device_config("tgt0", a.listen, 9),
         a.listen.ip().is_loopback(),
@@ -35,13 +49,11 @@ pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
     .await
     .with_context(|| format!("cannot bind {}", a.listen))?;
     let cfg = TargetConfig {
-        subsystems: vec![sub],
-        port: a.trsvcid,
         advertise: Some(hca.addr()),
-        ..TargetConfig::default()
+        ..cfg
     };
     let t = Target::start(hca.clone(), cfg)?;
-    serve_cm(t.clone(), CmService::for_device(&hca));
+    serve_cm(t.clone(), CmService::for_device(&hca))?;
     println!(
         "target {} listening on {} (trsvcid {}); Ctrl-C stops it",
         a.nqn,
@@ -51,4 +63,28 @@ pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
     let sig = StopSignals::new()?.recv().await;
     println!("{sig}: stopping; {:?}", t.stats());
     Ok(())
+}
+
+/// The target on a kernel RDMA device: until a stop signal, or until the device dies (one
+/// line, exit status 1).
+async fn run_kernel(sel: &str, a: TargetArgs, cfg: TargetConfig) -> Result<()> {
+    let cfg = TargetConfig {
+        advertise: Some(SocketAddr::new(a.listen.ip(), a.trsvcid)),
+        ..cfg
+    };
+    let t = start_target_kernel(sel, cfg).map_err(anyhow::Error::msg)?;
+    println!(
+        "target {} listening on {} (trsvcid {}) through RDMA device {sel}; Ctrl-C stops it",
+        a.nqn,
+        a.listen.ip(),
+        a.trsvcid
+    );
+    let mut signals = StopSignals::new()?;
+    tokio::select! {
+        sig = signals.recv() => {
+            println!("{sig}: stopping; {:?}", t.stats());
+            Ok(())
+        }
+        why = t.died() => bail!("{why}"),
+    }
 }

@@ -51,8 +51,8 @@ hostnqn() {  # no DMI in the guest: a random UUID host NQN, made once
   cat /etc/nvme/hostnqn
 }
 
-kconnect() {  # kernel host: connect to $1 (address) subsystem $2 with extra options $3 (k=v,...)
-  local opts="transport=rdma,traddr=$1,trsvcid=4420,nqn=$2,hostnqn=$(hostnqn)${3:+,$3}" r
+kconnect() {  # kernel host: connect to $1 (address) subsystem $2 with extra options $3 (k=v,...), port $KPORT (4420)
+  local opts="transport=rdma,traddr=$1,trsvcid=${KPORT:-4420},nqn=$2,hostnqn=$(hostnqn)${3:+,$3}" r
   exec 3<>/dev/nvme-fabrics || return 1
   echo "$opts" >&3 || { exec 3>&-; echo "connect failed: $opts"; return 1; }
   read -r r <&3; exec 3>&-
