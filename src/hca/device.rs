@@ -1,6 +1,7 @@
 //! One open soft-HCA context: the verbs objects (PDs, MRs, CQs, QPs) and the sans-I/O packet
-//! pump. Inputs are `handle_datagram(now, …)`, `handle_timeout(now)` and verbs calls; outputs
-//! are `poll_transmit`, `poll_timeout` and `poll_event`. It owns no socket and reads no clock.
+//! pump. Inputs are `handle_datagram(now, …)` (or `handle_ipv4`, a datagram with its IP
+//! header), `handle_timeout(now)` and verbs calls; outputs are `poll_transmit`,
+//! `poll_timeout` and `poll_event`. It owns no socket and reads no clock.
 //!
 //! Lifecycle follows the "RDMA reset flows" zombie model: after `fatal()` or `remove()` the
 //! context stays usable for teardown only. Pending WQEs complete with WR_FLUSH_ERR, posts fail
