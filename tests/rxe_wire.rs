@@ -3,7 +3,8 @@
 //!
 //! - rxe numbers its IPv4 datagrams and the ICRC covers the identification field: a
 //!   receiver that cannot see the IP header (a UDP socket) cannot check rxe's ICRC, so
-//!   devices facing RoCEv2 peers use `IcrcCheck::Skip`.
+//!   devices facing RoCEv2 peers use `IcrcCheck::RealHeader`: the driver reads the whole
+//!   IPv4 datagram off a raw socket and the device checks against its real header.
 //! - rxe sends from a per-QP source port (0xC000 + hash), never from 4791, but receives only
 //!   on 4791: replies go to the sender's IP at 4791 (`DeviceConfig::peer_port`).
 //! - Linux ib_cm gives the starting PSN of each of REQ and REP to the *other* side's sender:
@@ -15,8 +16,11 @@ use std::net::SocketAddr;
 
 use nvmf_rdma::cm::mad::{CmMad, CmMessage};
 use nvmf_rdma::cm::{CmConfig, CmEndpoint, CmEvent, ConnectParams, NvmeCmRequest, MAD_LEN};
-use nvmf_rdma::hca::wire::{AethSyndrome, IcrcContext, NakCode, Opcode, ParsedPacket, WireError};
-use nvmf_rdma::hca::{Guid, Instant, Mtu, Psn, Qpn};
+use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use nvmf_rdma::hca::wire::{
+    AethSyndrome, IcrcContext, Ipv4Udp, NakCode, Opcode, ParsedPacket, WireError,
+};
+use nvmf_rdma::hca::{Device, Guid, Instant, Mtu, PciAddr, Psn, Qpn};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
@@ -55,13 +59,89 @@ fn rxe_icrc_verifies_with_its_real_ip_identification() {
 
 #[test]
 fn rxe_icrc_does_not_verify_with_identification_zero() {
-    // What `IcrcCheck::Verify` assumes; hence `Skip` towards rxe.
+    // What `IcrcCheck::Verify` assumes for a UDP payload; hence `RealHeader` towards rxe.
     let pkt = unhex(RXE_NAK);
     assert!(matches!(
         ParsedPacket::parse(&pkt, Some(&rxe_nak_ctx(0))),
         Err(WireError::IcrcMismatch { .. })
     ));
     assert!(ParsedPacket::parse(&pkt, None).is_ok());
+}
+
+/// The NAK as the host's raw socket receives it: rxe's IPv4 header (ID 0x68e5, DF; TTL
+/// and header checksum, which the ICRC masks, as Linux would send them) and UDP header.
+fn rxe_nak_datagram() -> Vec<u8> {
+    let payload = unhex(RXE_NAK);
+    let total = (20 + 8 + payload.len()) as u16;
+    let mut d = vec![0x45, 0x00];
+    d.extend_from_slice(&total.to_be_bytes());
+    d.extend_from_slice(&RXE_NAK_IP_ID.to_be_bytes());
+    d.extend_from_slice(&[
+        0x40, 0x00, 64, 17, 0x52, 0x9b, 192, 168, 100, 2, 192, 168, 100, 1,
+    ]);
+    d.extend_from_slice(&64908u16.to_be_bytes());
+    d.extend_from_slice(&4791u16.to_be_bytes());
+    d.extend_from_slice(&(total - 20).to_be_bytes());
+    d.extend_from_slice(&[0x12, 0x34]);
+    d.extend_from_slice(&payload);
+    d
+}
+
+fn device(icrc: IcrcCheck) -> Device {
+    Device::new(DeviceConfig {
+        identity: DeviceIdentity::from_mac(
+            "srxe0",
+            [2, 0, 0, 0, 0, 1],
+            PciAddr::new(0, 0x30, 1, 0),
+        ),
+        addr: "192.168.100.1:4791".parse().unwrap(),
+        icrc,
+        peer_port: Some(4791),
+        seed: 0,
+    })
+}
+
+#[test]
+fn a_device_checks_rxes_icrc_against_the_ipv4_header_it_came_with() {
+    let datagram = rxe_nak_datagram();
+    let p = Ipv4Udp::parse(&datagram).expect("rxe's IPv4/UDP header");
+    assert_eq!(p.icrc, rxe_nak_ctx(RXE_NAK_IP_ID));
+    assert!(ParsedPacket::parse(p.payload, Some(&p.icrc)).is_ok());
+
+    let mut d = device(IcrcCheck::RealHeader { required: false });
+    d.handle_ipv4(Instant(0), &datagram);
+    assert_eq!(
+        (d.stats().rx_icrc_verified, d.stats().rx_icrc_errors),
+        (1, 0)
+    );
+    // Another identification (the bytes on the wire otherwise the same): dropped.
+    let mut other = datagram.clone();
+    other[5] ^= 1;
+    d.handle_ipv4(Instant(0), &other);
+    assert_eq!(
+        (d.stats().rx_icrc_verified, d.stats().rx_icrc_errors),
+        (1, 1)
+    );
+    // The UDP payload alone (no raw socket): accepted unchecked, and counted.
+    d.handle_datagram(
+        Instant(0),
+        "192.168.100.2:64908".parse().unwrap(),
+        p.payload,
+    );
+    assert_eq!(d.stats().rx_icrc_unchecked, 1);
+    // A header RoCEv2 never sends (IP options): malformed, not a panic.
+    let mut opts = datagram.clone();
+    opts[0] = 0x46;
+    d.handle_ipv4(Instant(0), &opts);
+    assert_eq!(d.stats().rx_malformed, 1);
+    // `Verify` assumes identification 0 for a UDP payload: rxe's fails.
+    let mut v = device(IcrcCheck::Verify);
+    v.handle_datagram(
+        Instant(0),
+        "192.168.100.2:64908".parse().unwrap(),
+        p.payload,
+    );
+    assert_eq!(v.stats().rx_icrc_errors, 1);
 }
 
 /// The REP nvmet-rdma's rxe answered our REQ with (BTH + DETH + MAD; the capture stopped at

@@ -215,19 +215,16 @@ async fn fatal_flushes_and_frees_the_port() {
         )),
         Err(VerbsError::DeviceGone)
     ));
-    // The driver lets go of the socket; the same address can be bound again.
+    // The driver lets go of the socket; the same address can be bound again. Wait for the
+    // driver task to end rather than retry a bind a fixed number of times: under load the
+    // task may not have run yet.
     let addr = a.addr();
-    let mut rebound = None;
-    for _ in 0..100 {
-        let mut c = cfg(9);
-        c.addr = addr;
-        match SoftHca::start(c).await {
-            Ok(h) => {
-                rebound = Some(h);
-                break;
-            }
-            Err(_) => tokio::task::yield_now().await,
-        }
+    tokio::time::timeout(Duration::from_secs(10), a.stopped())
+        .await
+        .expect("the driver did not stop after fatal");
+    let mut c = cfg(9);
+    c.addr = addr;
+    if let Err(e) = SoftHca::start(c).await {
+        panic!("address {addr} not released after fatal: {e}");
     }
-    assert!(rebound.is_some(), "address {addr} not released after fatal");
 }

@@ -1,11 +1,13 @@
 //! Feed arbitrary bytes to the RoCEv2 packet parser, with and without ICRC verification. Any
 //! packet that parses must survive emit -> parse with the same headers (up to the pad count,
-//! which the emitter recomputes from the payload length) and the same payload.
+//! which the emitter recomputes from the payload length) and the same payload. The same
+//! bytes also go in as an IPv4 datagram off a raw socket (`Ipv4Udp`), whose packet is then
+//! checked against the header it came with.
 
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nvmf_rdma::hca::wire::{emit_packet, IcrcContext, ParsedPacket};
+use nvmf_rdma::hca::wire::{emit_packet, IcrcContext, Ipv4Udp, ParsedPacket};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 fn ctx() -> IcrcContext {
@@ -33,4 +35,8 @@ fuzz_target!(|data: &[u8]| {
     let ctx = ctx();
     check(data, &ctx, false);
     check(data, &ctx, true);
+    if let Ok(d) = Ipv4Udp::parse(data) {
+        assert!(d.payload.len() + 28 <= data.len(), "payload beyond the datagram");
+        check(d.payload, &d.icrc, true);
+    }
 });

@@ -17,23 +17,41 @@ pub use crate::hca::device::roce_peer;
 /// administered and random per process: it (and the GUID made from it) goes out in every
 /// CM REQ and REP, so it must tell a peer nothing (no PID), yet differ between processes on
 /// one IP, as the CM tells connections apart by it. Towards a RoCEv2 peer (rxe, a NIC) the
-/// device speaks to UDP port 4791 and cannot check ICRCs (see the README's Security).
+/// device speaks to UDP port 4791 and checks ICRCs against the real IP header
+/// ([`icrc_check_for`]; see the README's Security).
 pub fn soft_device_config(name: &str, addr: SocketAddr, n: u8) -> crate::hca::DeviceConfig {
-    use crate::hca::device::{DeviceIdentity, IcrcCheck};
+    use crate::hca::device::DeviceIdentity;
     let r: [u8; 3] = rand::random();
     let mac = [0x52, 0x54, r[0], r[1], r[2], n];
     let roce = roce_peer(addr.ip());
     crate::hca::DeviceConfig {
         identity: DeviceIdentity::from_mac(name, mac, crate::hca::PciAddr::new(0, 0x30, n, 0)),
         addr,
-        icrc: if roce {
-            IcrcCheck::Skip
-        } else {
-            IcrcCheck::Verify
-        },
+        icrc: icrc_check_for(addr.ip(), std::env::var(ICRC_ENV).ok().as_deref()),
         peer_port: roce.then_some(DEFAULT_ROCE_PORT),
         // Only the simulator seeds a device; this one draws from the OS CSPRNG.
         seed: 0,
+    }
+}
+
+/// The environment variable that chooses how a device facing RoCEv2 peers checks ICRCs:
+/// `auto` (the default: against the real IP header read off a raw socket, unchecked with a
+/// warning without CAP_NET_RAW), `raw` (the raw socket or no device), `skip` (never).
+pub const ICRC_ENV: &str = "NVMF_RDMA_ICRC";
+
+/// How a device bound to `ip` checks received ICRCs, given [`ICRC_ENV`]'s value. Soft-HCA
+/// peers (loopback) send IP identification 0, so their ICRCs are always verified; RoCEv2
+/// peers number their datagrams, so theirs need the real header. An unknown value is
+/// taken as `auto`.
+pub fn icrc_check_for(ip: IpAddr, env: Option<&str>) -> crate::hca::IcrcCheck {
+    use crate::hca::IcrcCheck;
+    if !roce_peer(ip) {
+        return IcrcCheck::Verify;
+    }
+    match env {
+        Some("skip") => IcrcCheck::Skip,
+        Some("raw") => IcrcCheck::RealHeader { required: true },
+        _ => IcrcCheck::RealHeader { required: false },
     }
 }
 

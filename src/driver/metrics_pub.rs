@@ -4,7 +4,10 @@
 //! Besides traffic, the counters an operator watches for abuse: received packets dropped,
 //! in total and by reason (malformed, bad ICRC, unknown QP, from a source that is not the
 //! QP's peer, for a QP that is gone, other), remote access errors (a peer touching memory it
-//! may not), and completion / MAD queue overflows.
+//! may not), and completion / MAD queue overflows. ICRCs: packets verified
+//! (`softhca_rx_icrc_verified_total`), accepted unchecked (`softhca_rx_icrc_unchecked_total`:
+//! `IcrcCheck::Skip`, or an IPv4 RoCEv2 peer without the raw socket), and mismatches, which
+//! are drops (`softhca_rx_dropped_by_reason_total{reason="icrc"}`).
 
 use metrics::{counter, Counter};
 
@@ -43,6 +46,12 @@ const COUNTERS: &[Published] = &[
     }),
     ("softhca_rx_dropped_by_reason_total", Some("other"), |s| {
         s.rx_dropped
+    }),
+    ("softhca_rx_icrc_verified_total", None, |s| {
+        s.rx_icrc_verified
+    }),
+    ("softhca_rx_icrc_unchecked_total", None, |s| {
+        s.rx_icrc_unchecked
     }),
     ("softhca_retransmits_total", None, |s| s.retransmits),
     ("softhca_naks_sent_total", None, |s| {

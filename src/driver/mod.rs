@@ -101,7 +101,7 @@ impl SoftHca {
     pub async fn start_on(mut config: DeviceConfig, fabric: &Fabric) -> std::io::Result<SoftHca> {
         match fabric {
             Fabric::Udp { offload } => {
-                let port = port::UdpPort::bind(config.addr, *offload)?;
+                let port = port::UdpPort::bind(config.addr, *offload, config.icrc)?;
                 config.addr = port.local_addr();
                 Ok(Self::launch(Device::new(config), port, None))
             }
@@ -318,8 +318,10 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
             tracing::trace!(device = %name, n, "received");
         }
         for i in 0..n {
-            let (src, data) = port.get(i);
-            d.handle_datagram(now, src, data);
+            match port.get(i) {
+                port::Received::Udp(src, data) => d.handle_datagram(now, src, data),
+                port::Received::Ipv4(datagram) => d.handle_ipv4(now, datagram),
+            }
         }
         if d.poll_timeout().is_some_and(|t| t <= now) {
             d.handle_timeout(now);

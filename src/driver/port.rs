@@ -6,8 +6,11 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use super::simnet::{SimNet, SimPort};
-use super::socket::{bind_roce_socket, RxBatch, TxBatch};
+use super::socket::{bind_udp, RawRx, RxBatch, TxBatch};
+use crate::hca::IcrcCheck;
 
 /// The network a soft-HCA context is attached to.
 #[derive(Clone, Debug)]
@@ -27,6 +30,15 @@ impl Fabric {
     pub const UDP: Fabric = Fabric::Udp { offload: true };
 }
 
+/// One received packet, as the port read it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Received<'a> {
+    /// A UDP payload from `src` (the IP header stayed in the kernel).
+    Udp(SocketAddr, &'a [u8]),
+    /// A whole IPv4 datagram, header included (a raw socket).
+    Ipv4(&'a [u8]),
+}
+
 /// One context's end of the network, as the driver loop uses it: wait until something can
 /// be received, take a bounded batch, queue packets and send them in one go.
 pub(crate) trait PacketPort: Send + 'static {
@@ -37,7 +49,7 @@ pub(crate) trait PacketPort: Send + 'static {
     /// Take what is queued, without waiting; returns the number of packets.
     fn recv(&mut self) -> io::Result<usize>;
     /// Packet `i` of the last `recv`.
-    fn get(&self, i: usize) -> (SocketAddr, &[u8]);
+    fn get(&self, i: usize) -> Received<'_>;
     /// The buffer the next outgoing packet is written at the end of.
     fn tx_buf(&mut self) -> &mut Vec<u8>;
     /// The bytes from `start` to the end of [`PacketPort::tx_buf`] are one packet to `dst`.
@@ -50,20 +62,71 @@ pub(crate) trait PacketPort: Send + 'static {
     fn busy_poll(&self) -> bool;
 }
 
-/// A UDP socket with its batched receive and send buffers.
+/// A UDP socket with its batched receive and send buffers; with a raw socket beside it
+/// when received ICRCs are checked against the real IPv4 header.
 pub(crate) struct UdpPort {
     sock: tokio::net::UdpSocket,
+    /// Where the datagrams are read, with their IPv4 headers, when the UDP socket only
+    /// sends (see [`RawRx`]).
+    raw: Option<RawRx>,
     addr: SocketAddr,
     rx: RxBatch,
     tx: TxBatch,
 }
 
+/// Set once the fallback without CAP_NET_RAW has been logged in this process.
+static RAW_FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
+
 impl UdpPort {
-    pub(crate) fn bind(addr: SocketAddr, offload: bool) -> io::Result<UdpPort> {
-        let (sock, gro) = bind_roce_socket(addr, offload)?;
+    /// Bind `addr`. When `icrc` wants the IP header ([`IcrcCheck::wants_ip_header`]) and
+    /// `addr` is IPv4, datagrams are read off a raw socket and offload is off (a GRO run has
+    /// one IP header, a GSO run numbers its IDs); without CAP_NET_RAW the port falls back
+    /// to the UDP socket, logging that once per process (the device counts the packets it
+    /// could not check), or fails when the mode says the raw socket is required.
+    pub(crate) fn bind(addr: SocketAddr, offload: bool, icrc: IcrcCheck) -> io::Result<UdpPort> {
+        let SocketAddr::V4(v4) = addr else {
+            return Self::plain(addr, offload);
+        };
+        if !icrc.wants_ip_header() {
+            return Self::plain(addr, offload);
+        }
+        let (sock, _) = bind_udp(addr, false, true)?;
+        let local = sock.local_addr()?;
+        let raw = match RawRx::open(std::net::SocketAddrV4::new(*v4.ip(), local.port())) {
+            Ok(r) => r,
+            Err(e) if icrc == (IcrcCheck::RealHeader { required: false }) => {
+                if !RAW_FALLBACK_LOGGED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        error = %e,
+                        "no raw socket (CAP_NET_RAW): ICRCs from RoCEv2 peers on IPv4 are not \
+                         checked (softhca_rx_icrc_unchecked_total counts them)"
+                    );
+                }
+                drop(sock);
+                return Self::plain(addr, false);
+            }
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("raw socket for ICRC checks against real IPv4 headers: {e}"),
+                ))
+            }
+        };
+        Ok(UdpPort {
+            addr: local,
+            sock,
+            raw: Some(raw),
+            rx: RxBatch::new(),
+            tx: TxBatch::new(false),
+        })
+    }
+
+    fn plain(addr: SocketAddr, offload: bool) -> io::Result<UdpPort> {
+        let (sock, gro) = bind_udp(addr, offload, false)?;
         Ok(UdpPort {
             addr: sock.local_addr()?,
             sock,
+            raw: None,
             rx: RxBatch::new(),
             tx: TxBatch::new(gro),
         })
@@ -75,16 +138,26 @@ impl PacketPort for UdpPort {
         self.addr
     }
 
-    fn readable(&self) -> impl Future<Output = io::Result<()>> + Send + '_ {
-        self.sock.readable()
+    async fn readable(&self) -> io::Result<()> {
+        match &self.raw {
+            Some(raw) => raw.readable().await,
+            None => self.sock.readable().await,
+        }
     }
 
     fn recv(&mut self) -> io::Result<usize> {
-        self.rx.recv(&self.sock)
+        match &self.raw {
+            Some(raw) => self.rx.recv_raw(raw),
+            None => self.rx.recv(&self.sock),
+        }
     }
 
-    fn get(&self, i: usize) -> (SocketAddr, &[u8]) {
-        self.rx.get(i)
+    fn get(&self, i: usize) -> Received<'_> {
+        let (src, data) = self.rx.get(i);
+        match self.raw {
+            Some(_) => Received::Ipv4(data),
+            None => Received::Udp(src, data),
+        }
     }
 
     fn tx_buf(&mut self) -> &mut Vec<u8> {
@@ -122,8 +195,9 @@ impl PacketPort for SimPort {
         Ok(SimPort::recv(self))
     }
 
-    fn get(&self, i: usize) -> (SocketAddr, &[u8]) {
-        SimPort::get(self, i)
+    fn get(&self, i: usize) -> Received<'_> {
+        let (src, data) = SimPort::get(self, i);
+        Received::Udp(src, data)
     }
 
     fn tx_buf(&mut self) -> &mut Vec<u8> {

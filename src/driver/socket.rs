@@ -60,6 +60,18 @@ pub fn bind_roce_socket(
     addr: SocketAddr,
     offload: bool,
 ) -> io::Result<(tokio::net::UdpSocket, bool)> {
+    bind_udp(addr, offload, false)
+}
+
+/// As [`bind_roce_socket`]; `send_only`: a filter that accepts nothing is attached before
+/// the bind, so the socket keeps the port (no ICMP port unreachable goes back) while its
+/// datagrams are read off a [`RawRx`] instead and each is handled once. The kernel counts
+/// the filtered datagrams as UDP receive errors (`InErrors` in /proc/net/snmp).
+pub(crate) fn bind_udp(
+    addr: SocketAddr,
+    offload: bool,
+    send_only: bool,
+) -> io::Result<(tokio::net::UdpSocket, bool)> {
     let domain = if addr.is_ipv4() {
         Domain::IPV4
     } else {
@@ -76,10 +88,86 @@ pub fn bind_roce_socket(
             libc::IP_PMTUDISC_DO,
         )?;
     }
+    if send_only {
+        s.attach_filter(&[bpf(BPF_RET | BPF_K, 0, 0, 0)])?;
+    }
     let gro = offload && setsockopt_int(s.as_raw_fd(), SOL_UDP, UDP_GRO, 1).is_ok();
     s.set_nonblocking(true)?;
     s.bind(&addr.into())?;
     Ok((tokio::net::UdpSocket::from_std(s.into())?, gro))
+}
+
+// Classic BPF (linux/filter.h).
+const BPF_LD: u16 = 0x00;
+const BPF_LDX: u16 = 0x01;
+const BPF_JMP: u16 = 0x05;
+const BPF_RET: u16 = 0x06;
+const BPF_B: u16 = 0x10;
+const BPF_H: u16 = 0x08;
+const BPF_ABS: u16 = 0x20;
+const BPF_IND: u16 = 0x40;
+const BPF_MSH: u16 = 0xa0;
+const BPF_JEQ: u16 = 0x10;
+const BPF_JSET: u16 = 0x40;
+const BPF_K: u16 = 0x00;
+
+fn bpf(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
+    libc::sock_filter { code, jt, jf, k }
+}
+
+/// The filter of a [`RawRx`] for UDP port `port`, run on each IPv4 datagram from its header
+/// on: keep UDP, not a fragment, to `port`; everything else stays in the kernel.
+fn raw_filter(port: u16) -> [libc::sock_filter; 9] {
+    const DROP: u8 = 8; // index of the last instruction
+    [
+        bpf(BPF_LD | BPF_B | BPF_ABS, 0, 0, 9), // protocol
+        bpf(BPF_JMP | BPF_JEQ | BPF_K, 0, DROP - 2, 17),
+        bpf(BPF_LD | BPF_H | BPF_ABS, 0, 0, 6), // flags and fragment offset
+        bpf(BPF_JMP | BPF_JSET | BPF_K, DROP - 4, 0, 0x3FFF), // MF or an offset
+        bpf(BPF_LDX | BPF_B | BPF_MSH, 0, 0, 0), // X = IP header length
+        bpf(BPF_LD | BPF_H | BPF_IND, 0, 0, 2), // UDP destination port
+        bpf(BPF_JMP | BPF_JEQ | BPF_K, 0, DROP - 7, u32::from(port)),
+        bpf(BPF_RET | BPF_K, 0, 0, u32::MAX), // the whole datagram
+        bpf(BPF_RET | BPF_K, 0, 0, 0),
+    ]
+}
+
+/// A raw IPv4 socket that receives the datagrams of one UDP socket with their IP headers
+/// (`socket(AF_INET, SOCK_RAW, IPPROTO_UDP)` gets a copy of every UDP datagram the host
+/// receives; a classic BPF filter keeps those to our port, and binding to our address those
+/// to our address). Needs CAP_NET_RAW. The UDP socket must be bound with `send_only`, and
+/// without GRO: a coalesced run would show one IP header for many packets.
+pub(crate) struct RawRx {
+    fd: tokio::io::unix::AsyncFd<Socket>,
+}
+
+impl RawRx {
+    /// Open one for the UDP socket bound to `local` (an IPv4 address; the unspecified
+    /// address takes the port on every local address). EPERM without CAP_NET_RAW.
+    pub(crate) fn open(local: std::net::SocketAddrV4) -> io::Result<RawRx> {
+        let s = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::UDP))?;
+        let f = raw_filter(local.port());
+        s.attach_filter(&f)?;
+        let _ = s.set_recv_buffer_size(16 << 20);
+        if !local.ip().is_unspecified() {
+            s.bind(&SocketAddr::new((*local.ip()).into(), 0).into())?;
+        }
+        s.set_nonblocking(true)?;
+        // SAFETY: `s` is an open socket the AsyncFd takes ownership of; socket2's as_raw_fd
+        // returns its one descriptor until it is dropped with the AsyncFd.
+        let fd = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(s, tokio::io::Interest::READABLE)
+        }
+        .map_err(io::Error::from)?;
+        Ok(RawRx { fd })
+    }
+
+    /// Resolves once a receive may find datagrams.
+    pub(crate) async fn readable(&self) -> io::Result<()> {
+        // The guard is dropped without clearing: the next `recv` clears readiness when it
+        // finds the socket empty.
+        self.fd.readable().await.map(drop)
+    }
 }
 
 /// Outgoing packets of one driver turn.
@@ -270,7 +358,22 @@ impl RxBatch {
     pub fn recv(&mut self, sock: &tokio::net::UdpSocket) -> io::Result<usize> {
         self.pkts.clear();
         let fd = sock.as_raw_fd();
-        match sock.try_io(tokio::io::Interest::READABLE, || self.recvmmsg(fd)) {
+        let r = sock.try_io(tokio::io::Interest::READABLE, || self.recvmmsg(fd));
+        self.received(r)
+    }
+
+    /// As [`RxBatch::recv`], from a raw socket: each packet is an IPv4 datagram, header
+    /// included, and its source port is 0.
+    pub(crate) fn recv_raw(&mut self, raw: &RawRx) -> io::Result<usize> {
+        self.pkts.clear();
+        let r = raw.fd.try_io(tokio::io::Interest::READABLE, |s| {
+            self.recvmmsg(s.as_raw_fd())
+        });
+        self.received(r)
+    }
+
+    fn received(&self, r: io::Result<()>) -> io::Result<usize> {
+        match r {
             Ok(()) => Ok(self.pkts.len()),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(0),

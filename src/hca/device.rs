@@ -1,6 +1,7 @@
 //! One open soft-HCA context: the verbs objects (PDs, MRs, CQs, QPs) and the sans-I/O packet
-//! pump. Inputs are `handle_datagram(now, …)`, `handle_timeout(now)` and verbs calls; outputs
-//! are `poll_transmit`, `poll_timeout` and `poll_event`. It owns no socket and reads no clock.
+//! pump. Inputs are `handle_datagram(now, …)` (or `handle_ipv4`, a datagram with its IP
+//! header), `handle_timeout(now)` and verbs calls; outputs are `poll_transmit`,
+//! `poll_timeout` and `poll_event`. It owns no socket and reads no clock.
 //!
 //! Lifecycle follows the "RDMA reset flows" zombie model: after `fatal()` or `remove()` the
 //! context stays usable for teardown only. Pending WQEs complete with WR_FLUSH_ERR, posts fail
@@ -22,8 +23,8 @@ use super::qp::{Ctx, Qp, QpAttr, QpCaps, RecvWr, SendWr};
 use super::types::Psn;
 use super::types::{Guid, Instant, MemKey, PciAddr, Qpn};
 use super::wire::{
-    emit_packet, BthRepr, DethRepr, IcrcContext, OpClass, Opcode, PacketHeaders, ParsedPacket,
-    WireError, GSI_QKEY,
+    emit_packet, BthRepr, DethRepr, IcrcContext, Ipv4Udp, OpClass, Opcode, PacketHeaders,
+    ParsedPacket, WireError, GSI_QKEY,
 };
 
 /// A QP context over the device's shared tables. A macro rather than a method, so that the
@@ -67,15 +68,33 @@ impl DeviceIdentity {
     }
 }
 
-/// How received ICRCs are treated.
+/// How received ICRCs are treated. The ICRC covers the IPv4 identification and DF flag,
+/// which a UDP socket does not show; the driver hands the device either a UDP payload
+/// ([`Device::handle_datagram`]) or a whole IPv4 datagram read off a raw socket
+/// ([`Device::handle_ipv4`]), and the mode says what to do with each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IcrcCheck {
-    /// Verify, assuming the sender used IP identification 0 and DF, as Linux does for an
-    /// unconnected UDP socket (our soft-HCA always does).
+    /// Verify. A UDP payload is checked assuming the sender used IP identification 0 and
+    /// DF, as Linux does for an unconnected UDP socket (our soft-HCA always does): for
+    /// soft-HCA peers.
     Verify,
-    /// Skip: the sender's IP identification is not visible through a UDP socket, so peers
-    /// such as rxe that number their datagrams cannot be checked without a raw socket.
+    /// For peers that number their IPv4 datagrams (rxe, NICs): verify against the real
+    /// header. The driver reads IPv4 datagrams whole from a raw socket (CAP_NET_RAW);
+    /// IPv6 hides nothing the ICRC covers (traffic class, flow label and hop limit are
+    /// masked, rxe_icrc.c), so a UDP payload from an IPv6 peer is verified as it is. An
+    /// IPv4 UDP payload (no raw socket) is accepted unchecked and counted
+    /// (`Stats::rx_icrc_unchecked`). `required`: the driver refuses to start without the
+    /// raw socket instead.
+    RealHeader { required: bool },
+    /// Accept every ICRC unchecked (counted as `Stats::rx_icrc_unchecked`).
     Skip,
+}
+
+impl IcrcCheck {
+    /// Does this mode want IPv4 datagrams whole, with their header (a raw socket)?
+    pub fn wants_ip_header(self) -> bool {
+        matches!(self, IcrcCheck::RealHeader { .. })
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -102,9 +121,8 @@ pub const ROCE_V2_PORT: u16 = 4791;
 /// Is the peer at `ip` possibly a real RoCEv2 device (Linux rxe, a NIC) rather than one of
 /// our soft-HCAs? Loopback peers are ours (several share 127.0.0.1 on their own ports);
 /// anything else is treated as the real thing: no UDP GSO (each segment would carry its
-/// own IP identification, which the peer's ICRC check covers), received ICRCs not checked
-/// (a UDP socket does not show the sender's IP identification), peers answered at port
-/// 4791, and path MTU 1024 (what rxe derives from a 1500-byte Ethernet MTU).
+/// own IP identification, which the peer's ICRC check covers), received ICRCs checked
+/// against the real IP header ([`IcrcCheck::RealHeader`]), peers answered at port 4791, and path MTU 1024 (what rxe derives from a 1500-byte Ethernet MTU).
 pub fn roce_peer(ip: IpAddr) -> bool {
     !ip.is_loopback()
 }
@@ -571,20 +589,47 @@ impl Device {
 
     // ---- packet pump ---------------------------------------------------------------------
 
-    /// A UDP datagram arrived from `src`. Malformed or unexpected input is dropped and
-    /// counted; it never panics and never disturbs another QP.
+    /// A UDP datagram arrived from `src` (its payload, without the IP header). Malformed
+    /// or unexpected input is dropped and counted; it never panics and never disturbs
+    /// another QP.
     pub fn handle_datagram(&mut self, now: Instant, src: SocketAddr, data: &[u8]) {
+        let assumed = IcrcContext::new(src, self.config.addr);
+        let icrc = match self.config.icrc {
+            IcrcCheck::Verify => Some(assumed),
+            IcrcCheck::RealHeader { .. } if src.is_ipv6() => Some(assumed),
+            IcrcCheck::RealHeader { .. } | IcrcCheck::Skip => None,
+        };
+        self.on_roce(now, src, data, icrc.as_ref());
+    }
+
+    /// An IPv4 datagram arrived whole, header included (a raw socket): the ICRC is checked
+    /// against its real identification and DF flag (unless the mode is `Skip`). A header
+    /// that is not IPv4/UDP as RoCEv2 sends it is dropped and counted as malformed.
+    pub fn handle_ipv4(&mut self, now: Instant, datagram: &[u8]) {
+        match Ipv4Udp::parse(datagram) {
+            Ok(d) => {
+                let icrc = (self.config.icrc != IcrcCheck::Skip).then_some(&d.icrc);
+                self.on_roce(now, d.icrc.src, d.payload, icrc);
+            }
+            Err(_) => {
+                if self.is_live() {
+                    self.stats.rx_packets += 1;
+                    self.stats.rx_bytes += datagram.len() as u64;
+                    self.stats.rx_malformed += 1;
+                }
+            }
+        }
+    }
+
+    /// A RoCEv2 packet (the UDP payload) from `src`; its ICRC is checked against `icrc`,
+    /// or not at all when that is `None`.
+    fn on_roce(&mut self, now: Instant, src: SocketAddr, data: &[u8], icrc: Option<&IcrcContext>) {
         if !self.is_live() {
             return;
         }
         self.stats.rx_packets += 1;
         self.stats.rx_bytes += data.len() as u64;
-        let icrc = IcrcContext::new(src, self.config.addr);
-        let ctx_ref = match self.config.icrc {
-            IcrcCheck::Verify => Some(&icrc),
-            IcrcCheck::Skip => None,
-        };
-        let pkt = match ParsedPacket::parse(data, ctx_ref) {
+        let pkt = match ParsedPacket::parse(data, icrc) {
             Ok(p) => p,
             Err(WireError::IcrcMismatch { .. }) => {
                 self.stats.rx_icrc_errors += 1;
@@ -595,6 +640,11 @@ impl Device {
                 return;
             }
         };
+        if icrc.is_some() {
+            self.stats.rx_icrc_verified += 1;
+        } else {
+            self.stats.rx_icrc_unchecked += 1;
+        }
         // After the ICRC check, which covers the real UDP source port.
         let src = match self.config.peer_port {
             Some(port) => SocketAddr::new(src.ip(), port),

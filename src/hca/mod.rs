@@ -42,6 +42,11 @@ pub struct Stats {
     pub rx_bytes: u64,
     pub rx_malformed: u64,
     pub rx_icrc_errors: u64,
+    /// Packets whose ICRC was checked and right.
+    pub rx_icrc_verified: u64,
+    /// Packets accepted without an ICRC check (`IcrcCheck::Skip`, or an IPv4 peer's
+    /// packet whose IP header the driver could not read).
+    pub rx_icrc_unchecked: u64,
     pub rx_unknown_qp: u64,
     pub rx_dropped: u64,
     /// Packets for a connected QP from an address other than its peer's (dropped).

@@ -9,13 +9,18 @@ case_interop1() {
   check "interop1: discovery log lists $KNQN" grep -q "subnqn:  $KNQN" "$OUT/discover.txt"
   timeout 120 ip netns exec "$NETNS" "$BIN" verify -a "$GUEST_IP" -n "$KNQN" -i 1 --size 32M \
     > "$OUT/interop1-verify.txt" 2>&1
-  tr '\r' '\n' < "$OUT/interop1-verify.txt" | grep -v '^$' | tail -2 | sed 's/^/    /'
+  tr '\r' '\n' < "$OUT/interop1-verify.txt" | grep -v '^$' | tail -3 | sed 's/^/    /'
   check "interop1: connect + identify + write 32 MiB + read back, every byte matches" \
     grep -q "every byte read back matches" "$OUT/interop1-verify.txt"
   # nvmet-rdma answers a keyed command whose SGL asks for it (subtype 0xF) with SEND with
   # Invalidate of its key: our per-command keys are shut by the target, none by us.
   check "interop1: nvmet invalidates each command's memory key with its response" \
     grep -qE "^memory keys: .* [1-9][0-9]* invalidated by the target's response, 0 by this host" \
+    "$OUT/interop1-verify.txt"
+  # rxe numbers its IPv4 datagrams and its ICRC covers the identification: our host (root,
+  # so CAP_NET_RAW) reads them off a raw socket and checks each against its real header.
+  check "interop1: the host verified rxe's ICRCs against the real IP headers, 0 mismatched" \
+    grep -qE "^icrc: [1-9][0-9]* verified, 0 mismatched \(dropped\), 0 unchecked" \
     "$OUT/interop1-verify.txt"
   # odd sizes: 512 B (inline in the capsule) and 4.5 KiB (keyed SGL, split at MTU 1024)
   local n

@@ -135,13 +135,21 @@ pub(crate) async fn host_device(
 }
 
 pub(crate) async fn connect(s: &Subsys) -> Result<Controller> {
+    connect_on(s).await.map(|(c, _)| c)
+}
+
+/// As [`connect`], also handing back the soft-HCA's device manager (`None` on a kernel
+/// device), whose counters a command may report.
+pub(crate) async fn connect_on(s: &Subsys) -> Result<(Controller, Option<DeviceManager>)> {
     let o = options(s)?;
     let c = match &s.fabric.device {
         DeviceChoice::Soft => {
             let mgr = host_device(s.fabric.traddr, s.fabric.host_traddr).await?;
-            Controller::connect_managed(mgr, HOST_HCA, o).await
+            Controller::connect_managed(mgr.clone(), HOST_HCA, o)
+                .await
+                .map(|c| (c, Some(mgr)))
         }
-        DeviceChoice::Kernel(sel) => device::connect_kernel(sel, o).await,
+        DeviceChoice::Kernel(sel) => device::connect_kernel(sel, o).await.map(|c| (c, None)),
     };
     c.with_context(|| format!("connect to {} at {}", s.nqn, s.fabric.traddr))
 }

@@ -138,8 +138,16 @@ pub(crate) async fn run_verify(
     chunk: usize,
     seed: u64,
 ) -> Result<()> {
-    let c = connect(&sub).await?;
+    let (c, mgr) = connect_on(&sub).await?;
     let r = verify(&c, sub.nsid, lba, size, chunk, seed).await;
+    if let Some((hca, _)) = mgr.and_then(|m| m.open(HOST_HCA)) {
+        let s = hca.with_quiet(|d, _| d.stats().clone());
+        // What the host's soft-HCA made of the target's ICRCs (since its last reset).
+        println!(
+            "icrc: {} verified, {} mismatched (dropped), {} unchecked",
+            s.rx_icrc_verified, s.rx_icrc_errors, s.rx_icrc_unchecked
+        );
+    }
     c.disconnect().await;
     r
 }

@@ -290,12 +290,14 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     let cli = Cli::parse();
     // RUST_LOG decides when set; otherwise the target logs its hosts (connect, disconnect,
-    // keep-alive expiry) and everything else only errors.
+    // keep-alive expiry), the soft-HCA driver its warnings (a device facing RoCEv2 peers
+    // without the raw socket for ICRC checks) and everything else only errors.
     let filter = match std::env::var_os("RUST_LOG") {
         None if matches!(cli.cmd, Cmd::Target(_)) => {
-            tracing_subscriber::EnvFilter::new("error,nvmf_rdma::nvmet=info")
+            tracing_subscriber::EnvFilter::new("error,nvmf_rdma::driver=warn,nvmf_rdma::nvmet=info")
         }
-        _ => tracing_subscriber::EnvFilter::from_default_env(),
+        None => tracing_subscriber::EnvFilter::new("error,nvmf_rdma::driver=warn"),
+        Some(_) => tracing_subscriber::EnvFilter::from_default_env(),
     };
     tracing_subscriber::fmt()
         .with_env_filter(filter)

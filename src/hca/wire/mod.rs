@@ -9,6 +9,7 @@ mod bth;
 mod deth;
 mod icrc;
 mod imm;
+mod ipv4;
 mod opcode;
 mod packet;
 mod reth;
@@ -18,6 +19,7 @@ pub use bth::{Bth, BthRepr};
 pub use deth::{Deth, DethRepr, GSI_QKEY};
 pub use icrc::{icrc, IcrcContext};
 pub use imm::{Ieth, ImmDt};
+pub use ipv4::Ipv4Udp;
 pub use opcode::{HdrMask, MsgPos, OpClass, Opcode, OpcodeInfo, OPCODE_TABLE};
 pub use packet::{emit_packet, finish_packet, PacketHeaders, ParsedPacket};
 pub use reth::{Reth, RethRepr};
@@ -47,6 +49,8 @@ pub enum WireError {
     IcrcMismatch { computed: u32, carried: u32 },
     #[error("packet of {0} bytes exceeds the largest RoCEv2 packet")]
     TooLong(usize),
+    #[error("IPv4 datagram not a RoCEv2 carrier: {0}")]
+    BadIpHeader(&'static str),
 }
 
 /// Read a big-endian field; callers have already checked the length.
