@@ -929,3 +929,131 @@ fn connect_all_picks_up_a_subsystem_added_to_the_discovery_log() {
             .any(|c| c["subnqn"] == NQN_B && c["state"] == "live")
     });
 }
+
+/// One request on a connection of its own, raw (as a script would send it).
+fn raw_request(rig: &Rig, line: &str) -> serde_json::Value {
+    let s = UnixStream::connect(rig.run.join("daemon.sock")).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut w = s.try_clone().unwrap();
+    w.write_all(format!("{line}\n").as_bytes()).unwrap();
+    let mut a = String::new();
+    BufReader::new(s).read_line(&mut a).unwrap();
+    serde_json::from_str(a.trim()).unwrap()
+}
+
+/// nvme-cli's habit: `read`/`write`/`verify -d nvmf0` on the controller `connect` made. The
+/// daemon does the I/O on its controller; the data crosses the control socket in bounded
+/// pieces; `read` gives the raw bytes, `--hex` a dump; errors are one line with a hint.
+#[test]
+fn read_write_verify_use_the_daemons_controller() {
+    let rig = Rig::new("io");
+    let (_t, addr) = start_target(NQN, &rig.dir);
+    let (_d, _n) = rig.daemon(&[]);
+    let out = rig.ok(&["connect", "-a", &addr, "-n", NQN, "-i", "1"]);
+    assert!(out.contains("nvmf0"), "{out}");
+    // 41 blocks: several write requests (8 KiB each) and read pieces.
+    let data: Vec<u8> = (0..41 * 512u32).map(|i| (i * 7 + i / 512) as u8).collect();
+    let input = rig.dir.join("in.bin");
+    std::fs::write(&input, &data).unwrap();
+    let out = rig.ok(&[
+        "write",
+        "-d",
+        "nvmf0",
+        "--lba",
+        "8",
+        "--input",
+        input.to_str().unwrap(),
+    ]);
+    assert!(out.contains("wrote 20992 bytes at lba 8"), "{out}");
+    for extra in [&[][..], &["--output", "-"][..]] {
+        let mut args = vec!["read", "-d", "nvmf0", "--lba", "8", "--size", "20992"];
+        args.extend_from_slice(extra);
+        let o = rig.run(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert!(o.stdout == data, "read {extra:?}: raw bytes differ");
+    }
+    let hex = rig.ok(&[
+        "read", "-d", "nvmf0", "--lba", "8", "--size", "512", "--hex",
+    ]);
+    assert!(
+        hex.starts_with("00000000  00 07 0e 15 1c 23 2a 31"),
+        "{hex}"
+    );
+    // More than one request's worth each way: a 2 MiB fill, read back into a file.
+    let out = rig.ok(&[
+        "write",
+        "-d",
+        "nvmf0",
+        "--lba",
+        "4096",
+        "--size",
+        "2M",
+        "--pattern",
+        "171",
+    ]);
+    assert!(out.contains("wrote 2097152 bytes"), "{out}");
+    let file = rig.dir.join("out.bin");
+    rig.ok(&[
+        "read",
+        "-d",
+        "nvmf0",
+        "--lba",
+        "4095",
+        "--size",
+        "2M",
+        "--output",
+        file.to_str().unwrap(),
+    ]);
+    let back = std::fs::read(&file).unwrap();
+    assert_eq!(back.len(), 2 << 20);
+    assert!(back[512..].iter().all(|&b| b == 171), "the fill");
+    assert!(back[..512] != [171u8; 512][..], "the block before it");
+    // verify: two requests (16 MiB each) with progress.
+    let o = rig.run(&[
+        "verify", "-d", "nvmf0", "--lba", "16384", "--size", "20M", "--chunk", "256K",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("verified 20971520 bytes"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("verified 20 MiB of 20 MiB (100%)"));
+    // It is on the target: a controller of the command's own reads what the daemon wrote.
+    let o = rig.run(&[
+        "read", "-a", &addr, "-n", NQN, "-i", "1", "--lba", "8", "--size", "20992",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(o.stdout == data, "read with -a/-n");
+
+    // Errors: one line, with what to do.
+    let e = one_line_error(&rig.run(&["read", "-d", "nvmf9", "--size", "4K"]));
+    assert!(
+        e.contains("no controller nvmf9") && e.contains("`nvmf-rdma list` shows them"),
+        "{e}"
+    );
+    let e = one_line_error(&rig.run(&["read", "-d", "nvmf0", "--nsid", "7", "--size", "4K"]));
+    assert!(e.contains("no namespace 7") && e.contains("list"), "{e}");
+    let e = one_line_error(&rig.run(&["read", "-d", "nvmf0", "--lba", "131071", "--size", "4K"]));
+    assert!(
+        e.contains("beyond the namespace end") && e.contains("list"),
+        "{e}"
+    );
+    let e = one_line_error(&rig.run(&["write", "-d", "nvmf0", "--size", "100"]));
+    assert!(e.contains("block size"), "{e}");
+    // The protocol bounds what one request may ask for.
+    let v = raw_request(
+        &rig,
+        r#"{"version":1,"op":"read","device":"nvmf0","size":2097152}"#,
+    );
+    assert_eq!(v["code"], "bad-request", "{v}");
+    assert!(v["hint"].as_str().unwrap().contains("split"), "{v}");
+    let v = raw_request(
+        &rig,
+        r#"{"version":1,"op":"read","device":"nvmf0","lba":8,"size":512}"#,
+    );
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(
+        v["data"].as_str().unwrap().len(),
+        684,
+        "512 bytes in base64"
+    );
+    // Disconnect goes through (no request holds the controller).
+    rig.ok(&["disconnect", "-d", "nvmf0"]);
+}

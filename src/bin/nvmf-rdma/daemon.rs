@@ -103,9 +103,28 @@ impl Entry {
         }
         // Only a forced disconnect (or an unexpected busy mount) gets here with a user left.
         self.exports.stop_with(true).await;
-        match Arc::try_unwrap(self.ctrl) {
-            Ok(c) => c.disconnect().await,
-            Err(_) => tracing::warn!("{}: controller still shared at disconnect", self.name),
+        match alone(self.ctrl, IO_LET_GO).await {
+            Some(c) => c.disconnect().await,
+            None => tracing::warn!("{}: controller still shared at disconnect", self.name),
+        }
+    }
+}
+
+/// How long a disconnect waits for `read`/`write`/`verify` requests in flight on the
+/// controller to end (each is bounded by the I/O timeout and its size).
+const IO_LET_GO: Duration = Duration::from_secs(60);
+
+/// `c` once nothing else holds it (a request's I/O finished), or `None` after `limit`.
+async fn alone<T>(mut c: Arc<T>, limit: Duration) -> Option<T> {
+    let deadline = Instant::now() + limit;
+    loop {
+        match Arc::try_unwrap(c) {
+            Ok(v) => return Some(v),
+            Err(back) if Instant::now() < deadline => {
+                c = back;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(_) => return None,
         }
     }
 }
@@ -253,6 +272,25 @@ impl State {
 }
 
 impl State {
+    /// The controller named `name`, for a request that does I/O on it.
+    fn controller(&self, name: &str) -> Result<Arc<Controller>, ProtoError> {
+        let c = lock(&self.inner)
+            .ctrls
+            .values()
+            .find(|e| e.name == name)
+            .map(|e| e.ctrl.clone());
+        c.ok_or_else(|| {
+            let e = ProtoError::new(ErrorCode::NotFound, format!("no controller {name}"));
+            if self.run_dir.join(format!("{name}.sock")).exists() {
+                e.hint(format!(
+                    "{name} is held by `connect --foreground`: -d works on the daemon's controllers; give that process's -a/-n instead"
+                ))
+            } else {
+                e.hint("`nvmf-rdma list` shows them")
+            }
+        })
+    }
+
     /// Keep a discovery controller for `p` (a discovery line) watched, once.
     fn watch(self: &Arc<Self>, p: &ConnectParams) {
         let key: Key = (
@@ -768,6 +806,10 @@ async fn dispatch(st: &Arc<State>, req: Request) -> Result<Map<String, Value>, P
         Request::DisconnectAll { force } => {
             let names = op_disconnect(st, |_| true, force, "").await?;
             Ok(obj(json!({ "disconnected": names })))
+        }
+        Request::Io { device, io } => {
+            let c = st.controller(&device)?;
+            crate::daemon_io::run_io(c, &device, io).await
         }
         Request::Stop { force } => {
             let (tx, rx) = tokio::sync::oneshot::channel();

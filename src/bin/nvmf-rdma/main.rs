@@ -8,6 +8,7 @@ mod config;
 mod connect;
 mod control;
 mod daemon;
+mod daemon_io;
 mod demo;
 mod host;
 mod io;
@@ -222,23 +223,27 @@ enum Cmd {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
-    /// Read blocks and write them to a file, raw to stdout (`--output -`), or as a hex dump.
+    /// Read blocks: the raw bytes on stdout, into a file (--output), or a hex dump (--hex).
+    /// `-d nvmf0` reads through the daemon's controller; -a/-n connect one for this command.
     Read {
         #[command(flatten)]
-        sub: Subsys,
+        at: IoAt,
         #[arg(long, default_value_t = 0)]
         lba: u64,
         #[arg(long, value_parser = parse_size)]
         size: usize,
-        /// Where the data goes: a file, or `-` for the raw bytes on stdout. Without it, a hex
-        /// dump on stdout.
+        /// Where the data goes: a file, or `-` for stdout (the default).
         #[arg(long)]
         output: Option<PathBuf>,
+        /// A hex dump on stdout instead of the raw bytes.
+        #[arg(long)]
+        hex: bool,
     },
-    /// Write a file, or a repeated byte, at a block address.
+    /// Write a file, or a repeated byte, at a block address (`-d nvmf0`: through the
+    /// daemon's controller).
     Write {
         #[command(flatten)]
-        sub: Subsys,
+        at: IoAt,
         #[arg(long, default_value_t = 0)]
         lba: u64,
         #[arg(long, value_parser = parse_size)]
@@ -249,10 +254,11 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         pattern: u8,
     },
-    /// Write random data over a range, read it back and compare, with progress.
+    /// Write random data over a range, read it back and compare, with progress (`-d nvmf0`:
+    /// the daemon does it on its controller).
     Verify {
         #[command(flatten)]
-        sub: Subsys,
+        at: IoAt,
         #[arg(long, default_value_t = 0)]
         lba: u64,
         #[arg(long, value_parser = parse_size)]
@@ -370,25 +376,26 @@ async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
         Cmd::List { output } => run_list(output).await,
         Cmd::Disconnect { nqn, device, force } => run_disconnect(nqn, device, force).await,
         Cmd::Read {
-            sub,
+            at,
             lba,
             size,
             output,
-        } => run_read(sub, lba, size, output).await,
+            hex,
+        } => run_read(at, lba, size, output, hex).await,
         Cmd::Write {
-            sub,
+            at,
             lba,
             size,
             input,
             pattern,
-        } => run_write(sub, lba, size, input, pattern).await,
+        } => run_write(at, lba, size, input, pattern).await,
         Cmd::Verify {
-            sub,
+            at,
             lba,
             size,
             chunk,
             seed,
-        } => run_verify(sub, lba, size, chunk, seed).await,
+        } => run_verify(at, lba, size, chunk, seed).await,
         _ => unreachable!("handled synchronously"),
     }
 }
