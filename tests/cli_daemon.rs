@@ -87,6 +87,11 @@ impl Drop for Proc {
 
 /// A built-in target on a free loopback port.
 fn start_target(nqn: &str, dir: &Path) -> (Proc, String) {
+    start_target_with(nqn, dir, &[])
+}
+
+/// [`start_target`] with more `target` flags.
+fn start_target_with(nqn: &str, dir: &Path, extra: &[&str]) -> (Proc, String) {
     let mut cmd = Command::new(BIN);
     cmd.args([
         "target",
@@ -97,6 +102,7 @@ fn start_target(nqn: &str, dir: &Path) -> (Proc, String) {
         "-n",
         nqn,
     ])
+    .args(extra)
     .env("NVMF_RDMA_RUN_DIR", dir.join("target-run"));
     let t = Proc::spawn(cmd);
     let line = t.expect("listening on", Duration::from_secs(30));
@@ -1056,4 +1062,145 @@ fn read_write_verify_use_the_daemons_controller() {
     );
     // Disconnect goes through (no request holds the controller).
     rig.ok(&["disconnect", "-d", "nvmf0"]);
+}
+
+/// Issue 16: a namespace added to a running target shows in `list` and as an export, with no
+/// code: `nvmf-rdma target --control SOCKET` and `nvmf-rdma target-ns add`. The new
+/// namespace is a FUSE file and an NBD export name of the controller's exports, and both
+/// read back what was written to it through the daemon's controller.
+#[test]
+fn a_namespace_added_with_target_ns_add_is_a_fuse_file_and_an_nbd_export() {
+    let tools = ["nbdcopy", "nbdinfo"];
+    if let Some(t) = tools
+        .iter()
+        .find(|t| Command::new(t).arg("--version").output().is_err())
+    {
+        eprintln!("skipped: {t} is not installed (apt-get install libnbd-bin)");
+        return;
+    }
+    let rig = Rig::new("ns-add");
+    let ctl = rig.dir.join("target.ctl");
+    let (t, addr) = start_target_with(NQN, &rig.dir, &["--control", ctl.to_str().unwrap()]);
+    let mode = std::fs::metadata(&ctl).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the control socket is private");
+    let (_d, _n) = rig.daemon(&[]);
+    let fuse = rig.dir.join("fuse");
+    std::fs::create_dir_all(&fuse).unwrap();
+    let nbd = rig.dir.join("nbd.sock");
+    rig.ok(&[
+        "connect",
+        "-a",
+        &addr,
+        "-n",
+        NQN,
+        "-i",
+        "1",
+        "--fuse",
+        fuse.to_str().unwrap(),
+        "--nbd",
+        &format!("unix:{}", nbd.display()),
+    ]);
+    let out = rig.ok(&[
+        "target-ns",
+        "add",
+        "--control",
+        ctl.to_str().unwrap(),
+        "-n",
+        NQN,
+        "--nsid",
+        "2",
+        "--ram",
+        "8M",
+    ]);
+    assert!(out.contains("namespace 2 added"), "{out}");
+    t.expect("namespace 2 added", Duration::from_secs(10));
+    let v = rig.wait_list("namespace 2 in list and in both exports", |v| {
+        let c = &v["controllers"][0];
+        let x = c["exports"].as_array().cloned().unwrap_or_default();
+        let has = |kind: &str, field: &str, want: &str| {
+            x.iter().any(|e| {
+                e["type"] == kind
+                    && e[field].as_array().is_some_and(|a| {
+                        a.iter()
+                            .any(|n| n.as_str().is_some_and(|n| n.ends_with(want)))
+                    })
+            })
+        };
+        namespaces_of(c).contains(&(2, 16384))
+            && has("nbd", "names", "ns2")
+            && has("fuse", "files", "/ns2")
+    });
+    assert_eq!(v["controllers"][0]["state"], "live");
+
+    // Written through the daemon's controller, read back through both exports.
+    let data: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8 ^ 0x5a).collect();
+    let input = rig.dir.join("in.bin");
+    std::fs::write(&input, &data).unwrap();
+    rig.ok(&[
+        "write",
+        "-d",
+        "nvmf0",
+        "--nsid",
+        "2",
+        "--lba",
+        "16",
+        "--input",
+        input.to_str().unwrap(),
+    ]);
+    let file = fuse.join("ns2");
+    let back = std::fs::read(&file).unwrap();
+    assert_eq!(
+        back.len(),
+        8 << 20,
+        "the FUSE file has the namespace's size"
+    );
+    assert!(back[8192..8192 + 4096] == data[..], "FUSE read-back");
+    let uri = format!("nbd+unix:///ns2?socket={}", nbd.display());
+    let img = rig.dir.join("ns2.img");
+    let o = Command::new("nbdcopy")
+        .arg(&uri)
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "nbdcopy: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let back = std::fs::read(&img).unwrap();
+    assert_eq!(
+        back.len(),
+        8 << 20,
+        "the NBD export has the namespace's size"
+    );
+    assert!(back[8192..8192 + 4096] == data[..], "NBD read-back");
+    let o = Command::new("nbdinfo")
+        .args(["--list", &format!("nbd+unix://?socket={}", nbd.display())])
+        .output()
+        .unwrap();
+    let list = String::from_utf8_lossy(&o.stdout);
+    assert!(list.contains("ns1") && list.contains("ns2"), "{list}");
+
+    // A second add of the same ID: one line, with what to do.
+    let o = rig.run(&[
+        "target-ns",
+        "add",
+        "--control",
+        ctl.to_str().unwrap(),
+        "-n",
+        NQN,
+        "--nsid",
+        "2",
+    ]);
+    let e = one_line_error(&o);
+    assert!(
+        e.contains("namespace 2 exists") && e.contains("once"),
+        "{e}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !rig.run(&["disconnect", "-d", "nvmf0"]).status.success() {
+        assert!(Instant::now() < deadline, "disconnect still refused");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!mounted(&fuse) && !nbd.exists());
 }

@@ -341,6 +341,35 @@ pub(crate) struct TargetArgs {
     /// Host NQNs allowed to connect (repeat); any host when none is given.
     #[arg(long = "allow-host")]
     pub(crate) allow_host: Vec<String>,
+    /// Serve a control socket here (0600) for `nvmf-rdma target-ns add` while running.
+    #[arg(long, value_name = "SOCKET")]
+    pub(crate) control: Option<PathBuf>,
+}
+
+/// `target-ns add`: a namespace for a running `target --control SOCKET`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct TargetNsAdd {
+    /// The target's control socket (its --control).
+    #[arg(long, value_name = "SOCKET")]
+    pub(crate) control: PathBuf,
+    /// Subsystem NQN (the target's -n).
+    #[arg(short = 'n', long = "nqn", default_value = DEMO_NQN)]
+    pub(crate) nqn: String,
+    /// Namespace ID (not yet used in the subsystem).
+    #[arg(long)]
+    pub(crate) nsid: u32,
+    /// RAM namespace size (e.g. 1G); default when no --file is given.
+    #[arg(long, value_parser = parse_size)]
+    pub(crate) ram: Option<usize>,
+    /// File-backed namespace.
+    #[arg(long)]
+    pub(crate) file: Option<PathBuf>,
+    /// Create or grow the file to this size.
+    #[arg(long, value_parser = parse_size)]
+    pub(crate) file_size: Option<usize>,
+    /// Logical block size: 512 or 4096.
+    #[arg(long, default_value_t = 512)]
+    pub(crate) block_size: u32,
 }
 
 /// A host ID as nvme-cli writes it: a UUID.

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, run_dir, CtrlInfo, Health};
 use nvmf_rdma::driver::DeviceManager;
-use nvmf_rdma::export::{BlockDev, FuseFiles};
+use nvmf_rdma::export::{BlockDev, DevSet};
 use nvmf_rdma::nvme::fabrics::DISCOVERY_NQN;
 use nvmf_rdma::reconnect::CtrlState;
 use nvmf_rdma::transport::Controller;
@@ -132,8 +132,10 @@ async fn alone<T>(mut c: Arc<T>, limit: Duration) -> Option<T> {
 fn exports_json(x: &Exports) -> Value {
     let mut v = Vec::new();
     if let Some((a, stats)) = &x.nbd_at {
+        let names = x.set.as_ref().map(DevSet::names).unwrap_or_default();
         v.push(json!({
             "type": "nbd", "nsid": x.nsid, "address": a.to_string(), "uri": a.uri(),
+            "names": names,
             "clients": stats.connections.load(Ordering::SeqCst),
         }));
     }
@@ -436,7 +438,7 @@ async fn connect_entry(
         tokio::spawn(watch_namespaces(
             name.clone(),
             c.clone(),
-            exports.fuse.as_ref().map(|m| m.files()),
+            exports.set.clone(),
         )),
     ];
     Ok(Entry {
@@ -450,9 +452,9 @@ async fn connect_entry(
 }
 
 /// Asynchronous events of a controller: a Namespace Attribute Changed notice rescans its
-/// namespaces (`list` shows an added one, a new size), and a FUSE export gains a file
-/// `ns<NSID>` for each added namespace. Ends when the controller is deleted.
-async fn watch_namespaces(name: String, c: Arc<Controller>, fuse: Option<FuseFiles>) {
+/// namespaces (`list` shows an added one, a new size), and its exports follow
+/// ([`follow_namespaces`]). Ends when the controller is deleted.
+async fn watch_namespaces(name: String, c: Arc<Controller>, set: Option<DevSet>) {
     loop {
         match c.next_async_event().await {
             Ok(ev) if ev.namespaces_changed() => match c.rescan_namespaces().await {
@@ -462,19 +464,9 @@ async fn watch_namespaces(name: String, c: Arc<Controller>, fuse: Option<FuseFil
                         .map(|n| format!("{} ({} blocks)", n.nsid, n.blocks))
                         .collect();
                     println!("{name}: namespaces changed: {}", ids.join(", "));
-                    if let Some(files) = &fuse {
-                        let have = files.names();
-                        for n in ns {
-                            let file = format!("ns{}", n.nsid);
-                            if have.contains(&file) {
-                                continue;
-                            }
-                            let added = BlockDev::new(c.clone(), n.nsid)
-                                .and_then(|d| files.add(&file, Arc::new(d)));
-                            match added {
-                                Ok(()) => println!("{name}: fuse: namespace {} is {file}", n.nsid),
-                                Err(e) => println!("{name}: fuse: {file}: {e}"),
-                            }
+                    if let Some(set) = &set {
+                        for l in follow_namespaces(&c, set) {
+                            println!("{name}: {l}");
                         }
                     }
                 }
@@ -501,6 +493,42 @@ async fn watch_namespaces(name: String, c: Arc<Controller>, fuse: Option<FuseFil
             }
         }
     }
+}
+
+/// Bring the exports' namespaces in line with the controller's after a rescan: an added
+/// namespace becomes `ns<NSID>` (a FUSE file, an NBD export name), a resized one is served
+/// at its new size (FUSE at once; NBD to clients that connect from now on: the protocol has
+/// no way to tell a connected client). Returns what changed, a line each.
+fn follow_namespaces(c: &Arc<Controller>, set: &DevSet) -> Vec<String> {
+    let mut said = Vec::new();
+    for n in c.namespaces() {
+        let file = format!("ns{}", n.nsid);
+        let dev = match BlockDev::new(c.clone(), n.nsid) {
+            Ok(d) => Arc::new(d),
+            Err(e) => {
+                said.push(format!("exports: {file}: {e}"));
+                continue;
+            }
+        };
+        let size = dev.size();
+        let have = set.index_of(file.as_bytes()).and_then(|i| set.get(i));
+        match have {
+            None => said.push(match set.add(&file, dev) {
+                Ok(()) => format!("exports: namespace {} is {file}", n.nsid),
+                Err(e) => format!("exports: {file}: {e}"),
+            }),
+            Some(old) if old.size() != size => {
+                set.replace(&file, dev);
+                said.push(format!(
+                    "exports: namespace {} resized from {} to {size} bytes ({file}; NBD clients connected before keep the old size until they reconnect)",
+                    n.nsid,
+                    old.size()
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    said
 }
 
 /// One discovery controller `connect-all` keeps connected per discovery line, so that a

@@ -16,6 +16,7 @@ mod proto;
 mod sdnotify;
 mod signals;
 mod target;
+mod target_control;
 mod units;
 mod usage;
 
@@ -136,9 +137,25 @@ enum Cmd {
         jobs: Vec<String>,
         #[command(flatten)]
         ext: ExternalTarget,
+        /// A row per interval while each job runs (then the summary table).
+        #[arg(long, default_value = "1s", value_parser = parse_duration, value_name = "TIME")]
+        interval: Duration,
+        /// normal, or json: one object per line, `"type":"interval"` while a job runs and
+        /// `"type":"result"` per job at the end.
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "normal"
+        )]
+        output: ListFormat,
     },
     /// Run the built-in NVMe-oF target until interrupted.
     Target(TargetArgs),
+    /// Add a namespace to a running `target --control SOCKET` (its hosts get a Namespace
+    /// Attribute Changed event; the daemon rescans and exports it).
+    #[command(subcommand)]
+    TargetNs(TargetNsCmd),
     /// Hardware verbs backend (built with `--features hw`): kernel RDMA devices through
     /// libibverbs/librdmacm instead of the soft-HCA.
     #[cfg(feature = "hw")]
@@ -281,6 +298,12 @@ enum Cmd {
     },
 }
 
+#[derive(Subcommand)]
+enum TargetNsCmd {
+    /// Add a RAM or file namespace.
+    Add(TargetNsAdd),
+}
+
 /// Errors end the process with one line: what failed and why, outermost first (anyhow's
 /// `{:#}`), never Debug text or a backtrace.
 fn main() -> std::process::ExitCode {
@@ -323,7 +346,9 @@ fn run() -> Result<()> {
             queues,
             jobs,
             ext,
-        } => run_bench(seconds, hca, queues, jobs, ext),
+            interval,
+            output,
+        } => run_bench(seconds, hca, queues, jobs, ext, Rows { interval, output }),
         Cmd::QpStates { dot } => {
             if dot {
                 print!("{}", nvmf_rdma::hca::qp::state::dot());
@@ -356,6 +381,17 @@ fn run() -> Result<()> {
 async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
     match cmd {
         Cmd::Target(t) => run_target(t).await,
+        Cmd::TargetNs(TargetNsCmd::Add(a)) => {
+            let req = target_control::AddNamespace {
+                nqn: a.nqn,
+                nsid: a.nsid,
+                ram: a.ram.map(|r| r as u64),
+                file: a.file.map(|f| std::path::absolute(&f).unwrap_or(f)),
+                file_size: a.file_size.map(|s| s as u64),
+                block_size: a.block_size,
+            };
+            target_control::run_add(&a.control, req).await
+        }
         #[cfg(feature = "hw")]
         Cmd::Hw(a) => Ok(nvmf_rdma::hw::cli::run(a).await?),
         Cmd::Discover { fabric, output } => run_discover(fabric, output).await,

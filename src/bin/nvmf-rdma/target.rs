@@ -3,27 +3,20 @@
 use std::sync::Arc;
 
 use crate::{args::*, host::*, signals::*};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::nvmet::{serve_cm, Subsystem, Target, TargetConfig};
 
 pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
     let nqn = Nqn::new(&a.nqn).map_err(|e| anyhow::anyhow!("bad --nqn: {e}"))?;
-    let lbads = match a.block_size {
-        512 => 9,
-        4096 => 12,
-        n => bail!("--block-size must be 512 or 4096, not {n}"),
-    };
-    let ns = match (&a.file, a.ram) {
-        (Some(_), Some(_)) => bail!("give --ram or --file, not both"),
-        (Some(p), None) => Namespace::file(1, p, a.file_size.map(|s| s as u64), lbads)
-            .with_context(|| format!("open {}", p.display()))?,
-        (None, r) => Namespace::ram(1, r.unwrap_or(256 << 20) as u64, lbads),
-    };
-    if ns.blocks == 0 {
-        bail!("the namespace would have no blocks");
-    }
+    let ns = crate::target_control::namespace_of(
+        1,
+        a.ram.map(|r| r as u64),
+        a.file.as_deref(),
+        a.file_size.map(|s| s as u64),
+        a.block_size,
+    )?;
     let mut sub = Subsystem::new(nqn, vec![Arc::new(ns)]);
     if !a.allow_host.is_empty() {
         sub.allowed_hosts = Some(a.allow_host.clone());
@@ -42,6 +35,10 @@ pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
     };
     let t = Target::start(hca.clone(), cfg)?;
     serve_cm(t.clone(), CmService::for_device(&hca));
+    let _control = match &a.control {
+        Some(p) => Some(crate::target_control::serve(p, t.clone())?),
+        None => None,
+    };
     println!(
         "target {} listening on {} (trsvcid {}); Ctrl-C stops it",
         a.nqn,
