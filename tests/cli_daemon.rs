@@ -1204,3 +1204,58 @@ fn a_namespace_added_with_target_ns_add_is_a_fuse_file_and_an_nbd_export() {
     }
     assert!(!mounted(&fuse) && !nbd.exists());
 }
+
+/// Issue 16: "on daemon shutdown, exports in use are reported, not silently broken". The
+/// shipped unit never turns a refused stop into a SIGKILL (TimeoutStopSec=infinity,
+/// SIGTERM to the daemon alone), a stop signal under an open export is refused naming it,
+/// and the forced stop (a second signal within 10 s) says who loses the export before it
+/// goes, then leaves nothing behind.
+#[test]
+fn a_forced_stop_reports_who_loses_the_export_and_the_unit_never_sigkills() {
+    let unit = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/contrib/nvmf-rdma.service"
+    ))
+    .unwrap();
+    let setting = |k: &str| {
+        unit.lines()
+            .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
+            .map(str::trim)
+    };
+    assert_eq!(setting("TimeoutStopSec"), Some("infinity"), "{unit}");
+    assert_eq!(setting("KillMode"), Some("mixed"), "{unit}");
+    assert_eq!(setting("Type"), Some("notify"), "{unit}");
+
+    let rig = Rig::new("force-stop");
+    let (_t, addr) = start_target(NQN, &rig.dir);
+    let (mut d, _n) = rig.daemon(&[]);
+    let fuse = rig.dir.join("fuse");
+    std::fs::create_dir_all(&fuse).unwrap();
+    rig.ok(&[
+        "connect",
+        "-a",
+        &addr,
+        "-n",
+        NQN,
+        "-i",
+        "1",
+        "--fuse",
+        fuse.to_str().unwrap(),
+    ]);
+    let held = std::fs::File::open(fuse.join("ns1")).unwrap();
+    d.signal(libc::SIGTERM);
+    let l = d.expect("not stopping", Duration::from_secs(30));
+    assert!(l.contains("nvmf0") && l.contains("in use"), "{l}");
+    assert!(
+        d.child.try_wait().unwrap().is_none(),
+        "stopped under an open export"
+    );
+    d.signal(libc::SIGTERM);
+    let l = d.expect("forced while in use", Duration::from_secs(30));
+    assert!(l.contains("nvmf0") && l.contains("I/O errors"), "{l}");
+    let s = d.exits(Duration::from_secs(30));
+    assert_eq!(s.code(), Some(0), "{s}");
+    assert!(!rig.run.join("daemon.sock").exists());
+    drop(held);
+    assert!(!mounted(&fuse), "the FUSE mount was detached");
+}

@@ -63,6 +63,8 @@ struct Entry {
     ctrl: Arc<Controller>,
     exports: Exports,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// Held (read) by each I/O request on the controller; a disconnect takes it (write).
+    io_gate: Arc<tokio::sync::RwLock<()>>,
 }
 
 impl Entry {
@@ -103,28 +105,11 @@ impl Entry {
         }
         // Only a forced disconnect (or an unexpected busy mount) gets here with a user left.
         self.exports.stop_with(true).await;
-        match alone(self.ctrl, IO_LET_GO).await {
-            Some(c) => c.disconnect().await,
-            None => tracing::warn!("{}: controller still shared at disconnect", self.name),
-        }
-    }
-}
-
-/// How long a disconnect waits for `read`/`write`/`verify` requests in flight on the
-/// controller to end (each is bounded by the I/O timeout and its size).
-const IO_LET_GO: Duration = Duration::from_secs(60);
-
-/// `c` once nothing else holds it (a request's I/O finished), or `None` after `limit`.
-async fn alone<T>(mut c: Arc<T>, limit: Duration) -> Option<T> {
-    let deadline = Instant::now() + limit;
-    loop {
-        match Arc::try_unwrap(c) {
-            Ok(v) => return Some(v),
-            Err(back) if Instant::now() < deadline => {
-                c = back;
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            Err(_) => return None,
+        // `read`/`write`/`verify` requests in flight end first (each holds the gate).
+        let _gate = self.io_gate.write().await;
+        match Arc::try_unwrap(self.ctrl) {
+            Ok(c) => c.disconnect().await,
+            Err(_) => tracing::warn!("{}: controller still shared at disconnect", self.name),
         }
     }
 }
@@ -274,14 +259,33 @@ impl State {
 }
 
 impl State {
-    /// The controller named `name`, for a request that does I/O on it.
-    fn controller(&self, name: &str) -> Result<Arc<Controller>, ProtoError> {
-        let c = lock(&self.inner)
-            .ctrls
-            .values()
-            .find(|e| e.name == name)
-            .map(|e| e.ctrl.clone());
-        c.ok_or_else(|| {
+    /// The controller named `name`, for a request that does I/O on it, with its gate held
+    /// (a disconnect waits for the I/O to end).
+    async fn controller(
+        &self,
+        name: &str,
+    ) -> Result<(Arc<Controller>, tokio::sync::OwnedRwLockReadGuard<()>), ProtoError> {
+        let find = || {
+            lock(&self.inner)
+                .ctrls
+                .values()
+                .find(|e| e.name == name)
+                .map(|e| (e.ctrl.clone(), e.io_gate.clone()))
+        };
+        // Only the gate is kept across the wait (a controller clone would make a disconnect
+        // that goes ahead meanwhile unable to take the controller).
+        let gate = find().map(|(_, g)| g);
+        if let Some(gate) = gate {
+            // The gate first, then the controller: a disconnect that went ahead meanwhile
+            // has taken the entry out (not found), and one that comes later waits for us.
+            let guard = gate.clone().read_owned().await;
+            if let Some((c, g)) = find() {
+                if Arc::ptr_eq(&g, &gate) {
+                    return Ok((c, guard));
+                }
+            }
+        }
+        Err({
             let e = ProtoError::new(ErrorCode::NotFound, format!("no controller {name}"));
             if self.run_dir.join(format!("{name}.sock")).exists() {
                 e.hint(format!(
@@ -448,6 +452,7 @@ async fn connect_entry(
         ctrl: c,
         exports,
         tasks,
+        io_gate: Arc::new(tokio::sync::RwLock::new(())),
     })
 }
 
@@ -651,6 +656,15 @@ async fn op_disconnect(
     }
     if !force {
         check_not_in_use(st, &picked).await?;
+    } else if let Err(e) = check_not_in_use(st, &picked).await {
+        // Forced: the users are told in the log (and systemd's status), not left to find
+        // out from I/O errors.
+        let msg = format!(
+            "forced while in use: {}; its users get I/O errors from now on",
+            e.message
+        );
+        println!("{msg}");
+        let _ = sdnotify::notify(&format!("STATUS={msg}"));
     }
     let entries: Vec<Entry> = {
         let mut inner = lock(&st.inner);
@@ -836,7 +850,7 @@ async fn dispatch(st: &Arc<State>, req: Request) -> Result<Map<String, Value>, P
             Ok(obj(json!({ "disconnected": names })))
         }
         Request::Io { device, io } => {
-            let c = st.controller(&device)?;
+            let (c, _gate) = st.controller(&device).await?;
             crate::daemon_io::run_io(c, &device, io).await
         }
         Request::Stop { force } => {
