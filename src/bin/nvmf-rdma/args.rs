@@ -326,6 +326,19 @@ pub(crate) struct TargetArgs {
     /// Subsystem NQN.
     #[arg(short = 'n', long = "nqn", default_value = DEMO_NQN)]
     pub(crate) nqn: String,
+    #[command(flatten)]
+    pub(crate) ns: NsArgs,
+    /// Host NQNs allowed to connect (repeat); any host when none is given.
+    #[arg(long = "allow-host")]
+    pub(crate) allow_host: Vec<String>,
+    /// Serve a control socket here (0600) for `nvmf-rdma target-ns add` while running.
+    #[arg(long, value_name = "SOCKET")]
+    pub(crate) control: Option<PathBuf>,
+}
+
+/// A namespace of the built-in target: `target`'s first, `target-ns add`'s.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct NsArgs {
     /// RAM namespace size (e.g. 1G); default when no --file is given.
     #[arg(long, value_parser = parse_size)]
     pub(crate) ram: Option<usize>,
@@ -338,12 +351,19 @@ pub(crate) struct TargetArgs {
     /// Logical block size: 512 or 4096.
     #[arg(long, default_value_t = 512)]
     pub(crate) block_size: u32,
-    /// Host NQNs allowed to connect (repeat); any host when none is given.
-    #[arg(long = "allow-host")]
-    pub(crate) allow_host: Vec<String>,
-    /// Serve a control socket here (0600) for `nvmf-rdma target-ns add` while running.
-    #[arg(long, value_name = "SOCKET")]
-    pub(crate) control: Option<PathBuf>,
+}
+
+impl NsArgs {
+    /// The namespace these flags describe, as namespace `nsid`.
+    pub(crate) fn namespace(&self, nsid: u32) -> Result<nvmf_rdma::nvmet::Namespace> {
+        crate::target_control::namespace_of(
+            nsid,
+            self.ram.map(|r| r as u64),
+            self.file.as_deref(),
+            self.file_size.map(|s| s as u64),
+            self.block_size,
+        )
+    }
 }
 
 /// `target-ns add`: a namespace for a running `target --control SOCKET`.
@@ -358,18 +378,8 @@ pub(crate) struct TargetNsAdd {
     /// Namespace ID (not yet used in the subsystem).
     #[arg(long)]
     pub(crate) nsid: u32,
-    /// RAM namespace size (e.g. 1G); default when no --file is given.
-    #[arg(long, value_parser = parse_size)]
-    pub(crate) ram: Option<usize>,
-    /// File-backed namespace.
-    #[arg(long)]
-    pub(crate) file: Option<PathBuf>,
-    /// Create or grow the file to this size.
-    #[arg(long, value_parser = parse_size)]
-    pub(crate) file_size: Option<usize>,
-    /// Logical block size: 512 or 4096.
-    #[arg(long, default_value_t = 512)]
-    pub(crate) block_size: u32,
+    #[command(flatten)]
+    pub(crate) ns: NsArgs,
 }
 
 /// A host ID as nvme-cli writes it: a UUID.

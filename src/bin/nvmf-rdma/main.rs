@@ -385,10 +385,11 @@ async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
             let req = target_control::AddNamespace {
                 nqn: a.nqn,
                 nsid: a.nsid,
-                ram: a.ram.map(|r| r as u64),
-                file: a.file.map(|f| std::path::absolute(&f).unwrap_or(f)),
-                file_size: a.file_size.map(|s| s as u64),
-                block_size: a.block_size,
+                ram: a.ns.ram.map(|r| r as u64),
+                // The target has its own working directory.
+                file: a.ns.file.map(|f| std::path::absolute(&f).unwrap_or(f)),
+                file_size: a.ns.file_size.map(|s| s as u64),
+                block_size: a.ns.block_size,
             };
             target_control::run_add(&a.control, req).await
         }

@@ -10,13 +10,7 @@ use nvmf_rdma::nvmet::{serve_cm, Subsystem, Target, TargetConfig};
 
 pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
     let nqn = Nqn::new(&a.nqn).map_err(|e| anyhow::anyhow!("bad --nqn: {e}"))?;
-    let ns = crate::target_control::namespace_of(
-        1,
-        a.ram.map(|r| r as u64),
-        a.file.as_deref(),
-        a.file_size.map(|s| s as u64),
-        a.block_size,
-    )?;
+    let ns = a.ns.namespace(1)?;
     let mut sub = Subsystem::new(nqn, vec![Arc::new(ns)]);
     if !a.allow_host.is_empty() {
         sub.allowed_hosts = Some(a.allow_host.clone());
