@@ -87,6 +87,11 @@ impl Drop for Proc {
 
 /// A built-in target on a free loopback port.
 fn start_target(nqn: &str, dir: &Path) -> (Proc, String) {
+    start_target_with(nqn, dir, &[])
+}
+
+/// [`start_target`] with more `target` flags.
+fn start_target_with(nqn: &str, dir: &Path, extra: &[&str]) -> (Proc, String) {
     let mut cmd = Command::new(BIN);
     cmd.args([
         "target",
@@ -97,6 +102,7 @@ fn start_target(nqn: &str, dir: &Path) -> (Proc, String) {
         "-n",
         nqn,
     ])
+    .args(extra)
     .env("NVMF_RDMA_RUN_DIR", dir.join("target-run"));
     let t = Proc::spawn(cmd);
     let line = t.expect("listening on", Duration::from_secs(30));
@@ -928,4 +934,328 @@ fn connect_all_picks_up_a_subsystem_added_to_the_discovery_log() {
             .iter()
             .any(|c| c["subnqn"] == NQN_B && c["state"] == "live")
     });
+}
+
+/// One request on a connection of its own, raw (as a script would send it).
+fn raw_request(rig: &Rig, line: &str) -> serde_json::Value {
+    let s = UnixStream::connect(rig.run.join("daemon.sock")).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut w = s.try_clone().unwrap();
+    w.write_all(format!("{line}\n").as_bytes()).unwrap();
+    let mut a = String::new();
+    BufReader::new(s).read_line(&mut a).unwrap();
+    serde_json::from_str(a.trim()).unwrap()
+}
+
+/// nvme-cli's habit: `read`/`write`/`verify -d nvmf0` on the controller `connect` made. The
+/// daemon does the I/O on its controller; the data crosses the control socket in bounded
+/// pieces; `read` gives the raw bytes, `--hex` a dump; errors are one line with a hint.
+#[test]
+fn read_write_verify_use_the_daemons_controller() {
+    let rig = Rig::new("io");
+    let (_t, addr) = start_target(NQN, &rig.dir);
+    let (_d, _n) = rig.daemon(&[]);
+    let out = rig.ok(&["connect", "-a", &addr, "-n", NQN, "-i", "1"]);
+    assert!(out.contains("nvmf0"), "{out}");
+    // 41 blocks: several write requests (8 KiB each) and read pieces.
+    let data: Vec<u8> = (0..41 * 512u32).map(|i| (i * 7 + i / 512) as u8).collect();
+    let input = rig.dir.join("in.bin");
+    std::fs::write(&input, &data).unwrap();
+    let out = rig.ok(&[
+        "write",
+        "-d",
+        "nvmf0",
+        "--lba",
+        "8",
+        "--input",
+        input.to_str().unwrap(),
+    ]);
+    assert!(out.contains("wrote 20992 bytes at lba 8"), "{out}");
+    for extra in [&[][..], &["--output", "-"][..]] {
+        let mut args = vec!["read", "-d", "nvmf0", "--lba", "8", "--size", "20992"];
+        args.extend_from_slice(extra);
+        let o = rig.run(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert!(o.stdout == data, "read {extra:?}: raw bytes differ");
+    }
+    let hex = rig.ok(&[
+        "read", "-d", "nvmf0", "--lba", "8", "--size", "512", "--hex",
+    ]);
+    assert!(
+        hex.starts_with("00000000  00 07 0e 15 1c 23 2a 31"),
+        "{hex}"
+    );
+    // More than one request's worth each way: a 2 MiB fill, read back into a file.
+    let out = rig.ok(&[
+        "write",
+        "-d",
+        "nvmf0",
+        "--lba",
+        "4096",
+        "--size",
+        "2M",
+        "--pattern",
+        "171",
+    ]);
+    assert!(out.contains("wrote 2097152 bytes"), "{out}");
+    let file = rig.dir.join("out.bin");
+    rig.ok(&[
+        "read",
+        "-d",
+        "nvmf0",
+        "--lba",
+        "4095",
+        "--size",
+        "2M",
+        "--output",
+        file.to_str().unwrap(),
+    ]);
+    let back = std::fs::read(&file).unwrap();
+    assert_eq!(back.len(), 2 << 20);
+    assert!(back[512..].iter().all(|&b| b == 171), "the fill");
+    assert!(back[..512] != [171u8; 512][..], "the block before it");
+    // verify: two requests (16 MiB each) with progress.
+    let o = rig.run(&[
+        "verify", "-d", "nvmf0", "--lba", "16384", "--size", "20M", "--chunk", "256K",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("verified 20971520 bytes"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("verified 20 MiB of 20 MiB (100%)"));
+    // It is on the target: a controller of the command's own reads what the daemon wrote.
+    let o = rig.run(&[
+        "read", "-a", &addr, "-n", NQN, "-i", "1", "--lba", "8", "--size", "20992",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(o.stdout == data, "read with -a/-n");
+
+    // Errors: one line, with what to do.
+    let e = one_line_error(&rig.run(&["read", "-d", "nvmf9", "--size", "4K"]));
+    assert!(
+        e.contains("no controller nvmf9") && e.contains("`nvmf-rdma list` shows them"),
+        "{e}"
+    );
+    let e = one_line_error(&rig.run(&["read", "-d", "nvmf0", "--nsid", "7", "--size", "4K"]));
+    assert!(e.contains("no namespace 7") && e.contains("list"), "{e}");
+    let e = one_line_error(&rig.run(&["read", "-d", "nvmf0", "--lba", "131071", "--size", "4K"]));
+    assert!(
+        e.contains("beyond the namespace end") && e.contains("list"),
+        "{e}"
+    );
+    let e = one_line_error(&rig.run(&["write", "-d", "nvmf0", "--size", "100"]));
+    assert!(e.contains("block size"), "{e}");
+    // The protocol bounds what one request may ask for.
+    let v = raw_request(
+        &rig,
+        r#"{"version":1,"op":"read","device":"nvmf0","size":2097152}"#,
+    );
+    assert_eq!(v["code"], "bad-request", "{v}");
+    assert!(v["hint"].as_str().unwrap().contains("split"), "{v}");
+    let v = raw_request(
+        &rig,
+        r#"{"version":1,"op":"read","device":"nvmf0","lba":8,"size":512}"#,
+    );
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(
+        v["data"].as_str().unwrap().len(),
+        684,
+        "512 bytes in base64"
+    );
+    // Disconnect goes through (no request holds the controller).
+    rig.ok(&["disconnect", "-d", "nvmf0"]);
+}
+
+/// Issue 16: a namespace added to a running target shows in `list` and as an export, with no
+/// code: `nvmf-rdma target --control SOCKET` and `nvmf-rdma target-ns add`. The new
+/// namespace is a FUSE file and an NBD export name of the controller's exports, and both
+/// read back what was written to it through the daemon's controller.
+#[test]
+fn a_namespace_added_with_target_ns_add_is_a_fuse_file_and_an_nbd_export() {
+    let tools = ["nbdcopy", "nbdinfo"];
+    if let Some(t) = tools
+        .iter()
+        .find(|t| Command::new(t).arg("--version").output().is_err())
+    {
+        eprintln!("skipped: {t} is not installed (apt-get install libnbd-bin)");
+        return;
+    }
+    let rig = Rig::new("ns-add");
+    let ctl = rig.dir.join("target.ctl");
+    let (t, addr) = start_target_with(NQN, &rig.dir, &["--control", ctl.to_str().unwrap()]);
+    let mode = std::fs::metadata(&ctl).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the control socket is private");
+    let (_d, _n) = rig.daemon(&[]);
+    let fuse = rig.dir.join("fuse");
+    std::fs::create_dir_all(&fuse).unwrap();
+    let nbd = rig.dir.join("nbd.sock");
+    rig.ok(&[
+        "connect",
+        "-a",
+        &addr,
+        "-n",
+        NQN,
+        "-i",
+        "1",
+        "--fuse",
+        fuse.to_str().unwrap(),
+        "--nbd",
+        &format!("unix:{}", nbd.display()),
+    ]);
+    let out = rig.ok(&[
+        "target-ns",
+        "add",
+        "--control",
+        ctl.to_str().unwrap(),
+        "-n",
+        NQN,
+        "--nsid",
+        "2",
+        "--ram",
+        "8M",
+    ]);
+    assert!(out.contains("namespace 2 added"), "{out}");
+    t.expect("namespace 2 added", Duration::from_secs(10));
+    let v = rig.wait_list("namespace 2 in list and in both exports", |v| {
+        let c = &v["controllers"][0];
+        let x = c["exports"].as_array().cloned().unwrap_or_default();
+        let has = |kind: &str, field: &str, want: &str| {
+            x.iter().any(|e| {
+                e["type"] == kind
+                    && e[field].as_array().is_some_and(|a| {
+                        a.iter()
+                            .any(|n| n.as_str().is_some_and(|n| n.ends_with(want)))
+                    })
+            })
+        };
+        namespaces_of(c).contains(&(2, 16384))
+            && has("nbd", "names", "ns2")
+            && has("fuse", "files", "/ns2")
+    });
+    assert_eq!(v["controllers"][0]["state"], "live");
+
+    // Written through the daemon's controller, read back through both exports.
+    let data: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8 ^ 0x5a).collect();
+    let input = rig.dir.join("in.bin");
+    std::fs::write(&input, &data).unwrap();
+    rig.ok(&[
+        "write",
+        "-d",
+        "nvmf0",
+        "--nsid",
+        "2",
+        "--lba",
+        "16",
+        "--input",
+        input.to_str().unwrap(),
+    ]);
+    let file = fuse.join("ns2");
+    let back = std::fs::read(&file).unwrap();
+    assert_eq!(
+        back.len(),
+        8 << 20,
+        "the FUSE file has the namespace's size"
+    );
+    assert!(back[8192..8192 + 4096] == data[..], "FUSE read-back");
+    let uri = format!("nbd+unix:///ns2?socket={}", nbd.display());
+    let img = rig.dir.join("ns2.img");
+    let o = Command::new("nbdcopy")
+        .arg(&uri)
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "nbdcopy: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let back = std::fs::read(&img).unwrap();
+    assert_eq!(
+        back.len(),
+        8 << 20,
+        "the NBD export has the namespace's size"
+    );
+    assert!(back[8192..8192 + 4096] == data[..], "NBD read-back");
+    let o = Command::new("nbdinfo")
+        .args(["--list", &format!("nbd+unix://?socket={}", nbd.display())])
+        .output()
+        .unwrap();
+    let list = String::from_utf8_lossy(&o.stdout);
+    assert!(list.contains("ns1") && list.contains("ns2"), "{list}");
+
+    // A second add of the same ID: one line, with what to do.
+    let o = rig.run(&[
+        "target-ns",
+        "add",
+        "--control",
+        ctl.to_str().unwrap(),
+        "-n",
+        NQN,
+        "--nsid",
+        "2",
+    ]);
+    let e = one_line_error(&o);
+    assert!(
+        e.contains("namespace 2 exists") && e.contains("once"),
+        "{e}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !rig.run(&["disconnect", "-d", "nvmf0"]).status.success() {
+        assert!(Instant::now() < deadline, "disconnect still refused");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!mounted(&fuse) && !nbd.exists());
+}
+
+/// Issue 16: "on daemon shutdown, exports in use are reported, not silently broken". The
+/// shipped unit never turns a refused stop into a SIGKILL (TimeoutStopSec=infinity,
+/// SIGTERM to the daemon alone), a stop signal under an open export is refused naming it,
+/// and the forced stop (a second signal within 10 s) says who loses the export before it
+/// goes, then leaves nothing behind.
+#[test]
+fn a_forced_stop_reports_who_loses_the_export_and_the_unit_never_sigkills() {
+    let unit = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/contrib/nvmf-rdma.service"
+    ))
+    .unwrap();
+    let setting = |k: &str| {
+        unit.lines()
+            .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
+            .map(str::trim)
+    };
+    assert_eq!(setting("TimeoutStopSec"), Some("infinity"), "{unit}");
+    assert_eq!(setting("KillMode"), Some("mixed"), "{unit}");
+    assert_eq!(setting("Type"), Some("notify"), "{unit}");
+
+    let rig = Rig::new("force-stop");
+    let (_t, addr) = start_target(NQN, &rig.dir);
+    let (mut d, _n) = rig.daemon(&[]);
+    let fuse = rig.dir.join("fuse");
+    std::fs::create_dir_all(&fuse).unwrap();
+    rig.ok(&[
+        "connect",
+        "-a",
+        &addr,
+        "-n",
+        NQN,
+        "-i",
+        "1",
+        "--fuse",
+        fuse.to_str().unwrap(),
+    ]);
+    let held = std::fs::File::open(fuse.join("ns1")).unwrap();
+    d.signal(libc::SIGTERM);
+    let l = d.expect("not stopping", Duration::from_secs(30));
+    assert!(l.contains("nvmf0") && l.contains("in use"), "{l}");
+    assert!(
+        d.child.try_wait().unwrap().is_none(),
+        "stopped under an open export"
+    );
+    d.signal(libc::SIGTERM);
+    let l = d.expect("forced while in use", Duration::from_secs(30));
+    assert!(l.contains("nvmf0") && l.contains("I/O errors"), "{l}");
+    let s = d.exits(Duration::from_secs(30));
+    assert_eq!(s.code(), Some(0), "{s}");
+    assert!(!rig.run.join("daemon.sock").exists());
+    drop(held);
+    assert!(!mounted(&fuse), "the FUSE mount was detached");
 }

@@ -21,11 +21,13 @@ use fuser::{
 };
 use tokio::runtime::Handle;
 
-use super::{BlockDev, ExportError};
+use super::devset::check_name;
+use super::{BlockDev, DevSet, ExportError};
 
 const FILE_INO: INodeNo = INodeNo(2);
-/// Attributes never change behind the kernel's back (the size is the namespace's).
-const TTL: Duration = Duration::from_secs(60);
+/// How long the kernel may keep attributes: a namespace resized on the target changes its
+/// file's size ([`DevSet::replace`]), seen within this time.
+const TTL: Duration = Duration::from_secs(1);
 /// Largest read or write the kernel sends per request.
 const MAX_IO: u32 = 1 << 20;
 /// fuser worker threads, each waiting on one request at a time.
@@ -103,7 +105,7 @@ impl Filesystem for NsFile {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let ino = (parent == INodeNo::ROOT)
-            .then(|| self.files.index_of(name))
+            .then(|| self.files.index_of(name.as_encoded_bytes()))
             .flatten()
             .map(|i| INodeNo(FILE_INO.0 + i as u64));
         match ino.and_then(|ino| self.attr(ino)) {
@@ -337,71 +339,10 @@ impl Filesystem for NsFile {
     }
 }
 
-/// A mounted single-file FUSE file system; unmounted on drop.
-/// The files of a mount, shared with its file system: the namespaces it serves.
-#[derive(Clone)]
-pub struct FuseFiles(Arc<std::sync::RwLock<FileList>>);
+/// The files of a mount: the namespaces it serves.
+pub type FuseFiles = DevSet;
 
-/// File name and namespace, in inode order.
-type FileList = Vec<(String, Arc<BlockDev>)>;
-
-/// Most files one mount serves (namespaces added while mounted).
-pub const MAX_FILES: usize = 1024;
-
-impl FuseFiles {
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, FileList> {
-        self.0.read().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn get(&self, i: usize) -> Option<Arc<BlockDev>> {
-        self.read().get(i).map(|(_, d)| d.clone())
-    }
-
-    fn index_of(&self, name: &OsStr) -> Option<usize> {
-        self.read().iter().position(|(n, _)| OsStr::new(n) == name)
-    }
-
-    fn all(&self) -> Vec<Arc<BlockDev>> {
-        self.read().iter().map(|(_, d)| d.clone()).collect()
-    }
-
-    /// The file names, in inode order.
-    pub fn names(&self) -> Vec<String> {
-        self.read().iter().map(|(n, _)| n.clone()).collect()
-    }
-
-    /// Serve `dev` as the file `name` too (a namespace that appeared while mounted). A name
-    /// already there, a bad name or more than [`MAX_FILES`] is refused.
-    pub fn add(&self, name: &str, dev: Arc<BlockDev>) -> Result<(), ExportError> {
-        check_name(name)?;
-        let mut v = self.0.write().unwrap_or_else(|e| e.into_inner());
-        if v.len() >= MAX_FILES || v.iter().any(|(n, _)| n == name) {
-            return Err(ExportError::io(
-                "fuse file",
-                std::io::Error::new(
-                    std::io::ErrorKind::AlreadyExists,
-                    format!("{name} exists, or the mount has {MAX_FILES} files"),
-                ),
-            ));
-        }
-        v.push((name.to_string(), dev));
-        Ok(())
-    }
-}
-
-fn check_name(name: &str) -> Result<(), ExportError> {
-    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
-        return Err(ExportError::io(
-            "fuse file name",
-            std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("bad name {name:?}"),
-            ),
-        ));
-    }
-    Ok(())
-}
-
+/// A mounted FUSE file system; unmounted on drop.
 pub struct FuseMount {
     session: Option<fuser::BackgroundSession>,
     opens: Arc<AtomicUsize>,
@@ -468,12 +409,19 @@ pub fn mount_fuse(
     mountpoint: &Path,
     name: &str,
 ) -> Result<FuseMount, ExportError> {
-    check_name(name)?;
+    mount_fuse_set(DevSet::one(name, dev)?, rt, mountpoint)
+}
+
+/// Mount every device of `files` as a file of its name (and those added later); the first
+/// is [`FuseMount::file`].
+pub fn mount_fuse_set(
+    files: DevSet,
+    rt: Handle,
+    mountpoint: &Path,
+) -> Result<FuseMount, ExportError> {
+    let name = files.names().into_iter().next().unwrap_or_default();
+    check_name(&name)?;
     let opens = Arc::new(AtomicUsize::new(0));
-    let files = FuseFiles(Arc::new(std::sync::RwLock::new(vec![(
-        name.to_string(),
-        dev,
-    )])));
     let fs = NsFile {
         files: files.clone(),
         opens: opens.clone(),
@@ -501,6 +449,6 @@ pub fn mount_fuse(
         opens,
         files,
         mountpoint: mountpoint.to_path_buf(),
-        file: mountpoint.join(name),
+        file: mountpoint.join(&name),
     })
 }

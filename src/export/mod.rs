@@ -8,6 +8,7 @@
 //! same `Arc<Controller>` as everything else, so whatever recovery the controller does under a
 //! device reset shows up here only as latency.
 
+pub mod devset;
 pub mod fuse;
 pub mod nbd;
 pub mod nbd_server;
@@ -18,7 +19,8 @@ use tokio::task::JoinSet;
 
 use crate::transport::{Controller, HostError};
 
-pub use fuse::{mount_fuse, FuseFiles, FuseMount};
+pub use devset::DevSet;
+pub use fuse::{mount_fuse, mount_fuse_set, FuseFiles, FuseMount};
 pub use nbd_server::{ExportAddr, NbdLimits, NbdListener, NbdStats};
 
 /// NVMe Write Zeroes carries a 16-bit 0-based block count.

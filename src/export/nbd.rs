@@ -304,7 +304,7 @@ pub fn status_reply(structured_read: bool, cookie: u64, error: u32) -> Vec<u8> {
     h
 }
 
-/// What the server tells clients about its one export.
+/// What the server tells clients about an export.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExportInfo {
     pub name: String,
@@ -315,13 +315,6 @@ pub struct ExportInfo {
     pub min_block: u32,
     pub preferred_block: u32,
     pub max_block: u32,
-}
-
-impl ExportInfo {
-    /// The empty name is the conventional default export.
-    fn matches(&self, name: &[u8]) -> bool {
-        name.is_empty() || name == self.name.as_bytes()
-    }
 }
 
 /// How the handshake ended.
@@ -346,7 +339,10 @@ enum State {
 /// transmission phase.
 #[derive(Debug)]
 pub struct Negotiation {
-    export: ExportInfo,
+    /// The exports offered; the first is the default (the empty name).
+    exports: Vec<ExportInfo>,
+    /// Which one the client chose (valid once the handshake is done).
+    chosen: usize,
     state: State,
     fixed: bool,
     no_zeroes: bool,
@@ -356,12 +352,18 @@ pub struct Negotiation {
 
 impl Negotiation {
     pub fn new(export: ExportInfo) -> Negotiation {
+        Negotiation::with_exports(vec![export])
+    }
+
+    /// A server offering several exports by name (NBD_OPT_LIST lists them).
+    pub fn with_exports(exports: Vec<ExportInfo>) -> Negotiation {
         let mut out = Vec::with_capacity(18);
         out.put_u64(NBDMAGIC);
         out.put_u64(IHAVEOPT);
         out.put_u16(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
         Negotiation {
-            export,
+            exports,
+            chosen: 0,
             state: State::ClientFlags,
             fixed: false,
             no_zeroes: false,
@@ -377,6 +379,19 @@ impl Negotiation {
         } else {
             Some(std::mem::take(&mut self.out))
         }
+    }
+
+    /// The index of the export the client chose, once the handshake is over.
+    pub fn chosen(&self) -> usize {
+        self.chosen
+    }
+
+    /// The export `name` asks for; the empty name is the conventional default export.
+    fn find(&self, name: &[u8]) -> Option<usize> {
+        if name.is_empty() {
+            return (!self.exports.is_empty()).then_some(0);
+        }
+        self.exports.iter().position(|e| e.name.as_bytes() == name)
     }
 
     /// The outcome once the handshake is over.
@@ -434,8 +449,8 @@ impl Negotiation {
         }
     }
 
-    fn flags(&self) -> u16 {
-        tflag::HAS_FLAGS | self.export.flags
+    fn flags(&self, i: usize) -> u16 {
+        tflag::HAS_FLAGS | self.exports[i].flags
     }
 
     fn reply(&mut self, option: u32, kind: u32, data: &[u8]) {
@@ -453,13 +468,14 @@ impl Negotiation {
     fn on_option(&mut self, option: u32, data: Bytes) -> Result<(), NbdError> {
         match option {
             opt::EXPORT_NAME => {
-                if !self.export.matches(&data) {
+                let Some(i) = self.find(&data) else {
                     return Err(NbdError::UnknownExport(
                         String::from_utf8_lossy(&data).into_owned(),
                     ));
-                }
-                self.out.put_u64(self.export.size);
-                self.out.put_u16(self.flags());
+                };
+                self.chosen = i;
+                self.out.put_u64(self.exports[i].size);
+                self.out.put_u16(self.flags(i));
                 if !self.no_zeroes {
                     self.out.put_bytes(0, 124);
                 }
@@ -477,11 +493,13 @@ impl Negotiation {
                     self.error(option, rep::ERR_INVALID, "NBD_OPT_LIST takes no data");
                     return Ok(());
                 }
-                let name = self.export.name.clone();
-                let mut d = Vec::with_capacity(4 + name.len());
-                d.put_u32(name.len() as u32);
-                d.put_slice(name.as_bytes());
-                self.reply(option, rep::SERVER, &d);
+                for i in 0..self.exports.len() {
+                    let name = self.exports[i].name.clone();
+                    let mut d = Vec::with_capacity(4 + name.len());
+                    d.put_u32(name.len() as u32);
+                    d.put_slice(name.as_bytes());
+                    self.reply(option, rep::SERVER, &d);
+                }
                 self.reply(option, rep::ACK, &[]);
             }
             opt::INFO | opt::GO => self.on_info_go(option, &data),
@@ -522,22 +540,23 @@ impl Negotiation {
             self.error(option, rep::ERR_INVALID, "malformed INFO/GO request");
             return;
         };
-        if !self.export.matches(&name) {
+        let Some(i) = self.find(&name) else {
             self.error(option, rep::ERR_UNKNOWN, "no such export");
             return;
-        }
+        };
+        let export = self.exports[i].clone();
         for code in codes {
             match code {
                 info::NAME => {
                     let mut b = Vec::new();
                     b.put_u16(info::NAME);
-                    b.put_slice(self.export.name.as_bytes());
+                    b.put_slice(export.name.as_bytes());
                     self.reply(option, rep::INFO, &b);
                 }
                 info::DESCRIPTION => {
                     let mut b = Vec::new();
                     b.put_u16(info::DESCRIPTION);
-                    b.put_slice(self.export.description.as_bytes());
+                    b.put_slice(export.description.as_bytes());
                     self.reply(option, rep::INFO, &b);
                 }
                 // EXPORT is always sent below; BLOCK_SIZE too; unknown codes are ignored.
@@ -546,17 +565,18 @@ impl Negotiation {
         }
         let mut b = Vec::with_capacity(12);
         b.put_u16(info::BLOCK_SIZE);
-        b.put_u32(self.export.min_block);
-        b.put_u32(self.export.preferred_block);
-        b.put_u32(self.export.max_block);
+        b.put_u32(export.min_block);
+        b.put_u32(export.preferred_block);
+        b.put_u32(export.max_block);
         self.reply(option, rep::INFO, &b);
         let mut b = Vec::with_capacity(12);
         b.put_u16(info::EXPORT);
-        b.put_u64(self.export.size);
-        b.put_u16(self.flags());
+        b.put_u64(export.size);
+        b.put_u16(self.flags(i));
         self.reply(option, rep::INFO, &b);
         self.reply(option, rep::ACK, &[]);
         if option == opt::GO {
+            self.chosen = i;
             self.state = State::Done(Outcome::Transmission {
                 structured: self.structured,
             });
@@ -747,6 +767,54 @@ mod tests {
             ));
             assert_eq!(n.poll_transmit().unwrap().len(), len);
         }
+    }
+
+    /// Several exports: LIST names each, GO picks one by name (with its size), the empty
+    /// name is the first, an unknown name is refused.
+    #[test]
+    fn several_exports_listed_and_chosen_by_name() {
+        let two = ExportInfo {
+            name: "ns2".into(),
+            size: 8 << 20,
+            ..export()
+        };
+        let go = |name: &[u8]| {
+            let mut n = Negotiation::with_exports(vec![export(), two.clone()]);
+            n.poll_transmit();
+            let mut buf = BytesMut::new();
+            buf.put_u32(FLAG_C_FIXED_NEWSTYLE);
+            emit_option(opt::LIST, &[], &mut buf);
+            let mut d = Vec::new();
+            d.put_u32(name.len() as u32);
+            d.put_slice(name);
+            d.put_u16(0);
+            emit_option(opt::GO, &d, &mut buf);
+            emit_option(opt::ABORT, &[], &mut buf);
+            let out = n.handle_input(&mut buf).unwrap();
+            (n, out)
+        };
+        let (mut n, out) = go(b"ns2");
+        assert_eq!(out, Some(Outcome::Transmission { structured: false }));
+        assert_eq!(n.chosen(), 1);
+        let r = take_replies(&n.poll_transmit().unwrap());
+        let names: Vec<&[u8]> = r
+            .iter()
+            .filter(|r| r.1 == rep::SERVER)
+            .map(|r| &r.2[4..])
+            .collect();
+        assert_eq!(names, [&b"ns1"[..], b"ns2"]);
+        let mut e = &r
+            .iter()
+            .find(|r| r.1 == rep::INFO && r.2[..2] == info::EXPORT.to_be_bytes())
+            .unwrap()
+            .2[2..];
+        assert_eq!(e.get_u64(), 8 << 20);
+        let (n, _) = go(b"");
+        assert_eq!(n.chosen(), 0);
+        let (mut n, out) = go(b"ns3");
+        assert_eq!(out, Some(Outcome::Close));
+        let r = take_replies(&n.poll_transmit().unwrap());
+        assert!(r.iter().any(|r| r.1 == rep::ERR_UNKNOWN));
     }
 
     #[test]

@@ -237,7 +237,13 @@ impl NbdListener {
     /// Accept connections forever, each served by its own task. Stop it by dropping (aborting)
     /// the future.
     pub async fn serve(self, dev: Arc<BlockDev>, name: String) -> Result<(), ExportError> {
-        let info = export_info(&dev, name);
+        self.serve_set(super::DevSet::one(&name, dev)?).await
+    }
+
+    /// [`NbdListener::serve`] for every device of `set`, each an export of its name (the
+    /// first the default); a device added to the set (or replaced, resized) is offered to
+    /// the clients that connect after it.
+    pub async fn serve_set(self, set: super::DevSet) -> Result<(), ExportError> {
         let mut conns = JoinSet::new();
         let (limits, stats) = (self.limits, self.stats.clone());
         loop {
@@ -271,12 +277,13 @@ impl NbdListener {
                 drop(stream);
                 continue;
             }
-            let (dev, info, stats) = (dev.clone(), info.clone(), stats.clone());
+            let exports = offered(&set);
+            let stats = stats.clone();
             conns.spawn(async move {
                 stats.connections.fetch_add(1, Ordering::Relaxed);
                 match stream {
-                    Stream::Unix(s) => run_logged(s, dev, info, limits, stats.clone()).await,
-                    Stream::Tcp(s) => run_logged(s, dev, info, limits, stats.clone()).await,
+                    Stream::Unix(s) => run_logged(s, exports, limits, stats.clone()).await,
+                    Stream::Tcp(s) => run_logged(s, exports, limits, stats.clone()).await,
                 }
                 stats.connections.fetch_sub(1, Ordering::Relaxed);
             });
@@ -319,16 +326,23 @@ pub fn export_info(dev: &BlockDev, name: String) -> ExportInfo {
     }
 }
 
+/// What a client connecting now is offered: each device of `set` with what it advertises.
+fn offered(set: &super::DevSet) -> Vec<(ExportInfo, Arc<BlockDev>)> {
+    set.named()
+        .into_iter()
+        .map(|(name, dev)| (export_info(&dev, name), dev))
+        .collect()
+}
+
 async fn run_logged<S>(
     stream: S,
-    dev: Arc<BlockDev>,
-    info: ExportInfo,
+    exports: Vec<(ExportInfo, Arc<BlockDev>)>,
     limits: NbdLimits,
     stats: Arc<NbdStats>,
 ) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    if let Err(e) = serve_connection_with(stream, dev, info, limits, stats).await {
+    if let Err(e) = serve_connection_with(stream, exports, limits, stats).await {
         tracing::warn!("nbd connection closed: {e}");
     }
 }
@@ -352,14 +366,14 @@ where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let stats = Arc::new(NbdStats::default());
-    serve_connection_with(stream, dev, info, NbdLimits::default(), stats).await
+    serve_connection_with(stream, vec![(info, dev)], NbdLimits::default(), stats).await
 }
 
-/// [`serve_connection`] under `limits`, counting into `stats`.
+/// [`serve_connection`] offering `exports` (the client picks one by name; the first is the
+/// default), under `limits`, counting into `stats`.
 pub async fn serve_connection_with<S>(
     stream: S,
-    dev: Arc<BlockDev>,
-    info: ExportInfo,
+    exports: Vec<(ExportInfo, Arc<BlockDev>)>,
     limits: NbdLimits,
     stats: Arc<NbdStats>,
 ) -> Result<(), ExportError>
@@ -369,7 +383,8 @@ where
     let (mut rd, mut wr) = tokio::io::split(stream);
     let io = |what: &'static str| move |e| ExportError::io(what, e);
     let mut buf = BytesMut::with_capacity(256 << 10);
-    let mut neg = Negotiation::new(info);
+    let (infos, mut devs): (Vec<ExportInfo>, Vec<Arc<BlockDev>>) = exports.into_iter().unzip();
+    let mut neg = Negotiation::with_exports(infos);
     let handshake = async {
         loop {
             let r = neg.handle_input(&mut buf);
@@ -408,6 +423,10 @@ where
         }
     };
     wr.flush().await.map_err(io("nbd send"))?;
+    let dev = match neg.chosen() {
+        i if i < devs.len() => devs.swap_remove(i),
+        _ => return Ok(()),
+    };
 
     let (tx, mut rx) = mpsc::channel::<Reply>(MAX_INFLIGHT * 2);
     let writer = tokio::spawn(async move {

@@ -184,15 +184,53 @@ impl JobResult {
     }
 }
 
+/// One interval of a running job, as `bench` streams it.
+#[derive(Debug, Clone, Copy)]
+pub struct Tick {
+    pub job: Job,
+    /// Time since the job began, at the end of the interval.
+    pub at: Duration,
+    /// The interval's length.
+    pub span: Duration,
+    /// I/Os completed and failed in the interval.
+    pub ios: u64,
+    pub errors: u64,
+}
+
+impl Tick {
+    pub fn iops(&self) -> f64 {
+        self.ios as f64 / self.span.as_secs_f64().max(1e-9)
+    }
+    pub fn mbps(&self) -> f64 {
+        self.iops() * self.job.bs as f64 / 1e6
+    }
+}
+
+/// Who hears each interval of a job, and how long an interval is.
+pub type Ticker<'a, 'f> = (Duration, &'a mut (dyn FnMut(&Tick) + Send + 'f));
+
 /// Run `job` against namespace 1 of `c` with `iodepth` concurrent workers.
 pub async fn run_job(c: Arc<Controller>, job: Job) -> JobResult {
+    run_job_ticking(c, job, None).await
+}
+
+/// [`run_job`], telling `tick` what each interval did while it runs.
+pub async fn run_job_ticking(
+    c: Arc<Controller>,
+    job: Job,
+    tick: Option<Ticker<'_, '_>>,
+) -> JobResult {
+    use std::sync::atomic::{AtomicU64, Ordering};
     let ns = c.namespaces()[0];
+    // Completed and failed I/Os so far, for the interval rows.
+    let counts = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
     let blocks_per_io = (job.bs as u64 / ns.block_size as u64).max(1);
     let slots = (ns.blocks / blocks_per_io).max(1);
     let start = StdInstant::now();
     let mut tasks = Vec::new();
     for w in 0..job.iodepth {
         let c = c.clone();
+        let counts = counts.clone();
         tasks.push(tokio::spawn(async move {
             let mut rng = SmallRng::seed_from_u64(w as u64 + 1);
             let mut lat = Vec::with_capacity(1 << 16);
@@ -216,11 +254,36 @@ pub async fn run_job(c: Arc<Controller>, job: Job) -> JobResult {
                 };
                 if r.is_err() {
                     errors += 1;
+                    counts.1.fetch_add(1, Ordering::Relaxed);
                 }
+                counts.0.fetch_add(1, Ordering::Relaxed);
                 lat.push(t0.elapsed().as_nanos() as u64);
             }
             (lat, errors)
         }));
+    }
+    if let Some((every, f)) = tick {
+        let every = every.max(Duration::from_millis(10));
+        let (mut ios, mut errs, mut last) = (0, 0, Duration::ZERO);
+        let mut n = 1u32;
+        // Whole intervals only; the summary covers the rest.
+        while every * n <= job.runtime {
+            tokio::time::sleep_until(tokio::time::Instant::from_std(start + every * n)).await;
+            let (now_ios, now_errs) = (
+                counts.0.load(Ordering::Relaxed),
+                counts.1.load(Ordering::Relaxed),
+            );
+            let at = start.elapsed();
+            f(&Tick {
+                job,
+                at,
+                span: at - last,
+                ios: now_ios - ios,
+                errors: now_errs - errs,
+            });
+            (ios, errs, last) = (now_ios, now_errs, at);
+            n += 1;
+        }
     }
     let mut all = Vec::new();
     let mut errors = 0;
@@ -306,6 +369,15 @@ pub fn select_jobs(runtime: Duration, only: &[String]) -> anyhow::Result<Vec<Job
 
 /// Run `jobs` against a fresh in-process target, one I/O queue.
 pub fn bench(jobs: Vec<Job>, queues: usize) -> anyhow::Result<Vec<JobResult>> {
+    bench_ticking(jobs, queues, None)
+}
+
+/// [`bench`], telling `tick` about each interval of each job as it runs.
+pub fn bench_ticking(
+    jobs: Vec<Job>,
+    queues: usize,
+    mut tick: Option<Ticker<'_, '_>>,
+) -> anyhow::Result<Vec<JobResult>> {
     let t = LocalTarget::start(1 << 30, 12)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -315,7 +387,8 @@ pub fn bench(jobs: Vec<Job>, queues: usize) -> anyhow::Result<Vec<JobResult>> {
         let c = Arc::new(connect_host(addr, DEMO_NQN, queues, 128).await?);
         let mut rows = Vec::new();
         for job in jobs {
-            rows.push(run_job(c.clone(), job).await);
+            let t = tick.as_mut().map(|(d, f)| (*d, &mut **f));
+            rows.push(run_job_ticking(c.clone(), job, t).await);
             if std::env::var_os("NVMF_DEBUG_STATS").is_some() {
                 if let Some(h) = c.device::<SoftHca>() {
                     eprintln!("{:?}", h.with(|d, _| d.stats().clone()));

@@ -331,6 +331,19 @@ pub(crate) struct TargetArgs {
     /// Subsystem NQN.
     #[arg(short = 'n', long = "nqn", default_value = DEMO_NQN)]
     pub(crate) nqn: String,
+    #[command(flatten)]
+    pub(crate) ns: NsArgs,
+    /// Host NQNs allowed to connect (repeat); any host when none is given.
+    #[arg(long = "allow-host")]
+    pub(crate) allow_host: Vec<String>,
+    /// Serve a control socket here (0600) for `nvmf-rdma target-ns add` while running.
+    #[arg(long, value_name = "SOCKET")]
+    pub(crate) control: Option<PathBuf>,
+}
+
+/// A namespace of the built-in target: `target`'s first, `target-ns add`'s.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct NsArgs {
     /// RAM namespace size (e.g. 1G); default when no --file is given.
     #[arg(long, value_parser = parse_size)]
     pub(crate) ram: Option<usize>,
@@ -343,9 +356,35 @@ pub(crate) struct TargetArgs {
     /// Logical block size: 512 or 4096.
     #[arg(long, default_value_t = 512)]
     pub(crate) block_size: u32,
-    /// Host NQNs allowed to connect (repeat); any host when none is given.
-    #[arg(long = "allow-host")]
-    pub(crate) allow_host: Vec<String>,
+}
+
+impl NsArgs {
+    /// The namespace these flags describe, as namespace `nsid`.
+    pub(crate) fn namespace(&self, nsid: u32) -> Result<nvmf_rdma::nvmet::Namespace> {
+        crate::target_control::namespace_of(
+            nsid,
+            self.ram.map(|r| r as u64),
+            self.file.as_deref(),
+            self.file_size.map(|s| s as u64),
+            self.block_size,
+        )
+    }
+}
+
+/// `target-ns add`: a namespace for a running `target --control SOCKET`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct TargetNsAdd {
+    /// The target's control socket (its --control).
+    #[arg(long, value_name = "SOCKET")]
+    pub(crate) control: PathBuf,
+    /// Subsystem NQN (the target's -n).
+    #[arg(short = 'n', long = "nqn", default_value = DEMO_NQN)]
+    pub(crate) nqn: String,
+    /// Namespace ID (not yet used in the subsystem).
+    #[arg(long)]
+    pub(crate) nsid: u32,
+    #[command(flatten)]
+    pub(crate) ns: NsArgs,
 }
 
 /// A host ID as nvme-cli writes it: a UUID.
@@ -502,4 +541,66 @@ pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
     n.checked_mul(mult)
         .filter(|&v| v > 0)
         .ok_or_else(|| format!("size '{s}' out of range"))
+}
+
+/// Where `read`, `write` and `verify` do their I/O: on a controller the daemon holds (`-d`,
+/// the name `connect` printed, as nvme-cli names a device), or on one of their own made
+/// with the fabrics flags (`-a`, `-n`, ...) and dropped at the end.
+#[derive(Debug, Clone)]
+pub(crate) struct IoAt {
+    /// The daemon's controller (`-d nvmf0`).
+    pub(crate) controller: Option<String>,
+    /// The fabrics flags, when no `-d` is given.
+    pub(crate) sub: Option<Subsys>,
+    /// `--nsid` (with `-d` too).
+    pub(crate) nsid: u32,
+}
+
+const CONTROLLER_ARG: &str = "controller";
+
+impl clap::FromArgMatches for IoAt {
+    fn from_arg_matches(m: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let controller = m.get_one::<String>(CONTROLLER_ARG).cloned();
+        let nsid = m.get_one::<u32>("nsid").copied().unwrap_or(1);
+        // Without -d, -a and -n are required (clap checked it): the flags make a Subsys.
+        let sub = if controller.is_none() {
+            Some(Subsys::from_arg_matches(m)?)
+        } else {
+            None
+        };
+        Ok(IoAt {
+            controller,
+            sub,
+            nsid,
+        })
+    }
+
+    fn update_from_arg_matches(&mut self, m: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(m)?;
+        Ok(())
+    }
+}
+
+impl clap::Args for IoAt {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        let cmd = Subsys::augment_args(cmd)
+            .mut_arg("traddr", |a| a.required(false).requires("nqn"))
+            .mut_arg("nqn", |a| a.required(false).requires("traddr"));
+        cmd.arg(
+            clap::Arg::new(CONTROLLER_ARG)
+                .short('d')
+                .long(CONTROLLER_ARG)
+                .value_name("NAME")
+                .help(
+                    "A controller the daemon holds, by the name `connect` printed (nvmf0); \
+                     without it, -a and -n connect a controller of this command's own",
+                )
+                .conflicts_with_all(["traddr", "nqn"])
+                .required_unless_present_all(["traddr", "nqn"]),
+        )
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
 }

@@ -6,10 +6,70 @@ use std::time::Duration;
 use crate::{args::*, host::*};
 use anyhow::{bail, Result};
 use nvmf_rdma::harness::hca_perf;
-use nvmf_rdma::harness::nvmf_perf::{self, Job, Pattern, DEMO_NQN};
+use nvmf_rdma::harness::nvmf_perf::{self, Job, JobResult, Pattern, Tick, DEMO_NQN};
+
+/// How `bench` shows its rows: a line per interval while a job runs, then the table (or one
+/// JSON object per line for both).
+pub(crate) struct Rows {
+    pub(crate) interval: Duration,
+    pub(crate) output: ListFormat,
+}
+
+impl Rows {
+    /// One interval of a running job, at once (stdout is flushed: a pipe sees it now).
+    fn tick(&self, t: &Tick) {
+        use std::io::Write;
+        let line = if self.output == ListFormat::Json {
+            serde_json::json!({
+                "type": "interval", "job": t.job.name(), "t_s": secs(t.at),
+                "iops": t.iops().round(), "mbps": (t.mbps() * 10.0).round() / 10.0,
+                "errors": t.errors,
+            })
+            .to_string()
+        } else {
+            format!(
+                "{:<18} {:>6.1} s {:>10.0} IOPS {:>9.1} MB/s{}",
+                t.job.name(),
+                t.at.as_secs_f64(),
+                t.iops(),
+                t.mbps(),
+                if t.errors > 0 {
+                    format!(" {} errors", t.errors)
+                } else {
+                    String::new()
+                }
+            )
+        };
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+    }
+
+    /// The summary: today's table, or a `result` object per job.
+    fn summary(&self, rows: &[JobResult]) {
+        if self.output != ListFormat::Json {
+            nvmf_perf::print_results(rows);
+            return;
+        }
+        for r in rows {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "type": "result", "job": r.job.name(), "rw": r.job.pattern.name(),
+                    "bs": r.job.bs, "qd": r.job.iodepth, "seconds": secs(r.elapsed),
+                    "ios": r.ios, "iops": r.iops().round(), "mbps": (r.mbps() * 10.0).round() / 10.0,
+                    "p50_us": secs(r.p50) * 1e6, "p99_us": secs(r.p99) * 1e6, "errors": r.errors,
+                })
+            );
+        }
+    }
+}
+
+fn secs(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e6
+}
 
 /// `bench --traddr`: the fio jobs of `tests/vm/run.sh bench` through our host.
-pub(crate) fn remote_bench(sub: &Subsys, runtime: Duration) -> Result<()> {
+pub(crate) fn remote_bench(sub: &Subsys, runtime: Duration, show: &Rows) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -28,9 +88,12 @@ pub(crate) fn remote_bench(sub: &Subsys, runtime: Duration) -> Result<()> {
                 iodepth,
                 runtime,
             };
-            rows.push(nvmf_perf::run_job(c.clone(), job).await);
+            let mut f = |t: &Tick| show.tick(t);
+            rows.push(
+                nvmf_perf::run_job_ticking(c.clone(), job, Some((show.interval, &mut f))).await,
+            );
         }
-        nvmf_perf::print_results(&rows);
+        show.summary(&rows);
         let errors: u64 = rows.iter().map(|r| r.errors).sum();
         if let Ok(c) = Arc::try_unwrap(c) {
             c.disconnect().await;
@@ -49,6 +112,7 @@ pub(crate) fn run_bench(
     queues: usize,
     jobs: Vec<String>,
     ext: ExternalTarget,
+    show: Rows,
 ) -> Result<()> {
     let ExternalTarget {
         traddr,
@@ -59,6 +123,9 @@ pub(crate) fn run_bench(
     } = ext;
     if !(0.05..=600.0).contains(&seconds) {
         bail!("--seconds must be between 0.05 and 600");
+    }
+    if !(0.01..=3600.0).contains(&show.interval.as_secs_f64()) {
+        bail!("--interval must be between 10ms and 1h");
     }
     if !jobs.is_empty() && (hca || traddr.is_some()) {
         bail!("--job picks rows of the built-in NVMe-oF table; not with --hca or --traddr");
@@ -80,13 +147,19 @@ pub(crate) fn run_bench(
             policy: PolicyArgs::default(),
             nsid: 1,
         };
-        return remote_bench(&sub, Duration::from_secs_f64(seconds));
+        return remote_bench(&sub, Duration::from_secs_f64(seconds), &show);
     }
     if hca {
+        if show.output == ListFormat::Json {
+            bail!("-o json is for the NVMe-oF rows; --hca prints its table only");
+        }
         hca_perf::print_table(&hca_perf::standard_table(Duration::from_secs_f64(seconds))?);
     } else {
         let jobs = nvmf_perf::select_jobs(Duration::from_secs_f64(seconds), &jobs)?;
-        nvmf_perf::print_results(&nvmf_perf::bench(jobs, queues.clamp(1, 64))?);
+        let mut f = |t: &Tick| show.tick(t);
+        let rows =
+            nvmf_perf::bench_ticking(jobs, queues.clamp(1, 64), Some((show.interval, &mut f)))?;
+        show.summary(&rows);
     }
     Ok(())
 }

@@ -47,51 +47,84 @@ impl std::fmt::Display for DaemonRefused {
 
 impl std::error::Error for DaemonRefused {}
 
-/// Send one request (the version is added) and return the answer object, or its error as
-/// one line with its hint. `Ok(None)`: no daemon answers on the socket.
-pub(crate) async fn try_call(mut req: Value) -> Result<Option<Value>> {
-    let path = daemon_socket();
-    let s = match tokio::net::UnixStream::connect(&path).await {
-        Ok(s) => s,
-        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => bail!(
-            "cannot reach the daemon at {}: permission denied (it runs as another user: run \
-             this as that user or root, or use NVMF_RDMA_RUN_DIR for a daemon of your own)",
-            path.display()
-        ),
-        Err(_) => return Ok(None),
-    };
-    req["version"] = json!(PROTOCOL_VERSION);
-    let (r, mut w) = s.into_split();
-    w.write_all(format!("{req}\n").as_bytes())
-        .await
-        .context("send to the daemon")?;
-    let mut line = String::new();
-    BufReader::new(r.take(MAX_ANSWER))
-        .read_line(&mut line)
-        .await
-        .context("read the daemon's answer")?;
-    if line.is_empty() {
-        bail!(
-            "the daemon closed the connection without an answer (it is stopping, or serves \
-             only root and its own user)"
-        );
-    }
-    let v: Value = serde_json::from_str(line.trim()).context("the daemon's answer is not JSON")?;
-    if v["ok"] != json!(true) {
-        let msg = v["error"]
-            .as_str()
-            .unwrap_or("the daemon refused the request");
-        let message = match v["hint"].as_str() {
-            Some(h) => format!("{msg} ({h})"),
-            None => msg.to_string(),
+/// One connection to the daemon carrying any number of requests, in order (as `read -d`
+/// sends its pieces).
+pub(crate) struct Session {
+    r: BufReader<tokio::io::Take<tokio::net::unix::OwnedReadHalf>>,
+    w: tokio::net::unix::OwnedWriteHalf,
+}
+
+impl Session {
+    /// Connect to the daemon's socket; `Ok(None)`: no daemon answers there.
+    pub(crate) async fn try_open() -> Result<Option<Session>> {
+        let path = daemon_socket();
+        let s = match tokio::net::UnixStream::connect(&path).await {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => bail!(
+                "cannot reach the daemon at {}: permission denied (it runs as another user: run \
+                 this as that user or root, or use NVMF_RDMA_RUN_DIR for a daemon of your own)",
+                path.display()
+            ),
+            Err(_) => return Ok(None),
         };
-        return Err(DaemonRefused {
-            code: v["code"].as_str().unwrap_or("").to_string(),
-            message,
-        }
-        .into());
+        let (r, w) = s.into_split();
+        Ok(Some(Session {
+            r: BufReader::new(r.take(MAX_ANSWER)),
+            w,
+        }))
     }
-    Ok(Some(v))
+
+    pub(crate) async fn open() -> Result<Session> {
+        Session::try_open().await?.ok_or_else(no_daemon)
+    }
+
+    /// Send one request (the version is added) and return the answer object, or its error
+    /// as one line with its hint.
+    pub(crate) async fn call(&mut self, mut req: Value) -> Result<Value> {
+        req["version"] = json!(PROTOCOL_VERSION);
+        self.w
+            .write_all(format!("{req}\n").as_bytes())
+            .await
+            .context("send to the daemon")?;
+        // Each answer may be up to MAX_ANSWER long.
+        self.r.get_mut().set_limit(MAX_ANSWER);
+        let mut line = String::new();
+        self.r
+            .read_line(&mut line)
+            .await
+            .context("read the daemon's answer")?;
+        if line.is_empty() {
+            bail!(
+                "the daemon closed the connection without an answer (it is stopping, or serves \
+                 only root and its own user)"
+            );
+        }
+        let v: Value =
+            serde_json::from_str(line.trim()).context("the daemon's answer is not JSON")?;
+        if v["ok"] != json!(true) {
+            let msg = v["error"]
+                .as_str()
+                .unwrap_or("the daemon refused the request");
+            let message = match v["hint"].as_str() {
+                Some(h) => format!("{msg} ({h})"),
+                None => msg.to_string(),
+            };
+            return Err(DaemonRefused {
+                code: v["code"].as_str().unwrap_or("").to_string(),
+                message,
+            }
+            .into());
+        }
+        Ok(v)
+    }
+}
+
+/// One request on a connection of its own. `Ok(None)`: no daemon answers on the socket.
+pub(crate) async fn try_call(req: Value) -> Result<Option<Value>> {
+    match Session::try_open().await? {
+        Some(mut s) => s.call(req).await.map(Some),
+        None => Ok(None),
+    }
 }
 
 pub(crate) async fn call(req: Value) -> Result<Value> {

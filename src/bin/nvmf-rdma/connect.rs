@@ -191,8 +191,11 @@ pub(crate) struct Exports {
     /// Where the NBD export listens, and its counters (clients connected now).
     pub(crate) nbd_at: Option<(export::ExportAddr, Arc<export::NbdStats>)>,
     pub(crate) fuse: Option<export::FuseMount>,
-    /// The namespace the exports serve.
+    /// The namespace the exports serve first.
     pub(crate) nsid: u32,
+    /// The namespaces both exports serve (`ns<NSID>`: a FUSE file, an NBD export name);
+    /// namespaces the controller reports later join it.
+    pub(crate) set: Option<export::DevSet>,
 }
 
 impl Exports {
@@ -274,30 +277,28 @@ pub(crate) async fn start_exports(
         nbd_at: None,
         fuse: None,
         nsid: s.nsid,
+        set: None,
     };
     if x.nbd.is_none() && x.fuse.is_none() {
         return Ok(out);
     }
     let dev = Arc::new(export::BlockDev::new(c.clone(), s.nsid)?);
+    let set = export::DevSet::one(&format!("ns{}", s.nsid), dev)?;
+    out.set = Some(set.clone());
     if let Some(addr) = &x.nbd {
         let l =
             export::NbdListener::bind_with(addr, export::NbdLimits::default(), x.nbd_allow_remote)
                 .await?;
         out.nbd_at = Some((l.addr().clone(), l.stats()));
-        let (dev, name) = (dev.clone(), format!("ns{}", s.nsid));
+        let set = set.clone();
         out.nbd = Some(tokio::spawn(async move {
-            if let Err(e) = l.serve(dev, name).await {
+            if let Err(e) = l.serve_set(set).await {
                 eprintln!("nbd: {e}");
             }
         }));
     }
     if let Some(mp) = &x.fuse {
-        let m = export::mount_fuse(
-            dev,
-            tokio::runtime::Handle::current(),
-            mp,
-            &format!("ns{}", s.nsid),
-        )?;
+        let m = export::mount_fuse_set(set, tokio::runtime::Handle::current(), mp)?;
         out.fuse = Some(m);
     }
     Ok(out)

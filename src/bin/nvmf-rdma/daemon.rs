@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, run_dir, CtrlInfo, Health};
 use nvmf_rdma::driver::DeviceManager;
-use nvmf_rdma::export::{BlockDev, FuseFiles};
+use nvmf_rdma::export::{BlockDev, DevSet};
 use nvmf_rdma::nvme::fabrics::DISCOVERY_NQN;
 use nvmf_rdma::reconnect::CtrlState;
 use nvmf_rdma::transport::Controller;
@@ -63,6 +63,8 @@ struct Entry {
     ctrl: Arc<Controller>,
     exports: Exports,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// Held (read) by each I/O request on the controller; a disconnect takes it (write).
+    io_gate: Arc<tokio::sync::RwLock<()>>,
 }
 
 impl Entry {
@@ -103,6 +105,8 @@ impl Entry {
         }
         // Only a forced disconnect (or an unexpected busy mount) gets here with a user left.
         self.exports.stop_with(true).await;
+        // `read`/`write`/`verify` requests in flight end first (each holds the gate).
+        let _gate = self.io_gate.write().await;
         match Arc::try_unwrap(self.ctrl) {
             Ok(c) => c.disconnect().await,
             Err(_) => tracing::warn!("{}: controller still shared at disconnect", self.name),
@@ -113,8 +117,10 @@ impl Entry {
 fn exports_json(x: &Exports) -> Value {
     let mut v = Vec::new();
     if let Some((a, stats)) = &x.nbd_at {
+        let names = x.set.as_ref().map(DevSet::names).unwrap_or_default();
         v.push(json!({
             "type": "nbd", "nsid": x.nsid, "address": a.to_string(), "uri": a.uri(),
+            "names": names,
             "clients": stats.connections.load(Ordering::SeqCst),
         }));
     }
@@ -253,6 +259,44 @@ impl State {
 }
 
 impl State {
+    /// The controller named `name`, for a request that does I/O on it, with its gate held
+    /// (a disconnect waits for the I/O to end).
+    async fn controller(
+        &self,
+        name: &str,
+    ) -> Result<(Arc<Controller>, tokio::sync::OwnedRwLockReadGuard<()>), ProtoError> {
+        let find = || {
+            lock(&self.inner)
+                .ctrls
+                .values()
+                .find(|e| e.name == name)
+                .map(|e| (e.ctrl.clone(), e.io_gate.clone()))
+        };
+        // Only the gate is kept across the wait (a controller clone would make a disconnect
+        // that goes ahead meanwhile unable to take the controller).
+        let gate = find().map(|(_, g)| g);
+        if let Some(gate) = gate {
+            // The gate first, then the controller: a disconnect that went ahead meanwhile
+            // has taken the entry out (not found), and one that comes later waits for us.
+            let guard = gate.clone().read_owned().await;
+            if let Some((c, g)) = find() {
+                if Arc::ptr_eq(&g, &gate) {
+                    return Ok((c, guard));
+                }
+            }
+        }
+        Err({
+            let e = ProtoError::new(ErrorCode::NotFound, format!("no controller {name}"));
+            if self.run_dir.join(format!("{name}.sock")).exists() {
+                e.hint(format!(
+                    "{name} is held by `connect --foreground`: -d works on the daemon's controllers; give that process's -a/-n instead"
+                ))
+            } else {
+                e.hint("`nvmf-rdma list` shows them")
+            }
+        })
+    }
+
     /// Keep a discovery controller for `p` (a discovery line) watched, once.
     fn watch(self: &Arc<Self>, p: &ConnectParams) {
         let key: Key = (
@@ -398,7 +442,7 @@ async fn connect_entry(
         tokio::spawn(watch_namespaces(
             name.clone(),
             c.clone(),
-            exports.fuse.as_ref().map(|m| m.files()),
+            exports.set.clone(),
         )),
     ];
     Ok(Entry {
@@ -408,13 +452,14 @@ async fn connect_entry(
         ctrl: c,
         exports,
         tasks,
+        io_gate: Arc::new(tokio::sync::RwLock::new(())),
     })
 }
 
 /// Asynchronous events of a controller: a Namespace Attribute Changed notice rescans its
-/// namespaces (`list` shows an added one, a new size), and a FUSE export gains a file
-/// `ns<NSID>` for each added namespace. Ends when the controller is deleted.
-async fn watch_namespaces(name: String, c: Arc<Controller>, fuse: Option<FuseFiles>) {
+/// namespaces (`list` shows an added one, a new size), and its exports follow
+/// ([`follow_namespaces`]). Ends when the controller is deleted.
+async fn watch_namespaces(name: String, c: Arc<Controller>, set: Option<DevSet>) {
     loop {
         match c.next_async_event().await {
             Ok(ev) if ev.namespaces_changed() => match c.rescan_namespaces().await {
@@ -424,19 +469,9 @@ async fn watch_namespaces(name: String, c: Arc<Controller>, fuse: Option<FuseFil
                         .map(|n| format!("{} ({} blocks)", n.nsid, n.blocks))
                         .collect();
                     println!("{name}: namespaces changed: {}", ids.join(", "));
-                    if let Some(files) = &fuse {
-                        let have = files.names();
-                        for n in ns {
-                            let file = format!("ns{}", n.nsid);
-                            if have.contains(&file) {
-                                continue;
-                            }
-                            let added = BlockDev::new(c.clone(), n.nsid)
-                                .and_then(|d| files.add(&file, Arc::new(d)));
-                            match added {
-                                Ok(()) => println!("{name}: fuse: namespace {} is {file}", n.nsid),
-                                Err(e) => println!("{name}: fuse: {file}: {e}"),
-                            }
+                    if let Some(set) = &set {
+                        for l in follow_namespaces(&c, set) {
+                            println!("{name}: {l}");
                         }
                     }
                 }
@@ -463,6 +498,42 @@ async fn watch_namespaces(name: String, c: Arc<Controller>, fuse: Option<FuseFil
             }
         }
     }
+}
+
+/// Bring the exports' namespaces in line with the controller's after a rescan: an added
+/// namespace becomes `ns<NSID>` (a FUSE file, an NBD export name), a resized one is served
+/// at its new size (FUSE at once; NBD to clients that connect from now on: the protocol has
+/// no way to tell a connected client). Returns what changed, a line each.
+fn follow_namespaces(c: &Arc<Controller>, set: &DevSet) -> Vec<String> {
+    let mut said = Vec::new();
+    for n in c.namespaces() {
+        let file = format!("ns{}", n.nsid);
+        let dev = match BlockDev::new(c.clone(), n.nsid) {
+            Ok(d) => Arc::new(d),
+            Err(e) => {
+                said.push(format!("exports: {file}: {e}"));
+                continue;
+            }
+        };
+        let size = dev.size();
+        let have = set.index_of(file.as_bytes()).and_then(|i| set.get(i));
+        match have {
+            None => said.push(match set.add(&file, dev) {
+                Ok(()) => format!("exports: namespace {} is {file}", n.nsid),
+                Err(e) => format!("exports: {file}: {e}"),
+            }),
+            Some(old) if old.size() != size => {
+                set.replace(&file, dev);
+                said.push(format!(
+                    "exports: namespace {} resized from {} to {size} bytes ({file}; NBD clients connected before keep the old size until they reconnect)",
+                    n.nsid,
+                    old.size()
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    said
 }
 
 /// One discovery controller `connect-all` keeps connected per discovery line, so that a
@@ -585,6 +656,15 @@ async fn op_disconnect(
     }
     if !force {
         check_not_in_use(st, &picked).await?;
+    } else if let Err(e) = check_not_in_use(st, &picked).await {
+        // Forced: the users are told in the log (and systemd's status), not left to find
+        // out from I/O errors.
+        let msg = format!(
+            "forced while in use: {}; its users get I/O errors from now on",
+            e.message
+        );
+        println!("{msg}");
+        let _ = sdnotify::notify(&format!("STATUS={msg}"));
     }
     let entries: Vec<Entry> = {
         let mut inner = lock(&st.inner);
@@ -768,6 +848,10 @@ async fn dispatch(st: &Arc<State>, req: Request) -> Result<Map<String, Value>, P
         Request::DisconnectAll { force } => {
             let names = op_disconnect(st, |_| true, force, "").await?;
             Ok(obj(json!({ "disconnected": names })))
+        }
+        Request::Io { device, io } => {
+            let (c, _gate) = st.controller(&device).await?;
+            crate::daemon_io::run_io(c, &device, io).await
         }
         Request::Stop { force } => {
             let (tx, rx) = tokio::sync::oneshot::channel();

@@ -35,7 +35,10 @@ pub(crate) fn demo(size: usize, seconds: f64) -> Result<()> {
             ns.block_size
         );
         let t0 = Instant::now();
-        verify(&c, 1, 0, size - size % 4096, 128 << 10, 42).await?;
+        let n = size - size % 4096;
+        verify(&c, 1, 0, n, 128 << 10, 42, &mut show_progress).await?;
+        eprintln!();
+        println!("verified {n} bytes: every byte read back matches");
         println!(
             "write+read-back of {} took {:.3} s",
             hca_perf::human(size),

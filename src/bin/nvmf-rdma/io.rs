@@ -3,10 +3,13 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use crate::client::Session;
+use crate::proto::{MAX_READ, MAX_WRITE_DATA, MAX_WRITE_PATTERN};
 use crate::{args::*, host::*};
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::harness::hca_perf;
 use nvmf_rdma::transport::Controller;
+use serde_json::json;
 
 pub(crate) fn hexdump(data: &[u8]) {
     for (i, line) in data.chunks(16).enumerate() {
@@ -25,7 +28,11 @@ pub(crate) fn hexdump(data: &[u8]) {
     }
 }
 
+/// Progress of a verify: bytes done, bytes in all, time since it began.
+pub(crate) type Progress<'a> = &'a mut (dyn FnMut(usize, usize, Duration) + Send);
+
 /// Write a seeded random pattern over `size` bytes in `chunk` pieces, read it back, compare.
+/// `progress` hears about it about every half second and at the end.
 pub(crate) async fn verify(
     c: &Controller,
     nsid: u32,
@@ -33,6 +40,7 @@ pub(crate) async fn verify(
     size: usize,
     chunk: usize,
     seed: u64,
+    progress: Progress<'_>,
 ) -> Result<()> {
     use rand::{Rng, SeedableRng};
     let ns = c.namespace(nsid)?;
@@ -66,88 +74,280 @@ pub(crate) async fn verify(
         done += n;
         if last.elapsed() > Duration::from_millis(500) || done == size {
             last = Instant::now();
-            eprint!(
-                "\rverified {} of {} ({:.0}%), {:.1} MB/s   ",
-                hca_perf::human(done),
-                hca_perf::human(size),
-                done as f64 * 100.0 / size as f64,
-                2.0 * done as f64 / t0.elapsed().as_secs_f64() / 1e6
-            );
+            progress(done, size, t0.elapsed());
         }
     }
-    eprintln!();
-    println!("verified {} bytes: every byte read back matches", size);
-    let (remote, local) = c.queue_stats().iter().fold((0, 0), |(r, l), q| {
-        (r + q.remote_invalidations, l + q.local_invalidations)
-    });
-    if remote + local > 0 {
-        // Per-command keys (a device that cannot re-key keeps one per connection).
-        println!(
-            "memory keys: one per command; {remote} invalidated by the target's response, {local} by this host"
-        );
-    }
     Ok(())
+}
+
+/// The progress line `verify` keeps rewriting on stderr.
+pub(crate) fn show_progress(done: usize, size: usize, took: Duration) {
+    eprint!(
+        "\rverified {} of {} ({:.0}%), {:.1} MB/s   ",
+        hca_perf::human(done),
+        hca_perf::human(size),
+        done as f64 * 100.0 / size.max(1) as f64,
+        2.0 * done as f64 / took.as_secs_f64().max(1e-9) / 1e6
+    );
+}
+
+/// Where `read` puts its data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadOut<'a> {
+    Stdout,
+    File(&'a std::path::Path),
+    Hex,
+}
+
+impl<'a> ReadOut<'a> {
+    pub(crate) fn of(output: Option<&'a std::path::Path>, hex: bool) -> Result<ReadOut<'a>> {
+        Ok(match (output, hex) {
+            (Some(_), true) => bail!("--hex prints on stdout: not with --output"),
+            (_, true) => ReadOut::Hex,
+            (Some(p), false) if p.as_os_str() == "-" => ReadOut::Stdout,
+            (Some(p), false) => ReadOut::File(p),
+            (None, false) => ReadOut::Stdout,
+        })
+    }
+
+    fn put(self, data: &[u8]) -> Result<()> {
+        use std::io::Write;
+        match self {
+            ReadOut::Stdout => {
+                let mut out = std::io::stdout().lock();
+                out.write_all(data)
+                    .and_then(|_| out.flush())
+                    .context("write to stdout")
+            }
+            ReadOut::File(p) => {
+                std::fs::write(p, data).with_context(|| format!("write {}", p.display()))
+            }
+            ReadOut::Hex => {
+                hexdump(data);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// What `write` writes: a file's bytes or `size` bytes of `pattern`.
+fn write_data(
+    input: Option<&std::path::Path>,
+    size: Option<usize>,
+    pattern: u8,
+) -> Result<Vec<u8>> {
+    match (input, size) {
+        (Some(p), _) => std::fs::read(p).with_context(|| format!("read {}", p.display())),
+        (None, Some(n)) => Ok(vec![pattern; n]),
+        (None, None) => bail!("give --input FILE or --size with --pattern"),
+    }
 }
 
 pub(crate) async fn run_read(
-    sub: Subsys,
+    at: IoAt,
     lba: u64,
     size: usize,
     output: Option<PathBuf>,
+    hex: bool,
 ) -> Result<()> {
-    let c = connect(&sub).await?;
-    let data = c.read(sub.nsid, lba, size).await?;
-    match output {
-        Some(p) if p.as_os_str() == "-" => {
-            use std::io::Write;
-            let mut out = std::io::stdout().lock();
-            out.write_all(&data)
-                .and_then(|_| out.flush())
-                .context("write to stdout")?
+    let out = ReadOut::of(output.as_deref(), hex)?;
+    let data = match at.sub {
+        None => daemon_read(&at.controller.unwrap_or_default(), at.nsid, lba, size).await?,
+        Some(sub) => {
+            let c = connect(&sub).await?;
+            let r = c.read(sub.nsid, lba, size).await;
+            c.disconnect().await;
+            r?
         }
-        Some(p) => std::fs::write(&p, &data).with_context(|| format!("write {}", p.display()))?,
-        None => hexdump(&data),
-    }
-    c.disconnect().await;
-    Ok(())
+    };
+    out.put(&data)
 }
 
 pub(crate) async fn run_write(
-    sub: Subsys,
+    at: IoAt,
     lba: u64,
     size: Option<usize>,
     input: Option<PathBuf>,
     pattern: u8,
 ) -> Result<()> {
-    let data = match (&input, size) {
-        (Some(p), _) => std::fs::read(p).with_context(|| format!("read {}", p.display()))?,
-        (None, Some(n)) => vec![pattern; n],
-        (None, None) => bail!("give --input FILE or --size with --pattern"),
-    };
-    let c = connect(&sub).await?;
-    c.write(sub.nsid, lba, &data).await?;
-    println!("wrote {} bytes at lba {lba}", data.len());
-    c.disconnect().await;
+    match at.sub {
+        None => {
+            let name = at.controller.unwrap_or_default();
+            let n = daemon_write(&name, at.nsid, lba, input.as_deref(), size, pattern).await?;
+            println!("{name}: wrote {n} bytes at lba {lba}");
+        }
+        Some(sub) => {
+            let data = write_data(input.as_deref(), size, pattern)?;
+            let c = connect(&sub).await?;
+            let r = c.write(sub.nsid, lba, &data).await;
+            c.disconnect().await;
+            r?;
+            println!("wrote {} bytes at lba {lba}", data.len());
+        }
+    }
     Ok(())
 }
 
 pub(crate) async fn run_verify(
-    sub: Subsys,
+    at: IoAt,
     lba: u64,
     size: usize,
     chunk: usize,
     seed: u64,
 ) -> Result<()> {
-    let (c, mgr) = connect_on(&sub).await?;
-    let r = verify(&c, sub.nsid, lba, size, chunk, seed).await;
-    if let Some((hca, _)) = mgr.and_then(|m| m.open(HOST_HCA)) {
-        let s = hca.with_quiet(|d, _| d.stats().clone());
-        // What the host's soft-HCA made of the target's ICRCs (since its last reset).
-        println!(
-            "icrc: {} verified, {} mismatched (dropped), {} unchecked",
-            s.rx_icrc_verified, s.rx_icrc_errors, s.rx_icrc_unchecked
-        );
+    match at.sub {
+        None => {
+            daemon_verify(
+                &at.controller.unwrap_or_default(),
+                at.nsid,
+                lba,
+                size,
+                chunk,
+                seed,
+            )
+            .await?;
+            println!("verified {size} bytes: every byte read back matches");
+        }
+        Some(sub) => {
+            let (c, mgr) = connect_on(&sub).await?;
+            let r = verify(&c, sub.nsid, lba, size, chunk, seed, &mut show_progress).await;
+            eprintln!();
+            if r.is_ok() {
+                println!("verified {size} bytes: every byte read back matches");
+            }
+            let (remote, local) = c.queue_stats().iter().fold((0, 0), |(r, l), q| {
+                (r + q.remote_invalidations, l + q.local_invalidations)
+            });
+            if remote + local > 0 {
+                // Per-command keys (a device that cannot re-key keeps one per connection).
+                println!(
+                    "memory keys: one per command; {remote} invalidated by the target's response, {local} by this host"
+                );
+            }
+            if let Some((hca, _)) = mgr.and_then(|m| m.open(HOST_HCA)) {
+                let s = hca.with_quiet(|d, _| d.stats().clone());
+                // What the host's soft-HCA made of the target's ICRCs (since its last reset).
+                println!(
+                    "icrc: {} verified, {} mismatched (dropped), {} unchecked",
+                    s.rx_icrc_verified, s.rx_icrc_errors, s.rx_icrc_unchecked
+                );
+            }
+            c.disconnect().await;
+            r?;
+        }
     }
-    c.disconnect().await;
-    r
+    Ok(())
 }
+
+/// The block size of the daemon's controller `name`'s namespace `nsid` (to split I/O on
+/// block boundaries), with the one-line error a wrong name or namespace deserves.
+async fn daemon_block_size(s: &mut Session, name: &str, nsid: u32) -> Result<usize> {
+    let v = s.call(json!({"op": "list"})).await?;
+    let ctrls = v["controllers"].as_array().cloned().unwrap_or_default();
+    let Some(c) = ctrls.iter().find(|c| c["name"] == json!(name)) else {
+        bail!("no controller {name}; `nvmf-rdma list` shows them");
+    };
+    let ns = c["namespaces"].as_array().cloned().unwrap_or_default();
+    let Some(ns) = ns.iter().find(|n| n["nsid"] == json!(nsid)) else {
+        bail!("{name} has no namespace {nsid}; `nvmf-rdma list -o json` shows its namespaces");
+    };
+    match ns["block_size"].as_u64() {
+        Some(b) if b > 0 => Ok(b as usize),
+        _ => bail!("the daemon did not say {name}'s block size"),
+    }
+}
+
+/// Pieces of at most `max` bytes (whole blocks of `bs`) covering `size` bytes from `lba`:
+/// `(lba, offset, len)`.
+fn pieces(
+    lba: u64,
+    size: usize,
+    max: usize,
+    bs: usize,
+) -> impl Iterator<Item = (u64, usize, usize)> {
+    let step = (max / bs).max(1) * bs;
+    (0..size)
+        .step_by(step)
+        .map(move |off| (lba + (off / bs) as u64, off, step.min(size - off)))
+}
+
+async fn daemon_read(name: &str, nsid: u32, lba: u64, size: usize) -> Result<Vec<u8>> {
+    use base64::Engine;
+    let mut s = Session::open().await?;
+    let bs = daemon_block_size(&mut s, name, nsid).await?;
+    let mut data = Vec::with_capacity(size);
+    for (at, _, len) in pieces(lba, size, MAX_READ, bs) {
+        let v = s
+            .call(json!({"op": "read", "device": name, "nsid": nsid, "lba": at, "size": len}))
+            .await?;
+        let piece = base64::engine::general_purpose::STANDARD
+            .decode(v["data"].as_str().unwrap_or(""))
+            .context("the daemon's data is not base64")?;
+        if piece.len() != len {
+            bail!("the daemon sent {} bytes for {len}", piece.len());
+        }
+        data.extend_from_slice(&piece);
+    }
+    Ok(data)
+}
+
+async fn daemon_write(
+    name: &str,
+    nsid: u32,
+    lba: u64,
+    input: Option<&std::path::Path>,
+    size: Option<usize>,
+    pattern: u8,
+) -> Result<usize> {
+    use base64::Engine;
+    let mut s = Session::open().await?;
+    let bs = daemon_block_size(&mut s, name, nsid).await?;
+    if let (None, Some(n)) = (input, size) {
+        // Nothing to send but the byte: the daemon fills.
+        for (at, _, len) in pieces(lba, n, MAX_WRITE_PATTERN, bs) {
+            s.call(json!({"op": "write", "device": name, "nsid": nsid, "lba": at, "size": len, "pattern": pattern}))
+                .await?;
+        }
+        return Ok(n);
+    }
+    let data = write_data(input, size, pattern)?;
+    for (at, off, len) in pieces(lba, data.len(), MAX_WRITE_DATA, bs) {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&data[off..off + len]);
+        s.call(json!({"op": "write", "device": name, "nsid": nsid, "lba": at, "data": b64}))
+            .await?;
+    }
+    Ok(data.len())
+}
+
+/// `verify -d`: the daemon verifies piece by piece (each piece its own seed), so progress
+/// shows here.
+async fn daemon_verify(
+    name: &str,
+    nsid: u32,
+    lba: u64,
+    size: usize,
+    chunk: usize,
+    seed: u64,
+) -> Result<()> {
+    let mut s = Session::open().await?;
+    let bs = daemon_block_size(&mut s, name, nsid).await?;
+    if chunk % bs != 0 || size % bs != 0 {
+        bail!("--size and --chunk must be multiples of the {bs}-byte block size");
+    }
+    let t0 = Instant::now();
+    // Pieces of about a second's work, whole chunks.
+    let piece = (VERIFY_PIECE / chunk).max(1) * chunk;
+    for (i, (at, off, len)) in pieces(lba, size, piece, bs).enumerate() {
+        s.call(
+            json!({"op": "verify", "device": name, "nsid": nsid, "lba": at, "size": len,
+            "chunk": chunk, "seed": seed.wrapping_add(i as u64)}),
+        )
+        .await?;
+        show_progress(off + len, size, t0.elapsed());
+    }
+    eprintln!();
+    Ok(())
+}
+
+/// Bytes per `verify` request of `verify -d` (progress is shown between them).
+const VERIFY_PIECE: usize = 16 << 20;

@@ -8,6 +8,7 @@ mod config;
 mod connect;
 mod control;
 mod daemon;
+mod daemon_io;
 mod demo;
 mod host;
 mod io;
@@ -15,6 +16,7 @@ mod proto;
 mod sdnotify;
 mod signals;
 mod target;
+mod target_control;
 mod units;
 mod usage;
 
@@ -135,9 +137,25 @@ enum Cmd {
         jobs: Vec<String>,
         #[command(flatten)]
         ext: ExternalTarget,
+        /// A row per interval while each job runs (then the summary table).
+        #[arg(long, default_value = "1s", value_parser = parse_duration, value_name = "TIME")]
+        interval: Duration,
+        /// normal, or json: one object per line, `"type":"interval"` while a job runs and
+        /// `"type":"result"` per job at the end.
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "normal"
+        )]
+        output: ListFormat,
     },
     /// Run the built-in NVMe-oF target until interrupted.
     Target(TargetArgs),
+    /// Add a namespace to a running `target --control SOCKET` (its hosts get a Namespace
+    /// Attribute Changed event; the daemon rescans and exports it).
+    #[command(subcommand)]
+    TargetNs(TargetNsCmd),
     /// Hardware verbs backend (built with `--features hw`): kernel RDMA devices through
     /// libibverbs/librdmacm instead of the soft-HCA.
     #[cfg(feature = "hw")]
@@ -222,23 +240,27 @@ enum Cmd {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
-    /// Read blocks and write them to a file, raw to stdout (`--output -`), or as a hex dump.
+    /// Read blocks: the raw bytes on stdout, into a file (--output), or a hex dump (--hex).
+    /// `-d nvmf0` reads through the daemon's controller; -a/-n connect one for this command.
     Read {
         #[command(flatten)]
-        sub: Subsys,
+        at: IoAt,
         #[arg(long, default_value_t = 0)]
         lba: u64,
         #[arg(long, value_parser = parse_size)]
         size: usize,
-        /// Where the data goes: a file, or `-` for the raw bytes on stdout. Without it, a hex
-        /// dump on stdout.
+        /// Where the data goes: a file, or `-` for stdout (the default).
         #[arg(long)]
         output: Option<PathBuf>,
+        /// A hex dump on stdout instead of the raw bytes.
+        #[arg(long)]
+        hex: bool,
     },
-    /// Write a file, or a repeated byte, at a block address.
+    /// Write a file, or a repeated byte, at a block address (`-d nvmf0`: through the
+    /// daemon's controller).
     Write {
         #[command(flatten)]
-        sub: Subsys,
+        at: IoAt,
         #[arg(long, default_value_t = 0)]
         lba: u64,
         #[arg(long, value_parser = parse_size)]
@@ -249,10 +271,11 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         pattern: u8,
     },
-    /// Write random data over a range, read it back and compare, with progress.
+    /// Write random data over a range, read it back and compare, with progress (`-d nvmf0`:
+    /// the daemon does it on its controller).
     Verify {
         #[command(flatten)]
-        sub: Subsys,
+        at: IoAt,
         #[arg(long, default_value_t = 0)]
         lba: u64,
         #[arg(long, value_parser = parse_size)]
@@ -273,6 +296,12 @@ enum Cmd {
         #[arg(long)]
         dot: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum TargetNsCmd {
+    /// Add a RAM or file namespace.
+    Add(TargetNsAdd),
 }
 
 /// Errors end the process with one line: what failed and why, outermost first (anyhow's
@@ -319,7 +348,9 @@ fn run() -> Result<()> {
             queues,
             jobs,
             ext,
-        } => run_bench(seconds, hca, queues, jobs, ext),
+            interval,
+            output,
+        } => run_bench(seconds, hca, queues, jobs, ext, Rows { interval, output }),
         Cmd::QpStates { dot } => {
             if dot {
                 print!("{}", nvmf_rdma::hca::qp::state::dot());
@@ -352,6 +383,18 @@ fn run() -> Result<()> {
 async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
     match cmd {
         Cmd::Target(t) => run_target(t).await,
+        Cmd::TargetNs(TargetNsCmd::Add(a)) => {
+            let req = target_control::AddNamespace {
+                nqn: a.nqn,
+                nsid: a.nsid,
+                ram: a.ns.ram.map(|r| r as u64),
+                // The target has its own working directory.
+                file: a.ns.file.map(|f| std::path::absolute(&f).unwrap_or(f)),
+                file_size: a.ns.file_size.map(|s| s as u64),
+                block_size: a.ns.block_size,
+            };
+            target_control::run_add(&a.control, req).await
+        }
         #[cfg(feature = "hw")]
         Cmd::Hw(a) => Ok(nvmf_rdma::hw::cli::run(a).await?),
         Cmd::Discover { fabric, output } => run_discover(fabric, output).await,
@@ -372,25 +415,26 @@ async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
         Cmd::List { output } => run_list(output).await,
         Cmd::Disconnect { nqn, device, force } => run_disconnect(nqn, device, force).await,
         Cmd::Read {
-            sub,
+            at,
             lba,
             size,
             output,
-        } => run_read(sub, lba, size, output).await,
+            hex,
+        } => run_read(at, lba, size, output, hex).await,
         Cmd::Write {
-            sub,
+            at,
             lba,
             size,
             input,
             pattern,
-        } => run_write(sub, lba, size, input, pattern).await,
+        } => run_write(at, lba, size, input, pattern).await,
         Cmd::Verify {
-            sub,
+            at,
             lba,
             size,
             chunk,
             seed,
-        } => run_verify(sub, lba, size, chunk, seed).await,
+        } => run_verify(at, lba, size, chunk, seed).await,
         _ => unreachable!("handled synchronously"),
     }
 }

@@ -10,6 +10,16 @@ pub(crate) const PROTOCOL_VERSION: u64 = 1;
 /// Longest request line in bytes (newline included); a longer one is answered with
 /// `line-too-long` and skipped up to its newline.
 pub(crate) const MAX_LINE: usize = 16 << 10;
+/// Most bytes one `read` answer carries (the CLI asks piece by piece for more).
+pub(crate) const MAX_READ: usize = 1 << 20;
+/// Most bytes one `write` request carries in `data` (its base64 must fit in [`MAX_LINE`]).
+pub(crate) const MAX_WRITE_DATA: usize = 8 << 10;
+/// Most bytes one `write` with `pattern` fills (the daemon makes that buffer).
+pub(crate) const MAX_WRITE_PATTERN: usize = 1 << 20;
+/// Most bytes one `verify` covers, and its largest `chunk` (the buffer the daemon makes).
+pub(crate) const MAX_VERIFY: u64 = 1 << 30;
+pub(crate) const MAX_VERIFY_CHUNK: usize = 1 << 20;
+
 /// The socket's file name in the run directory.
 pub(crate) const SOCKET_NAME: &str = "daemon.sock";
 
@@ -239,6 +249,28 @@ pub(crate) enum Request {
     Stop {
         force: bool,
     },
+    /// Block I/O on a controller the daemon holds.
+    Io {
+        device: String,
+        io: IoRequest,
+    },
+}
+
+/// What an I/O request does (`nsid`, `lba` in blocks; sizes in bytes, whole blocks).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum IoRequest {
+    /// At most [`MAX_READ`] bytes; answered with `data` (base64).
+    Read { nsid: u32, lba: u64, size: usize },
+    /// `data` decoded (at most [`MAX_WRITE_DATA`]), or `size` bytes of `pattern`.
+    Write { nsid: u32, lba: u64, data: Vec<u8> },
+    /// Write a seeded random pattern in `chunk` pieces, read each back, compare.
+    Verify {
+        nsid: u32,
+        lba: u64,
+        size: u64,
+        chunk: usize,
+        seed: u64,
+    },
 }
 
 /// Parse a request line: `(id, request)`, or the error to answer (with the id when it could
@@ -288,6 +320,14 @@ pub(crate) fn parse_request(line: &str) -> (Option<Value>, Result<Request, Proto
             Some(Value::String(s)) => Ok(Some(s)),
             Some(_) => Err(bad(format!("\"{k}\" must be a string"))),
         };
+        let take_u64 = |m: &mut Map<String, Value>, k: &str, default: Option<u64>| match m.remove(k)
+        {
+            None | Some(Value::Null) => {
+                default.ok_or_else(|| bad(format!("{op} needs \"{k}\" (a number)")))
+            }
+            Some(Value::Number(n)) if n.as_u64().is_some() => Ok(n.as_u64().unwrap_or(0)),
+            Some(_) => Err(bad(format!("\"{k}\" must be a whole number >= 0"))),
+        };
         let params =
             |m: &mut Map<String, Value>| -> Result<Option<Box<ConnectParams>>, ProtoError> {
                 match m.remove("params") {
@@ -323,9 +363,68 @@ pub(crate) fn parse_request(line: &str) -> (Option<Value>, Result<Request, Proto
             "stop" => Request::Stop {
                 force: take_bool(&mut m, "force")?,
             },
+            "read" | "write" | "verify" => {
+                let Some(device) = take_str(&mut m, "device")? else {
+                    return Err(bad(format!("{op} needs \"device\" (e.g. \"nvmf0\")")));
+                };
+                let nsid = u32::try_from(take_u64(&mut m, "nsid", Some(1))?)
+                    .map_err(|_| bad("\"nsid\" is a 32-bit number".into()))?;
+                let lba = take_u64(&mut m, "lba", Some(0))?;
+                let io = match op.as_str() {
+                    "read" => IoRequest::Read {
+                        nsid,
+                        lba,
+                        size: bounded(take_u64(&mut m, "size", None)?, MAX_READ, "read size")?,
+                    },
+                    "write" => {
+                        let data = take_str(&mut m, "data")?;
+                        let size = take_u64(&mut m, "size", Some(0))?;
+                        let pattern = take_u64(&mut m, "pattern", Some(0))?;
+                        let data =
+                            match data {
+                                Some(_) if size != 0 => return Err(bad(
+                                    "write takes \"data\" or \"size\" (with \"pattern\"), not both"
+                                        .into(),
+                                )),
+                                Some(d) => {
+                                    use base64::Engine;
+                                    let d = base64::engine::general_purpose::STANDARD
+                                        .decode(d)
+                                        .map_err(|e| bad(format!("\"data\" is not base64: {e}")))?;
+                                    bounded(d.len() as u64, MAX_WRITE_DATA, "write data")?;
+                                    d
+                                }
+                                None => {
+                                    let n = bounded(size, MAX_WRITE_PATTERN, "write size")?;
+                                    let p = u8::try_from(pattern)
+                                        .map_err(|_| bad("\"pattern\" is a byte (0-255)".into()))?;
+                                    vec![p; n]
+                                }
+                            };
+                        IoRequest::Write { nsid, lba, data }
+                    }
+                    _ => IoRequest::Verify {
+                        nsid,
+                        lba,
+                        size: bounded(
+                            take_u64(&mut m, "size", None)?,
+                            MAX_VERIFY as usize,
+                            "verify size",
+                        )? as u64,
+                        chunk: bounded(
+                            take_u64(&mut m, "chunk", Some(128 << 10))?,
+                            MAX_VERIFY_CHUNK,
+                            "verify chunk",
+                        )?,
+                        seed: take_u64(&mut m, "seed", Some(1))?,
+                    },
+                };
+                Request::Io { device, io }
+            }
             other => {
                 return Err(bad(format!("unknown op {other:?}")).hint(
-                    "ops: status, list, connect, connect-all, disconnect, disconnect-all, stop",
+                    "ops: status, list, connect, connect-all, disconnect, disconnect-all, \
+                     read, write, verify, stop",
                 ))
             }
         };
@@ -335,6 +434,18 @@ pub(crate) fn parse_request(line: &str) -> (Option<Value>, Result<Request, Proto
         Ok(req)
     })();
     (id, r)
+}
+
+/// `n` if it is 1..=`max`, else the `bad-request` that says the bound.
+fn bounded(n: u64, max: usize, what: &str) -> Result<usize, ProtoError> {
+    match usize::try_from(n) {
+        Ok(v) if (1..=max).contains(&v) => Ok(v),
+        _ => Err(ProtoError::new(
+            ErrorCode::BadRequest,
+            format!("{what} {n} is not 1..={max} bytes"),
+        )
+        .hint("split larger I/O into several requests (the CLI does)")),
+    }
 }
 
 #[cfg(test)]
@@ -381,6 +492,41 @@ mod tests {
                 r#"{"version":1,"op":"connect","params":{"traddr":"1.2.3.4","nqn":"n","queues":1}}"#,
                 ErrorCode::BadRequest,
                 "queues",
+            ),
+            (
+                r#"{"version":1,"op":"read","lba":0,"size":4096}"#,
+                ErrorCode::BadRequest,
+                "device",
+            ),
+            (
+                r#"{"version":1,"op":"read","device":"nvmf0","size":4294967296}"#,
+                ErrorCode::BadRequest,
+                "1..=1048576",
+            ),
+            (
+                r#"{"version":1,"op":"read","device":"nvmf0","size":-1}"#,
+                ErrorCode::BadRequest,
+                "whole number",
+            ),
+            (
+                r#"{"version":1,"op":"write","device":"nvmf0","data":"%%%"}"#,
+                ErrorCode::BadRequest,
+                "base64",
+            ),
+            (
+                r#"{"version":1,"op":"write","device":"nvmf0","size":99999999}"#,
+                ErrorCode::BadRequest,
+                "write size",
+            ),
+            (
+                r#"{"version":1,"op":"write","device":"nvmf0","size":512,"pattern":256}"#,
+                ErrorCode::BadRequest,
+                "byte",
+            ),
+            (
+                r#"{"version":1,"op":"verify","device":"nvmf0","size":4096,"chunk":0}"#,
+                ErrorCode::BadRequest,
+                "verify chunk",
             ),
         ] {
             let e = parse_request(line).1.expect_err(line);

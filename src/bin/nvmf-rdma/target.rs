@@ -8,24 +8,11 @@ use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::device::{start_target_kernel, DeviceChoice};
 use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::nvmet::{serve_cm, Subsystem, Target, TargetConfig};
 
 pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
     let nqn = Nqn::new(&a.nqn).map_err(|e| anyhow::anyhow!("bad --nqn: {e}"))?;
-    let lbads = match a.block_size {
-        512 => 9,
-        4096 => 12,
-        n => bail!("--block-size must be 512 or 4096, not {n}"),
-    };
-    let ns = match (&a.file, a.ram) {
-        (Some(_), Some(_)) => bail!("give --ram or --file, not both"),
-        (Some(p), None) => Namespace::file(1, p, a.file_size.map(|s| s as u64), lbads)
-            .with_context(|| format!("open {}", p.display()))?,
-        (None, r) => Namespace::ram(1, r.unwrap_or(256 << 20) as u64, lbads),
-    };
-    if ns.blocks == 0 {
-        bail!("the namespace would have no blocks");
-    }
+    let ns = a.ns.namespace(1)?;
     let mut sub = Subsystem::new(nqn, vec![Arc::new(ns)]);
     if !a.allow_host.is_empty() {
         sub.allowed_hosts = Some(a.allow_host.clone());
@@ -54,6 +41,10 @@ async fn run_soft(a: TargetArgs, cfg: TargetConfig) -> Result<()> {
     };
     let t = Target::start(hca.clone(), cfg)?;
     serve_cm(t.clone(), CmService::for_device(&hca))?;
+    let _control = match &a.control {
+        Some(p) => Some(crate::target_control::serve(p, t.clone())?),
+        None => None,
+    };
     println!(
         "target {} listening on {} (trsvcid {}); Ctrl-C stops it",
         a.nqn,
@@ -68,6 +59,13 @@ async fn run_soft(a: TargetArgs, cfg: TargetConfig) -> Result<()> {
 /// The target on a kernel RDMA device: until a stop signal, or until the device dies (one
 /// line, exit status 1).
 async fn run_kernel(sel: &str, a: TargetArgs, cfg: TargetConfig) -> Result<()> {
+    if let Some(p) = &a.control {
+        bail!(
+            "--control {}: namespaces can be added at run time to the soft-HCA target only, \
+             for now; leave --control out with --device {sel}",
+            p.display()
+        );
+    }
     let cfg = TargetConfig {
         advertise: Some(SocketAddr::new(a.listen.ip(), a.trsvcid)),
         ..cfg

@@ -1,0 +1,97 @@
+//! `nvmf-rdma bench` streams a row per interval while each job runs (issue 16: it was silent
+//! for seconds), then the summary; `-o json` makes every line one JSON object.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_nvmf-rdma");
+
+#[test]
+fn bench_streams_a_row_per_interval_then_the_summary() {
+    let mut p = Command::new(BIN)
+        .args([
+            "bench",
+            "--seconds",
+            "2",
+            "--interval",
+            "250ms",
+            "--job",
+            "randread-4k-qd1",
+            "-o",
+            "json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    // The first row arrives while the job still runs (it has 1.75 s to go): streamed, not
+    // printed at the end.
+    assert!(
+        p.try_wait().unwrap().is_none(),
+        "bench ended before its first row came"
+    );
+    let first: serde_json::Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(first["type"], "interval", "{first}");
+    assert_eq!(first["job"], "randread-4k-qd1");
+    assert!(first["iops"].as_f64().unwrap() > 0.0, "{first}");
+    let rest: Vec<serde_json::Value> = lines
+        .map(|l| serde_json::from_str(&l.unwrap()).expect("every line is JSON"))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let st = loop {
+        if let Some(s) = p.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "bench still running");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(st.success());
+    let intervals = 1 + rest.iter().filter(|v| v["type"] == "interval").count();
+    assert_eq!(intervals, 8, "2 s in 250 ms intervals: {rest:?}");
+    let last = rest.last().unwrap();
+    assert_eq!(last["type"], "result", "{last}");
+    assert_eq!(
+        (last["qd"].as_u64(), last["bs"].as_u64()),
+        (Some(1), Some(4096))
+    );
+    assert_eq!(last["errors"], 0);
+
+    // Normal output: the rows, then today's table.
+    let o = Command::new(BIN)
+        .args([
+            "bench",
+            "--seconds",
+            "0.5",
+            "--interval",
+            "200ms",
+            "--job",
+            "randread-4k-qd1",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let out = String::from_utf8_lossy(&o.stdout);
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("randread-4k-qd1"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    assert!(
+        rows[0].starts_with("randread-4k-qd1") && rows[0].contains("0.2 s"),
+        "{out}"
+    );
+    assert!(out.contains("p50 us"), "{out}");
+
+    // A bad interval: one line that says the range.
+    let o = Command::new(BIN)
+        .args(["bench", "--interval", "1ms"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    assert!(e.contains("--interval must be between"), "{e}");
+}
