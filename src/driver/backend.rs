@@ -109,7 +109,7 @@ impl DeviceContext for SoftHca {
     }
 
     fn per_use_keys(&self) -> bool {
-        true
+        std::env::var_os("NVMF_NO_KEYS").is_none()
     }
 
     fn send_with_invalidate(&self) -> bool {

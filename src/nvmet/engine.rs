@@ -313,11 +313,7 @@ impl<D: DeviceContext> Target<D> {
             batching: false,
             responses: Vec::with_capacity(256),
         };
-        let d = Io {
-            dev: dev.clone(),
-            recvs: Vec::with_capacity(1),
-            sends: Vec::with_capacity(1),
-        };
+        let d = Io::new(dev.clone());
         let t = Target {
             dev,
             engine: Arc::new(Mutex::new(Locked { e, d })),
@@ -522,11 +518,13 @@ impl<D: DeviceContext> Target<D> {
                     let Locked { e, d } = &mut *g;
                     e.now = now;
                     e.batching = true;
+                    d.defer();
                     for wc in &batch {
                         e.on_completion(d, wc);
                     }
                     e.batching = false;
                     e.post_responses(d);
+                    d.flush();
                 }
             }
         }
@@ -563,17 +561,75 @@ struct Io<D> {
     dev: D,
     recvs: Vec<RecvWr>,
     sends: Vec<SendWr>,
+    /// While a batch of completions is handled, work requests wait here and go to the device
+    /// in one post per QP at the end of the turn ([`Io::flush`]): one device lock and one
+    /// driver wake-up per QP and turn, not three per command.
+    deferring: bool,
+    pending: Vec<(Qpn, Wr)>,
+}
+
+enum Wr {
+    Send(SendWr),
+    Recv(RecvWr),
 }
 
 impl<D: DeviceContext> Io<D> {
+    fn new(dev: D) -> Io<D> {
+        Io {
+            dev,
+            recvs: Vec::with_capacity(1),
+            sends: Vec::with_capacity(1),
+            deferring: false,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Post `wr` on `qpn` (at the end of the turn while deferring: a QP that refuses it then
+    /// is broken, and its queue goes with the completions that say so).
     fn post_send(&mut self, qpn: Qpn, wr: SendWr) -> Result<(), VerbsError> {
+        if self.deferring {
+            self.pending.push((qpn, Wr::Send(wr)));
+            return Ok(());
+        }
         self.sends.push(wr);
         self.dev.post(qpn, &mut self.recvs, &mut self.sends)
     }
 
     fn post_recv(&mut self, qpn: Qpn, wr: RecvWr) -> Result<(), VerbsError> {
+        if self.deferring {
+            self.pending.push((qpn, Wr::Recv(wr)));
+            return Ok(());
+        }
         self.recvs.push(wr);
         self.dev.post(qpn, &mut self.recvs, &mut self.sends)
+    }
+
+    /// Hold work requests until [`Io::flush`].
+    fn defer(&mut self) {
+        self.deferring = true;
+    }
+
+    /// Post what was held, one post per QP, each QP's requests in the order they were made.
+    fn flush(&mut self) {
+        self.deferring = false;
+        // Stable: the order within each QP is kept (an RDMA WRITE before its response).
+        self.pending.sort_by_key(|(qpn, _)| qpn.get());
+        let mut i = 0;
+        while i < self.pending.len() {
+            let qpn = self.pending[i].0;
+            while i < self.pending.len() && self.pending[i].0 == qpn {
+                match &self.pending[i].1 {
+                    Wr::Send(w) => self.sends.push(*w),
+                    Wr::Recv(w) => self.recvs.push(*w),
+                }
+                i += 1;
+            }
+            // A refusal means the QP is broken: its queue goes with its error completions.
+            let _ = self.dev.post(qpn, &mut self.recvs, &mut self.sends);
+            self.recvs.clear();
+            self.sends.clear();
+        }
+        self.pending.clear();
     }
 }
 
