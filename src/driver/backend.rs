@@ -109,7 +109,7 @@ impl DeviceContext for SoftHca {
     }
 
     fn per_use_keys(&self) -> bool {
-        std::env::var_os("NVMF_NO_KEYS").is_none()
+        true
     }
 
     fn send_with_invalidate(&self) -> bool {
