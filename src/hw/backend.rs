@@ -1356,37 +1356,35 @@ impl DeviceSource for HwSource {
         {
             return None;
         }
-        alloc_audit::platform(|| {
-            let devs = list_devices().ok()?;
-            let info = sel.select(&devs)?.clone();
-            let mut cur = self.sh.current.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((c, g)) = cur.get(name) {
-                if !c.ctx.gone() && c.ctx.info.guid == info.guid {
-                    return Some(Opened {
-                        dev: c.clone(),
-                        identity: c.ctx.identity,
-                        generation: *g,
-                    });
-                }
-                if !c.ctx.gone() {
-                    // Another card now answers to this selector: ours is gone.
-                    c.ctx.kill(REMOVED);
-                }
+        let devs = list_devices().ok()?;
+        let info = sel.select(&devs)?.clone();
+        let mut cur = self.sh.current.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((c, g)) = cur.get(name) {
+            if !c.ctx.gone() && c.ctx.info.guid == info.guid {
+                return Some(Opened {
+                    dev: c.clone(),
+                    identity: c.ctx.identity,
+                    generation: *g,
+                });
             }
-            let ctx = match HwContext::open(info, self.sh.changed.clone()) {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!("opening RDMA device {name}: {e}");
-                    return None;
-                }
-            };
-            let g = self.sh.generation.fetch_add(1, Ordering::Relaxed) + 1;
-            cur.insert(name.to_string(), (ctx.clone(), g));
-            Some(Opened {
-                identity: ctx.ctx.identity,
-                dev: ctx,
-                generation: g,
-            })
+            if !c.ctx.gone() {
+                // Another card now answers to this selector: ours is gone.
+                c.ctx.kill(REMOVED);
+            }
+        }
+        let ctx = match HwContext::open(info, self.sh.changed.clone()) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("opening RDMA device {name}: {e}");
+                return None;
+            }
+        };
+        let g = self.sh.generation.fetch_add(1, Ordering::Relaxed) + 1;
+        cur.insert(name.to_string(), (ctx.clone(), g));
+        Some(Opened {
+            identity: ctx.ctx.identity,
+            dev: ctx,
+            generation: g,
         })
     }
 
@@ -1395,11 +1393,9 @@ impl DeviceSource for HwSource {
         let Some(sel) = selector(name) else {
             return false;
         };
-        alloc_audit::platform(|| {
-            list_devices()
-                .map(|d| sel.select(&d).is_some())
-                .unwrap_or(false)
-        })
+        list_devices()
+            .map(|d| sel.select(&d).is_some())
+            .unwrap_or(false)
     }
 
     fn cm(&self, dev: &HwContext) -> HwCm {
