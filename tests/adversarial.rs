@@ -7,7 +7,8 @@
 //! - a capsule from another UDP port of the peer's IP is dropped and counted;
 //! - controller IDs come from the free set and never replace a live controller;
 //! - CM TimeWait is bounded whatever timeout the peer asks for;
-//! - discovery lists only subsystems the host may use, and refuses I/O queues.
+//! - discovery lists only subsystems the host may use, and refuses I/O queues;
+//! - one host's whole-device TRIMs do not stall another host's reads.
 //!
 //! Every await that depends on a peer sits under a timeout.
 
@@ -270,6 +271,54 @@ async fn cntlids_come_from_the_free_set_and_never_replace_a_live_controller() {
     for x in [a, c, d] {
         x.disconnect().await;
     }
+}
+
+// ---- 10. one tenant's namespace work does not stall another's ------------------------------
+
+/// Host A keeps the target zeroing 16 GiB (one Dataset Management command: 256 ranges, each
+/// the whole 64 MiB namespace); host B, another controller on the same namespace, must get
+/// its 4 KiB reads answered meanwhile. Before the fix the engine zeroed under its lock, so
+/// none of B's reads came back until A's TRIM was done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_hosts_whole_device_trims_do_not_stall_another_hosts_reads() {
+    const READS: usize = 100;
+    let ns = Namespace::ram(1, 64 << 20, 9);
+    let blocks = ns.blocks;
+    let sub = Subsystem::new(Nqn::new(NQN).unwrap(), vec![std::sync::Arc::new(ns)]);
+    let tc = TargetConfig {
+        subsystems: vec![sub],
+        ..TargetConfig::default()
+    };
+    let (t, thca) = target(30, tc).await;
+    let a = std::sync::Arc::new(connect(31, &thca, NQN, HOST).await);
+    let b = connect(32, &thca, NQN, "nqn.2026-11.io.nvmf-rdma:adv-other").await;
+    write_read(&b, 0, 7).await;
+
+    let whole = vec![(0u64, blocks as u32); 256];
+    let before = t.stats().commands;
+    let trim = {
+        let a = a.clone();
+        tokio::spawn(async move { a.deallocate(1, &whole).await })
+    };
+    // The TRIM is on the target (taken off the wire) before B starts.
+    until("the TRIM reaches the target", || {
+        t.stats().commands > before
+    })
+    .await;
+    for i in 0..READS {
+        within(
+            10,
+            "B's read during A's TRIM",
+            b.read(1, (i as u64 * 8) % blocks, 4096),
+        )
+        .await
+        .expect("B's read");
+        assert!(
+            !trim.is_finished(),
+            "A's TRIM finished before B's read {i}: B's reads waited for it"
+        );
+    }
+    trim.abort();
 }
 
 // ---- 6. discovery ------------------------------------------------------------------------

@@ -344,6 +344,32 @@ async fn disconnect_reconnect_reads_back_file_namespace() {
             .unwrap();
         assert!(back == *data, "read back after reconnect at lba {lba}");
     }
+    // Deallocate and Write Zeroes on a file (run on the target's workers): the ranges read
+    // back as zeros, the bytes beside them are kept.
+    within(10, "deallocate", c.deallocate(1, &[(1000, 8), (5000, 16)]))
+        .await
+        .unwrap();
+    within(10, "write zeroes", c.write_zeroes(1, ns.blocks - 8, 4))
+        .await
+        .unwrap();
+    let zeros = |n: usize| vec![0u8; n * BS];
+    for (lba, blocks, data) in [(1000, 8, &writes[1].1), (5000, 16, &writes[3].1)] {
+        let back = within(10, "read", c.read(1, lba, data.len()))
+            .await
+            .unwrap();
+        assert!(
+            back[..blocks * BS] == zeros(blocks)[..],
+            "zeroed at lba {lba}"
+        );
+        assert!(
+            back[blocks * BS..] == data[blocks * BS..],
+            "kept after lba {lba}"
+        );
+    }
+    let back = within(10, "read", c.read(1, ns.blocks - 8, 4096))
+        .await
+        .unwrap();
+    assert!(back[..2048] == zeros(4)[..] && back[2048..] == writes[2].1[2048..]);
     within(10, "disconnect", c.disconnect()).await;
     target_queues(&t, 0).await;
     host_released(&hca).await;

@@ -8,6 +8,7 @@
 
 use std::collections::VecDeque;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex};
@@ -24,6 +25,7 @@ use crate::verbs::{
     WorkCompletion,
 };
 
+use super::backend::{Finished, Job, Op, Pool};
 use super::{Namespace, Subsystem, TargetConfig};
 
 const SQE_LEN: usize = 64;
@@ -118,6 +120,8 @@ pub struct TargetStats {
     pub refused_queues: u64,
     /// Fabrics Connects refused because no controller ID was free.
     pub cntlid_exhausted: u64,
+    /// Commands whose namespace work ran on a worker thread, off the engine.
+    pub offloaded: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,6 +133,8 @@ enum Stage {
     Responding,
     /// An Async Event Request, held until there is an event (or the queue goes).
     Parked,
+    /// Its namespace work runs on a worker ([`super::backend`]).
+    Executing,
 }
 
 struct Cmd {
@@ -164,9 +170,9 @@ struct TQueue<M> {
     boot_held: bool,
     /// Counted against `max_unconnected_per_ip` until Fabrics Connect succeeds.
     peer_ip: IpAddr,
-    recv: (M, MrInfo),
-    rsp: (M, MrInfo),
-    data: (M, MrInfo),
+    recv: Ring<M>,
+    rsp: Ring<M>,
+    data: Ring<M>,
     cmds: Vec<Cmd>,
     free: Vec<usize>,
     /// Capsules that arrived while every command slot was taken, by receive buffer (not
@@ -178,6 +184,10 @@ struct TQueue<M> {
     dead: bool,
     /// When the queue was accepted: one that never completes Fabrics Connect is dropped.
     born: Instant,
+    /// This incarnation of the queue, for work finished on a worker after it went.
+    token: u64,
+    /// Cleared when the queue goes, so its jobs stop.
+    alive: Arc<AtomicBool>,
 }
 
 impl<M: HostBuffer> TQueue<M> {
@@ -244,6 +254,11 @@ struct Engine<D: DeviceContext> {
     /// segmented send instead of alternating data/response sends.
     batching: bool,
     responses: Vec<(Qpn, usize)>,
+    /// Namespace work off the engine's task.
+    pool: Arc<Pool<D::Mem>>,
+    next_token: u64,
+    /// Finished jobs being answered (kept, so a turn allocates nothing).
+    finished: Vec<Finished>,
 }
 
 /// The engine and the device it posts to, under one lock.
@@ -258,6 +273,7 @@ pub struct Target<D: DeviceContext> {
     engine: Arc<Mutex<Locked<D>>>,
     /// Zero of the engine's clock (tokio's, so virtual on a simulated network).
     epoch: tokio::time::Instant,
+    pool: Arc<Pool<D::Mem>>,
 }
 
 impl<D: DeviceContext> Clone for Target<D> {
@@ -266,6 +282,7 @@ impl<D: DeviceContext> Clone for Target<D> {
             dev: self.dev.clone(),
             engine: self.engine.clone(),
             epoch: self.epoch,
+            pool: self.pool.clone(),
         }
     }
 }
@@ -277,6 +294,8 @@ const MIN_CQ: usize = 1 << 10;
 /// Completions one command slot can have outstanding: its receive, an RDMA READ (or an
 /// unsignaled WRITE, which completes only when flushed) and its response SEND.
 const CQES_PER_SLOT: usize = 3;
+/// Worker threads for namespace work, at most (started as work first needs them).
+const IO_WORKERS: usize = 4;
 
 impl<D: DeviceContext> Target<D> {
     /// Set up the target's PD and CQ on `dev` and start the task that serves completions.
@@ -293,6 +312,7 @@ impl<D: DeviceContext> Target<D> {
                 Err(_) => depth /= 2,
             }
         };
+        let pool = Pool::new(IO_WORKERS);
         let e = Engine {
             cfg: Arc::new(cfg),
             pd,
@@ -312,12 +332,16 @@ impl<D: DeviceContext> Target<D> {
             dropped: None,
             batching: false,
             responses: Vec::with_capacity(256),
+            pool: pool.clone(),
+            next_token: 0,
+            finished: Vec::new(),
         };
         let d = Io::new(dev.clone());
         let t = Target {
             dev,
             engine: Arc::new(Mutex::new(Locked { e, d })),
             epoch: tokio::time::Instant::now(),
+            pool,
         };
         let task = t.clone();
         tokio::spawn(async move { task.serve().await });
@@ -491,6 +515,14 @@ impl<D: DeviceContext> Target<D> {
     }
 
     async fn serve(self) {
+        /// The workers stop with the engine (the device died, or the runtime went).
+        struct Close<M: HostBuffer>(Arc<Pool<M>>);
+        impl<M: HostBuffer> Drop for Close<M> {
+            fn drop(&mut self) {
+                self.0.close();
+            }
+        }
+        let _close = Close(self.pool.clone());
         let cq = self.lock().e.cq;
         let mut batch = Vec::with_capacity(256);
         // Keep-alive expiry is checked on this tick; KATO is at least a second in practice.
@@ -508,6 +540,18 @@ impl<D: DeviceContext> Target<D> {
                     let Locked { e, d } = &mut *g;
                     e.now = now;
                     e.expire_controllers(d, now);
+                }
+                _ = self.pool.ready.notified() => {
+                    let now = self.now();
+                    let mut g = self.lock();
+                    let Locked { e, d } = &mut *g;
+                    e.now = now;
+                    e.batching = true;
+                    d.defer();
+                    e.answer_finished(d);
+                    e.batching = false;
+                    e.post_responses(d);
+                    d.flush();
                 }
                 n = self.dev.wait_cq(cq, 256, &mut batch) => {
                     if n == 0 {
@@ -763,8 +807,11 @@ impl<D: DeviceContext> Engine<D> {
                 free: vec![0],
                 held: VecDeque::new(),
                 dead: false,
+                token: self.next_token,
+                alive: Arc::new(AtomicBool::new(true)),
             },
         );
+        self.next_token += 1;
         *self.per_ip.entry(ip).or_insert(0) += 1;
         self.cqes_used += CQES_PER_SLOT;
         self.stats.queues_connected += 1;
@@ -836,6 +883,8 @@ impl<D: DeviceContext> Engine<D> {
         let Some(q) = self.queues.remove(&qpn) else {
             return;
         };
+        q.alive.store(false, Ordering::Release);
+        self.pool.purge(q.token);
         d.dev.destroy_qp(qpn);
         for mr in [q.recv.1, q.rsp.1, q.data.1] {
             d.dev.dereg_mr(&mr);
@@ -1111,11 +1160,55 @@ impl<D: DeviceContext> Engine<D> {
                     q.cmds[c].stage = Stage::Parked;
                 }
             }
+            Ok(Done::Offload(ns, op)) => {
+                if let Some(q) = self.queues.get_mut(&qpn) {
+                    q.cmds[c].stage = Stage::Executing;
+                    self.stats.offloaded += 1;
+                    self.pool.submit(Job {
+                        qpn,
+                        token: q.token,
+                        slot: c,
+                        ns,
+                        staging: q.data.0.clone(),
+                        at: c * q.staging_len,
+                        op,
+                        alive: q.alive.clone(),
+                    });
+                }
+            }
             Err(st) => {
                 self.stats.errors += 1;
                 self.respond(d, qpn, c, st, 0, 0)
             }
         }
+    }
+
+    /// Answer the commands whose namespace work finished on a worker (if their queue is
+    /// still the one that asked).
+    fn answer_finished(&mut self, d: &mut Io<D>) {
+        let mut done = std::mem::take(&mut self.finished);
+        self.pool.take_done(&mut done);
+        for f in done.drain(..) {
+            let Some(q) = self.queues.get(&f.qpn) else {
+                continue;
+            };
+            let ours =
+                q.token == f.token && q.cmds.get(f.slot).map(|c| c.stage) == Some(Stage::Executing);
+            if !ours {
+                continue;
+            }
+            match f.result {
+                Ok(data_out) => {
+                    self.stats.bytes_written += f.written as u64;
+                    self.respond(d, f.qpn, f.slot, Status::SUCCESS, 0, data_out)
+                }
+                Err(st) => {
+                    self.stats.errors += 1;
+                    self.respond(d, f.qpn, f.slot, st, 0, 0)
+                }
+            }
+        }
+        self.finished = done;
     }
 
     /// RDMA WRITE `data_out` staged bytes to the host (if any), then SEND the response.
@@ -1714,11 +1807,17 @@ impl<D: DeviceContext> Engine<D> {
         let slba = sqe.cdw10 as u64 | ((sqe.cdw11 as u64) << 32);
         let nlb = (sqe.cdw12 & 0xFFFF) as u64 + 1;
         let staging = self.queues[&qpn].staging_len;
+        // A RAM namespace's reads and writes are a copy of at most `staging` bytes and stay
+        // here; what a host can make long goes to a worker.
+        let offload = !ns.is_ram();
         match sqe.opcode {
             opcode::io::READ => {
                 let (off, len) = ns.range(slba, nlb)?;
                 if len > staging {
                     return Err(Status::INVALID_FIELD.with_dnr());
+                }
+                if offload {
+                    return Ok(Done::Offload(ns, Op::Read { off, len }));
                 }
                 let q = &self.queues[&qpn];
                 q.data
@@ -1734,6 +1833,9 @@ impl<D: DeviceContext> Engine<D> {
                 if len > staging {
                     return Err(Status::INVALID_FIELD.with_dnr());
                 }
+                if offload {
+                    return Ok(Done::Offload(ns, Op::Write { off, len }));
+                }
                 let q = &self.queues[&qpn];
                 q.data
                     .0
@@ -1744,6 +1846,7 @@ impl<D: DeviceContext> Engine<D> {
                     data_out: 0,
                 })
             }
+            opcode::io::FLUSH if offload => Ok(Done::Offload(ns, Op::Flush)),
             opcode::io::FLUSH => {
                 ns.flush()?;
                 Ok(Done::Respond {
@@ -1753,11 +1856,8 @@ impl<D: DeviceContext> Engine<D> {
             }
             opcode::io::WRITE_ZEROES => {
                 let (off, len) = ns.range(slba, nlb)?;
-                ns.zero(off, len)?;
-                Ok(Done::Respond {
-                    result: 0,
-                    data_out: 0,
-                })
+                let ranges = VecDeque::from([(off, len)]);
+                Ok(Done::Offload(ns, Op::Zero { ranges }))
             }
             opcode::io::DATASET_MANAGEMENT => {
                 let nr = (sqe.cdw10 & 0xFF) as usize + 1;
@@ -1767,16 +1867,21 @@ impl<D: DeviceContext> Engine<D> {
                 if ranges.len() != nr {
                     return Err(Status::INVALID_FIELD.with_dnr());
                 }
-                if deallocate {
-                    for r in &ranges {
-                        let (off, len) = ns.range(r.slba, r.nlb as u64)?;
-                        ns.zero(off, len)?;
+                if !deallocate {
+                    return Ok(Done::Respond {
+                        result: 0,
+                        data_out: 0,
+                    });
+                }
+                // Every range is checked before any is zeroed.
+                let mut zero = VecDeque::new();
+                for r in &ranges {
+                    let (off, len) = ns.range(r.slba, r.nlb as u64)?;
+                    if len > 0 {
+                        zero.push_back((off, len));
                     }
                 }
-                Ok(Done::Respond {
-                    result: 0,
-                    data_out: 0,
-                })
+                Ok(Done::Offload(ns, Op::Zero { ranges: zero }))
             }
             _ => Err(Status::INVALID_OPCODE.with_dnr()),
         }
@@ -1784,8 +1889,13 @@ impl<D: DeviceContext> Engine<D> {
 }
 
 enum Done {
-    Respond { result: u64, data_out: usize },
+    Respond {
+        result: u64,
+        data_out: usize,
+    },
     Park,
+    /// Run `Op` on a worker; the response follows when it finishes.
+    Offload(Arc<Namespace>, Op),
 }
 
 /// An ASCII identify field, space padded; text that does not fit is cut.
@@ -1852,7 +1962,7 @@ fn release_boot_recv<D: DeviceContext>(d: &mut Io<D>, qpn: Qpn, q: &mut TQueue<D
     }
 }
 
-type Ring<M> = (M, MrInfo);
+type Ring<M> = (Arc<M>, MrInfo);
 /// A queue's receive, response and staging rings, and its command slots.
 type Rings<M> = ([Ring<M>; 3], Vec<Cmd>);
 
@@ -1889,7 +1999,10 @@ fn alloc_rings<D: DeviceContext>(
         } else {
             D::Mem::try_alloc(len)
         };
-        let mr = mem.and_then(|m| d.dev.reg_mr(pd, &m, 0, len, access).ok().map(|mr| (m, mr)));
+        let mr = mem.and_then(|m| {
+            let mr = d.dev.reg_mr(pd, &m, 0, len, access).ok()?;
+            Some((Arc::new(m), mr))
+        });
         match mr {
             Some(r) => rings.push(r),
             None => {

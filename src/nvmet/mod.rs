@@ -8,6 +8,7 @@
 //! RDMA WRITE (target → host data). Every command follows the same path: capsule in → fetch
 //! data if any → execute → push data if any → SEND the response.
 
+mod backend;
 pub mod engine;
 pub mod listen;
 pub mod namespace;
