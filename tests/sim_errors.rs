@@ -43,6 +43,73 @@ fn unsignaled(mut wr: SendWr) -> SendWr {
     wr
 }
 
+// ---- duplicate READs ----------------------------------------------------------------------
+
+/// A READ request with b's QP as its destination, from a's address, as a's PSN `psn`.
+fn forged_read(p: &Pair, psn: Psn, va: u64, len: u32) -> Vec<u8> {
+    let ctx = IcrcContext::new(sim_addr(0), sim_addr(1));
+    let mut h = PacketHeaders::new(BthRepr::new(Opcode::RC_RDMA_READ_REQUEST, p.b.qpn, psn));
+    h.reth = Some(RethRepr {
+        va,
+        rkey: p.b.mr.rkey,
+        dma_len: len,
+    });
+    let mut out = Vec::new();
+    emit_packet(&h, &[], &ctx, &mut out);
+    out
+}
+
+/// Packets b sends after taking in a forged READ request (`forged_read`) and letting the
+/// link settle.
+fn answered(p: &mut Pair, psn: Psn, va: u64, len: u32) -> u64 {
+    let pkt = forged_read(p, psn, va, len);
+    let before = p.sim.devices[1].stats().tx_packets;
+    let now = p.sim.now;
+    p.sim.devices[1].handle_datagram(now, sim_addr(0), &pkt);
+    run_quiet(&mut p.sim, SEC);
+    p.sim.devices[1].stats().tx_packets - before
+}
+
+/// A duplicate READ request is answered again only if it asks for a part of a READ the
+/// responder executed (rxe's rule), so a peer cannot make it queue or send more than it
+/// was given the first time: before, any "duplicate" PSN with a valid key was executed,
+/// whatever its length, and queued without a cap.
+#[test]
+fn duplicate_reads_are_answered_only_for_what_was_read() {
+    let mut p = pair(131, Faults::NONE, opts());
+    let src = fill(&p.b.mem, 0, 4096, 5);
+    let rd = SendOp::Read {
+        remote_addr: p.b.mr.addr,
+        rkey: p.b.mr.rkey,
+    };
+    post_send(&mut p.sim, 0, p.a.qpn, send_wr(1, rd, &p.a, 0, 4096));
+    post_recv(&mut p.sim, 1, p.b.qpn, recv_wr(10, &p.b, 1 << 19, 100));
+    post_send(
+        &mut p.sim,
+        0,
+        p.a.qpn,
+        send_wr(2, SendOp::Send, &p.a, 1 << 19, 10),
+    );
+    let wa = wait_wcs(&mut p.sim, 0, p.a.cq, 2, SEC);
+    assert_eq!(ids(&wa), [(1, WcStatus::Success), (2, WcStatus::Success)]);
+    assert!(read(&p.a.mem, 0, 4096) == src);
+    let (va, read_psn) = (p.b.mr.addr, p.a.psn);
+    // A READ takes one PSN per response packet: 4 KiB at MTU 1024 takes four.
+    let send_psn = read_psn.add(4);
+
+    // The READ's PSN, asking for more than it read: dropped, nothing sent.
+    assert_eq!(answered(&mut p, read_psn, va, 1 << 20), 0);
+    // A "duplicate" READ at the PSN of the SEND: no READ was executed there.
+    assert_eq!(answered(&mut p, send_psn, va, 4096), 0);
+    assert_eq!(p.sim.devices[1].stats().dup_reads_dropped, 2);
+    // The true duplicate, and a part of it, are answered again (4 KiB at MTU 1024: 4
+    // response packets, then 2).
+    assert_eq!(answered(&mut p, read_psn, va, 4096), 4);
+    assert_eq!(answered(&mut p, read_psn, va + 2048, 2048), 2);
+    assert_eq!(p.sim.devices[1].stats().dup_reads_dropped, 2);
+    assert_eq!(qp_state(&p.sim, 1, p.b.qpn), QpState::Rts);
+}
+
 // ---- RNR --------------------------------------------------------------------------------
 
 #[test]

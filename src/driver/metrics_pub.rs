@@ -44,6 +44,11 @@ const COUNTERS: &[Published] = &[
     ("softhca_rx_dropped_by_reason_total", Some("ghost"), |s| {
         s.rx_ghost
     }),
+    (
+        "softhca_rx_dropped_by_reason_total",
+        Some("dup_read"),
+        |s| s.dup_reads_dropped,
+    ),
     ("softhca_rx_dropped_by_reason_total", Some("other"), |s| {
         s.rx_dropped
     }),
@@ -77,6 +82,7 @@ fn dropped(s: &Stats) -> u64 {
         + s.rx_dropped
         + s.rx_ghost
         + s.rx_foreign_source
+        + s.dup_reads_dropped
 }
 
 pub struct Publisher {

@@ -53,6 +53,9 @@ pub struct Stats {
     pub rx_foreign_source: u64,
     pub rx_ghost: u64,
     pub rx_duplicates: u64,
+    /// Duplicate RDMA READ requests dropped: not part of a READ we still remember, or over
+    /// `max_dest_rd_atomic` queued.
+    pub dup_reads_dropped: u64,
     pub retransmits: u64,
     pub timeouts: u64,
     pub acks_tx: u64,

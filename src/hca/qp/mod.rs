@@ -301,6 +301,7 @@ pub(crate) enum RespMsg {
     },
 }
 
+#[derive(Clone, Copy)]
 pub(crate) struct ReadCtx {
     pub va: u64,
     pub rkey: MemKey,
@@ -329,6 +330,10 @@ pub(crate) struct RespState {
     pub ride: bool,
     pub nak: Option<(Psn, crate::hca::wire::AethSyndrome)>,
     pub reads: VecDeque<ReadCtx>,
+    /// The last `max_dest_rd_atomic` READs executed (rxe's read resources): a duplicate
+    /// READ is answered again only if it asks for a part of one of them, so a peer cannot
+    /// make us queue or send more than it was given the first time.
+    pub served: VecDeque<ReadCtx>,
 }
 
 impl RespState {
@@ -502,6 +507,7 @@ impl Qp {
         self.comp.timer = None;
         self.comp.rnr_until = None;
         self.resp.reads.clear();
+        self.resp.served.clear();
         self.resp.forget_ack();
     }
 

@@ -257,26 +257,51 @@ impl Qp {
         self.check_remote(ctx, reth.rkey, reth.va, reth.dma_len, Access::REMOTE_READ)?;
         let psn = pkt.hdrs.bth.psn;
         let npkts = packets_for(reth.dma_len, self.attr.path_mtu.bytes());
+        let max = self.attr.max_dest_rd_atomic.max(1) as usize;
         if dup {
+            // Only a part of a READ we executed and still remember (rxe's rule: else a
+            // class D error, dropped).
+            let (va, end) = (reth.va, reth.va.checked_add(reth.dma_len as u64));
+            let ours = self.resp.served.iter().any(|r| {
+                r.rkey == reth.rkey
+                    && r.first_psn.diff(psn) <= 0
+                    && psn.diff(r.first_psn.add(r.npkts)) < 0
+                    && va >= r.va
+                    && end.is_some_and(|e| e <= r.va + r.len as u64)
+            });
+            // (A duplicate's error is dropped by `on_duplicate`: nothing is sent.)
+            if !ours {
+                ctx.stats.dup_reads_dropped += 1;
+                return Err(Fault::Nak(NakCode::InvalidRequest));
+            }
             // The requester will ask again for everything after this READ too: drop responses
             // queued at or after it and answer this one afresh.
             self.resp
                 .reads
                 .retain(|r| r.first_psn.before(psn) && r.first_psn.add(r.npkts).diff(psn) <= 0);
-        } else if self.resp.reads.len() >= self.attr.max_dest_rd_atomic.max(1) as usize {
+            if self.resp.reads.len() >= max {
+                ctx.stats.dup_reads_dropped += 1;
+                return Err(Fault::Nak(NakCode::InvalidRequest));
+            }
+        } else if self.resp.reads.len() >= max {
             return Err(Fault::Nak(NakCode::InvalidRequest));
         }
-        self.resp.reads.push_back(ReadCtx {
+        let read = ReadCtx {
             va: reth.va,
             rkey: reth.rkey,
             len: reth.dma_len,
             first_psn: psn,
             npkts,
             next: 0,
-        });
+        };
         if !dup {
             self.resp.msn = self.resp.msn.wrapping_add(1);
+            if self.resp.served.len() >= max {
+                self.resp.served.pop_front();
+            }
+            self.resp.served.push_back(read);
         }
+        self.resp.reads.push_back(read);
         Ok(npkts)
     }
 
