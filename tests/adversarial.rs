@@ -30,6 +30,7 @@ use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use nvmf_rdma::nvme::{Cc, ConnectData, Cqe, FabricsCmd, Nqn, SglDescriptor, Status};
 use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
+use nvmf_rdma::verbs::INCOMING_BACKLOG;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -227,6 +228,37 @@ async fn reqs_over_the_per_ip_and_total_queue_caps_are_rejected_no_resources() {
     // The host that got in before works on.
     write_read(&c, 0, 7).await;
     c.disconnect().await;
+}
+
+/// A listener that does not keep up (here: one that never reads) holds at most
+/// `INCOMING_BACKLOG` requests; the REQs beyond are refused "no resources" at once instead
+/// of queueing without end (before, every REQ waited in an unbounded channel and none was
+/// answered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reqs_beyond_a_stalled_listeners_backlog_are_refused_no_resources() {
+    const EXTRA: usize = 16;
+    let thca = SoftHca::start(cfg("tgt", 40)).await.unwrap();
+    let _held = CmService::for_device(&thca).listen(4420);
+    let (_h, cm) = host_dev(41).await;
+    let cm = std::sync::Arc::new(cm);
+    let (tx, mut rx) = tokio::sync::mpsc::channel(INCOMING_BACKLOG + EXTRA);
+    let mut tasks = Vec::new();
+    for i in 0..(INCOMING_BACKLOG + EXTRA) as u32 {
+        let (cm, thca, tx) = (cm.clone(), thca.clone(), tx.clone());
+        tasks.push(tokio::spawn(async move {
+            let r = req(&cm, &thca, 0x1000 + i, 32).await;
+            let _ = tx.send(r).await;
+        }));
+    }
+    // The refusals come back (the accepted ones wait for an answer that never comes).
+    for _ in 0..EXTRA {
+        let r = within(5, "a refusal", rx.recv()).await.expect("a result");
+        let e = r.expect_err("no listener answers, so only refusals come back");
+        assert!(e.contains("no resources"), "{e}");
+    }
+    for t in tasks {
+        t.abort();
+    }
 }
 
 // ---- 4. controller IDs from the free set -------------------------------------------------

@@ -270,7 +270,7 @@ impl CmPort for CmService {
 impl CmListen for CmService {
     /// Our IB CM answers on the device's own address whatever `at.ip()` says: a soft-HCA
     /// context has one address.
-    fn listen(&self, at: SocketAddr) -> Result<mpsc::UnboundedReceiver<Incoming>, CmError> {
+    fn listen(&self, at: SocketAddr) -> Result<mpsc::Receiver<Incoming>, CmError> {
         Ok(CmService::listen(self, at.port()))
     }
 

@@ -12,9 +12,9 @@ use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::cm::{
     service_id, AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnId, ConnectParams, ConnectRequest,
-    Established, RejectReason,
+    Established, NvmeCmReject, NvmeRejectStatus, RejectReason,
 };
-use crate::verbs::{CmError, Incoming, Lifecycle, PeerInfo};
+use crate::verbs::{CmError, Incoming, Lifecycle, PeerInfo, INCOMING_BACKLOG};
 
 use super::SoftHca;
 
@@ -22,7 +22,7 @@ struct Shared {
     hca: SoftHca,
     cm: Mutex<CmEndpoint>,
     waiters: Mutex<BTreeMap<ConnId, oneshot::Sender<CmEvent>>>,
-    listener: Mutex<Option<mpsc::UnboundedSender<Incoming>>>,
+    listener: Mutex<Option<mpsc::Sender<Incoming>>>,
     /// Connections whose teardown someone wants to hear about.
     watchers: Mutex<BTreeMap<ConnId, mpsc::UnboundedSender<ConnId>>>,
     kick: Notify,
@@ -165,9 +165,10 @@ impl CmService {
         })
     }
 
-    /// Passive side: connection requests for `port` arrive on the returned channel.
-    pub fn listen(&self, port: u16) -> mpsc::UnboundedReceiver<Incoming> {
-        let (tx, rx) = mpsc::unbounded_channel();
+    /// Passive side: connection requests for `port` arrive on the returned channel (at
+    /// most [`INCOMING_BACKLOG`] waiting; more are refused "no resources").
+    pub fn listen(&self, port: u16) -> mpsc::Receiver<Incoming> {
+        let (tx, rx) = mpsc::channel(INCOMING_BACKLOG);
         self.cm().listen(service_id(port));
         *self.sh.listener.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
         rx
@@ -288,9 +289,24 @@ async fn pump(sh: Arc<Shared>) {
 fn dispatch(sh: &Shared, ev: CmEvent) {
     match ev {
         CmEvent::ConnectRequest(req) => {
-            let l = sh.listener.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(tx) = l.as_ref() {
-                let _ = tx.send(incoming(req));
+            let id = req.id;
+            let refused = match sh
+                .listener
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+            {
+                Some(tx) => tx.try_send(incoming(req)).is_err(),
+                None => false,
+            };
+            if refused {
+                // The listener is behind (or gone): refuse rather than queue without end.
+                tracing::debug!(?id, "connection request refused: listener backlog full");
+                let rej = NvmeCmReject::new(NvmeRejectStatus::NoResources).emit();
+                let mut cm = sh.cm.lock().unwrap_or_else(|e| e.into_inner());
+                let _ = cm.reject(id, RejectReason::CONSUMER_DEFINED, &rej);
+                drop(cm);
+                sh.kick.notify_one();
             }
         }
         CmEvent::Disconnected { id } => {

@@ -37,13 +37,13 @@ use super::events::AsyncEvents;
 use super::map::HwEvent;
 use super::verbs::{poll_raw, post_recv_wr, post_send_wr};
 use super::{watch, BorrowedRawFd, HwError};
-use crate::cm::private::{NvmeCmAccept, NvmeCmRequest};
+use crate::cm::private::{NvmeCmAccept, NvmeCmReject, NvmeCmRequest, NvmeRejectStatus};
 use crate::cm::{AcceptParams, ConnId, ConnectParams, Established};
 use crate::harness::alloc_audit;
 use crate::verbs::{
     Access, AsyncEvent, CmError, CmListen, CmPort, CqId, DeviceContext, DeviceSource, Guid,
     HostBuffer, Identity, Incoming, Lifecycle, MemKey, MrInfo, Mtu, Opened, PdId, PeerInfo, Psn,
-    QpCaps, Qpn, RcAttr, RecvWr, SendWr, VerbsError, WcOpcode, WorkCompletion,
+    QpCaps, Qpn, RcAttr, RecvWr, SendWr, VerbsError, WcOpcode, WorkCompletion, INCOMING_BACKLOG,
 };
 
 /// How often a source reads the device list to see devices come and go (libibverbs has no
@@ -1082,7 +1082,7 @@ const LISTEN_BACKLOG: i32 = 128;
 
 /// Serve a listening id until the context dies: each CONNECT_REQUEST becomes a connection
 /// of the context, reported on `tx`; DEVICE_REMOVAL kills the context.
-async fn serve_listen(cm: HwCm, id: CmId, tx: mpsc::UnboundedSender<Incoming>) {
+async fn serve_listen(cm: HwCm, id: CmId, tx: mpsc::Sender<Incoming>) {
     loop {
         let e = id.listen_event().await;
         if cm.ctx.gone() {
@@ -1091,8 +1091,15 @@ async fn serve_listen(cm: HwCm, id: CmId, tx: mpsc::UnboundedSender<Incoming>) {
         match e {
             Ok(ListenEvent::Request(r)) => {
                 if let Some(inc) = alloc_audit::platform(|| cm.on_request(r)) {
-                    if tx.send(inc).is_err() {
-                        return;
+                    match tx.try_send(inc) {
+                        Ok(()) => {}
+                        // The target is behind: refuse rather than queue without end.
+                        Err(mpsc::error::TrySendError::Full(inc)) => {
+                            tracing::debug!(device = %cm.ctx.info.name, "connection request refused: listener backlog full");
+                            let rej = NvmeCmReject::new(NvmeRejectStatus::NoResources).emit();
+                            CmListen::reject(&cm, inc.id, &rej);
+                        }
+                        Err(mpsc::error::TrySendError::Closed(_)) => return,
                     }
                 }
             }
@@ -1164,7 +1171,7 @@ impl HwCm {
 }
 
 impl CmListen for HwCm {
-    fn listen(&self, at: SocketAddr) -> Result<mpsc::UnboundedReceiver<Incoming>, CmError> {
+    fn listen(&self, at: SocketAddr) -> Result<mpsc::Receiver<Incoming>, CmError> {
         if self.ctx.gone() {
             return Err(CmError::DeviceGone("the RDMA device is gone"));
         }
@@ -1186,7 +1193,7 @@ impl CmListen for HwCm {
             // A wildcard address: requests through other devices are refused one by one.
             _ => {}
         }
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(INCOMING_BACKLOG);
         let t = tokio::spawn(serve_listen(self.clone(), id, tx));
         self.ctx
             .tasks

@@ -59,6 +59,9 @@ pub struct Incoming {
     pub nvme: Result<NvmeCmRequest, PrivateError>,
 }
 
+/// Connection requests a listener's channel holds before new ones are refused.
+pub const INCOMING_BACKLOG: usize = 128;
+
 /// The passive side of a context's connection manager: what the built-in target listens
 /// with. Answer every request with [`CmListen::accept`] or [`CmListen::reject`].
 ///
@@ -67,8 +70,10 @@ pub struct Incoming {
 /// posted, then [`CmListen::accept`] with the NVMe-oF accept private data.
 pub trait CmListen: CmPort {
     /// Listen on `at` (IP and service port). Requests arrive on the returned channel until
-    /// the context dies. An address of another device, or of none, is refused.
-    fn listen(&self, at: SocketAddr) -> Result<mpsc::UnboundedReceiver<Incoming>, CmError>;
+    /// the context dies. An address of another device, or of none, is refused. At most
+    /// [`INCOMING_BACKLOG`] requests wait there; one more is refused at once with NVMe-oF
+    /// status "no resources" (a REQ costs the peer a datagram: it must not grow our queue).
+    fn listen(&self, at: SocketAddr) -> Result<mpsc::Receiver<Incoming>, CmError>;
     /// Our QP `qpn` (in INIT) is to carry request `id`: where the connection manager
     /// decides the QP's path (rdma_cm), `rc_to_rts` on it takes it from the request.
     fn attach(&self, id: ConnId, qpn: Qpn) -> Result<(), CmError>;

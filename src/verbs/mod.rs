@@ -20,7 +20,7 @@ mod cm;
 mod device;
 mod source;
 
-pub use cm::{CmError, CmListen, CmPort, Incoming};
+pub use cm::{CmError, CmListen, CmPort, Incoming, INCOMING_BACKLOG};
 pub use device::{DeviceContext, HostBuffer, Identity, RcAttr};
 pub use source::{DeviceSource, Opened};
 
