@@ -16,6 +16,7 @@ pub mod hca;
 pub mod hw;
 pub mod nvme;
 pub mod nvmet;
+pub mod published;
 pub mod reconnect;
 pub mod transport;
 pub mod verbs;

@@ -261,6 +261,98 @@ async fn reqs_beyond_a_stalled_listeners_backlog_are_refused_no_resources() {
     }
 }
 
+/// A recorder that keeps counters by name, for tests of what is published.
+#[derive(Default, Clone)]
+struct Counters(
+    std::sync::Arc<
+        std::sync::Mutex<
+            std::collections::HashMap<String, std::sync::Arc<std::sync::atomic::AtomicU64>>,
+        >,
+    >,
+);
+
+struct Count(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+impl metrics::CounterFn for Count {
+    fn increment(&self, v: u64) {
+        self.0.fetch_add(v, std::sync::atomic::Ordering::Relaxed);
+    }
+    fn absolute(&self, v: u64) {
+        self.0.store(v, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Counters {
+    fn get(&self, name: &str) -> u64 {
+        let m = self.0.lock().unwrap();
+        m.get(name)
+            .map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+impl metrics::Recorder for Counters {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        let mut m = self.0.lock().unwrap();
+        let c = m.entry(key.name().to_string()).or_default().clone();
+        metrics::Counter::from_arc(std::sync::Arc::new(Count(c)))
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// Refused REQs are exported as a metric (`nvmet_refused_queues_total`), not only kept in
+/// the target's stats (before, no target counter reached the metrics at all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_reqs_are_exported_as_metrics() {
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        max_unconnected_per_ip: 1,
+        ..TargetConfig::default()
+    };
+    let rec = Counters::default();
+    let hca = SoftHca::start(cfg("tgt", 42)).await.unwrap();
+    let t = metrics::with_local_recorder(&rec, || Target::start(hca.clone(), tc)).unwrap();
+    serve_cm(t.clone(), CmService::for_device(&hca)).unwrap();
+    let (_h, cm) = host_dev(43).await;
+    req(&cm, &hca, 0x400, 32).await.expect("under the cap");
+    let e = req(&cm, &hca, 0x401, 32).await.unwrap_err();
+    assert!(e.contains("no resources"), "{e}");
+    until("the refusal is published", || {
+        rec.get("nvmet_refused_queues_total") == 1
+    })
+    .await;
+    assert_eq!(rec.get("nvmet_queues_connected_total"), 1);
+}
+
 // ---- 4. controller IDs from the free set -------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -75,7 +75,24 @@ fn describe() {
     describe_counter!(
         "softhca_rx_dropped_by_reason_total",
         "Received packets dropped, by reason: malformed, icrc, unknown_qp, foreign_source \
-         (not from the QP's peer), ghost (for a QP that is gone), other"
+         (not from the QP's peer), ghost (for a QP that is gone), dup_read (a duplicate READ \
+         request for more than was read), other"
+    );
+    describe_counter!(
+        "nvmet_refused_queues_total",
+        "Target: connection requests refused (queue caps, memory, a device refusal)"
+    );
+    describe_counter!(
+        "nvmet_malformed_capsules_total",
+        "Target: command capsules that did not parse"
+    );
+    describe_counter!(
+        "nvmet_cntlid_exhausted_total",
+        "Target: Fabrics Connects refused because no controller ID was free"
+    );
+    describe_counter!(
+        "nvmet_kato_expired_total",
+        "Target: controllers torn down because their host went silent for KATO"
     );
     describe_counter!(
         "softhca_access_errors_total",

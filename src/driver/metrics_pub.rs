@@ -1,5 +1,4 @@
-//! Publish a device's counters through the `metrics` facade as deltas since the last call,
-//! so the core stays free of any metrics dependency.
+//! The soft-HCA's counters as metrics ([`crate::published`]).
 //!
 //! Besides traffic, the counters an operator watches for abuse: received packets dropped,
 //! in total and by reason (malformed, bad ICRC, unknown QP, from a source that is not the
@@ -9,15 +8,10 @@
 //! `IcrcCheck::Skip`, or an IPv4 RoCEv2 peer without the raw socket), and mismatches, which
 //! are drops (`softhca_rx_dropped_by_reason_total{reason="icrc"}`).
 
-use metrics::{counter, Counter};
-
 use crate::hca::Stats;
+use crate::published::{Published, Publisher};
 
-/// One published counter: its name, a `reason` label where it has one, and how it is read
-/// from the device's stats.
-type Published = (&'static str, Option<&'static str>, fn(&Stats) -> u64);
-
-const COUNTERS: &[Published] = &[
+const COUNTERS: &[Published<Stats>] = &[
     ("softhca_tx_packets_total", None, |s| s.tx_packets),
     ("softhca_rx_packets_total", None, |s| s.rx_packets),
     ("softhca_tx_bytes_total", None, |s| s.tx_bytes),
@@ -85,36 +79,7 @@ fn dropped(s: &Stats) -> u64 {
         + s.dup_reads_dropped
 }
 
-pub struct Publisher {
-    last: Stats,
-    c: Vec<Counter>,
-}
-
-impl Publisher {
-    pub fn new(device: &str) -> Publisher {
-        let c = COUNTERS
-            .iter()
-            .map(|(name, reason, _)| match reason {
-                Some(r) => counter!(*name, "device" => device.to_string(), "reason" => *r),
-                None => counter!(*name, "device" => device.to_string()),
-            })
-            .collect();
-        Publisher {
-            last: Stats::default(),
-            c,
-        }
-    }
-
-    pub fn publish(&mut self, s: &Stats) {
-        if *s == self.last {
-            return;
-        }
-        for (c, (_, _, read)) in self.c.iter().zip(COUNTERS) {
-            let d = read(s).saturating_sub(read(&self.last));
-            if d > 0 {
-                c.increment(d);
-            }
-        }
-        self.last = s.clone();
-    }
+/// The publisher of device `device`'s counters.
+pub fn publisher(device: &str) -> Publisher<Stats> {
+    Publisher::new(COUNTERS, "device", device)
 }

@@ -271,7 +271,7 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         .identity()
         .name
         .clone();
-    let mut metrics = metrics_pub::Publisher::new(&name);
+    let mut metrics = metrics_pub::publisher(&name);
     let mut last_activity = u64::MAX;
     // One timer for the life of the driver. It is moved earlier when the core's next
     // deadline is earlier than what it is set to, and left alone when the deadline moved

@@ -27,6 +27,7 @@ use crate::verbs::{
 
 use super::backend::{Finished, Job, Op, Pool};
 use super::{Namespace, Subsystem, TargetConfig};
+use crate::published::{Published, Publisher};
 
 const SQE_LEN: usize = 64;
 const CQE_LEN: usize = 16;
@@ -99,6 +100,25 @@ impl ConnReject {
         }
     }
 }
+
+/// The target's counters as metrics, labelled with its service port: what a peer made it
+/// refuse or drop (refused queues, malformed capsules, exhausted controller IDs, keep-alive
+/// expiries) beside its traffic.
+const COUNTERS: &[Published<TargetStats>] = &[
+    ("nvmet_commands_total", None, |s| s.commands),
+    ("nvmet_command_errors_total", None, |s| s.errors),
+    ("nvmet_malformed_capsules_total", None, |s| {
+        s.malformed_capsules
+    }),
+    ("nvmet_refused_queues_total", None, |s| s.refused_queues),
+    ("nvmet_cntlid_exhausted_total", None, |s| s.cntlid_exhausted),
+    ("nvmet_kato_expired_total", None, |s| s.kato_expired),
+    ("nvmet_queues_connected_total", None, |s| s.queues_connected),
+    ("nvmet_queues_dropped_total", None, |s| s.queues_dropped),
+    ("nvmet_offloaded_commands_total", None, |s| s.offloaded),
+    ("nvmet_read_bytes_total", None, |s| s.bytes_read),
+    ("nvmet_written_bytes_total", None, |s| s.bytes_written),
+];
 
 /// Counters a person (or a test) can read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -259,6 +279,8 @@ struct Engine<D: DeviceContext> {
     next_token: u64,
     /// Finished jobs being answered (kept, so a turn allocates nothing).
     finished: Vec<Finished>,
+    /// `stats` as metrics, published on the keep-alive tick.
+    metrics: Publisher<TargetStats>,
 }
 
 /// The engine and the device it posts to, under one lock.
@@ -313,6 +335,7 @@ impl<D: DeviceContext> Target<D> {
             }
         };
         let pool = Pool::new(IO_WORKERS);
+        let metrics = Publisher::new(COUNTERS, "port", &cfg.port.to_string());
         let e = Engine {
             cfg: Arc::new(cfg),
             pd,
@@ -335,6 +358,7 @@ impl<D: DeviceContext> Target<D> {
             pool: pool.clone(),
             next_token: 0,
             finished: Vec::new(),
+            metrics,
         };
         let d = Io::new(dev.clone());
         let t = Target {
@@ -540,6 +564,7 @@ impl<D: DeviceContext> Target<D> {
                     let Locked { e, d } = &mut *g;
                     e.now = now;
                     e.expire_controllers(d, now);
+                    e.metrics.publish(&e.stats);
                 }
                 _ = self.pool.ready.notified() => {
                     let now = self.now();
