@@ -634,7 +634,8 @@ struct Io<D> {
     /// in one post per QP at the end of the turn ([`Io::flush`]): one device lock and one
     /// driver wake-up per QP and turn, not three per command.
     deferring: bool,
-    pending: Vec<(Qpn, Wr)>,
+    /// Held requests with their QP and the order they were made in.
+    pending: Vec<(Qpn, u32, Wr)>,
 }
 
 enum Wr {
@@ -657,7 +658,8 @@ impl<D: DeviceContext> Io<D> {
     /// is broken, and its queue goes with the completions that say so).
     fn post_send(&mut self, qpn: Qpn, wr: SendWr) -> Result<(), VerbsError> {
         if self.deferring {
-            self.pending.push((qpn, Wr::Send(wr)));
+            let n = self.pending.len() as u32;
+            self.pending.push((qpn, n, Wr::Send(wr)));
             return Ok(());
         }
         self.sends.push(wr);
@@ -666,7 +668,8 @@ impl<D: DeviceContext> Io<D> {
 
     fn post_recv(&mut self, qpn: Qpn, wr: RecvWr) -> Result<(), VerbsError> {
         if self.deferring {
-            self.pending.push((qpn, Wr::Recv(wr)));
+            let n = self.pending.len() as u32;
+            self.pending.push((qpn, n, Wr::Recv(wr)));
             return Ok(());
         }
         self.recvs.push(wr);
@@ -681,13 +684,15 @@ impl<D: DeviceContext> Io<D> {
     /// Post what was held, one post per QP, each QP's requests in the order they were made.
     fn flush(&mut self) {
         self.deferring = false;
-        // Stable: the order within each QP is kept (an RDMA WRITE before its response).
-        self.pending.sort_by_key(|(qpn, _)| qpn.get());
+        // By QP, then in the order made (an RDMA WRITE before its response); an unstable
+        // sort on both keys keeps that order without the merge buffer a stable sort
+        // allocates every turn.
+        self.pending.sort_unstable_by_key(|(qpn, n, _)| (qpn.get(), *n));
         let mut i = 0;
         while i < self.pending.len() {
             let qpn = self.pending[i].0;
             while i < self.pending.len() && self.pending[i].0 == qpn {
-                match &self.pending[i].1 {
+                match &self.pending[i].2 {
                     Wr::Send(w) => self.sends.push(*w),
                     Wr::Recv(w) => self.recvs.push(*w),
                 }
