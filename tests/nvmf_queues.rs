@@ -574,3 +574,32 @@ async fn discovery_lists_both_subsystems() {
     }
     target_queues(&t, 0).await;
 }
+
+/// The target counts the payload copies it makes (what `nvmf-rdma bench` reports per I/O):
+/// one per RAM read or write through its staging, and for in-capsule data one more out of
+/// the receive buffer and one into staging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_target_counts_its_payload_copies() {
+    let (t, thca) = target(50, vec![subsystem(NQN_A, Namespace::ram(1, 1 << 20, 9))]).await;
+    let (hca, cm) = host_hca(51).await;
+    let c = connect(&hca, &cm, opts(&thca, NQN_A, HOST_1, 1)).await;
+    let copies = || {
+        let s = t.stats();
+        (s.io_copies, s.io_copied_bytes)
+    };
+    let before = copies();
+    // 64 KiB: more than the 8 KiB in-capsule limit, so the data moves by RDMA.
+    let data = pattern(20, 64 << 10);
+    within(10, "write", c.write(1, 0, &data)).await.unwrap();
+    let back = within(10, "read", c.read(1, 0, data.len())).await.unwrap();
+    assert!(back == data);
+    let after = copies();
+    assert_eq!((after.0 - before.0, after.1 - before.1), (2, 128 << 10));
+    // 4 KiB goes in the capsule: three copies on the target.
+    within(10, "write", c.write(1, 0, &data[..4096]))
+        .await
+        .unwrap();
+    let last = copies();
+    assert_eq!((last.0 - after.0, last.1 - after.1), (3, 3 * 4096));
+    within(10, "disconnect", c.disconnect()).await;
+}

@@ -142,6 +142,11 @@ pub struct TargetStats {
     pub cntlid_exhausted: u64,
     /// Commands whose namespace work ran on a worker thread, off the engine.
     pub offloaded: u64,
+    /// Payload copies the target made for I/O commands (in-capsule data into staging,
+    /// staging to and from the namespace or a worker's buffer) and their bytes; what the
+    /// kernel copies for a file namespace is not counted.
+    pub io_copies: u64,
+    pub io_copied_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -687,7 +692,8 @@ impl<D: DeviceContext> Io<D> {
         // By QP, then in the order made (an RDMA WRITE before its response); an unstable
         // sort on both keys keeps that order without the merge buffer a stable sort
         // allocates every turn.
-        self.pending.sort_unstable_by_key(|(qpn, n, _)| (qpn.get(), *n));
+        self.pending
+            .sort_unstable_by_key(|(qpn, n, _)| (qpn.get(), *n));
         let mut i = 0;
         while i < self.pending.len() {
             let qpn = self.pending[i].0;
@@ -1010,6 +1016,11 @@ impl<D: DeviceContext> Engine<D> {
             q.recv.0.read(at, &mut cmd.capsule[..len]);
             cmd.capsule_len = len;
         }
+        if q.qid > 0 && len > SQE_LEN {
+            // In-capsule data, copied out of the receive buffer with its command.
+            self.stats.io_copies += 1;
+            self.stats.io_copied_bytes += (len - SQE_LEN) as u64;
+        }
         if q.grown {
             repost(d, qpn, q, r);
         } else {
@@ -1097,6 +1108,10 @@ impl<D: DeviceContext> Engine<D> {
                 q.data
                     .0
                     .write(base, &q.cmds[c].capsule[SQE_LEN..end as usize]);
+                if q.qid > 0 {
+                    self.stats.io_copies += 1;
+                    self.stats.io_copied_bytes += want as u64;
+                }
                 self.execute(d, qpn, c);
             }
             SglDescriptor::Keyed { addr, key, .. } => {
@@ -1226,6 +1241,13 @@ impl<D: DeviceContext> Engine<D> {
                 q.token == f.token && q.cmds.get(f.slot).map(|c| c.stage) == Some(Stage::Executing);
             if !ours {
                 continue;
+            }
+            // A worker's read or write copied the payload once, between staging and its
+            // own buffer.
+            let copied = f.written + *f.result.as_ref().unwrap_or(&0);
+            if copied > 0 {
+                self.stats.io_copies += 1;
+                self.stats.io_copied_bytes += copied as u64;
             }
             match f.result {
                 Ok(data_out) => {
@@ -1853,6 +1875,8 @@ impl<D: DeviceContext> Engine<D> {
                 q.data
                     .0
                     .with_mut(|g| ns.read(off, &mut g[c * staging..c * staging + len]))?;
+                self.stats.io_copies += 1;
+                self.stats.io_copied_bytes += len as u64;
                 Ok(Done::Respond {
                     result: 0,
                     data_out: len,
@@ -1870,6 +1894,8 @@ impl<D: DeviceContext> Engine<D> {
                 q.data
                     .0
                     .with_mut(|g| ns.write(off, &g[c * staging..c * staging + len]))?;
+                self.stats.io_copies += 1;
+                self.stats.io_copied_bytes += len as u64;
                 self.stats.bytes_written += len as u64;
                 Ok(Done::Respond {
                     result: 0,
