@@ -30,9 +30,9 @@
 #                lasted, all its threads) / (I/Os fio completed). host = the fio process
 #                (getrusage of the child: os.wait4), target = the server process (utime +
 #                stime from /proc/PID/stat before and after). ext host/target/sum beside
-#                nbdkit host (fio)/target (nbdkit)/sum, and ext/nbd of the sums. "plugin 1proc"
-#                and "own 1proc" are host and target in one process, so only their sum exists,
-#                and it includes building the process's 1 GiB RAM target (about 1 s of CPU).
+#                nbdkit host (fio)/target (nbdkit)/sum, and ext/nbd of the sums. (own and
+#                plugin are not measured: host and target share their process, and building
+#                its 1 GiB RAM target, about 1 s of CPU, would swamp a 3 s run's figure.)
 #                The whole fio process is counted: start-up, connect and exit are in it.
 #                Busy polling (50 µs, the default on both sides) is CPU spent and counted.
 #   128 KiB table NVMe-oF 128 KiB QD8 throughput (own, plugin) beside the raw soft-HCA 128 KiB
@@ -79,10 +79,11 @@ trap 'exit 130' INT TERM
 
 # `cpu OUT TARGET_PID CMD...`: run CMD, write its CPU seconds (all threads, getrusage of the
 # child) and TARGET_PID's CPU seconds over the same span (/proc/PID/stat) to OUT as JSON.
+# Returns CMD's exit status.
 cat >"$work/cpu.py" <<'EOF'
 import json, os, subprocess, sys
 
-out, target_pid, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
+out, target_pid, cmd = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 tick = os.sysconf("SC_CLK_TCK")
 
 def proc_cpu(pid):
@@ -92,12 +93,11 @@ def proc_cpu(pid):
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / tick
 
-before = proc_cpu(target_pid) if target_pid != "-" else None
+before = proc_cpu(target_pid)
 child = subprocess.Popen(cmd)
 _, status, usage = os.wait4(child.pid, 0)
-result = {"host_cpu_s": usage.ru_utime + usage.ru_stime}
-if before is not None:
-    result["target_cpu_s"] = proc_cpu(target_pid) - before
+result = {"host_cpu_s": usage.ru_utime + usage.ru_stime,
+          "target_cpu_s": proc_cpu(target_pid) - before}
 with open(out, "w") as f:
     json.dump(result, f)
 sys.exit(os.waitstatus_to_exitcode(status))
@@ -205,14 +205,13 @@ for r in $(seq "$rounds"); do
     set -- $w
     name="$1-$2-qd$3"
     echo "round $r/$rounds: $name (own, plugin, ext, nbdkit)" >&2
-    cpu "$work/own.$r.$name.cpu" - \
-      "$bin" bench --seconds "$secs" --job "$name" -o json >"$work/own.$r.$name.json"
+    "$bin" bench --seconds "$secs" --job "$name" -o json >"$work/own.$r.$name.json"
     for e in plugin ext nbd; do
-      case $e in plugin) g=$plugin_global pid=- ;; ext) g=$ext_global pid=$tgt_pid ;;
-                 nbd) g=$nbd_global pid=$nbd_pid ;; esac
+      case $e in plugin) g=$plugin_global ;; ext) g=$ext_global ;; nbd) g=$nbd_global ;; esac
       job "$g" "$@" >"$work/$e.fio"
-      cpu "$work/$e.$r.$name.cpu" "$pid" \
-        fio --output-format=json --output="$work/$e.$r.$name.json" "$work/$e.fio"
+      run=(fio --output-format=json --output="$work/$e.$r.$name.json" "$work/$e.fio")
+      case $e in plugin) "${run[@]}" ;; ext) cpu "$work/$e.$r.$name.cpu" "$tgt_pid" "${run[@]}" ;;
+                 nbd) cpu "$work/$e.$r.$name.cpu" "$nbd_pid" "${run[@]}" ;; esac
     done
   done
   echo "round $r/$rounds: raw soft-HCA table" >&2
@@ -258,7 +257,8 @@ def fio_row(engine, r, name):
     row = dict(iops=d["iops"], gbps=d["bw_bytes"] / 1e9, ios=d["total_ios"],
                avg=d["clat_ns"]["mean"] / 1e3, p50=d["clat_ns"]["percentile"]["50.000000"] / 1e3,
                errors=j["error"])
-    row.update(cpu(f"{work}/{engine}.{r}.{name}.cpu"))
+    if engine != "plugin":
+        row.update(cpu(f"{work}/{engine}.{r}.{name}.cpu"))
     return row
 
 def own_row(r, name):
@@ -266,10 +266,8 @@ def own_row(r, name):
     if len(results) != 1:
         sys.exit(f"bench.sh: own.{r}.{name}.json has {len(results)} result objects, want 1")
     o = results[0]
-    row = dict(iops=o["iops"], gbps=o["mbps"] / 1e3, ios=o["ios"], errors=o["errors"],
-               copies=o.get("copies_per_io"))
-    row.update(cpu(f"{work}/own.{r}.{name}.cpu"))
-    return row
+    return dict(iops=o["iops"], gbps=o["mbps"] / 1e3, ios=o["ios"], errors=o["errors"],
+                copies=o.get("copies_per_io"))
 
 def per_io_us(row, key):
     return row[key] / row["ios"] * 1e6
@@ -301,25 +299,23 @@ for n in names:
         "n/a" if None in copies else f"{med(copies):.2f}",
     ))
 
-print("\nCPU µs per I/O (ext: fio + plugin -> `nvmf-rdma target` process; "
-      "nbd: fio -> nbdkit process;\n1proc: host and target in one process, "
-      "building its 1 GiB target included)")
-fmt = "{:<18} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>17} {:>13} {:>10}"
-print(fmt.format("workload", "ext IOPS", "ext host", "ext tgt", "ext sum", "nbd host",
-                 "nbd tgt", "nbd sum", "ext sum/nbd sum", "plugin 1proc", "own 1proc"))
+print("\nCPU µs per I/O, host = fio's process, tgt = the server's "
+      "(ext: fio + plugin -> `nvmf-rdma target`; nbd: fio -> nbdkit)")
+fmt = "{:<18} {:>9} {:>17} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>17}"
+print(fmt.format("workload", "ext IOPS", "ext/nbd", "ext host", "ext tgt", "ext sum",
+                 "nbd host", "nbd tgt", "nbd sum", "ext sum/nbd sum"))
 for n in names:
-    ext, nb, p, o = fio["ext", n], fio["nbd", n], fio["plugin", n], own[n]
+    ext, nb = fio["ext", n], fio["nbd", n]
     ext_sum = [per_io_us(x, "host_cpu_s") + per_io_us(x, "target_cpu_s") for x in ext]
     nbd_sum = [per_io_us(x, "host_cpu_s") + per_io_us(x, "target_cpu_s") for x in nb]
     print(fmt.format(
         n, f"{med(x['iops'] for x in ext):.0f}",
+        spread([a["iops"] / b["iops"] for a, b in zip(ext, nb)]),
         f"{med(per_io_us(x, 'host_cpu_s') for x in ext):.1f}",
         f"{med(per_io_us(x, 'target_cpu_s') for x in ext):.1f}", f"{med(ext_sum):.1f}",
         f"{med(per_io_us(x, 'host_cpu_s') for x in nb):.1f}",
         f"{med(per_io_us(x, 'target_cpu_s') for x in nb):.1f}", f"{med(nbd_sum):.1f}",
         spread([a / b for a, b in zip(ext_sum, nbd_sum)]),
-        f"{med(per_io_us(x, 'host_cpu_s') for x in p):.1f}",
-        f"{med(per_io_us(x, 'host_cpu_s') for x in o):.1f}",
     ))
 
 print("\n128 KiB: NVMe-oF QD8 vs the raw soft-HCA RDMA operation that carries the data (depth 16)")
