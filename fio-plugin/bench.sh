@@ -1,38 +1,118 @@
 #!/usr/bin/env bash
-# Side by side, on this machine, in one go:
-#   own     `nvmf-rdma bench` (the project's own loop over the same Controller API),
-#   plugin  fio through this plugin against the built-in RAM target (in-process, loopback),
-#   nbdkit  fio's own nbd engine against `nbdkit memory` over a unix socket,
-# for the same jobs: 4 KiB randread/randwrite at QD1 and QD32, 128 KiB sequential read/write
-# at QD8. Prints IOPS, average and p50 completion latency, and the ratios.
+# Side by side, on this machine, in one go, for the same jobs (4 KiB randread/randwrite at QD1
+# and QD32, 128 KiB sequential read/write at QD8):
+#   own      `nvmf-rdma bench -o json` (the project's own loop over the Controller API, with
+#            its built-in target in the same process),
+#   plugin   fio through this plugin, built-in RAM target in fio's process (`builtin_target`),
+#   ext      fio through this plugin against `nvmf-rdma target --ram 1G` as its own process,
+#            started once for the whole run (loopback, a free UDP port),
+#   nbdkit   fio's own nbd engine against `nbdkit memory size=1G` over a unix socket, also
+#            one server for the whole run,
+#   raw      `nvmf-rdma bench --hca -o json`: the soft-HCA's raw RDMA READ/WRITE rates,
+# and, with LOSS set, 4 KiB QD32 randread/randwrite with verify through the plugin under
+# random UDP loss (fio-plugin/loss.sh).
 #
 # usage: bash fio-plugin/bench.sh [seconds per job, default 3] [rounds, default 1]
-#   Each workload runs on the three engines back to back (own, plugin, nbdkit), so a slow
-#   minute on a shared machine hits all three alike. With rounds > 1 the whole set repeats
-#   and the table shows medians, the ratios' medians and, beside plugin/own, their range.
-#   FIO_EXTRA="iodepth_batch_submit=16 iodepth_batch_complete_min=8" adds job options to
-#   both fio runs (space-separated key=value).
-# needs: fio-plugin/setup.sh done (fio, nbdkit, the release plugin).
+#   Every round runs each workload on own, plugin, ext and nbdkit back to back, then the raw
+#   table, then the loss runs, so a slow minute on a shared machine hits all of them alike.
+#   Figures are medians over the rounds; [a-b] is the range of a ratio over the rounds, each
+#   ratio taken within one round. No warm-up is cut (fio's ramp_time=0, as the own loop):
+#   every I/O done is counted, which the CPU columns need.
+#   LOSS=2,5            also run the loss table at these percentages (and at 0 for the
+#                       lossless figure), each round; needs root, ip and nft.
+#   FIO_EXTRA="k=v ..." adds job options to every fio run of the main table.
+#
+# Output: a header with the machine (CPU, cores, kernel, load average), then
+#   IOPS table   IOPS of own, plugin, nbdkit; plugin/own and plugin/nbd; fio's average and
+#                p50 completion latency (µs) for plugin and nbdkit; "own copies/IO" is the
+#                `copies_per_io` field of own's result objects, "n/a" while bench has none.
+#   CPU table    CPU µs per I/O = (user + system CPU seconds of a process while the fio run
+#                lasted, all its threads) / (I/Os fio completed). host = the fio process
+#                (getrusage of the child: os.wait4), target = the server process (utime +
+#                stime from /proc/PID/stat before and after). ext host/target/sum beside
+#                nbdkit host (fio)/target (nbdkit)/sum, and ext/nbd of the sums. (own and
+#                plugin are not measured: host and target share their process, and building
+#                its 1 GiB RAM target, about 1 s of CPU, would swamp a 3 s run's figure.)
+#                The whole fio process is counted: start-up, connect and exit are in it.
+#                Busy polling (50 µs, the default on both sides) is CPU spent and counted.
+#   128 KiB table NVMe-oF 128 KiB QD8 throughput (own, plugin) beside the raw soft-HCA 128 KiB
+#                rate of the RDMA operation that carries its data (depth 16): a read's data is
+#                the target's RDMA WRITE, a write's data the target's RDMA READ.
+#   loss table   at each LOSS percentage: ext-style target and fio both inside a private
+#                network namespace (loss.sh); IOPS as a fraction of the 0% run of the same
+#                round, and whether fio's verify was clean in every round.
+# needs: fio-plugin/setup.sh done (fio, nbdkit, the release plugin), python3.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
 secs=${1:-${BENCH_SECS:-3}}
 rounds=${2:-1}
+[[ $secs =~ ^[1-9][0-9]*$ ]] || { echo "bench.sh: seconds must be a whole number >= 1, not '$secs'" >&2; exit 1; }
 [[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "bench.sh: rounds must be a whole number >= 1, not '$rounds'" >&2; exit 1; }
+loss_rates=()
+if [ -n "${LOSS:-}" ]; then
+  IFS=, read -ra loss_rates <<<"$LOSS"
+  for p in "${loss_rates[@]}"; do
+    [[ $p =~ ^[0-9]+$ ]] && [ "$p" -ge 1 ] && [ "$p" -le 100 ] ||
+      { echo "bench.sh: LOSS takes percentages 1-100 separated by commas (LOSS=2,5), not '$LOSS'" >&2; exit 1; }
+  done
+fi
 plugin=${NVMF_FIO_PLUGIN:-$root/target/release/libnvmf_rdma_fio.so}
 for tool in fio nbdkit python3; do
   command -v "$tool" >/dev/null || { echo "bench.sh: $tool is missing (run fio-plugin/setup.sh)" >&2; exit 1; }
 done
 [ -f "$plugin" ] || { echo "bench.sh: no plugin at $plugin (run fio-plugin/setup.sh)" >&2; exit 1; }
 (cd "$root" && cargo build -q --release --bin nvmf-rdma)
+bin=$root/target/release/nvmf-rdma
+nqn=nqn.2026-11.io.nvmf-rdma:demo
 
 work=$(mktemp -d)
 nbd_pid=
+tgt_pid=
 cleanup() {
-  [ -n "$nbd_pid" ] && kill "$nbd_pid" 2>/dev/null
+  for pid in $nbd_pid $tgt_pid; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
   rm -rf "$work"
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# `cpu OUT TARGET_PID CMD...`: run CMD, write its CPU seconds (all threads, getrusage of the
+# child) and TARGET_PID's CPU seconds over the same span (/proc/PID/stat) to OUT as JSON.
+# Returns CMD's exit status.
+cat >"$work/cpu.py" <<'EOF'
+import json, os, subprocess, sys
+
+out, target_pid, cmd = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+tick = os.sysconf("SC_CLK_TCK")
+
+def proc_cpu(pid):
+    # utime and stime are fields 14 and 15; the name (field 2) may hold spaces, so split
+    # after its closing parenthesis.
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / tick
+
+before = proc_cpu(target_pid)
+child = subprocess.Popen(cmd)
+_, status, usage = os.wait4(child.pid, 0)
+result = {"host_cpu_s": usage.ru_utime + usage.ru_stime,
+          "target_cpu_s": proc_cpu(target_pid) - before}
+with open(out, "w") as f:
+    json.dump(result, f)
+sys.exit(os.waitstatus_to_exitcode(status))
+EOF
+cpu() { python3 "$work/cpu.py" "$@"; }
+
+# Wait (up to 10 s) for a line matching $2 in file $1, written by the process $3.
+wait_for() {
+  for _ in $(seq 100); do
+    grep -q "$2" "$1" 2>/dev/null && return 0
+    kill -0 "$3" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "bench.sh: no '$2' in $1:" >&2; cat "$1" >&2; return 1
+}
 
 workloads=("randread 4k 1" "randread 4k 32" "randwrite 4k 1" "randwrite 4k 32" \
            "read 128k 8" "write 128k 8")
@@ -44,7 +124,6 @@ job() {
   cat <<EOF
 time_based=1
 runtime=$secs
-ramp_time=1
 norandommap=1
 randrepeat=0
 size=1G
@@ -53,69 +132,240 @@ EOF
   printf '[%s-%s-qd%s]\nrw=%s\nbs=%s\niodepth=%s\n' "$rw" "$bs" "$qd" "$rw" "$bs" "$qd"
 }
 
-# One nbdkit for the whole run, as a long-running server people would use.
+# The loss job: fill 32 MiB with fio's verify pattern, then 4 KiB QD32 randread and randwrite
+# over it, both checking every block they read (randwrite reads back behind itself).
+loss_job() {
+  cat <<EOF
+[global]
+ioengine=external:$plugin
+thread=1
+traddr=127.0.0.1
+subnqn=$nqn
+filename=ns=1
+bs=4k
+iodepth=32
+size=32M
+verify=crc32c
+norandommap=1
+[fill]
+rw=write
+do_verify=0
+[randread-4k-qd32]
+stonewall
+rw=randread
+time_based=1
+runtime=$secs
+[randwrite-4k-qd32]
+stonewall
+rw=randwrite
+verify_backlog=1024
+time_based=1
+runtime=$secs
+EOF
+}
+
+# Runs inside loss.sh's namespace: a target on its loopback, the loss job, the target stops.
+cat >"$work/loss-run.sh" <<EOF
+set -u
+"$bin" target --ram 64M >"\$1.target.log" 2>&1 &
+tgt=\$!
+$(declare -f wait_for)
+wait_for "\$1.target.log" "listening on" \$tgt || exit 1
+fio --output-format=json --output="\$1.json" "$work/loss.fio" 2>"\$1.err"
+rc=\$?
+kill \$tgt; wait \$tgt
+exit \$rc
+EOF
+loss_job >"$work/loss.fio"
+
+# The machine, for the header.
+{
+  echo "machine: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)," \
+       "$(nproc) cores, kernel $(uname -r); load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "build: $(cd "$root" && git describe --always --dirty 2>/dev/null || echo unknown);" \
+       "command: $([ -n "${LOSS:-}" ] && echo "LOSS=$LOSS ")bash fio-plugin/bench.sh $secs $rounds"
+} >"$work/header"
+
+# The servers: nbdkit and our target, one each for the whole run, as people would run them.
 nbdkit --foreground -U "$work/nbd.sock" memory size=1G &
 nbd_pid=$!
+port=$(python3 -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$bin" target --ram 1G --listen "127.0.0.1:$port" >"$work/target.log" 2>&1 &
+tgt_pid=$!
 for _ in $(seq 100); do [ -S "$work/nbd.sock" ] && break; sleep 0.1; done
 [ -S "$work/nbd.sock" ] || { echo "bench.sh: nbdkit did not start" >&2; exit 1; }
+wait_for "$work/target.log" "listening on" "$tgt_pid"
 
 plugin_global=$(printf '[global]\nioengine=external:%s\nthread=1\nbuiltin_target=1G\nfilename=ns=1' "$plugin")
+ext_global=$(printf '[global]\nioengine=external:%s\nthread=1\ntraddr=127.0.0.1:%s\nsubnqn=%s\nfilename=ns=1' \
+  "$plugin" "$port" "$nqn")
 nbd_global=$(printf '[global]\nioengine=nbd\nuri=nbd+unix:///?socket=%s' "$work/nbd.sock")
 for r in $(seq "$rounds"); do
   for w in "${workloads[@]}"; do
     set -- $w
     name="$1-$2-qd$3"
-    echo "round $r/$rounds: $name (own, plugin, nbdkit)" >&2
-    "$root/target/release/nvmf-rdma" bench --seconds "$secs" --job "$name" >"$work/own.$r.$name.txt"
-    job "$plugin_global" "$@" >"$work/plugin.fio"
-    fio --output-format=json --output="$work/plugin.$r.$name.json" "$work/plugin.fio"
-    job "$nbd_global" "$@" >"$work/nbd.fio"
-    fio --output-format=json --output="$work/nbd.$r.$name.json" "$work/nbd.fio"
+    echo "round $r/$rounds: $name (own, plugin, ext, nbdkit)" >&2
+    "$bin" bench --seconds "$secs" --job "$name" -o json >"$work/own.$r.$name.json"
+    for e in plugin ext nbd; do
+      case $e in plugin) g=$plugin_global ;; ext) g=$ext_global ;; nbd) g=$nbd_global ;; esac
+      job "$g" "$@" >"$work/$e.fio"
+      run=(fio --output-format=json --output="$work/$e.$r.$name.json" "$work/$e.fio")
+      case $e in plugin) "${run[@]}" ;; ext) cpu "$work/$e.$r.$name.cpu" "$tgt_pid" "${run[@]}" ;;
+                 nbd) cpu "$work/$e.$r.$name.cpu" "$nbd_pid" "${run[@]}" ;; esac
+    done
+  done
+  echo "round $r/$rounds: raw soft-HCA table" >&2
+  "$bin" bench --hca --seconds "$secs" -o json >"$work/hca.$r.json"
+  for p in ${loss_rates[@]:+0 "${loss_rates[@]}"}; do
+    echo "round $r/$rounds: $p% UDP loss, verify on" >&2
+    rc=0
+    bash "$here/loss.sh" "$p" -- bash "$work/loss-run.sh" "$work/loss.$r.$p" \
+      2>"$work/loss.$r.$p.log" || rc=$?
+    echo "$rc" >"$work/loss.$r.$p.rc"
+    if [ "$rc" != 0 ]; then
+      echo "bench.sh: the $p% loss run failed (exit $rc); its last lines:" >&2
+      tail -n 5 "$work/loss.$r.$p.err" "$work/loss.$r.$p.log" >&2 2>/dev/null || true
+    fi
   done
 done
+echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$work/header"
 
-python3 - "$work" "$rounds" "${workloads[@]}" <<'EOF'
+python3 - "$work" "$rounds" "${loss_rates[*]:-}" "${workloads[@]}" <<'EOF'
 import json, statistics, sys
-work, rounds, workloads = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 
-def fio_row(path):
-    j = json.load(open(path))["jobs"][0]
-    d = j["write" if "write" in j["jobname"] else "read"]
-    return dict(iops=d["iops"], avg=d["clat_ns"]["mean"] / 1e3,
-                p50=d["clat_ns"]["percentile"]["50.000000"] / 1e3, errors=j["error"])
-
-def own_row(path):
-    # rw bs unit qd IOPS MB/s p50 p99 errors
-    f = open(path).read().splitlines()[1].split()
-    return dict(iops=float(f[4]), p50=float(f[6]), errors=int(f[8]))
-
+work, rounds, loss_rates, workloads = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4:]
+names = ["{}-{}-qd{}".format(*w.split()) for w in workloads]
 med = statistics.median
-hdr = ("workload", "own IOPS", "plugin IOPS", "plugin/own", "nbdkit IOPS", "plugin/nbd",
-       "plugin avg/p50 us", "nbdkit avg/p50 us")
-fmt = "{:<20} {:>9} {:>11} {:>16} {:>11} {:>10} {:>17} {:>17}"
-print(f"{rounds} round(s); " + ("medians across rounds, plugin/own range in brackets"
-                                if rounds > 1 else "one round"))
-print(fmt.format(*hdr))
-errors = 0
-for w in workloads:
-    rw, bs, qd = w.split()
-    name = f"{rw}-{bs}-qd{qd}"
-    o = [own_row(f"{work}/own.{r}.{name}.txt") for r in range(1, rounds + 1)]
-    p = [fio_row(f"{work}/plugin.{r}.{name}.json") for r in range(1, rounds + 1)]
-    n = [fio_row(f"{work}/nbd.{r}.{name}.json") for r in range(1, rounds + 1)]
-    errors += sum(x["errors"] for x in o + p + n)
-    po = [a["iops"] / b["iops"] for a, b in zip(p, o)]
-    pn = [a["iops"] / b["iops"] for a, b in zip(p, n)]
-    ratio = f"{med(po):.2f}" + (f" [{min(po):.2f}-{max(po):.2f}]" if rounds > 1 else "")
+
+def spread(xs, digits=2):
+    """Median, and with several rounds the range: '0.93 [0.88-0.97]'."""
+    s = f"{med(xs):.{digits}f}"
+    return s + (f" [{min(xs):.{digits}f}-{max(xs):.{digits}f}]" if len(xs) > 1 else "")
+
+def json_lines(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+def cpu(path):
+    with open(path) as f:
+        return json.load(f)
+
+def fio_row(engine, r, name):
+    with open(f"{work}/{engine}.{r}.{name}.json") as f:
+        j = json.load(f)["jobs"][0]
+    d = j["write" if "write" in j["jobname"] else "read"]
+    row = dict(iops=d["iops"], gbps=d["bw_bytes"] / 1e9, ios=d["total_ios"],
+               avg=d["clat_ns"]["mean"] / 1e3, p50=d["clat_ns"]["percentile"]["50.000000"] / 1e3,
+               errors=j["error"])
+    if engine != "plugin":
+        row.update(cpu(f"{work}/{engine}.{r}.{name}.cpu"))
+    return row
+
+def own_row(r, name):
+    results = [o for o in json_lines(f"{work}/own.{r}.{name}.json") if o["type"] == "result"]
+    if len(results) != 1:
+        sys.exit(f"bench.sh: own.{r}.{name}.json has {len(results)} result objects, want 1")
+    o = results[0]
+    return dict(iops=o["iops"], gbps=o["mbps"] / 1e3, ios=o["ios"], errors=o["errors"],
+                copies=o.get("copies_per_io"))
+
+def per_io_us(row, key):
+    return row[key] / row["ios"] * 1e6
+
+runs = range(1, rounds + 1)
+own = {n: [own_row(r, n) for r in runs] for n in names}
+fio = {(e, n): [fio_row(e, r, n) for r in runs] for e in ("plugin", "ext", "nbd") for n in names}
+
+with open(f"{work}/header") as f:
+    print(f.read(), end="")
+print(f"{rounds} round(s) of {len(names)} workloads; "
+      + ("medians, [min-max] of each ratio over the rounds" if rounds > 1 else "one round"))
+
+print("\nIOPS (plugin: fio + plugin, built-in target in fio's process)")
+fmt = "{:<18} {:>9} {:>11} {:>17} {:>11} {:>17} {:>15} {:>15} {:>12}"
+print(fmt.format("workload", "own IOPS", "plugin IOPS", "plugin/own", "nbdkit IOPS", "plugin/nbd",
+                 "plugin avg/p50", "nbdkit avg/p50", "own copies/IO"))
+for n in names:
+    o, p, nb = own[n], fio["plugin", n], fio["nbd", n]
+    copies = [x["copies"] for x in o]
     print(fmt.format(
-        name,
-        f"{med(x['iops'] for x in o):.0f}",
-        f"{med(x['iops'] for x in p):.0f}",
-        ratio,
-        f"{med(x['iops'] for x in n):.0f}",
-        f"{med(pn):.2f}",
+        n, f"{med(x['iops'] for x in o):.0f}", f"{med(x['iops'] for x in p):.0f}",
+        spread([a["iops"] / b["iops"] for a, b in zip(p, o)]),
+        f"{med(x['iops'] for x in nb):.0f}",
+        spread([a["iops"] / b["iops"] for a, b in zip(p, nb)]),
         f"{med(x['avg'] for x in p):.1f}/{med(x['p50'] for x in p):.1f}",
-        f"{med(x['avg'] for x in n):.1f}/{med(x['p50'] for x in n):.1f}",
+        f"{med(x['avg'] for x in nb):.1f}/{med(x['p50'] for x in nb):.1f}",
+        # Filled in by bench's own copy counter once it reports one; never guessed here.
+        "n/a" if None in copies else f"{med(copies):.2f}",
     ))
-print(f"errors: {errors}")
+
+print("\nCPU µs per I/O, host = fio's process, tgt = the server's "
+      "(ext: fio + plugin -> `nvmf-rdma target`; nbd: fio -> nbdkit)")
+fmt = "{:<18} {:>9} {:>17} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>17}"
+print(fmt.format("workload", "ext IOPS", "ext/nbd", "ext host", "ext tgt", "ext sum",
+                 "nbd host", "nbd tgt", "nbd sum", "ext sum/nbd sum"))
+for n in names:
+    ext, nb = fio["ext", n], fio["nbd", n]
+    ext_sum = [per_io_us(x, "host_cpu_s") + per_io_us(x, "target_cpu_s") for x in ext]
+    nbd_sum = [per_io_us(x, "host_cpu_s") + per_io_us(x, "target_cpu_s") for x in nb]
+    print(fmt.format(
+        n, f"{med(x['iops'] for x in ext):.0f}",
+        spread([a["iops"] / b["iops"] for a, b in zip(ext, nb)]),
+        f"{med(per_io_us(x, 'host_cpu_s') for x in ext):.1f}",
+        f"{med(per_io_us(x, 'target_cpu_s') for x in ext):.1f}", f"{med(ext_sum):.1f}",
+        f"{med(per_io_us(x, 'host_cpu_s') for x in nb):.1f}",
+        f"{med(per_io_us(x, 'target_cpu_s') for x in nb):.1f}", f"{med(nbd_sum):.1f}",
+        spread([a / b for a, b in zip(ext_sum, nbd_sum)]),
+    ))
+
+print("\n128 KiB: NVMe-oF QD8 vs the raw soft-HCA RDMA operation that carries the data (depth 16)")
+hca = [json_lines(f"{work}/hca.{r}.json") for r in runs]
+def raw(r, op):
+    return next(x["gbps"] for x in hca[r - 1] if x["op"] == op and x["bytes"] == 128 << 10)
+fmt = "{:<18} {:<10} {:>8} {:>8} {:>17} {:>10} {:>17}"
+print(fmt.format("workload", "raw op", "raw GB/s", "own GB/s", "own/raw", "plugin GB/s",
+                 "plugin/raw"))
+for n, op in (("read-128k-qd8", "RDMA WRITE"), ("write-128k-qd8", "RDMA READ")):
+    rw = [raw(r, op) for r in runs]
+    o, p = own[n], fio["plugin", n]
+    print(fmt.format(
+        n, op, f"{med(rw):.3f}", f"{med(x['gbps'] for x in o):.3f}",
+        spread([x["gbps"] / y for x, y in zip(o, rw)]),
+        f"{med(x['gbps'] for x in p):.3f}",
+        spread([x["gbps"] / y for x, y in zip(p, rw)]),
+    ))
+
+errors = sum(x["errors"] for rows in list(own.values()) + list(fio.values()) for x in rows)
+
+if loss_rates:
+    print("\nUDP loss (fio-plugin/loss.sh: target and fio in a private namespace, 4 KiB QD32, "
+          "verify=crc32c); IOPS as a fraction of the same round's 0% run")
+    def loss_run(r, p):
+        """(IOPS by job, clean): clean = fio exited 0 with no job error (verify included)."""
+        with open(f"{work}/loss.{r}.{p}.rc") as f:
+            rc = int(f.read())
+        try:
+            with open(f"{work}/loss.{r}.{p}.json") as f:
+                jobs = json.load(f)["jobs"]
+        except (OSError, ValueError):
+            return {}, False
+        iops = {j["jobname"]: j["read" if "randread" in j["jobname"] else "write"]["iops"]
+                for j in jobs if j["jobname"] != "fill"}
+        return iops, rc == 0 and all(j["error"] == 0 for j in jobs)
+    base = {r: loss_run(r, "0") for r in runs}
+    fmt = "{:<18} {:>6} {:>14} {:>24}"
+    print(fmt.format("workload", "loss", "IOPS", "fraction of 0%", ) + "  verify")
+    for job in ("randread-4k-qd32", "randwrite-4k-qd32"):
+        for p in ["0"] + loss_rates:
+            got = [loss_run(r, p) for r in runs]
+            iops = [g[0].get(job) for g in got]
+            clean = all(g[1] for g in got)
+            frac = [i / base[r][0][job] for r, i in zip(runs, iops)
+                    if i is not None and base[r][0].get(job)]
+            print(fmt.format(job, f"{p}%",
+                             f"{med(i for i in iops if i is not None):.0f}" if frac else "none",
+                             spread(frac) if frac else "n/a")
+                  + ("  clean" if clean else "  FAILED (fio's errors are above the tables)"))
+
+print(f"\nI/O errors in the main tables: {errors}")
 EOF

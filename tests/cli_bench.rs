@@ -95,3 +95,39 @@ fn bench_streams_a_row_per_interval_then_the_summary() {
     assert_eq!(e.trim().lines().count(), 1, "{e}");
     assert!(e.contains("--interval must be between"), "{e}");
 }
+
+/// `bench --hca -o json` gives a `"type":"hca"` object per row of the raw soft-HCA table, so
+/// fio-plugin/bench.sh can put the raw 128 KiB RDMA rates beside NVMe-oF's without scraping
+/// the table (it refused json before).
+#[test]
+fn bench_hca_rows_as_json() {
+    let o = Command::new(BIN)
+        .args(["bench", "--hca", "--seconds", "0.1", "-o", "json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("every line is JSON"))
+        .collect();
+    assert_eq!(rows.len(), 6, "{rows:?}");
+    assert!(rows.iter().all(|r| r["type"] == "hca"), "{rows:?}");
+    for op in ["RDMA READ", "RDMA WRITE"] {
+        let r = rows
+            .iter()
+            .find(|r| r["op"] == op && r["bytes"] == 128 << 10)
+            .unwrap_or_else(|| panic!("no 128 KiB {op} row: {rows:?}"));
+        let (gbps, msgs, secs) = (
+            r["gbps"].as_f64().unwrap(),
+            r["messages"].as_f64().unwrap(),
+            r["seconds"].as_f64().unwrap(),
+        );
+        assert!(msgs > 0.0, "{r}");
+        // The rate is the messages' bytes over the time, not a separate figure.
+        let want = msgs * 131072.0 / secs / 1e9;
+        assert!(
+            (gbps - want).abs() <= want * 0.01 + 1e-4,
+            "{r}: want {want}"
+        );
+    }
+}

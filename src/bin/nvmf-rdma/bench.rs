@@ -64,6 +64,16 @@ impl Rows {
     }
 }
 
+/// One row of the raw soft-HCA table as a `"type":"hca"` object (`bench --hca -o json`).
+fn hca_json(r: &hca_perf::Report) -> serde_json::Value {
+    serde_json::json!({
+        "type": "hca", "op": r.workload.op.name(), "bytes": r.workload.msg_size,
+        "depth": r.workload.depth, "seconds": secs(r.elapsed), "messages": r.messages,
+        "gbps": (r.gbytes_per_sec() * 1e4).round() / 1e4, "msgs_per_s": r.msgs_per_sec().round(),
+        "retransmits": r.retransmits,
+    })
+}
+
 fn secs(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e6
 }
@@ -150,10 +160,14 @@ pub(crate) fn run_bench(
         return remote_bench(&sub, Duration::from_secs_f64(seconds), &show);
     }
     if hca {
+        let rows = hca_perf::standard_table(Duration::from_secs_f64(seconds))?;
         if show.output == ListFormat::Json {
-            bail!("-o json is for the NVMe-oF rows; --hca prints its table only");
+            for r in &rows {
+                println!("{}", hca_json(r));
+            }
+        } else {
+            hca_perf::print_table(&rows);
         }
-        hca_perf::print_table(&hca_perf::standard_table(Duration::from_secs_f64(seconds))?);
     } else {
         let jobs = nvmf_perf::select_jobs(Duration::from_secs_f64(seconds), &jobs)?;
         let mut f = |t: &Tick| show.tick(t);

@@ -141,7 +141,7 @@ enum Cmd {
         #[arg(long, default_value = "1s", value_parser = parse_duration, value_name = "TIME")]
         interval: Duration,
         /// normal, or json: one object per line, `"type":"interval"` while a job runs and
-        /// `"type":"result"` per job at the end.
+        /// `"type":"result"` per job at the end; with --hca, `"type":"hca"` per row.
         #[arg(
             short = 'o',
             long = "output-format",
