@@ -146,6 +146,8 @@ bs=4k
 iodepth=32
 size=32M
 verify=crc32c
+# No local-*-verify.state files left in the caller's directory.
+verify_state_save=0
 norandommap=1
 [fill]
 rw=write
