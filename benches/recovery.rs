@@ -188,7 +188,7 @@ fn main() {
         let ms = |ns: u64| ns as f64 / 1e6;
         println!("recovery: fatal reset -> first resubmitted I/O completes ({resets} resets, reconnect_delay 0, loopback)");
         println!(
-            "  p50 {:.2} ms   p99 {:.2} ms   max {:.2} ms   recoveries {}",
+            "  p50 {:.2} ms   p99 {:.2} ms (nearest rank)   max {:.2} ms   recoveries {}",
             ms(pct(&totals, 0.50)),
             ms(pct(&totals, 0.99)),
             ms(*totals.last().unwrap_or(&0)),
