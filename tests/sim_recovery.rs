@@ -609,3 +609,51 @@ fn a_target_restart_under_io_is_survived_with_its_data() {
         assert!(c.read(1, 6000, 128 << 10).await.unwrap() == before);
     });
 }
+
+#[test]
+fn the_recovery_trace_accounts_for_each_phase_in_virtual_time() {
+    runtime().block_on(async {
+        let (_net, mgr, _t, c) = rig(6, policy()).await;
+        c.write(1, 3, &[3u8; 4096]).await.unwrap();
+        assert_eq!(c.status().last_trace, None, "no recovery yet");
+        let t0 = c.now();
+        // The device is down for 300 ms of virtual time: that is the wait, to the
+        // millisecond, and every other phase is a few round trips of the simulated link.
+        mgr.reset(HOST_DEV, Duration::from_millis(300))
+            .await
+            .unwrap();
+        recovered(&c, 1).await;
+        let st = c.status();
+        let tr = st
+            .last_trace
+            .expect("a completed recovery leaves its trace");
+        let marks = [
+            Some(t0),
+            tr.failed,
+            tr.torn_down,
+            tr.attempt_start,
+            tr.device_open,
+            tr.admin_cm,
+            tr.admin_ready,
+            tr.live,
+        ]
+        .map(|m| m.expect("every phase is marked").0);
+        assert!(marks.windows(2).all(|w| w[0] <= w[1]), "in order: {tr:?}");
+        let ms = |a: u64, b: u64| Duration::from_nanos(b - a);
+        let down = ms(marks[2], marks[4]);
+        assert!(
+            down >= Duration::from_millis(299) && down <= Duration::from_millis(302),
+            "torn down -> device open is the 300 ms the device was down: {down:?}"
+        );
+        assert!(ms(marks[0], marks[2]) < Duration::from_millis(2), "{tr:?}");
+        // CM connect, admin connect + enable, I/O queues: a few round trips each, and a
+        // packet on the simulated link takes a millisecond of virtual time (tokio's timer
+        // resolution rounds its 2 µs latency up), so no phase waits on a timer of its own.
+        for w in marks[4..].windows(2) {
+            assert!(ms(w[0], w[1]) <= Duration::from_millis(12), "{tr:?}");
+        }
+        assert_eq!(tr.attempts, 1, "the device came back once, whole");
+        assert_eq!(st.last_recovery, Some(ms(marks[1], marks[7])));
+        assert!(c.read(1, 3, 4096).await.unwrap() == vec![3u8; 4096]);
+    });
+}

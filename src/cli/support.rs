@@ -509,6 +509,7 @@ mod tests {
             cntlid: 1,
             at: crate::hca::Instant(0),
             last_recovery: Some(Duration::from_micros(48_250)),
+            last_trace: None,
         }
     }
 

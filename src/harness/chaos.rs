@@ -383,10 +383,30 @@ pub fn error_kind(e: &HostError) -> String {
     }
 }
 
-/// Percentile of sorted values.
+/// Percentile of sorted values, by nearest rank: the smallest value that at least `p` of
+/// them do not exceed (the 99th of 100 for p99, not the largest).
 pub fn pct(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
     }
-    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
+    let rank = (sorted.len() as f64 * p.clamp(0.0, 1.0)).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pct;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(pct(&v, 0.99), 99, "p99 of 100 is the 99th, not the largest");
+        assert_eq!(pct(&v, 0.50), 50);
+        assert_eq!(pct(&v, 1.0), 100);
+        assert_eq!(pct(&v, 0.0), 1);
+        assert_eq!(pct(&[7], 0.99), 7);
+        assert_eq!(pct(&[], 0.5), 0);
+        let v: Vec<u64> = (1..=1000).collect();
+        assert_eq!(pct(&v, 0.99), 990);
+    }
 }

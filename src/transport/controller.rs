@@ -200,6 +200,31 @@ pub struct CtrlStatus {
     pub at: Instant,
     /// Duration of the last completed recovery (failure → LIVE).
     pub last_recovery: Option<Duration>,
+    /// Where the last completed recovery's time went.
+    pub last_trace: Option<RecoveryTrace>,
+}
+
+/// Where the time of one recovery went: instants on the controller's clock, taken by the
+/// supervisor as each step ends (the marks of the attempt that connected; earlier attempts
+/// are counted). Fixed size, so recording allocates nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RecoveryTrace {
+    /// The failure reached the supervisor (it started tearing down).
+    pub failed: Option<Instant>,
+    /// Every HCA resource was dropped.
+    pub torn_down: Option<Instant>,
+    /// The attempt that connected started.
+    pub attempt_start: Option<Instant>,
+    /// It had the device open.
+    pub device_open: Option<Instant>,
+    /// Its admin queue's CM connection was established.
+    pub admin_cm: Option<Instant>,
+    /// Its admin queue was connected (Fabrics Connect) and the controller enabled.
+    pub admin_ready: Option<Instant>,
+    /// Every I/O queue was connected and held I/O resubmitted: LIVE.
+    pub live: Option<Instant>,
+    /// Attempts in the episode (the last one connected).
+    pub attempts: u32,
 }
 
 impl CtrlStatus {
@@ -349,8 +374,10 @@ struct Supervisor<S: DeviceSource> {
     changed: Arc<Notify>,
     cntlid: u16,
     nr_io: usize,
-    failed_at: Option<Instant>,
+    /// The recovery under way (empty while LIVE).
+    trace: RecoveryTrace,
     last_recovery: Option<Duration>,
+    last_trace: Option<RecoveryTrace>,
     metrics: CtrlMetrics,
 }
 
@@ -537,6 +564,9 @@ impl<S: DeviceSource> Supervisor<S> {
             )
             .await?;
         self.conns[qi] = Some(est.id);
+        if qi == 0 {
+            self.trace.admin_cm = Some(self.now());
+        }
         cm.watch(est.id, self.disc_tx.clone());
         let peer = PeerInfo {
             addr: est.peer,
@@ -627,8 +657,11 @@ impl<S: DeviceSource> Supervisor<S> {
 
     /// A reconnect attempt: admin, then the I/O queues, on the same buffers.
     async fn reconnect(&mut self) -> Result<(), HostError> {
+        self.trace.attempt_start = Some(self.now());
         self.open_device()?;
+        self.trace.device_open = Some(self.now());
         self.connect_admin().await?;
+        self.trace.admin_ready = Some(self.now());
         if self.nr_io > 0 {
             let n = self.negotiate_queues(self.nr_io as u32).await?;
             if (n as usize) < self.nr_io {
@@ -714,6 +747,7 @@ impl<S: DeviceSource> Supervisor<S> {
             cntlid: self.cntlid,
             at: now,
             last_recovery: self.last_recovery,
+            last_trace: self.last_trace,
         };
         self.shared.status.send_if_modified(|old| {
             let changed = old.machine != st.machine || old.cntlid != st.cntlid;
@@ -736,8 +770,11 @@ impl<S: DeviceSource> Supervisor<S> {
             }
             Action::Shutdown => self.shutdown().await,
             Action::TearDown => {
-                if self.failed_at.is_none() && self.sm.state() == CtrlState::Resetting {
-                    self.failed_at = Some(now);
+                if self.trace.failed.is_none() && self.sm.state() == CtrlState::Resetting {
+                    self.trace = RecoveryTrace {
+                        failed: Some(now),
+                        ..RecoveryTrace::default()
+                    };
                 }
                 tracing::info!(
                     subnqn = %self.opts.subnqn,
@@ -745,6 +782,7 @@ impl<S: DeviceSource> Supervisor<S> {
                     "controller resetting: dropping HCA resources"
                 );
                 self.teardown();
+                self.trace.torn_down = Some(self.now());
                 q.push(Event::TornDown);
                 self.scan(q);
             }
@@ -766,11 +804,15 @@ impl<S: DeviceSource> Supervisor<S> {
                     c.lock().resume(now);
                     c.poke();
                 }
-                if let Some(t) = self.failed_at.take() {
+                if let Some(t) = self.trace.failed {
                     let d = now.saturating_since(t);
+                    self.trace.live = Some(now);
+                    self.trace.attempts = self.sm.status(now).attempt;
                     self.last_recovery = Some(d);
+                    self.last_trace = Some(self.trace);
                     self.metrics.recovery_secs.record(d.as_secs_f64());
                 }
+                self.trace = RecoveryTrace::default();
                 self.metrics.recoveries.increment(1);
                 tracing::info!(subnqn = %self.opts.subnqn, "controller live again");
             }
@@ -1024,6 +1066,7 @@ impl Controller {
                 cntlid: 0,
                 at: Instant(0),
                 last_recovery: None,
+                last_trace: None,
             })
             .0,
             clock,
@@ -1057,8 +1100,9 @@ impl Controller {
             changed,
             cntlid: 0,
             nr_io: 0,
-            failed_at: None,
+            trace: RecoveryTrace::default(),
             last_recovery: None,
+            last_trace: None,
             metrics: CtrlMetrics::new(&o.subnqn),
             opts: o.clone(),
         };
@@ -1244,6 +1288,11 @@ impl Controller {
     pub fn device<D: DeviceContext>(&self) -> Option<D> {
         let m = self.backing.current().downcast_ref::<Mutex<D>>()?;
         Some(m.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    /// Now on the controller's clock, the one [`CtrlStatus::at`] and [`RecoveryTrace`] use.
+    pub fn now(&self) -> Instant {
+        self.shared.clock.now()
     }
 
     /// State, attempts, time left, as of now.

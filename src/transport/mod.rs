@@ -9,7 +9,7 @@ pub mod queue;
 
 pub use controller::{
     default_hostid, discover, AsyncEvent, ConnectOptions, Controller, CtrlStatus, NsInfo,
-    SOFT_INLINE_DEPTH,
+    RecoveryTrace, SOFT_INLINE_DEPTH,
 };
 pub use error::HostError;
 pub use fixed::Fixed;
