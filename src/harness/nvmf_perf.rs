@@ -295,13 +295,7 @@ pub async fn run_job_ticking(
     }
     let elapsed = start.elapsed();
     all.sort_unstable();
-    let pct = |p: f64| -> Duration {
-        if all.is_empty() {
-            return Duration::ZERO;
-        }
-        let i = ((all.len() as f64 * p) as usize).min(all.len() - 1);
-        Duration::from_nanos(all[i])
-    };
+    let pct = |p: f64| Duration::from_nanos(super::chaos::pct(&all, p));
     JobResult {
         job,
         ios: all.len() as u64,
