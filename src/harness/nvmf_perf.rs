@@ -173,6 +173,11 @@ pub struct JobResult {
     pub p50: Duration,
     pub p99: Duration,
     pub errors: u64,
+    /// Payload copies the host made per I/O during the job ([`Controller::io_copies`]).
+    pub copies_per_io: f64,
+    /// The same on the target's side, where its counters say (the in-process target's
+    /// `TargetStats` has no copy count yet: `None`, shown as `-`).
+    pub target_copies_per_io: Option<f64>,
 }
 
 impl JobResult {
@@ -226,6 +231,7 @@ pub async fn run_job_ticking(
     let counts = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
     let blocks_per_io = (job.bs as u64 / ns.block_size as u64).max(1);
     let slots = (ns.blocks / blocks_per_io).max(1);
+    let copies_before = c.io_copies().0;
     let start = StdInstant::now();
     let mut tasks = Vec::new();
     for w in 0..job.iodepth {
@@ -302,6 +308,7 @@ pub async fn run_job_ticking(
         let i = ((all.len() as f64 * p) as usize).min(all.len() - 1);
         Duration::from_nanos(all[i])
     };
+    let copies = c.io_copies().0 - copies_before;
     JobResult {
         job,
         ios: all.len() as u64,
@@ -309,6 +316,8 @@ pub async fn run_job_ticking(
         p50: pct(0.50),
         p99: pct(0.99),
         errors,
+        copies_per_io: copies as f64 / (all.len() as f64).max(1.0),
+        target_copies_per_io: None,
     }
 }
 
@@ -335,12 +344,12 @@ pub fn standard_jobs(runtime: Duration) -> Vec<Job> {
 
 pub fn print_results(rows: &[JobResult]) {
     println!(
-        "{:<10} {:>7} {:>4} {:>10} {:>9} {:>9} {:>9} {:>6}",
-        "rw", "bs", "qd", "IOPS", "MB/s", "p50 us", "p99 us", "errors"
+        "{:<10} {:>7} {:>4} {:>10} {:>9} {:>9} {:>9} {:>6} {:>11} {:>11}",
+        "rw", "bs", "qd", "IOPS", "MB/s", "p50 us", "p99 us", "errors", "host cp/IO", "tgt cp/IO"
     );
     for r in rows {
         println!(
-            "{:<10} {:>7} {:>4} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>6}",
+            "{:<10} {:>7} {:>4} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>6} {:>11.2} {:>11}",
             r.job.pattern.name(),
             crate::harness::hca_perf::human(r.job.bs),
             r.job.iodepth,
@@ -348,7 +357,10 @@ pub fn print_results(rows: &[JobResult]) {
             r.mbps(),
             r.p50.as_secs_f64() * 1e6,
             r.p99.as_secs_f64() * 1e6,
-            r.errors
+            r.errors,
+            r.copies_per_io,
+            r.target_copies_per_io
+                .map_or("-".to_string(), |t| format!("{t:.2}"))
         );
     }
 }

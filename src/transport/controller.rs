@@ -1335,6 +1335,15 @@ impl Controller {
         self.max_io
     }
 
+    /// Payload copies the host made on its I/O queues so far, and their bytes
+    /// ([`QueueStats::copies`]).
+    pub fn io_copies(&self) -> (u64, u64) {
+        self.io
+            .iter()
+            .map(|q| q.stats())
+            .fold((0, 0), |(n, b), s| (n + s.copies, b + s.copied_bytes))
+    }
+
     /// Counters of every queue, admin first.
     pub fn queue_stats(&self) -> Vec<QueueStats> {
         std::iter::once(&self.admin)
@@ -1386,7 +1395,8 @@ impl Controller {
     }
 
     /// Read `out.len()` bytes starting at block `lba` into `out`, with no buffer of its own
-    /// per request: each command's data is copied once from its slot's response into `out`.
+    /// per request: each command's data is copied from its slot into a recycled response
+    /// buffer and from there into `out` (two copies, counted in [`QueueStats::copies`]).
     /// A length that is not a positive multiple of the block size is `HostError::Invalid`
     /// (nothing is sent). On an error `out` may hold part of the data.
     pub async fn read_into(&self, nsid: u32, lba: u64, out: &mut [u8]) -> Result<(), HostError> {
@@ -1424,7 +1434,7 @@ impl Controller {
                 )));
             }
             sink(&r.data);
-            q.recycle(r.data);
+            q.recycle_copied(r.data, n);
             done += n;
         }
         Ok(())

@@ -87,6 +87,17 @@ pub struct QueueStats {
     /// Responses that invalidated a key other than their command's: the connection is
     /// failed and recovered, as Linux does.
     pub bogus_invalidations: u64,
+    /// Payload copies the host made on the data path (a write's data into its slot, a
+    /// read's data out of it, a read's data into the caller's buffer), and their bytes.
+    pub copies: u64,
+    pub copied_bytes: u64,
+}
+
+impl QueueStats {
+    fn count_copy(&mut self, bytes: usize) {
+        self.copies += 1;
+        self.copied_bytes += bytes as u64;
+    }
 }
 
 /// Sizes of one queue.
@@ -585,6 +596,7 @@ impl<D: DeviceContext> QueueCore<D> {
         let off = i * self.spec.max_io;
         if !data_out.is_empty() {
             self.data.write(off, data_out);
+            self.stats.count_copy(data_out.len());
         } else if data_in > 0 {
             self.data.with_mut(|b| b[off..off + data_in].fill(0));
         }
@@ -604,10 +616,11 @@ impl<D: DeviceContext> QueueCore<D> {
     }
 
     /// Copy the reserved slot's data (what the last controller command read).
-    pub fn control_data(&self, out: &mut [u8]) {
+    pub fn control_data(&mut self, out: &mut [u8]) {
         let n = out.len().min(self.spec.max_io);
         self.data
             .read(self.control_slot() * self.spec.max_io, &mut out[..n]);
+        self.stats.count_copy(n);
     }
 
     /// The controller is LIVE again: send every held command.
@@ -685,6 +698,7 @@ impl<D: DeviceContext> QueueCore<D> {
         let off = i * max_io;
         if let Some(data) = data_out {
             self.data.write(off, data);
+            self.stats.count_copy(data.len());
         } else if data_in > 0 {
             // A target that reports success without writing the data must not hand this
             // caller the bytes of the slot's previous request.
@@ -985,6 +999,7 @@ impl<D: DeviceContext> QueueCore<D> {
             data.clear();
             self.data
                 .with_mut(|b| data.extend_from_slice(&b[off..off + data_in]));
+            self.stats.count_copy(data_in);
         }
         self.stats.completed += 1;
         self.finish(i, Ok(Response { cqe, data }));
@@ -1188,7 +1203,9 @@ trait Direct: Send + Sync {
         data_in: usize,
         reply: oneshot::Sender<Result<Response, HostError>>,
     ) -> Option<oneshot::Sender<Result<Response, HostError>>>;
-    fn recycle(&self, buf: Vec<u8>);
+    /// Keep `buf` for a later read (if `keep`), and count `copied` bytes the caller copied
+    /// out of it on the data path.
+    fn recycle(&self, buf: Vec<u8>, keep: bool, copied: usize);
     fn stats(&self) -> QueueStats;
 }
 
@@ -1212,9 +1229,12 @@ impl<D: DeviceContext> Direct for Mutex<QueueCore<D>> {
         }
     }
 
-    fn recycle(&self, buf: Vec<u8>) {
+    fn recycle(&self, buf: Vec<u8>, keep: bool, copied: usize) {
         let mut c = self.lock().unwrap_or_else(|e| e.into_inner());
-        if c.spare.len() < SPARE_BUFFERS {
+        if copied > 0 {
+            c.stats.count_copy(copied);
+        }
+        if keep && c.spare.len() < SPARE_BUFFERS {
             c.spare.push(buf);
         }
     }
@@ -1240,10 +1260,16 @@ impl QueueHandle {
     /// Give back the data buffer of a read's [`Response`] once its bytes are used, for the
     /// queue to fill with a later read. Keeps a few, of at most the queue's transfer size.
     pub fn recycle(&self, buf: Vec<u8>) {
-        if buf.capacity() == 0 || buf.capacity() > self.spec.max_io {
-            return;
+        self.recycle_copied(buf, 0);
+    }
+
+    /// [`QueueHandle::recycle`] after the caller copied `copied` bytes out of the buffer on
+    /// its data path: counted in [`QueueStats::copies`] under the same lock.
+    pub(crate) fn recycle_copied(&self, buf: Vec<u8>, copied: usize) {
+        let keep = buf.capacity() != 0 && buf.capacity() <= self.spec.max_io;
+        if keep || copied > 0 {
+            self.core.recycle(buf, keep, copied);
         }
-        self.core.recycle(buf);
     }
 
     /// The queue's counters.
