@@ -3,24 +3,32 @@
 # 4 KiB randread QD32 (768 MiB per run) and 128 KiB read QD8 (6 GiB per run). Prints each
 # build's median IOPS with its range, and the B/A ratio's median and range over the pairs.
 # usage: bash fio-plugin/ab.sh A.so B.so [pairs, default 5]
+#   JOBS="rr4k seq128k rw4k sw128k" adds 4 KiB randwrite QD32 and 128 KiB write QD8.
 #   e.g. A from `git worktree add /tmp/a <rev>` + `cargo build --release -p nvmf-rdma-fio`
 #   (with the env of `fio-plugin/setup.sh --env`), B from this checkout.
 set -euo pipefail
 A=$(realpath "$1"); B=$(realpath "$2"); R=${3:-5}
+JOBS=${JOBS:-rr4k seq128k}
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 for v in a b; do
   so=$A; [ $v = b ] && so=$B
-  for j in rr4k seq128k; do
-    if [ $j = rr4k ]; then rw=randread bs=4k qd=32 ios=768m; else rw=read bs=128k qd=8 ios=6g; fi
+  for j in $JOBS; do
+    case $j in
+      rr4k) rw=randread bs=4k qd=32 ios=768m ;;
+      rw4k) rw=randwrite bs=4k qd=32 ios=768m ;;
+      seq128k) rw=read bs=128k qd=8 ios=6g ;;
+      sw128k) rw=write bs=128k qd=8 ios=6g ;;
+      *) echo "unknown job $j (rr4k rw4k seq128k sw128k)" >&2; exit 2 ;;
+    esac
     printf '%s\n' '[global]' "ioengine=external:$so" thread=1 builtin_target=256M filename=ns=1 \
       size=256M "io_size=$ios" "bs=$bs" "iodepth=$qd" "[$j]" "rw=$rw" > "$W/$v-$j.fio"
   done
 done
-for j in rr4k seq128k; do
+for j in $JOBS; do
   for _ in $(seq "$R"); do
     for v in a b; do
       fio --output-format=json "$W/$v-$j.fio" 2>/dev/null |
-        python3 -c 'import json,sys; print(json.load(sys.stdin)["jobs"][0]["read"]["iops"])' >> "$W/$j.$v"
+        python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; print(j["read"]["iops"] + j["write"]["iops"])' >> "$W/$j.$v"
     done
   done
   python3 - "$W" "$j" <<'PY'

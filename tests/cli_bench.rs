@@ -58,6 +58,8 @@ fn bench_streams_a_row_per_interval_then_the_summary() {
         (Some(1), Some(4096))
     );
     assert_eq!(last["errors"], 0);
+    // Host copies per I/O are counted: a number, never absent.
+    assert!(last["copies_per_io"].as_f64().is_some(), "{last}");
 
     // Normal output: the rows, then today's table.
     let o = Command::new(BIN)

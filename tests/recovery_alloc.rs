@@ -115,7 +115,20 @@ fn from_the_fatal_event_to_resubmission_the_host_allocates_nothing() {
                 c.write(1, lba, &data).await.map(|_| (lba, data))
             }));
         }
-        while t.target.stalled_io() < N {
+        // And writes from a registered buffer (zero copy): recovery registers it again on
+        // the new device, allocating nothing either.
+        const R: usize = 4;
+        let buf = Arc::new(ctrl.io_buffer(8192, R).unwrap());
+        let mut reg_writes = Vec::new();
+        for k in 0..R {
+            buf.write(k * 8192, &[k as u8 ^ 0xC3; 8192]);
+            let (c, b) = (ctrl.clone(), buf.clone());
+            let lba = (N + k) as u64 * 256;
+            reg_writes.push(tokio::spawn(async move {
+                c.write_from(&b, k, 1, lba, 8192).await.map(|_| lba)
+            }));
+        }
+        while t.target.stalled_io() < N + R {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         counting_alloc::start();
@@ -142,7 +155,7 @@ fn from_the_fatal_event_to_resubmission_the_host_allocates_nothing() {
         );
         let requeued: u64 = ctrl.queue_stats().iter().map(|s| s.requeued).sum();
         assert!(
-            requeued >= N as u64,
+            requeued >= (N + R) as u64,
             "the writes were in flight: {requeued}"
         );
         // Let the target go on: every held write completes, with its data.
@@ -150,6 +163,13 @@ fn from_the_fatal_event_to_resubmission_the_host_allocates_nothing() {
         for w in writes {
             let (lba, data) = w.await.unwrap().expect("resubmitted write completes");
             assert!(ctrl.read(1, lba, data.len()).await.unwrap() == data);
+        }
+        for (k, w) in reg_writes.into_iter().enumerate() {
+            let lba = w
+                .await
+                .unwrap()
+                .expect("resubmitted registered write completes");
+            assert!(ctrl.read(1, lba, 8192).await.unwrap() == [k as u8 ^ 0xC3; 8192]);
         }
     });
 }

@@ -191,6 +191,16 @@ impl Engine {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .clone();
+                // Host payload copies per completed I/O (0 with registered fio buffers).
+                let (ios, copies) = c.ctrl.queue_stats()[1..]
+                    .iter()
+                    .fold((0, 0), |(n, k), q| (n + q.completed, k + q.copies));
+                eprintln!(
+                    "nvmf-rdma: {} at {}: host copies per I/O {:.2} ({copies} copies, {ios} I/Os)",
+                    c.key.subnqn,
+                    c.key.target,
+                    copies as f64 / ios.max(1) as f64
+                );
                 let st = c.ctrl.status().machine;
                 let lost = episodes.saturating_sub(st.recoveries);
                 eprintln!(

@@ -280,6 +280,73 @@ pub unsafe extern "C" fn nvmf_rs_event(
     }
 }
 
+/// fio's `iomem_alloc` (in the job, after `init`): `size` bytes for fio's I/O buffers of at
+/// most `chunk` bytes each, as registered memory of a queue of the first file's controller,
+/// so that its reads and writes make no host copy. 0 with `*buf` set; 1 when the job cannot
+/// use registered memory (`registered_buffers=0`, a block size over the transfer limit): the
+/// shim allocates plain memory; -1 on an error, in `err`.
+///
+/// # Safety
+/// `thread` comes from `nvmf_rs_thread_init`; `buf` is writable; the rest from fio.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn nvmf_rs_iomem_alloc(
+    thread: *mut c_void,
+    o: *const RawOptions,
+    name: *const c_char,
+    size: usize,
+    chunk: usize,
+    buf: *mut *mut c_void,
+    err: *mut c_char,
+    errlen: usize,
+) -> c_int {
+    let Some(th) = (thread as *mut Thread).as_mut() else {
+        put_err(err, errlen, "engine not initialised");
+        return -1;
+    };
+    let r = guarded(err, errlen, || {
+        let t = OptionText::from_raw(o)?;
+        if !t.registered_buffers()? || name.is_null() {
+            return Ok(None);
+        }
+        let f = t.with_filename(c_str(name)?)?.file_target()?;
+        let c = engine::controller(&f.ctrl, t.runtime_threads()?)?;
+        let chunks = size.div_ceil(chunk.max(1));
+        if chunk == 0
+            || chunk > c.ctrl.max_transfer()
+            || chunks > nvmf_rdma::transport::queue::MAX_REGION_CHUNKS
+        {
+            return Ok(None);
+        }
+        let b = c
+            .ctrl
+            .io_buffer(chunk, chunks)
+            .map_err(|e| format!("registering fio's I/O buffers: {e}"))?;
+        Ok(Some((c.ctrl.clone(), b)))
+    });
+    match r {
+        Some(Some((c, b))) => {
+            *buf = b.as_mut_ptr() as *mut c_void;
+            th.iobuf = Some((c, std::sync::Arc::new(b)));
+            0
+        }
+        Some(None) => 1,
+        None => -1,
+    }
+}
+
+/// fio's `iomem_free`: 1 if the buffers were the engine's (now released), 0 if the shim's.
+///
+/// # Safety
+/// `thread` comes from `nvmf_rs_thread_init` (or is null).
+#[no_mangle]
+pub unsafe extern "C" fn nvmf_rs_iomem_free(thread: *mut c_void) -> c_int {
+    match (thread as *mut Thread).as_mut() {
+        Some(th) => th.iobuf.take().is_some() as c_int,
+        None => 0,
+    }
+}
+
 /// fio's `cleanup`: wait for what is still out, report errors, leave the engine.
 ///
 /// # Safety

@@ -40,6 +40,7 @@ pub struct RawOptions {
     pub device: *const c_char,
     pub identity: *const c_char,
     pub replug_window: *const c_char,
+    pub registered_buffers: *const c_char,
 }
 
 /// Where the target is: an address, or the built-in RAM target of this size in this process.
@@ -111,7 +112,7 @@ pub struct OptionText {
     pairs: Vec<(&'static str, String)>,
 }
 
-const KEYS: [&str; 19] = [
+const KEYS: [&str; 20] = [
     "traddr",
     "trsvcid",
     "subnqn",
@@ -131,6 +132,7 @@ const KEYS: [&str; 19] = [
     "device",
     "identity",
     "replug_window",
+    "registered_buffers",
 ];
 
 /// Filename keys that only say what SPDK's transport ID says and we already are.
@@ -164,6 +166,7 @@ impl OptionText {
             raw.device,
             raw.identity,
             raw.replug_window,
+            raw.registered_buffers,
         ];
         let mut t = OptionText::default();
         for (key, p) in KEYS.iter().zip(ptrs) {
@@ -372,6 +375,16 @@ impl OptionText {
             return Err(format!("busy_poll={d:?}: at most 1s"));
         }
         Ok(d)
+    }
+
+    /// Whether fio's I/O buffers are registered memory of the host queue (reads and writes
+    /// then make no host copy): 1 (default) or 0 (plain memory, copied, as before).
+    pub fn registered_buffers(&self) -> Result<bool, String> {
+        match self.get("registered_buffers") {
+            None | Some("1") => Ok(true),
+            Some("0") => Ok(false),
+            Some(v) => Err(format!("registered_buffers={v}: 1 or 0")),
+        }
     }
 
     /// Threads of the engine's own runtime, 0 = fio's threads drive it (engine-wide; the

@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fio.h"
@@ -35,6 +36,7 @@ struct nvmf_rs_strs {
 	const char *device;
 	const char *identity;
 	const char *replug_window;
+	const char *registered_buffers;
 };
 
 struct nvmf_fio_options {
@@ -56,6 +58,9 @@ void nvmf_rs_commit(void *thread);
 int nvmf_rs_getevents(void *thread, unsigned int min, unsigned int max, int64_t timeout_ns);
 void *nvmf_rs_event(void *thread, int i, int *error);
 void nvmf_rs_thread_cleanup(void *td, void *thread);
+int nvmf_rs_iomem_alloc(void *thread, const struct nvmf_rs_strs *o, const char *file_name,
+			size_t size, size_t chunk, void **buf, char *err, size_t errlen);
+int nvmf_rs_iomem_free(void *thread);
 
 /* Keep in sync with `Op` in src/thread.rs. */
 enum { NVMF_OP_READ = 0, NVMF_OP_WRITE = 1, NVMF_OP_FLUSH = 2, NVMF_OP_TRIM = 3 };
@@ -189,6 +194,39 @@ static struct io_u *nvmf_event(struct thread_data *td, int i)
 	return io_u;
 }
 
+/* fio's I/O buffers: registered memory of the host queue when the engine can (a read lands
+ * in and a write leaves from fio's own buffer), else plain memory. */
+static int nvmf_iomem_alloc(struct thread_data *td, size_t total_mem)
+{
+	struct nvmf_fio_options *o = td->eo;
+	const char *name = NULL;
+	char err[ERRLEN] = "";
+	void *buf = NULL;
+	int r;
+
+	if (td->files_index > 0 && td->files && td->files[0])
+		name = td->files[0]->file_name;
+	r = nvmf_rs_iomem_alloc(td->io_ops_data, &o->s, name, total_mem, td_max_bs(td), &buf, err,
+				sizeof(err));
+	if (r < 0) {
+		log_err("nvmf-rdma: %s\n", err);
+		return 1;
+	}
+	if (r == 0) {
+		td->orig_buffer = buf;
+		return 0;
+	}
+	td->orig_buffer = malloc(total_mem);
+	return td->orig_buffer == NULL;
+}
+
+static void nvmf_iomem_free(struct thread_data *td)
+{
+	if (!nvmf_rs_iomem_free(td->io_ops_data))
+		free(td->orig_buffer);
+	td->orig_buffer = NULL;
+}
+
 static void nvmf_cleanup(struct thread_data *td)
 {
 	nvmf_rs_thread_cleanup(td, td->io_ops_data);
@@ -233,6 +271,8 @@ static struct fio_option options[] = {
 		 "Which device that comes back is ours: guid, pci, both (default), any"),
 	NVMF_OPT(replug_window, "replug window",
 		 "Seconds a removed device may take to come back (default 600)"),
+	NVMF_OPT(registered_buffers, "registered buffers",
+		 "1 (default): fio's buffers are registered memory, no host copy per I/O; 0: plain memory, copied"),
 	{ .name = NULL },
 };
 
@@ -247,6 +287,8 @@ static struct ioengine_ops nvmf_ioengine = {
 	.getevents = nvmf_getevents,
 	.event = nvmf_event,
 	.cleanup = nvmf_cleanup,
+	.iomem_alloc = nvmf_iomem_alloc,
+	.iomem_free = nvmf_iomem_free,
 	.open_file = nvmf_open_file,
 	.close_file = nvmf_close_file,
 	.invalidate = nvmf_invalidate,

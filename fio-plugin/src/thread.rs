@@ -17,7 +17,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use nvmf_rdma::transport::{Controller, HostError};
+use nvmf_rdma::transport::{Controller, HostError, IoBuffer};
 
 use crate::engine::Ctrl;
 use crate::runtime::Driver;
@@ -80,6 +80,8 @@ struct Pending {
     lba: u64,
     blocks: u64,
     buf: FioBuf,
+    /// fio's buffer is this chunk of the job's registered memory: no copy.
+    registered: Option<(Arc<IoBuffer>, usize)>,
 }
 
 /// A finished I/O: fio's `io_u` and the errno for `io_u->error` (0 = success).
@@ -261,6 +263,9 @@ pub struct Thread {
     finished: Vec<Finished>,
     events: Vec<Done>,
     pub errors: ErrorLog,
+    /// fio's I/O buffers, when they are registered memory of a queue of this controller
+    /// (fio's `iomem_alloc`): one chunk per `io_u`.
+    pub iobuf: Option<(Arc<Controller>, Arc<IoBuffer>)>,
 }
 
 impl Thread {
@@ -275,6 +280,7 @@ impl Thread {
             finished: Vec::with_capacity(iodepth),
             events: Vec::with_capacity(iodepth),
             errors: ErrorLog::default(),
+            iobuf: None,
         }
     }
 
@@ -310,6 +316,12 @@ impl Thread {
             return Err(libc::EINVAL);
         }
         let len = usize::try_from(len).map_err(|_| libc::EINVAL)?;
+        let registered = match (&self.iobuf, op) {
+            (Some((c, b)), Op::Read | Op::Write) if Arc::ptr_eq(c, &f.ctrl.ctrl) => {
+                b.chunk_at(buf, len).map(|k| (b.clone(), k))
+            }
+            _ => None,
+        };
         self.pending.push(Pending {
             io_u,
             op,
@@ -318,6 +330,7 @@ impl Thread {
             lba,
             blocks,
             buf: FioBuf { ptr: buf, len },
+            registered,
         });
         Ok(())
     }
@@ -401,16 +414,18 @@ impl Thread {
 
 async fn run(p: Pending) -> Finished {
     let c = &p.ctrl;
-    let result = match p.op {
+    let result = match (p.op, &p.registered) {
+        // fio's buffer is registered memory: the target writes into it or reads from it.
+        (Op::Read, Some((b, k))) => c.read_to(b, *k, p.nsid, p.lba, p.buf.len).await,
+        (Op::Write, Some((b, k))) => c.write_from(b, *k, p.nsid, p.lba, p.buf.len).await,
         // SAFETY (both): this future owns the I/O until it returns.
-        // The data is copied once, from the command's response straight into fio's buffer.
-        Op::Read => {
+        (Op::Read, None) => {
             c.read_into(p.nsid, p.lba, unsafe { p.buf.bytes_mut() })
                 .await
         }
-        Op::Write => c.write(p.nsid, p.lba, unsafe { p.buf.bytes() }).await,
-        Op::Flush => c.flush(p.nsid).await,
-        Op::Trim => c.deallocate(p.nsid, &[(p.lba, p.blocks as u32)]).await,
+        (Op::Write, None) => c.write(p.nsid, p.lba, unsafe { p.buf.bytes() }).await,
+        (Op::Flush, _) => c.flush(p.nsid).await,
+        (Op::Trim, _) => c.deallocate(p.nsid, &[(p.lba, p.blocks as u32)]).await,
     };
     Finished {
         io_u: p.io_u,

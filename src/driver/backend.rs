@@ -53,6 +53,10 @@ impl HostBuffer for HostMem {
     fn with_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
         f(&mut self.lock())
     }
+
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.addr() as *mut u8
+    }
 }
 
 impl DeviceContext for SoftHca {

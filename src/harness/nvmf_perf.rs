@@ -173,6 +173,11 @@ pub struct JobResult {
     pub p50: Duration,
     pub p99: Duration,
     pub errors: u64,
+    /// Payload copies the host made per I/O during the job ([`Controller::io_copies`]).
+    pub copies_per_io: f64,
+    /// The same on the target's side, where its counters say (the in-process target's
+    /// `TargetStats` has no copy count yet: `None`, shown as `-`).
+    pub target_copies_per_io: Option<f64>,
 }
 
 impl JobResult {
@@ -226,6 +231,7 @@ pub async fn run_job_ticking(
     let counts = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
     let blocks_per_io = (job.bs as u64 / ns.block_size as u64).max(1);
     let slots = (ns.blocks / blocks_per_io).max(1);
+    let copies_before = c.io_copies().0;
     let start = StdInstant::now();
     let mut tasks = Vec::new();
     for w in 0..job.iodepth {
@@ -236,6 +242,12 @@ pub async fn run_job_ticking(
             let mut lat = Vec::with_capacity(1 << 16);
             let mut errors = 0u64;
             let data = vec![0x5Au8; job.bs];
+            // The worker's I/O buffer is registered memory: no host copy per I/O. (Plain
+            // memory, copied, if the block is over the transfer limit.)
+            let buf = c.io_buffer(job.bs, 1).ok();
+            if let Some(b) = &buf {
+                b.write(0, &data);
+            }
             let mut seq = (w as u64 * slots / job.iodepth.max(1) as u64) % slots;
             while start.elapsed() < job.runtime {
                 let slot = match job.pattern {
@@ -247,10 +259,11 @@ pub async fn run_job_ticking(
                 };
                 let lba = slot * blocks_per_io;
                 let t0 = StdInstant::now();
-                let r = if job.pattern.is_read() {
-                    c.read(1, lba, job.bs).await.map(|_| ())
-                } else {
-                    c.write(1, lba, &data).await
+                let r = match (&buf, job.pattern.is_read()) {
+                    (Some(b), true) => c.read_to(b, 0, 1, lba, job.bs).await,
+                    (Some(b), false) => c.write_from(b, 0, 1, lba, job.bs).await,
+                    (None, true) => c.read(1, lba, job.bs).await.map(|_| ()),
+                    (None, false) => c.write(1, lba, &data).await,
                 };
                 if r.is_err() {
                     errors += 1;
@@ -296,6 +309,7 @@ pub async fn run_job_ticking(
     let elapsed = start.elapsed();
     all.sort_unstable();
     let pct = |p: f64| Duration::from_nanos(super::chaos::pct(&all, p));
+    let copies = c.io_copies().0 - copies_before;
     JobResult {
         job,
         ios: all.len() as u64,
@@ -303,6 +317,8 @@ pub async fn run_job_ticking(
         p50: pct(0.50),
         p99: pct(0.99),
         errors,
+        copies_per_io: copies as f64 / (all.len() as f64).max(1.0),
+        target_copies_per_io: None,
     }
 }
 
@@ -329,12 +345,12 @@ pub fn standard_jobs(runtime: Duration) -> Vec<Job> {
 
 pub fn print_results(rows: &[JobResult]) {
     println!(
-        "{:<10} {:>7} {:>4} {:>10} {:>9} {:>9} {:>9} {:>6}",
-        "rw", "bs", "qd", "IOPS", "MB/s", "p50 us", "p99 us", "errors"
+        "{:<10} {:>7} {:>4} {:>10} {:>9} {:>9} {:>9} {:>6} {:>11} {:>11}",
+        "rw", "bs", "qd", "IOPS", "MB/s", "p50 us", "p99 us", "errors", "host cp/IO", "tgt cp/IO"
     );
     for r in rows {
         println!(
-            "{:<10} {:>7} {:>4} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>6}",
+            "{:<10} {:>7} {:>4} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>6} {:>11.2} {:>11}",
             r.job.pattern.name(),
             crate::harness::hca_perf::human(r.job.bs),
             r.job.iodepth,
@@ -342,7 +358,10 @@ pub fn print_results(rows: &[JobResult]) {
             r.mbps(),
             r.p50.as_secs_f64() * 1e6,
             r.p99.as_secs_f64() * 1e6,
-            r.errors
+            r.errors,
+            r.copies_per_io,
+            r.target_copies_per_io
+                .map_or("-".to_string(), |t| format!("{t:.2}"))
         );
     }
 }
@@ -377,12 +396,17 @@ pub fn bench_ticking(
         .enable_all()
         .build()?;
     let addr = t.addr;
+    let target = t.target.clone();
     let rows = rt.block_on(async move {
         let c = Arc::new(connect_host(addr, DEMO_NQN, queues, 128).await?);
         let mut rows = Vec::new();
         for job in jobs {
             let t = tick.as_mut().map(|(d, f)| (*d, &mut **f));
-            rows.push(run_job_ticking(c.clone(), job, t).await);
+            let before = target.stats().io_copies;
+            let mut row = run_job_ticking(c.clone(), job, t).await;
+            let copies = target.stats().io_copies - before;
+            row.target_copies_per_io = Some(copies as f64 / (row.ios as f64).max(1.0));
+            rows.push(row);
             if std::env::var_os("NVMF_DEBUG_STATS").is_some() {
                 if let Some(h) = c.device::<SoftHca>() {
                     eprintln!("{:?}", h.with(|d, _| d.stats().clone()));

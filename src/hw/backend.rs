@@ -156,6 +156,10 @@ impl HostBuffer for HwMem {
         // SAFETY: the guard makes this the only host-side borrow.
         f(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len()) })
     }
+
+    fn as_mut_ptr(&self) -> *mut u8 {
+        HwMem::as_mut_ptr(self)
+    }
 }
 
 // ---------------------------------------------------------------------------------------

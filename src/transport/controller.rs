@@ -33,7 +33,9 @@ use crate::verbs::{
 };
 
 use super::fixed::Fixed;
-use super::queue::{self, Alarm, Clock, QueueCore, QueueCtl, QueueHandle, QueueSpec, QueueStats};
+use super::queue::{
+    self, Alarm, Clock, IoBuffer, QueueCore, QueueCtl, QueueHandle, QueueSpec, QueueStats,
+};
 use super::HostError;
 
 /// Everything `connect` needs, with nvme-cli's names where there is one.
@@ -1384,6 +1386,15 @@ impl Controller {
         self.max_io
     }
 
+    /// Payload copies the host made on its I/O queues so far, and their bytes
+    /// ([`QueueStats::copies`]).
+    pub fn io_copies(&self) -> (u64, u64) {
+        self.io
+            .iter()
+            .map(|q| q.stats())
+            .fold((0, 0), |(n, b), s| (n + s.copies, b + s.copied_bytes))
+    }
+
     /// Counters of every queue, admin first.
     pub fn queue_stats(&self) -> Vec<QueueStats> {
         std::iter::once(&self.admin)
@@ -1435,7 +1446,8 @@ impl Controller {
     }
 
     /// Read `out.len()` bytes starting at block `lba` into `out`, with no buffer of its own
-    /// per request: each command's data is copied once from its slot's response into `out`.
+    /// per request: each command's data is copied from its slot into a recycled response
+    /// buffer and from there into `out` (two copies, counted in [`QueueStats::copies`]).
     /// A length that is not a positive multiple of the block size is `HostError::Invalid`
     /// (nothing is sent). On an error `out` may hold part of the data.
     pub async fn read_into(&self, nsid: u32, lba: u64, out: &mut [u8]) -> Result<(), HostError> {
@@ -1473,7 +1485,7 @@ impl Controller {
                 )));
             }
             sink(&r.data);
-            q.recycle(r.data);
+            q.recycle_copied(r.data, n);
             done += n;
         }
         Ok(())
@@ -1490,6 +1502,73 @@ impl Controller {
             self.pick().submit_slice(sqe, Some(part), 0).await?;
         }
         Ok(())
+    }
+
+    /// Host memory for I/O with no copy: `chunks` chunks of `chunk` bytes (at most
+    /// [`Controller::max_transfer`]), registered with one I/O queue, used by
+    /// [`Controller::read_to`] and [`Controller::write_from`].
+    pub fn io_buffer(&self, chunk: usize, chunks: usize) -> Result<IoBuffer, HostError> {
+        self.pick().register_buffer(chunk, chunks)
+    }
+
+    /// Read `len` bytes at block `lba` into chunk `chunk` of `buf`: the target writes them
+    /// there, nothing is copied. One command, so `len` is at most the chunk's length; one
+    /// command at a time per chunk.
+    pub async fn read_to(
+        &self,
+        buf: &IoBuffer,
+        chunk: usize,
+        nsid: u32,
+        lba: u64,
+        len: usize,
+    ) -> Result<(), HostError> {
+        let (ns, _) = self.check_registered(buf, nsid, lba, len)?;
+        let sqe = admin::read(0, nsid, lba, (len / ns.block_size as usize) as u32)?;
+        buf.queue()
+            .submit_region(sqe, buf.io(chunk, len, false))
+            .await
+            .map(|_| ())
+    }
+
+    /// Write the first `len` bytes of chunk `chunk` of `buf` at block `lba`: the target
+    /// reads them from there, nothing is copied. As [`Controller::read_to`].
+    pub async fn write_from(
+        &self,
+        buf: &IoBuffer,
+        chunk: usize,
+        nsid: u32,
+        lba: u64,
+        len: usize,
+    ) -> Result<(), HostError> {
+        let (ns, _) = self.check_registered(buf, nsid, lba, len)?;
+        let blocks = (len / ns.block_size as usize) as u32;
+        let sqe = admin::write(0, nsid, lba, blocks, false)?;
+        buf.queue()
+            .submit_region(sqe, buf.io(chunk, len, true))
+            .await
+            .map(|_| ())
+    }
+
+    /// [`Controller::check`] for a command on a registered buffer of this controller.
+    fn check_registered(
+        &self,
+        buf: &IoBuffer,
+        nsid: u32,
+        lba: u64,
+        len: usize,
+    ) -> Result<(NsInfo, u64), HostError> {
+        if !self.io.iter().any(|q| q.same(buf.queue())) {
+            return Err(HostError::Invalid(
+                "the registered buffer belongs to another controller".into(),
+            ));
+        }
+        if len > buf.chunk_len() {
+            return Err(HostError::Invalid(format!(
+                "{len} bytes do not fit a {}-byte chunk of the registered buffer",
+                buf.chunk_len()
+            )));
+        }
+        self.check(nsid, lba, len)
     }
 
     pub async fn flush(&self, nsid: u32) -> Result<(), HostError> {

@@ -13,4 +13,4 @@ pub use controller::{
 };
 pub use error::HostError;
 pub use fixed::Fixed;
-pub use queue::{QueueHandle, QueueSpec, QueueStats};
+pub use queue::{IoBuffer, QueueHandle, QueueSpec, QueueStats};

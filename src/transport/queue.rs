@@ -50,7 +50,45 @@ pub struct Request {
     pub data_out: Option<Vec<u8>>,
     /// Target → host data length.
     pub data_in: usize,
+    /// The data is in a chunk of a registered buffer instead ([`IoBuffer`]).
+    pub region: Option<RegionIo>,
     pub reply: oneshot::Sender<Result<Response, HostError>>,
+}
+
+/// A command's data in chunk `chunk` of registered buffer `id` ([`IoBuffer`]): `len` bytes
+/// sent from it (`write`) or read into it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionIo {
+    id: u32,
+    chunk: u32,
+    len: usize,
+    write: bool,
+}
+
+/// Alignment of the first chunk of a registered buffer: fio aligns its I/O buffers to the
+/// page, and a page-aligned start keeps its buffers on chunk boundaries.
+const REGION_ALIGN: usize = 4096;
+
+/// Chunks a registered buffer may have (one MR each).
+pub const MAX_REGION_CHUNKS: usize = 4096;
+
+/// Caller memory registered with a queue ([`IoBuffer`]): `busy.len()` chunks of `chunk`
+/// bytes from `pad` into `mem`, each its own MR with a key per command, like the slots' own
+/// data buffers. The memory is ours, so recovery registers it again on the new device
+/// context ([`QueueCore::attach`]) without allocating.
+struct Region<M> {
+    mem: Arc<M>,
+    pad: usize,
+    chunk: usize,
+    /// The whole memory for local access only: in-capsule writes are gathered from it.
+    local: MrInfo,
+    mrs: Box<[MrInfo]>,
+    /// How many of `mrs` are registered on the current verbs.
+    nreg: usize,
+    /// Chunks a command is using.
+    busy: Box<[bool]>,
+    /// Its [`IoBuffer`] is gone but commands were still out: dropped when the last ends.
+    orphan: bool,
 }
 
 #[derive(Debug)]
@@ -87,6 +125,19 @@ pub struct QueueStats {
     /// Responses that invalidated a key other than their command's: the connection is
     /// failed and recovered, as Linux does.
     pub bogus_invalidations: u64,
+    /// Payload copies the host made on the data path (a write's data into its slot, a
+    /// read's data out of it, a read's data into the caller's buffer), and their bytes.
+    /// Controller commands on the reserved slot (Fabrics Connect, properties) are not I/O
+    /// and are not counted.
+    pub copies: u64,
+    pub copied_bytes: u64,
+}
+
+impl QueueStats {
+    fn count_copy(&mut self, bytes: usize) {
+        self.copies += 1;
+        self.copied_bytes += bytes as u64;
+    }
 }
 
 /// Sizes of one queue.
@@ -192,6 +243,8 @@ struct Slot {
     /// The slot's data region answers to a key the target was given for this command, and
     /// nobody has invalidated it yet.
     key_live: bool,
+    /// The command's data is in chunk `.1` of registered buffer `.0`, not in the slot.
+    region: Option<(u32, u32)>,
     reply: Option<oneshot::Sender<Result<Response, HostError>>>,
 }
 
@@ -204,6 +257,8 @@ fn waits_for_an_event(qid: u16, sqe: &Sqe) -> bool {
 /// The verbs objects of one device context over the queue's buffers.
 struct Verbs<D> {
     dev: D,
+    /// The PD everything is registered under (registered buffers added while connected).
+    pd: PdId,
     qpn: Qpn,
     cq: CqId,
     cmd_mr: MrInfo,
@@ -244,6 +299,8 @@ pub struct QueueCore<D: DeviceContext> {
     rsp: D::Mem,
     data: D::Mem,
     data_mrs: Box<[MrInfo]>,
+    /// Registered buffers by id ([`IoBuffer`]); `None` is a free id.
+    regions: Vec<Option<Region<D::Mem>>>,
     slots: Box<[Slot]>,
     free: Vec<usize>,
     verbs: Option<Verbs<D>>,
@@ -308,6 +365,7 @@ impl<D: DeviceContext> QueueCore<D> {
                 posted_at: Instant(0),
                 held_out: false,
                 key_live: false,
+                region: None,
                 reply: None,
             })
             .collect();
@@ -317,6 +375,7 @@ impl<D: DeviceContext> QueueCore<D> {
             rsp: D::Mem::alloc(n * CQE_LEN),
             data: D::Mem::alloc(n * spec.max_io),
             data_mrs: vec![MrInfo::default(); n].into_boxed_slice(),
+            regions: Vec::new(),
             slots,
             // The last slot is the reserved one; user slots pop from the end of `free`.
             free: (0..n - 1).rev().collect(),
@@ -401,6 +460,7 @@ impl<D: DeviceContext> QueueCore<D> {
         };
         let mut v = Verbs {
             dev: dev.clone(),
+            pd,
             qpn,
             cq,
             cmd_mr: MrInfo::default(),
@@ -434,6 +494,11 @@ impl<D: DeviceContext> QueueCore<D> {
                     v.data_mrs = i + 1;
                 }
                 Err(e) => return Err(bad(v, e)),
+            }
+        }
+        for r in self.regions.iter_mut().flatten() {
+            if let Err(e) = register_region(&v, r) {
+                return Err(bad(v, e));
             }
         }
         Ok(v)
@@ -490,6 +555,9 @@ impl<D: DeviceContext> QueueCore<D> {
             }
             for m in &self.data_mrs[..v.data_mrs] {
                 d.dereg_mr(m);
+            }
+            for r in self.regions.iter_mut().flatten() {
+                deregister_region(d, r);
             }
         }
     }
@@ -649,17 +717,21 @@ impl<D: DeviceContext> QueueCore<D> {
             req.sqe,
             req.data_out.as_deref(),
             req.data_in,
+            req.region,
             req.reply,
         );
     }
 
     /// [`QueueCore::submit`] with the outgoing data borrowed: it is copied into the slot.
+    /// With `region` the data stays in the caller's registered buffer (`data_out` and
+    /// `data_in` are then unused): no copy.
     fn submit_parts(
         &mut self,
         now: Instant,
         sqe: Sqe,
         data_out: Option<&[u8]>,
         data_in: usize,
+        region: Option<RegionIo>,
         reply: oneshot::Sender<Result<Response, HostError>>,
     ) {
         if let Phase::Closed(why) = self.phase {
@@ -671,7 +743,20 @@ impl<D: DeviceContext> QueueCore<D> {
             return;
         }
         let max_io = self.spec.max_io;
-        let out_len = data_out.map_or(0, |v| v.len());
+        let (out_len, data_in) = match region {
+            Some(r) => {
+                if let Err(e) = self.check_region(r) {
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+                if r.write {
+                    (r.len, 0)
+                } else {
+                    (0, r.len)
+                }
+            }
+            None => (data_out.map_or(0, |v| v.len()), data_in),
+        };
         if out_len > max_io || data_in > max_io {
             let _ = reply.send(Err(HostError::Invalid(format!(
                 "transfer larger than {max_io} bytes"
@@ -683,8 +768,16 @@ impl<D: DeviceContext> QueueCore<D> {
             return;
         };
         let off = i * max_io;
-        if let Some(data) = data_out {
+        if let Some(r) = region {
+            // The data is the caller's, in place: nothing to copy, nothing to clear (a read
+            // lands where the caller's own bytes were, never another request's).
+            if let Some(g) = self.regions.get_mut(r.id as usize).and_then(Option::as_mut) {
+                g.busy[r.chunk as usize] = true;
+            }
+            self.slots[i].region = Some((r.id, r.chunk));
+        } else if let Some(data) = data_out {
             self.data.write(off, data);
+            self.stats.count_copy(data.len());
         } else if data_in > 0 {
             // A target that reports success without writing the data must not hand this
             // caller the bytes of the slot's previous request.
@@ -718,7 +811,13 @@ impl<D: DeviceContext> QueueCore<D> {
         let invalidate = keyed && v.per_use_keys;
         if invalidate {
             // A key of its own for this command; the previous one is refused from now on.
-            if v.dev.rekey_mr(&mut self.data_mrs[i]).is_err() {
+            let mr = slot_mr(
+                &mut self.data_mrs,
+                &mut self.regions,
+                i,
+                self.slots[i].region,
+            );
+            if v.dev.rekey_mr(mr).is_err() {
                 let s = &mut self.slots[i];
                 s.state = SlotState::Held;
                 s.cqe = None;
@@ -729,8 +828,13 @@ impl<D: DeviceContext> QueueCore<D> {
             }
             self.slots[i].key_live = true;
         }
+        let mr = self.slot_mr(i);
+        let local = match self.slots[i].region {
+            Some((id, _)) => self.region(id).map(|r| r.local.lkey),
+            None => None,
+        };
         let Some(v) = &self.verbs else { return };
-        let mr = self.data_mrs[i];
+        let local = local.unwrap_or(v.data_local.lkey);
         let s = &mut self.slots[i];
         s.gen = (s.gen + 1) & ((1 << (16 - SLOT_BITS)) - 1);
         let mut sqe = s.sqe;
@@ -747,7 +851,7 @@ impl<D: DeviceContext> QueueCore<D> {
             sges[1] = Sge {
                 addr: mr.addr,
                 len: s.data_out as u32,
-                lkey: v.data_local.lkey,
+                lkey: local,
             };
             nsge = 2;
             SglDescriptor::InCapsule {
@@ -880,7 +984,7 @@ impl<D: DeviceContext> QueueCore<D> {
         let answers = s.gen == gen
             && (s.state == SlotState::Posted || (s.state == SlotState::Held && s.held_out));
         if let Some(k) = invalidated {
-            if answers && s.key_live && k == self.data_mrs[slot].rkey {
+            if answers && s.key_live && k == self.slot_mr(slot).rkey {
                 self.slots[slot].key_live = false;
                 self.stats.remote_invalidations += 1;
             } else {
@@ -939,7 +1043,7 @@ impl<D: DeviceContext> QueueCore<D> {
             return;
         }
         if let Some(v) = &self.verbs {
-            v.dev.invalidate_mr(&self.data_mrs[i]);
+            v.dev.invalidate_mr(&self.slot_mr(i));
             self.stats.local_invalidations += 1;
         }
     }
@@ -979,12 +1083,13 @@ impl<D: DeviceContext> QueueCore<D> {
             return;
         }
         let mut data = Vec::new();
-        if st.is_success() && data_in > 0 {
+        if st.is_success() && data_in > 0 && self.slots[i].region.is_none() {
             let off = i * self.spec.max_io;
             data = self.spare.pop().unwrap_or_default();
             data.clear();
             self.data
                 .with_mut(|b| data.extend_from_slice(&b[off..off + data_in]));
+            self.stats.count_copy(data_in);
         }
         self.stats.completed += 1;
         self.finish(i, Ok(Response { cqe, data }));
@@ -992,6 +1097,14 @@ impl<D: DeviceContext> QueueCore<D> {
 
     fn finish(&mut self, i: usize, r: Result<Response, HostError>) {
         self.release_key(i);
+        if let Some((id, chunk)) = self.slots[i].region.take() {
+            if let Some(g) = self.regions.get_mut(id as usize).and_then(Option::as_mut) {
+                g.busy[chunk as usize] = false;
+                if g.orphan {
+                    self.unregister(id);
+                }
+            }
+        }
         let s = &mut self.slots[i];
         if let Some(tx) = s.reply.take() {
             let _ = tx.send(r);
@@ -1031,6 +1144,115 @@ impl<D: DeviceContext> QueueCore<D> {
         }
         if expired {
             self.fail_connection(Cause::IoTimeout);
+        }
+    }
+
+    /// Allocate `chunks` chunks of `chunk` bytes of host memory and register them with this
+    /// queue (now if connected, and again on every new connection): an [`IoBuffer`]'s
+    /// memory. Returns its id, memory and the offset of its first chunk.
+    fn register(
+        &mut self,
+        chunk: usize,
+        chunks: usize,
+    ) -> Result<(u32, Arc<D::Mem>, usize), HostError> {
+        if chunk == 0 || chunk > self.spec.max_io {
+            return Err(HostError::Invalid(format!(
+                "a registered buffer's chunk must be 1..={} bytes (the queue's transfer limit), not {chunk}",
+                self.spec.max_io
+            )));
+        }
+        if chunks == 0 || chunks > MAX_REGION_CHUNKS {
+            return Err(HostError::Invalid(format!(
+                "a registered buffer has 1..={MAX_REGION_CHUNKS} chunks, not {chunks}"
+            )));
+        }
+        let mem = D::Mem::try_alloc(chunk * chunks + REGION_ALIGN).ok_or_else(|| {
+            HostError::Invalid(format!(
+                "no memory for a registered buffer of {chunks} x {chunk} bytes"
+            ))
+        })?;
+        let pad = (REGION_ALIGN - mem.as_mut_ptr() as usize % REGION_ALIGN) % REGION_ALIGN;
+        let mem = Arc::new(mem);
+        let mut r = Region {
+            mem: mem.clone(),
+            pad,
+            chunk,
+            local: MrInfo::default(),
+            mrs: vec![MrInfo::default(); chunks].into_boxed_slice(),
+            nreg: 0,
+            busy: vec![false; chunks].into_boxed_slice(),
+            orphan: false,
+        };
+        if let Some(v) = &self.verbs {
+            if let Err(e) = register_region(v, &mut r) {
+                deregister_region(&v.dev, &mut r);
+                return Err(e.into());
+            }
+        }
+        let id = match self.regions.iter().position(Option::is_none) {
+            Some(id) => {
+                self.regions[id] = Some(r);
+                id
+            }
+            None => {
+                self.regions.push(Some(r));
+                self.regions.len() - 1
+            }
+        };
+        Ok((id as u32, mem, pad))
+    }
+
+    /// The [`IoBuffer`] of `id` is gone: deregister its memory, or, while commands still use
+    /// it, once the last of them ends.
+    fn unregister(&mut self, id: u32) {
+        let Some(slot) = self.regions.get_mut(id as usize) else {
+            return;
+        };
+        let Some(r) = slot.as_mut() else { return };
+        if r.busy.iter().any(|b| *b) {
+            r.orphan = true;
+            return;
+        }
+        if let Some(v) = &self.verbs {
+            deregister_region(&v.dev, r);
+        }
+        *slot = None;
+    }
+
+    fn region(&self, id: u32) -> Option<&Region<D::Mem>> {
+        self.regions.get(id as usize).and_then(Option::as_ref)
+    }
+
+    /// Can a command use `r` now?
+    fn check_region(&self, r: RegionIo) -> Result<(), HostError> {
+        let g = self.region(r.id).filter(|g| !g.orphan).ok_or_else(|| {
+            HostError::Invalid("registered buffer not known to this queue".into())
+        })?;
+        if r.chunk as usize >= g.busy.len() || r.len == 0 || r.len > g.chunk {
+            return Err(HostError::Invalid(format!(
+                "chunk {} of {} bytes is not in a registered buffer of {} chunks of {} bytes",
+                r.chunk,
+                r.len,
+                g.busy.len(),
+                g.chunk
+            )));
+        }
+        if g.busy[r.chunk as usize] {
+            return Err(HostError::Invalid(format!(
+                "chunk {} of the registered buffer has a command in flight; wait for it",
+                r.chunk
+            )));
+        }
+        Ok(())
+    }
+
+    /// The MR of slot `i`'s data: its own, or its registered buffer chunk's.
+    fn slot_mr(&self, i: usize) -> MrInfo {
+        match self.slots[i].region {
+            Some((id, chunk)) => self
+                .region(id)
+                .map_or(self.data_mrs[i], |r| r.mrs[chunk as usize]),
+            None => self.data_mrs[i],
         }
     }
 
@@ -1082,6 +1304,52 @@ fn recv_wr(rsp_mr: &MrInfo, r: usize) -> RecvWr {
             rsp_mr.lkey,
         ),
     }
+}
+
+/// The MR of a slot's data, to re-key ([`QueueCore::slot_mr`]).
+fn slot_mr<'a, M>(
+    data_mrs: &'a mut [MrInfo],
+    regions: &'a mut [Option<Region<M>>],
+    i: usize,
+    region: Option<(u32, u32)>,
+) -> &'a mut MrInfo {
+    match region.and_then(|(id, c)| Some((regions.get_mut(id as usize)?.as_mut()?, c))) {
+        Some((r, c)) => &mut r.mrs[c as usize],
+        None => &mut data_mrs[i],
+    }
+}
+
+/// Register `r` on `v`: a local key over all of it, and one MR per chunk, reachable by no
+/// one until a command hands out a key for it (where keys are per use). On error what was
+/// made is recorded in `r` for [`deregister_region`].
+fn register_region<D: DeviceContext>(
+    v: &Verbs<D>,
+    r: &mut Region<D::Mem>,
+) -> Result<(), VerbsError> {
+    let d = &v.dev;
+    r.local = d.reg_mr(v.pd, &r.mem, 0, r.mem.len(), Access::empty())?;
+    let rw = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+    for k in 0..r.mrs.len() {
+        let m = d.reg_mr(v.pd, &r.mem, r.pad + k * r.chunk, r.chunk, rw)?;
+        if v.per_use_keys {
+            d.invalidate_mr(&m);
+        }
+        r.mrs[k] = m;
+        r.nreg = k + 1;
+    }
+    Ok(())
+}
+
+/// Drop `r`'s MRs on `d` (all of them succeed on a dead device).
+fn deregister_region<D: DeviceContext>(d: &D, r: &mut Region<D::Mem>) {
+    if r.local.lkey.0 != 0 {
+        d.dereg_mr(&r.local);
+    }
+    for m in &r.mrs[..r.nreg] {
+        d.dereg_mr(m);
+    }
+    r.local = MrInfo::default();
+    r.nreg = 0;
 }
 
 /// The controller's side of a queue: its core, and the notifier of its task.
@@ -1179,6 +1447,7 @@ impl<D: DeviceContext> QueueCtl<D> {
 trait Direct: Send + Sync {
     /// Take the command here and post it if the queue has a free slot and nothing waits in
     /// its channel `tx` (so requests keep their order); else hand `reply` back.
+    #[allow(clippy::too_many_arguments)]
     fn try_submit(
         &self,
         tx: &mpsc::Sender<Request>,
@@ -1186,9 +1455,19 @@ trait Direct: Send + Sync {
         sqe: Sqe,
         data_out: Option<&[u8]>,
         data_in: usize,
+        region: Option<RegionIo>,
         reply: oneshot::Sender<Result<Response, HostError>>,
     ) -> Option<oneshot::Sender<Result<Response, HostError>>>;
-    fn recycle(&self, buf: Vec<u8>);
+    /// [`QueueCore::register`], with the memory type erased.
+    fn register(
+        &self,
+        chunk: usize,
+        chunks: usize,
+    ) -> Result<(u32, Arc<dyn MemView>, usize), HostError>;
+    fn unregister(&self, id: u32);
+    /// Keep `buf` for a later read (if `keep`), and count `copied` bytes the caller copied
+    /// out of it on the data path.
+    fn recycle(&self, buf: Vec<u8>, keep: bool, copied: usize);
     fn stats(&self) -> QueueStats;
 }
 
@@ -1200,11 +1479,12 @@ impl<D: DeviceContext> Direct for Mutex<QueueCore<D>> {
         sqe: Sqe,
         data_out: Option<&[u8]>,
         data_in: usize,
+        region: Option<RegionIo>,
         reply: oneshot::Sender<Result<Response, HostError>>,
     ) -> Option<oneshot::Sender<Result<Response, HostError>>> {
         let mut c = self.lock().unwrap_or_else(|e| e.into_inner());
         if c.accepting() && !c.backlog && tx.capacity() == tx.max_capacity() {
-            c.submit_parts(clock.now(), sqe, data_out, data_in, reply);
+            c.submit_parts(clock.now(), sqe, data_out, data_in, region, reply);
             c.flush_posts();
             None
         } else {
@@ -1212,15 +1492,139 @@ impl<D: DeviceContext> Direct for Mutex<QueueCore<D>> {
         }
     }
 
-    fn recycle(&self, buf: Vec<u8>) {
+    fn recycle(&self, buf: Vec<u8>, keep: bool, copied: usize) {
         let mut c = self.lock().unwrap_or_else(|e| e.into_inner());
-        if c.spare.len() < SPARE_BUFFERS {
+        if copied > 0 {
+            c.stats.count_copy(copied);
+        }
+        if keep && c.spare.len() < SPARE_BUFFERS {
             c.spare.push(buf);
         }
     }
 
     fn stats(&self) -> QueueStats {
         self.lock().unwrap_or_else(|e| e.into_inner()).stats.clone()
+    }
+
+    fn register(
+        &self,
+        chunk: usize,
+        chunks: usize,
+    ) -> Result<(u32, Arc<dyn MemView>, usize), HostError> {
+        let (id, mem, pad) = self
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .register(chunk, chunks)?;
+        Ok((id, mem, pad))
+    }
+
+    fn unregister(&self, id: u32) {
+        self.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unregister(id);
+    }
+}
+
+/// A registered buffer's memory, whatever the backend's type.
+trait MemView: Send + Sync {
+    fn view_ptr(&self) -> *mut u8;
+    fn view_read(&self, offset: usize, out: &mut [u8]);
+    fn view_write(&self, offset: usize, data: &[u8]);
+}
+
+impl<M: HostBuffer> MemView for M {
+    fn view_ptr(&self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+    fn view_read(&self, offset: usize, out: &mut [u8]) {
+        self.read(offset, out)
+    }
+    fn view_write(&self, offset: usize, data: &[u8]) {
+        self.write(offset, data)
+    }
+}
+
+/// Host memory registered with one I/O queue, for I/O with no copy: a write's data leaves
+/// from it and a read's data lands in it ([`Controller::write_from`],
+/// [`Controller::read_to`]). It is `chunks()` chunks of `chunk_len()` bytes, each with its
+/// own memory region and a fresh key per command, so one command at a time may use a chunk;
+/// the first chunk starts on a page boundary. The memory belongs to the queue and is
+/// registered again on the new device after a recovery; it is freed once this handle is
+/// dropped and no command uses it.
+///
+/// [`Controller::write_from`]: super::Controller::write_from
+/// [`Controller::read_to`]: super::Controller::read_to
+pub struct IoBuffer {
+    queue: QueueHandle,
+    id: u32,
+    mem: Arc<dyn MemView>,
+    pad: usize,
+    chunk: usize,
+    chunks: usize,
+}
+
+impl IoBuffer {
+    pub fn chunk_len(&self) -> usize {
+        self.chunk
+    }
+
+    pub fn chunks(&self) -> usize {
+        self.chunks
+    }
+
+    /// Bytes of all chunks.
+    pub fn len(&self) -> usize {
+        self.chunk * self.chunks
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The first byte of chunk 0 (chunk `k` starts `k * chunk_len()` after it). For code
+    /// that fills and reads the buffer itself (fio's I/O buffers): it must not touch a chunk
+    /// while a command on it is out, as with DMA.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.mem.view_ptr().wrapping_add(self.pad)
+    }
+
+    /// Copy `data` into the buffer at `offset` (from chunk 0's start).
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        assert!(offset + data.len() <= self.len(), "write past the buffer");
+        self.mem.view_write(self.pad + offset, data)
+    }
+
+    /// Copy the buffer's bytes at `offset` into `out`.
+    pub fn read(&self, offset: usize, out: &mut [u8]) {
+        assert!(offset + out.len() <= self.len(), "read past the buffer");
+        self.mem.view_read(self.pad + offset, out)
+    }
+
+    /// The chunk that holds all of `len` bytes at `ptr`, starting at its beginning, if any.
+    pub fn chunk_at(&self, ptr: *const u8, len: usize) -> Option<usize> {
+        let off = (ptr as usize).checked_sub(self.as_mut_ptr() as usize)?;
+        let k = off / self.chunk;
+        (off % self.chunk == 0 && k < self.chunks && len > 0 && len <= self.chunk).then_some(k)
+    }
+
+    /// The queue it is registered with.
+    pub fn queue(&self) -> &QueueHandle {
+        &self.queue
+    }
+
+    pub(crate) fn io(&self, chunk: usize, len: usize, write: bool) -> RegionIo {
+        RegionIo {
+            id: self.id,
+            chunk: chunk.min(u32::MAX as usize) as u32,
+            len,
+            write,
+        }
+    }
+}
+
+impl Drop for IoBuffer {
+    fn drop(&mut self) {
+        self.queue.core.unregister(self.id);
     }
 }
 
@@ -1240,10 +1644,16 @@ impl QueueHandle {
     /// Give back the data buffer of a read's [`Response`] once its bytes are used, for the
     /// queue to fill with a later read. Keeps a few, of at most the queue's transfer size.
     pub fn recycle(&self, buf: Vec<u8>) {
-        if buf.capacity() == 0 || buf.capacity() > self.spec.max_io {
-            return;
+        self.recycle_copied(buf, 0);
+    }
+
+    /// [`QueueHandle::recycle`] after the caller copied `copied` bytes out of the buffer on
+    /// its data path: counted in [`QueueStats::copies`] under the same lock.
+    pub(crate) fn recycle_copied(&self, buf: Vec<u8>, copied: usize) {
+        let keep = buf.capacity() != 0 && buf.capacity() <= self.spec.max_io;
+        if keep || copied > 0 {
+            self.core.recycle(buf, keep, copied);
         }
-        self.core.recycle(buf);
     }
 
     /// The queue's counters.
@@ -1266,6 +1676,7 @@ impl QueueHandle {
                 sqe,
                 data_out,
                 data_in,
+                region: None,
                 reply,
             })
             .await
@@ -1284,24 +1695,69 @@ impl QueueHandle {
         data_out: Option<&[u8]>,
         data_in: usize,
     ) -> Result<Response, HostError> {
+        self.submit_direct(sqe, data_out, data_in, None).await
+    }
+
+    /// Submit a command whose data is in a registered buffer ([`IoBuffer`]) of this queue:
+    /// nothing is copied. Taken here or queued as [`QueueHandle::submit_slice`].
+    pub(crate) async fn submit_region(
+        &self,
+        sqe: Sqe,
+        region: RegionIo,
+    ) -> Result<Response, HostError> {
+        self.submit_direct(sqe, None, 0, Some(region)).await
+    }
+
+    /// Allocate and register an [`IoBuffer`] of `chunks` chunks of `chunk` bytes (at most
+    /// the queue's transfer size) with this queue.
+    pub fn register_buffer(&self, chunk: usize, chunks: usize) -> Result<IoBuffer, HostError> {
+        let (id, mem, pad) = self.core.register(chunk, chunks)?;
+        Ok(IoBuffer {
+            queue: self.clone(),
+            id,
+            mem,
+            pad,
+            chunk,
+            chunks,
+        })
+    }
+
+    /// Is `other` a handle of this very queue?
+    pub fn same(&self, other: &QueueHandle) -> bool {
+        Arc::ptr_eq(&self.task, &other.task)
+    }
+
+    async fn submit_direct(
+        &self,
+        sqe: Sqe,
+        data_out: Option<&[u8]>,
+        data_in: usize,
+        region: Option<RegionIo>,
+    ) -> Result<Response, HostError> {
         let opcode = sqe.opcode;
         let (reply, rx) = oneshot::channel();
-        let reply = self
-            .core
-            .try_submit(&self.tx, &self.clock, sqe, data_out, data_in, reply);
+        let reply =
+            self.core
+                .try_submit(&self.tx, &self.clock, sqe, data_out, data_in, region, reply);
         match reply {
             // The task re-arms its I/O timeout for the new command.
             None => self.task.notify_one(),
-            Some(reply) => self
-                .tx
-                .send(Request {
-                    sqe,
-                    data_out: data_out.map(<[u8]>::to_vec),
-                    data_in,
-                    reply,
-                })
-                .await
-                .map_err(|_| HostError::Gone(format!("queue {} stopped", self.qid)))?,
+            Some(reply) => {
+                if let Some(d) = data_out {
+                    // The queued request carries a copy of the data.
+                    self.core.recycle(Vec::new(), false, d.len());
+                }
+                self.tx
+                    .send(Request {
+                        sqe,
+                        data_out: data_out.map(<[u8]>::to_vec),
+                        data_in,
+                        region,
+                        reply,
+                    })
+                    .await
+                    .map_err(|_| HostError::Gone(format!("queue {} stopped", self.qid)))?
+            }
         }
         self.finish(opcode, rx).await
     }

@@ -38,6 +38,10 @@ pub trait HostBuffer: Sized + Send + Sync + 'static {
     /// Run `f` over the whole buffer. As with DMA, the bytes a posted work request names
     /// belong to the device until it completes; this only makes the access atomic.
     fn with_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R;
+    /// The first byte, which never moves: for a caller that fills and reads the buffer itself
+    /// (a registered I/O buffer handed to C code). Writing through it is sound only for bytes
+    /// no posted work request names, as with DMA.
+    fn as_mut_ptr(&self) -> *mut u8;
 }
 
 /// How an RC QP behaves once connected: the `ibv_qp_attr` fields the host chooses for RTR

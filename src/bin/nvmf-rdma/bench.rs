@@ -58,6 +58,8 @@ impl Rows {
                     "bs": r.job.bs, "qd": r.job.iodepth, "seconds": secs(r.elapsed),
                     "ios": r.ios, "iops": r.iops().round(), "mbps": (r.mbps() * 10.0).round() / 10.0,
                     "p50_us": secs(r.p50) * 1e6, "p99_us": secs(r.p99) * 1e6, "errors": r.errors,
+                    "copies_per_io": (r.copies_per_io * 100.0).round() / 100.0,
+                    "target_copies_per_io": r.target_copies_per_io,
                 })
             );
         }
