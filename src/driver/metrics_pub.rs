@@ -8,8 +8,14 @@
 //! (`softhca_rx_icrc_verified_total`), accepted unchecked (`softhca_rx_icrc_unchecked_total`:
 //! `IcrcCheck::Skip`, or an IPv4 RoCEv2 peer without the raw socket), and mismatches, which
 //! are drops (`softhca_rx_dropped_by_reason_total{reason="icrc"}`).
+//!
+//! Loss recovery: resends in total (`softhca_retransmits_total`) and by what triggered them:
+//! local ACK timeouts that spend a retry (`softhca_timeouts_total`), earlier expiries of the
+//! adaptive timer (`softhca_rto_timeouts_total`), fast retransmits on a sequence NAK
+//! (`softhca_fast_retransmits_total`), tail-loss probes (`softhca_tail_probes_total`); and
+//! the retransmit timeout last armed (`softhca_rto_seconds`, a gauge).
 
-use metrics::{counter, Counter};
+use metrics::{counter, gauge, Counter, Gauge};
 
 use crate::hca::Stats;
 
@@ -62,6 +68,11 @@ const COUNTERS: &[Published] = &[
     }),
     ("softhca_flushed_total", None, |s| s.flushed),
     ("softhca_timeouts_total", None, |s| s.timeouts),
+    ("softhca_rto_timeouts_total", None, |s| s.rto_timeouts),
+    ("softhca_fast_retransmits_total", None, |s| {
+        s.fast_retransmits
+    }),
+    ("softhca_tail_probes_total", None, |s| s.tail_probes),
     ("softhca_rx_foreign_source_total", None, |s| {
         s.rx_foreign_source
     }),
@@ -82,6 +93,8 @@ fn dropped(s: &Stats) -> u64 {
 pub struct Publisher {
     last: Stats,
     c: Vec<Counter>,
+    /// The retransmit timeout last armed (`Stats::rto_ns`), in seconds.
+    rto: Gauge,
 }
 
 impl Publisher {
@@ -96,6 +109,7 @@ impl Publisher {
         Publisher {
             last: Stats::default(),
             c,
+            rto: gauge!("softhca_rto_seconds", "device" => device.to_string()),
         }
     }
 
@@ -108,6 +122,9 @@ impl Publisher {
             if d > 0 {
                 c.increment(d);
             }
+        }
+        if s.rto_ns != self.last.rto_ns {
+            self.rto.set(s.rto_ns as f64 * 1e-9);
         }
         self.last = s.clone();
     }

@@ -67,7 +67,7 @@ impl Qp {
                 }
                 let us = super::rnr_timer_us(timer);
                 self.comp.rnr_until = Some(Instant(ctx.now.0 + us * 1000));
-                self.comp.timer = None;
+                self.comp.stop_timers();
                 self.seek_req(psn);
             }
             AethSyndrome::Nak(NakCode::PsnSequenceError) => {
@@ -205,7 +205,8 @@ impl Qp {
         }
     }
 
-    /// Forward progress resets the retry budget and the timer (IBA 9.7.6.1.3).
+    /// Forward progress resets the retry budget, the backoff and the timers (IBA
+    /// 9.7.6.1.3), and completes the RTT sample if the timed packet is now acknowledged.
     fn progress(&mut self, ctx: &mut Ctx<'_>) {
         self.comp.retry_left = self.attr.retry_cnt.min(7);
         self.comp.rnr_left = self.attr.rnr_retry.min(7);
@@ -213,31 +214,54 @@ impl Qp {
         if self.req.psn.before(self.comp.psn) {
             self.seek_req(self.comp.psn);
         }
-        self.comp.timer = None;
+        if let Some((psn, sent)) = self.comp.timed {
+            if psn.before(self.comp.psn) {
+                self.comp.timed = None;
+                self.comp.rtt.sample(ctx.now.0.saturating_sub(sent.0));
+            }
+        }
+        self.comp.rtt.reset_backoff();
+        self.comp.probed = false;
+        self.comp.probe_due = false;
         if self.outstanding() {
-            self.arm_timer(ctx.now);
+            self.arm_timer(ctx);
+        } else {
+            self.comp.stop_timers();
         }
     }
 
-    /// Rewind to `psn` unless this very gap was already retried since the last progress.
+    /// Rewind to `psn` at once (the peer told us of a loss: a sequence NAK, or responses
+    /// past a READ whose own are missing) unless this very gap was already retried since
+    /// the last progress: one fast retransmit per loss episode.
     fn retry_once(&mut self, ctx: &mut Ctx<'_>, psn: Psn) {
         if self.comp.rewound_at == Some(psn) {
             return;
         }
-        self.retry(ctx, psn);
+        if self.retry(ctx, psn) {
+            ctx.stats.fast_retransmits += 1;
+        }
     }
 
     /// Spend one retry and go back to `psn`, or fail the head WQE when none are left.
-    pub(super) fn retry(&mut self, ctx: &mut Ctx<'_>, psn: Psn) {
+    /// Returns whether it went back.
+    pub(super) fn retry(&mut self, ctx: &mut Ctx<'_>, psn: Psn) -> bool {
         if self.comp.retry_left == 0 {
             self.fail_head(ctx, WcStatus::RetryExcErr);
-            return;
+            return false;
         }
         self.comp.retry_left -= 1;
+        self.rewind(ctx, psn);
+        self.arm_timer(ctx);
+        true
+    }
+
+    /// Go back to `psn` and send everything from there again (go-back-N).
+    pub(super) fn rewind(&mut self, ctx: &mut Ctx<'_>, psn: Psn) {
         self.comp.rewound_at = Some(psn);
+        // Karn: an ACK after a resend says nothing about the round trip.
+        self.comp.timed = None;
         ctx.stats.retransmits += 1;
         self.seek_req(psn);
-        self.arm_timer(ctx.now);
     }
 
     fn fail_head(&mut self, ctx: &mut Ctx<'_>, status: WcStatus) {
