@@ -205,8 +205,9 @@ impl Qp {
         }
     }
 
-    /// Forward progress resets the retry budget, the backoff and the timers (IBA
-    /// 9.7.6.1.3), and completes the RTT sample if the timed packet is now acknowledged.
+    /// Forward progress resets the retry budget and the timers (IBA 9.7.6.1.3), and
+    /// completes the RTT sample (and so ends the backoff) if the timed packet is now
+    /// acknowledged.
     fn progress(&mut self, ctx: &mut Ctx<'_>) {
         self.comp.retry_left = self.attr.retry_cnt.min(7);
         self.comp.rnr_left = self.attr.rnr_retry.min(7);
@@ -218,9 +219,14 @@ impl Qp {
             if psn.before(self.comp.psn) {
                 self.comp.timed = None;
                 self.comp.rtt.sample(ctx.now.0.saturating_sub(sent.0));
+                // Karn's algorithm, second half: the backed-off timeout stays until a packet
+                // sent once is acknowledged. Progress from resent packets alone must not
+                // bring back the timeout that just proved too short: a READ resent early
+                // makes the responder drop and redo its queued responses, so an RTO that
+                // keeps firing early keeps the responder starting over.
+                self.comp.rtt.reset_backoff();
             }
         }
-        self.comp.rtt.reset_backoff();
         self.comp.probed = false;
         self.comp.probe_due = false;
         if self.outstanding() {
