@@ -219,13 +219,22 @@ impl Qp {
             if psn.before(self.comp.psn) {
                 self.comp.timed = None;
                 self.comp.rtt.sample(ctx.now.0.saturating_sub(sent.0));
-                // Karn's algorithm, second half: the backed-off timeout stays until a packet
-                // sent once is acknowledged. Progress from resent packets alone must not
-                // bring back the timeout that just proved too short: a READ resent early
-                // makes the responder drop and redo its queued responses, so an RTO that
-                // keeps firing early keeps the responder starting over.
                 self.comp.rtt.reset_backoff();
             }
+        }
+        // Karn's algorithm keeps the backed-off timeout until a packet sent once is
+        // acknowledged; go-back-N sends nothing new while it resends, so here it ends once
+        // everything outstanding at the last expiry is acknowledged. Not before: progress
+        // from resent packets alone must not bring back the timeout that just proved too
+        // short (a READ resent early makes the responder drop and redo its queued
+        // responses, and an RTO that keeps firing early keeps it starting over).
+        if self
+            .comp
+            .backoff_until
+            .is_some_and(|end| !self.comp.psn.before(end))
+        {
+            self.comp.backoff_until = None;
+            self.comp.rtt.reset_backoff();
         }
         self.comp.probed = false;
         self.comp.probe_due = false;

@@ -309,6 +309,9 @@ pub(crate) struct CompState {
     pub probe_due: bool,
     /// A probe went out since the last progress (one per loss episode).
     pub probed: bool,
+    /// The backoff lasts until this PSN (one past the last sent at the latest expiry) is
+    /// reached, or an RTT sample is taken.
+    pub backoff_until: Option<Psn>,
 }
 
 pub(crate) enum RespMsg {
@@ -620,6 +623,7 @@ impl Qp {
             self.comp.timer = None;
             if self.outstanding() {
                 self.comp.rtt.back_off();
+                self.comp.backoff_until = Some(self.req.max_psn);
                 if self.comp.ack_timeout_at.is_none_or(|t| t <= now) {
                     // The IBA local ACK timeout: spend a retry.
                     ctx.stats.timeouts += 1;
