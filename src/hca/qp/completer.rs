@@ -25,7 +25,7 @@ impl Qp {
 
     /// Where an acknowledgement must stop: the next response PSN of the first READ still
     /// waiting for data. A READ's data only arrives in its responses, so no ACK may retire it.
-    fn read_limit(&self) -> Option<Psn> {
+    pub(super) fn read_limit(&self) -> Option<Psn> {
         for (i, w) in self.sq.iter().enumerate() {
             if !w.started {
                 return None;
