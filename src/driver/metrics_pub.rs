@@ -7,6 +7,14 @@
 //! (`softhca_rx_icrc_verified_total`), accepted unchecked (`softhca_rx_icrc_unchecked_total`:
 //! `IcrcCheck::Skip`, or an IPv4 RoCEv2 peer without the raw socket), and mismatches, which
 //! are drops (`softhca_rx_dropped_by_reason_total{reason="icrc"}`).
+//!
+//! Loss recovery: resends in total (`softhca_retransmits_total`) and by what triggered them:
+//! local ACK timeouts that spend a retry (`softhca_timeouts_total`), earlier expiries of the
+//! adaptive timer (`softhca_rto_timeouts_total`), fast retransmits on a sequence NAK
+//! (`softhca_fast_retransmits_total`), tail-loss probes (`softhca_tail_probes_total`); and
+//! the retransmit timeout last armed (`softhca_rto_seconds`, a gauge).
+
+use metrics::{gauge, Gauge};
 
 use crate::hca::Stats;
 use crate::published::{Published, Publisher};
@@ -61,6 +69,11 @@ const COUNTERS: &[Published<Stats>] = &[
     }),
     ("softhca_flushed_total", None, |s| s.flushed),
     ("softhca_timeouts_total", None, |s| s.timeouts),
+    ("softhca_rto_timeouts_total", None, |s| s.rto_timeouts),
+    ("softhca_fast_retransmits_total", None, |s| {
+        s.fast_retransmits
+    }),
+    ("softhca_tail_probes_total", None, |s| s.tail_probes),
     ("softhca_rx_foreign_source_total", None, |s| {
         s.rx_foreign_source
     }),
@@ -79,7 +92,29 @@ fn dropped(s: &Stats) -> u64 {
         + s.dup_reads_dropped
 }
 
+/// A device's counters, and the retransmit timeout last armed as a gauge.
+pub struct DevicePublisher {
+    counters: Publisher<Stats>,
+    /// `Stats::rto_ns`, in seconds.
+    rto: Gauge,
+    last_rto: u64,
+}
+
 /// The publisher of device `device`'s counters.
-pub fn publisher(device: &str) -> Publisher<Stats> {
-    Publisher::new(COUNTERS, "device", device)
+pub fn publisher(device: &str) -> DevicePublisher {
+    DevicePublisher {
+        counters: Publisher::new(COUNTERS, "device", device),
+        rto: gauge!("softhca_rto_seconds", "device" => device.to_string()),
+        last_rto: 0,
+    }
+}
+
+impl DevicePublisher {
+    pub fn publish(&mut self, s: &Stats) {
+        self.counters.publish(s);
+        if s.rto_ns != self.last_rto {
+            self.rto.set(s.rto_ns as f64 * 1e-9);
+            self.last_rto = s.rto_ns;
+        }
+    }
 }

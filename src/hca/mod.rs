@@ -56,8 +56,21 @@ pub struct Stats {
     /// Duplicate RDMA READ requests dropped: not part of a READ we still remember, or over
     /// `max_dest_rd_atomic` queued.
     pub dup_reads_dropped: u64,
+    /// Go-back-N rewinds, whatever triggered them.
     pub retransmits: u64,
+    /// IBA local ACK timeouts: expiries of the retransmit timer that each spend one of the
+    /// QP's `retry_cnt` retries.
     pub timeouts: u64,
+    /// Expiries of the adaptive retransmit timer before the local ACK timeout: a resend that
+    /// spends no retry.
+    pub rto_timeouts: u64,
+    /// Resends at once on the peer's word (a sequence NAK, or READ responses showing earlier
+    /// ones were lost), once per loss.
+    pub fast_retransmits: u64,
+    /// Tail-loss probes: the last packet resent with AckReq after ~2 RTT without an ACK.
+    pub tail_probes: u64,
+    /// The retransmit timeout last armed on any QP of the context, in ns (a gauge).
+    pub rto_ns: u64,
     pub acks_tx: u64,
     pub seq_naks_tx: u64,
     pub seq_naks_rx: u64,

@@ -244,8 +244,10 @@ impl Sim {
         });
     }
 
-    /// Collect every packet the devices want to send and put it on the link.
-    fn pump_transmit(&mut self) {
+    /// Collect every packet the devices want to send and put it on the link, without
+    /// moving time (what [`Sim::step`] does first; a test calls it to put packets on the link
+    /// while a partition is up, i.e. to lose exactly those).
+    pub fn pump_transmit(&mut self) {
         for i in 0..self.devices.len() {
             loop {
                 self.buf.clear();

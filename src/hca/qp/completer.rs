@@ -25,7 +25,7 @@ impl Qp {
 
     /// Where an acknowledgement must stop: the next response PSN of the first READ still
     /// waiting for data. A READ's data only arrives in its responses, so no ACK may retire it.
-    fn read_limit(&self) -> Option<Psn> {
+    pub(super) fn read_limit(&self) -> Option<Psn> {
         for (i, w) in self.sq.iter().enumerate() {
             if !w.started {
                 return None;
@@ -67,7 +67,7 @@ impl Qp {
                 }
                 let us = super::rnr_timer_us(timer);
                 self.comp.rnr_until = Some(Instant(ctx.now.0 + us * 1000));
-                self.comp.timer = None;
+                self.comp.stop_timers();
                 self.seek_req(psn);
             }
             AethSyndrome::Nak(NakCode::PsnSequenceError) => {
@@ -205,7 +205,9 @@ impl Qp {
         }
     }
 
-    /// Forward progress resets the retry budget and the timer (IBA 9.7.6.1.3).
+    /// Forward progress resets the retry budget and the timers (IBA 9.7.6.1.3), and
+    /// completes the RTT sample (and so ends the backoff) if the timed packet is now
+    /// acknowledged.
     fn progress(&mut self, ctx: &mut Ctx<'_>) {
         self.comp.retry_left = self.attr.retry_cnt.min(7);
         self.comp.rnr_left = self.attr.rnr_retry.min(7);
@@ -213,31 +215,68 @@ impl Qp {
         if self.req.psn.before(self.comp.psn) {
             self.seek_req(self.comp.psn);
         }
-        self.comp.timer = None;
+        if let Some((psn, sent)) = self.comp.timed {
+            if psn.before(self.comp.psn) {
+                self.comp.timed = None;
+                self.comp.rtt.sample(ctx.now.0.saturating_sub(sent.0));
+                self.comp.rtt.reset_backoff();
+            }
+        }
+        // Karn's algorithm keeps the backed-off timeout until a packet sent once is
+        // acknowledged; go-back-N sends nothing new while it resends, so here it ends once
+        // everything outstanding at the last expiry is acknowledged. Not before: progress
+        // from resent packets alone must not bring back the timeout that just proved too
+        // short (a READ resent early makes the responder drop and redo its queued
+        // responses, and an RTO that keeps firing early keeps it starting over).
+        if self
+            .comp
+            .backoff_until
+            .is_some_and(|end| !self.comp.psn.before(end))
+        {
+            self.comp.backoff_until = None;
+            self.comp.rtt.reset_backoff();
+        }
+        self.comp.probed = false;
+        self.comp.probe_due = false;
         if self.outstanding() {
-            self.arm_timer(ctx.now);
+            self.arm_timer(ctx);
+        } else {
+            self.comp.stop_timers();
         }
     }
 
-    /// Rewind to `psn` unless this very gap was already retried since the last progress.
+    /// Rewind to `psn` at once (the peer told us of a loss: a sequence NAK, or responses
+    /// past a READ whose own are missing) unless this very gap was already retried since
+    /// the last progress: one fast retransmit per loss episode.
     fn retry_once(&mut self, ctx: &mut Ctx<'_>, psn: Psn) {
         if self.comp.rewound_at == Some(psn) {
             return;
         }
-        self.retry(ctx, psn);
+        if self.retry(ctx, psn) {
+            ctx.stats.fast_retransmits += 1;
+        }
     }
 
     /// Spend one retry and go back to `psn`, or fail the head WQE when none are left.
-    pub(super) fn retry(&mut self, ctx: &mut Ctx<'_>, psn: Psn) {
+    /// Returns whether it went back.
+    pub(super) fn retry(&mut self, ctx: &mut Ctx<'_>, psn: Psn) -> bool {
         if self.comp.retry_left == 0 {
             self.fail_head(ctx, WcStatus::RetryExcErr);
-            return;
+            return false;
         }
         self.comp.retry_left -= 1;
+        self.rewind(ctx, psn);
+        self.arm_timer(ctx);
+        true
+    }
+
+    /// Go back to `psn` and send everything from there again (go-back-N).
+    pub(super) fn rewind(&mut self, ctx: &mut Ctx<'_>, psn: Psn) {
         self.comp.rewound_at = Some(psn);
+        // Karn: an ACK after a resend says nothing about the round trip.
+        self.comp.timed = None;
         ctx.stats.retransmits += 1;
         self.seek_req(psn);
-        self.arm_timer(ctx.now);
     }
 
     fn fail_head(&mut self, ctx: &mut Ctx<'_>, status: WcStatus) {

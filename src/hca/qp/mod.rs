@@ -6,9 +6,11 @@
 mod completer;
 mod requester;
 mod responder;
+pub mod rto;
 pub mod state;
 
 use std::collections::VecDeque;
+use std::time::Duration;
 
 use rustc_hash::FxHashMap;
 use std::net::SocketAddr;
@@ -277,15 +279,39 @@ pub(crate) struct ReqState {
 }
 
 /// Completer state: the oldest unacknowledged PSN and the retry machinery.
+///
+/// Two deadlines run while requests are unacknowledged. `timer` is the adaptive retransmit
+/// timer ([`rto::RttEstimator`]): when it expires the requester goes back to the oldest
+/// unacknowledged PSN (go-back-N, as on the wire today). `ack_timeout_at` is the IBA local
+/// ACK timeout, restarted by progress and by each retry spent: only an expiry at or past it
+/// is a transport timeout that spends one of `retry_cnt` retries, so a QP still fails after
+/// `retry_cnt` + 1 local ACK timeouts without progress, at the time the IBA says, however
+/// often the adaptive timer resent in between.
 #[derive(Default)]
 pub(crate) struct CompState {
     pub psn: Psn,
     pub retry_left: u8,
     pub rnr_left: u8,
+    /// The adaptive retransmit timer (never later than `ack_timeout_at`).
     pub timer: Option<Instant>,
+    /// When the IBA local ACK timeout expires.
+    pub ack_timeout_at: Option<Instant>,
     pub rnr_until: Option<Instant>,
     /// The PSN of the last rewind, so one loss is not retried once per late packet.
     pub rewound_at: Option<Psn>,
+    pub rtt: rto::RttEstimator,
+    /// The packet being timed for an RTT sample and when it left (Karn: only a packet sent
+    /// once, and only until something is sent again).
+    pub timed: Option<(Psn, Instant)>,
+    /// When a tail-loss probe goes out if no ACK moves things forward before.
+    pub probe_at: Option<Instant>,
+    /// A probe is due: the requester resends its last packet with AckReq.
+    pub probe_due: bool,
+    /// A probe went out since the last progress (one per loss episode).
+    pub probed: bool,
+    /// The backoff lasts until this PSN (one past the last sent at the latest expiry) is
+    /// reached, or an RTT sample is taken.
+    pub backoff_until: Option<Psn>,
 }
 
 pub(crate) enum RespMsg {
@@ -504,7 +530,7 @@ impl Qp {
             );
         }
         self.req = ReqState::default();
-        self.comp.timer = None;
+        self.comp.stop_timers();
         self.comp.rnr_until = None;
         self.resp.reads.clear();
         self.resp.served.clear();
@@ -542,15 +568,22 @@ impl Qp {
 
     /// Earliest instant at which `handle_timeout` has work.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        [self.comp.timer, self.comp.rnr_until, self.ack_deadline()]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            self.comp.timer,
+            self.comp.probe_at,
+            self.comp.rnr_until,
+            self.ack_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// True if `poll_transmit` would produce a packet now.
     pub fn wants_transmit(&self, now: Instant) -> bool {
-        self.responder_wants_transmit(now) || self.requester_can_send(now)
+        self.responder_wants_transmit(now)
+            || self.requester_can_send(now)
+            || self.probe_can_send(now)
     }
 
     fn icrc_ctx(&self, local: SocketAddr) -> Option<crate::hca::wire::IcrcContext> {
@@ -566,7 +599,7 @@ impl Qp {
         let start = out.len();
         let sent = if self.responder_poll(ctx, &icrc, out) {
             true
-        } else if self.requester_poll(ctx, &icrc, out) {
+        } else if self.probe_poll(ctx, &icrc, out) || self.requester_poll(ctx, &icrc, out) {
             self.resp.ride |= self.resp.ack.is_some();
             true
         } else {
@@ -585,11 +618,28 @@ impl Qp {
         if self.comp.rnr_until.is_some_and(|t| t <= now) {
             self.comp.rnr_until = None;
         }
+        if self.comp.probe_at.is_some_and(|t| t <= now) {
+            self.comp.probe_at = None;
+            if self.outstanding() && !self.comp.probed {
+                self.comp.probed = true;
+                self.comp.probe_due = true;
+            }
+        }
         if self.comp.timer.is_some_and(|t| t <= now) {
             self.comp.timer = None;
             if self.outstanding() {
-                ctx.stats.timeouts += 1;
-                self.retry(ctx, self.comp.psn);
+                self.comp.rtt.back_off();
+                self.comp.backoff_until = Some(self.req.max_psn);
+                if self.comp.ack_timeout_at.is_none_or(|t| t <= now) {
+                    // The IBA local ACK timeout: spend a retry.
+                    ctx.stats.timeouts += 1;
+                    self.retry(ctx, self.comp.psn);
+                } else {
+                    // The adaptive timer, early: resend, spend nothing.
+                    ctx.stats.rto_timeouts += 1;
+                    self.rewind(ctx, self.comp.psn);
+                    self.arm_rto(ctx);
+                }
             }
         }
     }
@@ -599,9 +649,59 @@ impl Qp {
         self.sq.front().is_some_and(|w| w.started)
     }
 
-    fn arm_timer(&mut self, now: Instant) {
-        if let Some(ns) = ack_timeout_ns(self.attr.timeout) {
-            self.comp.timer = Some(Instant(now.0 + ns));
+    /// Start a fresh wait for an ACK: the local ACK timeout from now, and the adaptive timer
+    /// and the tail-loss probe under it. A timeout attribute of 0 waits forever: no timer.
+    fn arm_timer(&mut self, ctx: &mut Ctx<'_>) {
+        self.comp.ack_timeout_at =
+            ack_timeout_ns(self.attr.timeout).map(|ns| ctx.now + Duration::from_nanos(ns));
+        self.arm_rto(ctx);
+        self.arm_probe(ctx);
+    }
+
+    /// (Re)arm the adaptive retransmit timer from now, never past the local ACK timeout.
+    fn arm_rto(&mut self, ctx: &mut Ctx<'_>) {
+        let (Some(max), Some(limit)) =
+            (ack_timeout_ns(self.attr.timeout), self.comp.ack_timeout_at)
+        else {
+            self.comp.timer = None;
+            return;
+        };
+        // While an RDMA READ is owed data the timer stays the IBA one: a READ resent early
+        // makes the responder drop and redo its queued responses, which under load kept
+        // lossless 4 KiB writes through the target (its READs) at a tenth of their rate.
+        let rto = if self.read_limit().is_some() {
+            max
+        } else {
+            self.comp.rtt.rto(max)
+        };
+        ctx.stats.rto_ns = rto;
+        self.comp.timer = Some((ctx.now + Duration::from_nanos(rto)).min(limit));
+    }
+
+    /// Arm the tail-loss probe 2·SRTT (plus the peer's ACK delay) from now, if one is still
+    /// allowed in this episode and it would go out before the retransmit timer.
+    fn arm_probe(&mut self, ctx: &Ctx<'_>) {
+        self.comp.probe_at = None;
+        if self.comp.probed || self.read_limit().is_some() {
+            return;
         }
+        let ack_delay = u64::try_from(ctx.ack_delay.as_nanos()).unwrap_or(u64::MAX);
+        if let (Some(pto), Some(timer)) = (self.comp.rtt.pto(ack_delay), self.comp.timer) {
+            let at = ctx.now + Duration::from_nanos(pto);
+            if at < timer {
+                self.comp.probe_at = Some(at);
+            }
+        }
+    }
+}
+
+impl CompState {
+    /// Nothing is waited for any more (flush, RNR wait): every deadline off.
+    fn stop_timers(&mut self) {
+        self.timer = None;
+        self.ack_timeout_at = None;
+        self.probe_at = None;
+        self.probe_due = false;
+        self.timed = None;
     }
 }

@@ -106,6 +106,55 @@ impl Qp {
         self.req.psn = psn;
     }
 
+    /// A tail-loss probe is due and may go out now.
+    pub(super) fn probe_can_send(&self, now: crate::hca::types::Instant) -> bool {
+        self.comp.probe_due
+            && matches!(self.attr.state, QpState::Rts | QpState::Sqd)
+            && self.comp.rnr_until.is_none_or(|t| t <= now)
+            && self.outstanding()
+    }
+
+    /// Send the tail-loss probe: the last packet sent, again, with AckReq (RFC 8985 7.3).
+    /// The responder answers it whatever happened to the tail: an ACK if only ACKs were
+    /// lost or the probe filled the hole, a sequence NAK (and so a fast retransmit) if
+    /// earlier packets are missing. The requester's own position is left as it was.
+    pub(super) fn probe_poll(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        icrc: &IcrcContext,
+        out: &mut Vec<u8>,
+    ) -> bool {
+        if !self.probe_can_send(ctx.now) {
+            return false;
+        }
+        self.comp.probe_due = false;
+        if self.req.psn != self.req.max_psn {
+            // Already resending (go-back-N): that covers the tail.
+            return false;
+        }
+        let saved = (
+            self.req.next,
+            self.req.pkt,
+            self.req.psn,
+            self.req.since_ack_req,
+        );
+        self.seek_req(self.req.max_psn.add(Psn::MASK));
+        let sent = self.req.next < self.sq.len() && self.emit_request(ctx, icrc, out, true);
+        if self.attr.state != QpState::Err {
+            (
+                self.req.next,
+                self.req.pkt,
+                self.req.psn,
+                self.req.since_ack_req,
+            ) = saved;
+        }
+        if sent {
+            ctx.stats.tail_probes += 1;
+            self.comp.timed = None;
+        }
+        sent
+    }
+
     /// Emit the next request packet, if any.
     pub(super) fn requester_poll(
         &mut self,
@@ -113,9 +162,18 @@ impl Qp {
         icrc: &IcrcContext,
         out: &mut Vec<u8>,
     ) -> bool {
-        if !self.requester_can_send(ctx.now) {
-            return false;
-        }
+        self.requester_can_send(ctx.now) && self.emit_request(ctx, icrc, out, false)
+    }
+
+    /// Emit the packet at the requester's position and move past it. `ack_req`: ask for an
+    /// ACK whatever its place in the message.
+    fn emit_request(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        icrc: &IcrcContext,
+        out: &mut Vec<u8>,
+        ack_req: bool,
+    ) -> bool {
         let mtu = self.attr.path_mtu.bytes();
         let psn = self.req.psn;
         let idx = self.req.next;
@@ -131,6 +189,8 @@ impl Qp {
         let offset = k * mtu;
 
         let start = out.len();
+        // Whether this packet asks for an ACK (a READ request always does).
+        let mut asked = true;
         if let SendOp::Read { remote_addr, rkey } = wr.op {
             // A retried READ asks only for what has not arrived yet (IBA 9.4.4).
             let mut h = PacketHeaders::new(BthRepr::new(
@@ -159,10 +219,11 @@ impl Qp {
                 psn,
             ));
             self.req.since_ack_req += 1;
-            h.bth.ack_req = pos.ends() || self.req.since_ack_req >= ACK_EVERY;
+            h.bth.ack_req = ack_req || pos.ends() || self.req.since_ack_req >= ACK_EVERY;
             if h.bth.ack_req {
                 self.req.since_ack_req = 0;
             }
+            asked = h.bth.ack_req;
             h.bth.solicited = wr.solicited && pos.ends();
             match wr.op {
                 SendOp::Write { remote_addr, rkey }
@@ -202,11 +263,20 @@ impl Qp {
                 self.req.pkt = 0;
             }
         }
+        // Never sent before: a candidate for an RTT sample (Karn; and only a packet the
+        // responder acknowledges at once, not one whose ACK waits for the message's end),
+        // and new data re-arms the tail-loss probe (RFC 8985 7.2).
+        let fresh = !psn.before(self.req.max_psn);
         if self.req.psn.after(self.req.max_psn) {
             self.req.max_psn = self.req.psn;
         }
+        if fresh && asked && self.comp.timed.is_none() {
+            self.comp.timed = Some((psn, ctx.now));
+        }
         if self.comp.timer.is_none() {
-            self.arm_timer(ctx.now);
+            self.arm_timer(ctx);
+        } else if fresh {
+            self.arm_probe(ctx);
         }
         true
     }
