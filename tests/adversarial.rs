@@ -399,16 +399,21 @@ async fn cntlids_come_from_the_free_set_and_never_replace_a_live_controller() {
 
 // ---- 10. one tenant's namespace work does not stall another's ------------------------------
 
-/// Host A keeps the target zeroing 16 GiB (one Dataset Management command: 256 ranges, each
-/// the whole 64 MiB namespace); host B, another controller on the same namespace, must get
-/// its 4 KiB reads answered meanwhile. Before the fix the engine zeroed under its lock, so
-/// none of B's reads came back until A's TRIM was done.
+/// Host A keeps the target zeroing: 8 Dataset Management commands at once, each of 256
+/// ranges that are the whole 64 MiB namespace 1 (128 GiB of zeroing in all, a dozen
+/// seconds of memset at the least). Host B, another controller of the subsystem, must get
+/// its 4 KiB reads of namespace 2 answered meanwhile, before any of A's TRIMs is done.
+/// Before the fix the engine zeroed under its lock, so none of B's reads came back until
+/// A's TRIMs were done (the assertion, or B's read timing out, fails then).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_hosts_whole_device_trims_do_not_stall_another_hosts_reads() {
-    const READS: usize = 100;
-    let ns = Namespace::ram(1, 64 << 20, 9);
-    let blocks = ns.blocks;
-    let sub = Subsystem::new(Nqn::new(NQN).unwrap(), vec![std::sync::Arc::new(ns)]);
+    const READS: usize = 20;
+    const TRIMS: usize = 8;
+    let trimmed = Namespace::ram(1, 64 << 20, 9);
+    let blocks = trimmed.blocks;
+    let read = Namespace::ram(2, 1 << 20, 9);
+    let ns = vec![std::sync::Arc::new(trimmed), std::sync::Arc::new(read)];
+    let sub = Subsystem::new(Nqn::new(NQN).unwrap(), ns);
     let tc = TargetConfig {
         subsystems: vec![sub],
         ..TargetConfig::default()
@@ -416,33 +421,38 @@ async fn one_hosts_whole_device_trims_do_not_stall_another_hosts_reads() {
     let (t, thca) = target(30, tc).await;
     let a = std::sync::Arc::new(connect(31, &thca, NQN, HOST).await);
     let b = connect(32, &thca, NQN, "nqn.2026-11.io.nvmf-rdma:adv-other").await;
-    write_read(&b, 0, 7).await;
+    let probe = within(10, "B's first read", b.read(2, 0, 4096)).await;
+    probe.expect("B reads namespace 2");
 
-    let whole = vec![(0u64, blocks as u32); 256];
     let before = t.stats().commands;
-    let trim = {
-        let a = a.clone();
-        tokio::spawn(async move { a.deallocate(1, &whole).await })
-    };
-    // The TRIM is on the target (taken off the wire) before B starts.
-    until("the TRIM reaches the target", || {
-        t.stats().commands > before
+    let trims: Vec<_> = (0..TRIMS)
+        .map(|_| {
+            let a = a.clone();
+            let whole = vec![(0u64, blocks as u32); 256];
+            tokio::spawn(async move { a.deallocate(1, &whole).await })
+        })
+        .collect();
+    // The TRIMs are on the target (taken off the wire) before B starts.
+    until("the TRIMs reach the target", || {
+        t.stats().commands >= before + TRIMS as u64
     })
     .await;
     for i in 0..READS {
         within(
             10,
-            "B's read during A's TRIM",
-            b.read(1, (i as u64 * 8) % blocks, 4096),
+            "B's read during A's TRIMs",
+            b.read(2, i as u64 * 8, 4096),
         )
         .await
         .expect("B's read");
         assert!(
-            !trim.is_finished(),
-            "A's TRIM finished before B's read {i}: B's reads waited for it"
+            trims.iter().all(|t| !t.is_finished()),
+            "one of A's TRIMs finished before B's read {i}: B's reads waited for it"
         );
     }
-    trim.abort();
+    for t in trims {
+        t.abort();
+    }
 }
 
 // ---- 6. discovery ------------------------------------------------------------------------
