@@ -543,6 +543,21 @@ impl<D: DeviceContext> Target<D> {
         self.lock().e.queues.values().map(TQueue::footprint).sum()
     }
 
+    /// One turn of the engine: `f` under the lock at this turn's time, its responses and
+    /// work requests held and posted together at the end.
+    fn turn(&self, f: impl FnOnce(&mut Engine<D>, &mut Io<D>)) {
+        let now = self.now();
+        let mut g = self.lock();
+        let Locked { e, d } = &mut *g;
+        e.now = now;
+        e.batching = true;
+        d.defer();
+        f(e, d);
+        e.batching = false;
+        e.post_responses(d);
+        d.flush();
+    }
+
     async fn serve(self) {
         /// The workers stop with the engine (the device died, or the runtime went).
         struct Close<M: HostBuffer>(Arc<Pool<M>>);
@@ -571,34 +586,16 @@ impl<D: DeviceContext> Target<D> {
                     e.expire_controllers(d, now);
                     e.metrics.publish(&e.stats);
                 }
-                _ = self.pool.ready.notified() => {
-                    let now = self.now();
-                    let mut g = self.lock();
-                    let Locked { e, d } = &mut *g;
-                    e.now = now;
-                    e.batching = true;
-                    d.defer();
-                    e.answer_finished(d);
-                    e.batching = false;
-                    e.post_responses(d);
-                    d.flush();
-                }
+                _ = self.pool.ready.notified() => self.turn(|e, d| e.answer_finished(d)),
                 n = self.dev.wait_cq(cq, 256, &mut batch) => {
                     if n == 0 {
                         return; // the device died
                     }
-                    let now = self.now();
-                    let mut g = self.lock();
-                    let Locked { e, d } = &mut *g;
-                    e.now = now;
-                    e.batching = true;
-                    d.defer();
-                    for wc in &batch {
-                        e.on_completion(d, wc);
-                    }
-                    e.batching = false;
-                    e.post_responses(d);
-                    d.flush();
+                    self.turn(|e, d| {
+                        for wc in &batch {
+                            e.on_completion(d, wc);
+                        }
+                    });
                 }
             }
         }
