@@ -386,3 +386,27 @@ fn the_nbd_listener_outlives_running_out_of_file_descriptors() {
     c.signal(libc::SIGTERM);
     assert!(c.exits(Duration::from_secs(10)).success(), "{}", c.rest());
 }
+
+/// `list` shows a foreground `connect` as it shows a daemon's controller: `traddr` is the
+/// address alone, as nvme-cli shows it. Before one builder served both, a foreground
+/// connect's traddr read "127.0.0.1:PORT" (the soft-HCA's UDP port).
+#[test]
+fn list_shows_a_foreground_connects_address_without_its_port() {
+    let rig = Rig::new("list");
+    let _c = rig.connect(&[]);
+    let out = Command::new(BIN)
+        .args(["list", "-o", "json"])
+        .env("NVMF_RDMA_RUN_DIR", &rig.dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let (ip, _udp_port) = rig.addr.rsplit_once(':').unwrap();
+    assert_eq!(v["controllers"][0]["traddr"], ip, "{v}");
+}

@@ -18,13 +18,12 @@ const IP: [u8; 4] = [127, 0, 0, 1];
 const NS_BYTES: u64 = 16 << 20;
 
 fn policy() -> Policy {
+    // Reconnect at once; the rest (keep-alive 5 s, both identities) as the defaults.
     Policy {
         ctrl_loss_tmo: Some(Duration::from_secs(30)),
         reconnect_delay: Duration::ZERO,
-        fast_io_fail_tmo: None,
-        keep_alive_tmo: Duration::from_secs(5),
         replug_window: Duration::from_secs(30),
-        identity: IdentityMatch::Both,
+        ..Policy::default()
     }
 }
 

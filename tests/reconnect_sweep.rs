@@ -21,7 +21,7 @@ use nvmf_rdma::harness::chaos::{
 };
 use nvmf_rdma::hca::device::DeviceIdentity;
 use nvmf_rdma::hca::PciAddr;
-use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
+use nvmf_rdma::reconnect::{CtrlState, Policy};
 use nvmf_rdma::transport::Controller;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -30,13 +30,12 @@ const IP: [u8; 4] = [127, 0, 0, 1];
 const CTRL_LOSS: Duration = Duration::from_secs(30);
 
 fn policy() -> Policy {
+    // Reconnect at once; the rest (keep-alive 5 s, both identities) as the defaults.
     Policy {
         ctrl_loss_tmo: Some(CTRL_LOSS),
         reconnect_delay: Duration::ZERO,
-        fast_io_fail_tmo: None,
-        keep_alive_tmo: Duration::from_secs(5),
         replug_window: CTRL_LOSS,
-        identity: IdentityMatch::Both,
+        ..Policy::default()
     }
 }
 

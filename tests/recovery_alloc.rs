@@ -13,7 +13,7 @@ use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::alloc_audit::{self, Platform};
 use nvmf_rdma::harness::chaos::{connect_host, host_options, TargetRig, CHAOS_NQN, HOST_DEV};
 use nvmf_rdma::nvmet::Target;
-use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
+use nvmf_rdma::reconnect::{CtrlState, Policy};
 
 #[path = "common/counting_alloc.rs"]
 mod counting_alloc;
@@ -73,13 +73,12 @@ impl Drop for RemoteTarget {
 }
 
 fn policy() -> Policy {
+    // Reconnect at once; the rest (keep-alive 5 s, both identities) as the defaults.
     Policy {
         ctrl_loss_tmo: Some(Duration::from_secs(60)),
         reconnect_delay: Duration::ZERO,
-        fast_io_fail_tmo: None,
-        keep_alive_tmo: Duration::from_secs(5),
         replug_window: Duration::from_secs(60),
-        identity: IdentityMatch::Both,
+        ..Policy::default()
     }
 }
 

@@ -17,7 +17,7 @@ use nvmf_rdma::harness::chaos::{
     host_config, host_options, verify_worker, Region, TargetRig, WorkerReport, HOST_DEV,
 };
 use nvmf_rdma::nvme::admin;
-use nvmf_rdma::reconnect::{CtrlState, FailReason, IdentityMatch, Policy};
+use nvmf_rdma::reconnect::{CtrlState, FailReason, Policy};
 use nvmf_rdma::transport::{ConnectOptions, Controller, HostError};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -29,13 +29,12 @@ const NS_BYTES: u64 = 8 << 20;
 const BOUND: Duration = Duration::from_secs(10);
 
 fn policy(ctrl_loss_tmo: Option<Duration>) -> Policy {
+    // Reconnect at once; the rest (keep-alive 5 s, both identities) as the defaults.
     Policy {
         ctrl_loss_tmo,
         reconnect_delay: Duration::ZERO,
-        fast_io_fail_tmo: None,
-        keep_alive_tmo: Duration::from_secs(5),
         replug_window: Duration::from_secs(30),
-        identity: IdentityMatch::Both,
+        ..Policy::default()
     }
 }
 

@@ -41,13 +41,12 @@ const NS_BYTES: u64 = 4 << 20;
 const CTRL_LOSS: Duration = Duration::from_secs(30);
 
 fn policy() -> Policy {
+    // Reconnect at once; the rest (keep-alive 5 s, both identities) as the defaults.
     Policy {
         ctrl_loss_tmo: Some(CTRL_LOSS),
         reconnect_delay: Duration::ZERO,
-        fast_io_fail_tmo: None,
-        keep_alive_tmo: Duration::from_secs(5),
         replug_window: CTRL_LOSS,
-        identity: IdentityMatch::Both,
+        ..Policy::default()
     }
 }
 

@@ -6,20 +6,19 @@ use std::time::Duration;
 
 use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::chaos::{connect_host, host_options, TargetRig, HOST_DEV};
-use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
+use nvmf_rdma::reconnect::{CtrlState, Policy};
 use nvmf_rdma::transport::{Controller, HostError, IoBuffer};
 
 const IP: [u8; 4] = [127, 0, 0, 1];
 const CHUNK: usize = 16 << 10;
 
 fn policy() -> Policy {
+    // Reconnect at once; the rest (keep-alive 5 s, both identities) as the defaults.
     Policy {
         ctrl_loss_tmo: Some(Duration::from_secs(30)),
         reconnect_delay: Duration::ZERO,
-        fast_io_fail_tmo: None,
-        keep_alive_tmo: Duration::from_secs(5),
         replug_window: Duration::from_secs(30),
-        identity: IdentityMatch::Both,
+        ..Policy::default()
     }
 }
 

@@ -1522,12 +1522,7 @@ impl Controller {
         lba: u64,
         len: usize,
     ) -> Result<(), HostError> {
-        let (ns, _) = self.check_registered(buf, nsid, lba, len)?;
-        let sqe = admin::read(0, nsid, lba, (len / ns.block_size as usize) as u32)?;
-        buf.queue()
-            .submit_region(sqe, buf.io(chunk, len, false))
-            .await
-            .map(|_| ())
+        self.registered_io(buf, chunk, nsid, lba, len, false).await
     }
 
     /// Write the first `len` bytes of chunk `chunk` of `buf` at block `lba`: the target
@@ -1540,11 +1535,28 @@ impl Controller {
         lba: u64,
         len: usize,
     ) -> Result<(), HostError> {
+        self.registered_io(buf, chunk, nsid, lba, len, true).await
+    }
+
+    /// One command of [`Controller::read_to`] or [`Controller::write_from`].
+    async fn registered_io(
+        &self,
+        buf: &IoBuffer,
+        chunk: usize,
+        nsid: u32,
+        lba: u64,
+        len: usize,
+        write: bool,
+    ) -> Result<(), HostError> {
         let (ns, _) = self.check_registered(buf, nsid, lba, len)?;
         let blocks = (len / ns.block_size as usize) as u32;
-        let sqe = admin::write(0, nsid, lba, blocks, false)?;
+        let sqe = if write {
+            admin::write(0, nsid, lba, blocks, false)?
+        } else {
+            admin::read(0, nsid, lba, blocks)?
+        };
         buf.queue()
-            .submit_region(sqe, buf.io(chunk, len, true))
+            .submit_region(sqe, buf.io(chunk, len, write))
             .await
             .map(|_| ())
     }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::client::daemon_controller_names;
 use crate::{args::*, control::*, host::*, signals::*, units::*};
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::cli::support::{run_dir, CtrlInfo, Health};
+use nvmf_rdma::cli::support::{run_dir, Health};
 use nvmf_rdma::export;
 use nvmf_rdma::harness::hca_perf;
 use nvmf_rdma::reconnect::CtrlState;
@@ -60,27 +60,7 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
             hca_perf::human(ns.bytes() as usize)
         );
     }
-    let info = || {
-        let (state, health) = Health::from_status(&c.status());
-        CtrlInfo {
-            name: name.clone(),
-            subnqn: s.nqn.clone(),
-            hostnqn: c.opts.hostnqn.clone(),
-            traddr: s.fabric.traddr.to_string(),
-            trsvcid: s.fabric.trsvcid,
-            cntlid: c.cntlid,
-            state,
-            io_queues: c.io_queue_count(),
-            namespaces: c
-                .namespaces()
-                .iter()
-                .map(|n| (n.nsid, n.block_size, n.blocks))
-                .collect(),
-            model: c.ident.mn.text().trim().to_string(),
-            serial: c.ident.sn.text().trim().to_string(),
-            health,
-        }
-    };
+    let info = || ctrl_info(&name, &s, &c);
     let watcher = tokio::spawn(report_state_changes(name.clone(), c.watch_status()));
     let stop = Arc::new(tokio::sync::Notify::new());
     let mut clients = tokio::task::JoinSet::new();

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, run_dir, CtrlInfo, Health};
+use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, run_dir};
 use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::export::{BlockDev, DevSet};
 use nvmf_rdma::nvme::fabrics::DISCOVERY_NQN;
@@ -33,7 +33,7 @@ use crate::args::{DaemonArgs, ExportArgs, Subsys};
 use crate::config::{config_dir, parse_connect, read_config, ConfigLine};
 use crate::connect::{report_state_changes, start_exports, Exports};
 use crate::control::{make_run_dir, same_user};
-use crate::host::{device_config, discover_on, options, HOST_HCA};
+use crate::host::{ctrl_info, device_config, discover_on, options, HOST_HCA};
 use crate::proto::{
     err_line, ok_line, parse_request, ConnectParams, ErrorCode, ProtoError, Request, MAX_LINE,
     PROTOCOL_VERSION, SOCKET_NAME,
@@ -69,26 +69,7 @@ struct Entry {
 
 impl Entry {
     fn info(&self) -> Value {
-        let c = &self.ctrl;
-        let (state, health) = Health::from_status(&c.status());
-        let info = CtrlInfo {
-            name: self.name.clone(),
-            subnqn: self.sub.nqn.clone(),
-            hostnqn: c.opts.hostnqn.clone(),
-            traddr: self.sub.fabric.traddr.ip().to_string(),
-            trsvcid: self.sub.fabric.trsvcid,
-            cntlid: c.cntlid,
-            state,
-            io_queues: c.io_queue_count(),
-            namespaces: c
-                .namespaces()
-                .iter()
-                .map(|n| (n.nsid, n.block_size, n.blocks))
-                .collect(),
-            model: c.ident.mn.text().trim().to_string(),
-            serial: c.ident.sn.text().trim().to_string(),
-            health,
-        };
+        let info = ctrl_info(&self.name, &self.sub, &self.ctrl);
         let mut v: Value = serde_json::from_str(&info.to_json()).unwrap_or_else(|_| json!({}));
         if let Value::Object(m) = &mut v {
             m.insert("address".into(), json!(self.sub.fabric.traddr.to_string()));

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use crate::args::*;
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::device::{self, DeviceChoice};
-use nvmf_rdma::cli::support::{host_bind_addr, roce_peer};
+use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, CtrlInfo, Health};
 use nvmf_rdma::driver::{CmService, DeviceManager, SoftHca};
 use nvmf_rdma::nvme::discovery::DiscoveryLogEntry;
 use nvmf_rdma::nvme::Nqn;
@@ -152,4 +152,29 @@ pub(crate) async fn connect_on(s: &Subsys) -> Result<(Controller, Option<DeviceM
         DeviceChoice::Kernel(sel) => device::connect_kernel(sel, o).await.map(|c| (c, None)),
     };
     c.with_context(|| format!("connect to {} at {}", s.nqn, s.fabric.traddr))
+}
+
+/// What `list` shows of controller `c`, connected to `s` under `name`: one builder for the
+/// foreground `connect` and the daemon. `traddr` is the address alone, as nvme-cli shows it;
+/// the port is `trsvcid`.
+pub(crate) fn ctrl_info(name: &str, s: &Subsys, c: &Controller) -> CtrlInfo {
+    let (state, health) = Health::from_status(&c.status());
+    CtrlInfo {
+        name: name.to_string(),
+        subnqn: s.nqn.clone(),
+        hostnqn: c.opts.hostnqn.clone(),
+        traddr: s.fabric.traddr.ip().to_string(),
+        trsvcid: s.fabric.trsvcid,
+        cntlid: c.cntlid,
+        state,
+        io_queues: c.io_queue_count(),
+        namespaces: c
+            .namespaces()
+            .iter()
+            .map(|n| (n.nsid, n.block_size, n.blocks))
+            .collect(),
+        model: c.ident.mn.text().trim().to_string(),
+        serial: c.ident.sn.text().trim().to_string(),
+        health,
+    }
 }
