@@ -34,6 +34,10 @@ use nvmf_rdma::verbs::INCOMING_BACKLOG;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+#[path = "common/counters.rs"]
+mod counters;
+use counters::Counters;
+
 const NQN: &str = "nqn.2026-11.io.nvmf-rdma:adversarial";
 const HOST: &str = "nqn.2026-11.io.nvmf-rdma:adv-host";
 /// Long enough for one CM REQ retry (about 4.3 s).
@@ -258,74 +262,6 @@ async fn reqs_beyond_a_stalled_listeners_backlog_are_refused_no_resources() {
     }
     for t in tasks {
         t.abort();
-    }
-}
-
-/// A recorder that keeps counters by name, for tests of what is published.
-#[derive(Default, Clone)]
-struct Counters(
-    std::sync::Arc<
-        std::sync::Mutex<
-            std::collections::HashMap<String, std::sync::Arc<std::sync::atomic::AtomicU64>>,
-        >,
-    >,
-);
-
-struct Count(std::sync::Arc<std::sync::atomic::AtomicU64>);
-
-impl metrics::CounterFn for Count {
-    fn increment(&self, v: u64) {
-        self.0.fetch_add(v, std::sync::atomic::Ordering::Relaxed);
-    }
-    fn absolute(&self, v: u64) {
-        self.0.store(v, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-impl Counters {
-    fn get(&self, name: &str) -> u64 {
-        let m = self.0.lock().unwrap();
-        m.get(name)
-            .map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
-    }
-}
-
-impl metrics::Recorder for Counters {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        let mut m = self.0.lock().unwrap();
-        let c = m.entry(key.name().to_string()).or_default().clone();
-        metrics::Counter::from_arc(std::sync::Arc::new(Count(c)))
-    }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
     }
 }
 

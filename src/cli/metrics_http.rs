@@ -67,6 +67,19 @@ fn describe() {
         "nvmf_ctrl_failed_io_total",
         "I/Os failed by the recovery path (fast_io_fail_tmo, ctrl_loss_tmo, delete)"
     );
+    describe_counter!(
+        "nvmf_ctrl_completed_io_total",
+        "Commands completed on the I/O queues (updated at each keep-alive)"
+    );
+    describe_counter!(
+        "nvmf_ctrl_io_copies_total",
+        "Payload copies the host made on the I/O path; 0 per I/O with registered buffers"
+    );
+    describe_counter!(
+        "nvmf_ctrl_io_copied_bytes_total",
+        Unit::Bytes,
+        "Bytes of those payload copies"
+    );
     describe_histogram!(
         "nvmf_ctrl_recovery_seconds",
         Unit::Seconds,
