@@ -50,8 +50,8 @@ impl HostBuffer for HostMem {
         HostMem::write(self, offset, data)
     }
 
-    fn with_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        f(&mut self.lock())
+    fn with_range<R>(&self, offset: usize, len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        HostMem::with_range(self, offset, len, f)
     }
 
     fn as_mut_ptr(&self) -> *mut u8 {

@@ -6,7 +6,8 @@
 //! before a byte moves.
 
 use rustc_hash::FxHashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
 
 use bitflags::bitflags;
 use rand::Rng;
@@ -28,15 +29,40 @@ bitflags! {
 ///
 /// It is shared between the application and the device. As with real DMA, the consumer owns
 /// the bytes of a buffer only while no work request that names them is outstanding; the lock
-/// only makes each copy atomic, it does not order them.
+/// only makes each copy atomic, it does not order them. Every access names its byte range
+/// and only that range is ever borrowed, never the whole buffer: a caller that fills other
+/// bytes of a registered buffer through [`HostMem::addr`] at the same moment (a registered
+/// I/O buffer handed to C code) does not alias what the device touches.
 #[derive(Clone)]
 pub struct HostMem {
     inner: Arc<MemInner>,
 }
 
 struct MemInner {
-    bytes: Mutex<Box<[u8]>>,
-    base: u64,
+    /// Makes each device-side copy atomic against the others.
+    lock: Mutex<()>,
+    /// The bytes, from a `Box<[u8]>` given up at creation and taken back on drop; only
+    /// ranges of it are ever borrowed, under `lock`.
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: plain owned memory; every access goes through `lock` and names its range.
+unsafe impl Send for MemInner {}
+// SAFETY: as above.
+unsafe impl Sync for MemInner {}
+
+impl Drop for MemInner {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` came from `Box::into_raw` of a boxed slice in `from_boxed`,
+        // and nothing borrows the bytes any more (this is the last owner).
+        unsafe {
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.ptr.as_ptr(),
+                self.len,
+            )))
+        }
+    }
 }
 
 impl HostMem {
@@ -48,15 +74,7 @@ impl HostMem {
             // SAFETY: a volatile store of zero into memory we own; it only forces the page in.
             unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
         }
-        // The address of the allocation never changes, so it serves as the I/O virtual
-        // address of the buffer, as a process virtual address does for real verbs.
-        let base = bytes.as_ptr() as u64;
-        HostMem {
-            inner: Arc::new(MemInner {
-                bytes: Mutex::new(bytes),
-                base,
-            }),
-        }
+        HostMem::from_boxed(bytes)
     }
 
     /// [`new`](Self::new) that reports an allocation failure instead of aborting: for
@@ -88,47 +106,72 @@ impl HostMem {
     }
 
     pub fn from_vec(v: Vec<u8>) -> HostMem {
-        let bytes = v.into_boxed_slice();
-        let base = bytes.as_ptr() as u64;
+        HostMem::from_boxed(v.into_boxed_slice())
+    }
+
+    fn from_boxed(bytes: Box<[u8]>) -> HostMem {
+        let len = bytes.len();
+        // The address of the allocation never changes, so it serves as the I/O virtual
+        // address of the buffer, as a process virtual address does for real verbs.
+        let raw = Box::into_raw(bytes) as *mut u8;
         HostMem {
             inner: Arc::new(MemInner {
-                bytes: Mutex::new(bytes),
-                base,
+                lock: Mutex::new(()),
+                // SAFETY: a boxed slice's pointer is never null (dangling but non-null
+                // when empty).
+                ptr: unsafe { NonNull::new_unchecked(raw) },
+                len,
             }),
         }
     }
 
     /// The address of byte 0, as used in SGEs and RETHs.
     pub fn addr(&self) -> u64 {
-        self.inner.base
+        self.inner.ptr.as_ptr() as u64
     }
 
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.inner.len
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// Lock the bytes. A panic in another holder cannot leave them half-copied in a way that
-    /// matters more than a torn DMA would, so a poisoned lock is used as is.
-    pub fn lock(&self) -> MutexGuard<'_, Box<[u8]>> {
-        self.inner.bytes.lock().unwrap_or_else(|e| e.into_inner())
+    /// Run `f` over bytes `offset..offset + len` and nothing else, atomically with respect
+    /// to the device's other copies. A poisoned lock is used as is: a panic in another
+    /// holder cannot leave bytes half-copied in a way that matters more than a torn DMA.
+    /// Panics if the range leaves the buffer.
+    pub fn with_range<R>(&self, offset: usize, len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        let end = offset.checked_add(len).expect("range overflows");
+        assert!(
+            end <= self.inner.len,
+            "range {offset}+{len} leaves a {}-byte buffer",
+            self.inner.len
+        );
+        let _g = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: in bounds; the lock makes this the only borrow the device side holds, and
+        // by the DMA contract nobody else touches bytes a posted request names.
+        f(unsafe { std::slice::from_raw_parts_mut(self.inner.ptr.as_ptr().add(offset), len) })
     }
 
     pub fn read(&self, offset: usize, out: &mut [u8]) {
-        let g = self.lock();
-        out.copy_from_slice(&g[offset..offset + out.len()]);
+        self.with_range(offset, out.len(), |b| out.copy_from_slice(b))
     }
 
     pub fn write(&self, offset: usize, data: &[u8]) {
-        let mut g = self.lock();
-        g[offset..offset + data.len()].copy_from_slice(data);
+        self.with_range(offset, data.len(), |b| b.copy_from_slice(data))
+    }
+
+    /// Append bytes `offset..offset + len` to `out`.
+    pub fn append_to(&self, offset: usize, len: usize, out: &mut Vec<u8>) {
+        self.with_range(offset, len, |b| out.extend_from_slice(b))
     }
 
     pub fn to_vec(&self) -> Vec<u8> {
-        self.lock().to_vec()
+        let mut v = Vec::with_capacity(self.len());
+        self.append_to(0, self.len(), &mut v);
+        v
     }
 
     pub fn same(&self, other: &HostMem) -> bool {

@@ -151,10 +151,13 @@ impl HostBuffer for HwMem {
         }
     }
 
-    fn with_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    fn with_range<R>(&self, offset: usize, len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        let end = offset.checked_add(len).expect("range overflows");
+        assert!(end <= self.len(), "range past the buffer");
         let _g = self.guard();
-        // SAFETY: the guard makes this the only host-side borrow.
-        f(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len()) })
+        // SAFETY: in bounds; the guard makes this the only host-side borrow of these bytes,
+        // and only these bytes are borrowed.
+        f(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset), len) })
     }
 
     fn as_mut_ptr(&self) -> *mut u8 {

@@ -1869,9 +1869,7 @@ impl<D: DeviceContext> Engine<D> {
                     return Ok(Done::Offload(ns, Op::Read { off, len }));
                 }
                 let q = &self.queues[&qpn];
-                q.data
-                    .0
-                    .with_mut(|g| ns.read(off, &mut g[c * staging..c * staging + len]))?;
+                q.data.0.with_range(c * staging, len, |g| ns.read(off, g))?;
                 self.stats.io_copies += 1;
                 self.stats.io_copied_bytes += len as u64;
                 Ok(Done::Respond {
@@ -1890,7 +1888,7 @@ impl<D: DeviceContext> Engine<D> {
                 let q = &self.queues[&qpn];
                 q.data
                     .0
-                    .with_mut(|g| ns.write(off, &g[c * staging..c * staging + len]))?;
+                    .with_range(c * staging, len, |g| ns.write(off, g))?;
                 self.stats.io_copies += 1;
                 self.stats.io_copied_bytes += len as u64;
                 self.stats.bytes_written += len as u64;

@@ -654,7 +654,7 @@ impl<D: DeviceContext> QueueCore<D> {
         if !data_out.is_empty() {
             self.data.write(off, data_out);
         } else if data_in > 0 {
-            self.data.with_mut(|b| b[off..off + data_in].fill(0));
+            self.data.with_range(off, data_in, |b| b.fill(0));
         }
         let s = &mut self.slots[i];
         s.sqe = sqe;
@@ -781,7 +781,7 @@ impl<D: DeviceContext> QueueCore<D> {
         } else if data_in > 0 {
             // A target that reports success without writing the data must not hand this
             // caller the bytes of the slot's previous request.
-            self.data.with_mut(|b| b[off..off + data_in].fill(0));
+            self.data.with_range(off, data_in, |b| b.fill(0));
         }
         let s = &mut self.slots[i];
         s.sqe = sqe;
@@ -1088,7 +1088,7 @@ impl<D: DeviceContext> QueueCore<D> {
             data = self.spare.pop().unwrap_or_default();
             data.clear();
             self.data
-                .with_mut(|b| data.extend_from_slice(&b[off..off + data_in]));
+                .with_range(off, data_in, |b| data.extend_from_slice(b));
             self.stats.count_copy(data_in);
         }
         self.stats.completed += 1;

@@ -35,9 +35,11 @@ pub trait HostBuffer: Sized + Send + Sync + 'static {
     }
     fn read(&self, offset: usize, out: &mut [u8]);
     fn write(&self, offset: usize, data: &[u8]);
-    /// Run `f` over the whole buffer. As with DMA, the bytes a posted work request names
-    /// belong to the device until it completes; this only makes the access atomic.
-    fn with_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R;
+    /// Run `f` over bytes `offset..offset + len` (and only those: other bytes of the buffer
+    /// may be in use by the device or by C code at the same time). As with DMA, the bytes a
+    /// posted work request names belong to the device until it completes; this only makes
+    /// the access atomic. Panics if the range leaves the buffer.
+    fn with_range<R>(&self, offset: usize, len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R;
     /// The first byte, which never moves: for a caller that fills and reads the buffer itself
     /// (a registered I/O buffer handed to C code). Writing through it is sound only for bytes
     /// no posted work request names, as with DMA.

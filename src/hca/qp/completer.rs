@@ -313,8 +313,7 @@ impl Qp {
                 false,
             ) {
                 Ok(Some(r)) => {
-                    let mut g = r.mem.lock();
-                    g[r.offset..r.offset + take].copy_from_slice(&data[..take]);
+                    r.mem.write(r.offset, &data[..take]);
                 }
                 Ok(None) => {}
                 Err(_) => return false,

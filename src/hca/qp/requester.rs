@@ -308,8 +308,7 @@ impl Qp {
                 false,
             ) {
                 Ok(Some(r)) => {
-                    let g = r.mem.lock();
-                    out.extend_from_slice(&g[r.offset..r.offset + take as usize]);
+                    r.mem.append_to(r.offset, take as usize, out);
                 }
                 Ok(None) => {}
                 Err(_) => return false,

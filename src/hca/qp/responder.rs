@@ -211,8 +211,7 @@ impl Qp {
             true,
         ) {
             Ok(Some(r)) => {
-                let mut g = r.mem.lock();
-                g[r.offset..r.offset + n as usize].copy_from_slice(pkt.payload);
+                r.mem.write(r.offset, pkt.payload);
             }
             Ok(None) => {}
             Err(_) => return Err(Fault::Nak(NakCode::RemoteAccessError)),
@@ -427,8 +426,7 @@ impl Qp {
                 true,
             ) {
                 Ok(Some(r)) => {
-                    let g = r.mem.lock();
-                    out.extend_from_slice(&g[r.offset..r.offset + n as usize]);
+                    r.mem.append_to(r.offset, n as usize, out);
                 }
                 Ok(None) => {}
                 Err(_) => {
