@@ -45,6 +45,7 @@ const MILD: Faults = Faults {
     reorder_window_ns: 20_000,
     corrupt: 0.005,
     latency_ns: 2_000,
+    byte_ns: 0,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

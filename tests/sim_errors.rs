@@ -110,6 +110,47 @@ fn duplicate_reads_are_answered_only_for_what_was_read() {
     assert_eq!(qp_state(&p.sim, 1, p.b.qpn), QpState::Rts);
 }
 
+/// A late duplicate of a READ the requester has completed, answered while still queued, is
+/// owed to no one once the requester starts a READ past its `max_rd_atomic` window: it must
+/// not count against the responder's READs in flight. Before, it did, and the new READ (legal:
+/// the requester had only `max_rd_atomic` in flight) was NAKed as an invalid request and the
+/// QP went to ERR; under 5% loss, once spurious resends made such duplicates common, that
+/// failed the NVMe-oF queue in every few-second run of 4 KiB writes (the target's READs).
+#[test]
+fn answers_to_late_duplicate_reads_do_not_count_against_new_reads() {
+    let mut p = pair(
+        132,
+        Faults::NONE,
+        RcOptions {
+            max_rd_atomic: 2,
+            ..opts()
+        },
+    );
+    fill(&p.b.mem, 0, 3 * 4096, 6);
+    let rd = SendOp::Read {
+        remote_addr: p.b.mr.addr,
+        rkey: p.b.mr.rkey,
+    };
+    post_send(&mut p.sim, 0, p.a.qpn, send_wr(1, rd, &p.a, 0, 4096));
+    let wa = wait_wcs(&mut p.sim, 0, p.a.cq, 1, SEC);
+    assert_eq!(ids(&wa), [(1, WcStatus::Success)]);
+    let (va, r1) = (p.b.mr.addr, p.a.psn);
+    // Taken in back to back, before b sends anything: a late duplicate of READ 1, then
+    // READs 2 and 3 (4 KiB at MTU 1024: four PSNs each).
+    let before = p.sim.devices[1].stats().clone();
+    let now = p.sim.now;
+    for (psn, at) in [(r1, va), (r1.add(4), va + 4096), (r1.add(8), va + 8192)] {
+        let pkt = forged_read(&p, psn, at, 4096);
+        p.sim.devices[1].handle_datagram(now, sim_addr(0), &pkt);
+    }
+    run_quiet(&mut p.sim, SEC);
+    let b = p.sim.devices[1].stats();
+    assert_eq!(qp_state(&p.sim, 1, p.b.qpn), QpState::Rts, "{b:?}");
+    assert_eq!(b.naks_tx, before.naks_tx, "{b:?}");
+    // READs 2 and 3 answered; the duplicate's answer dropped with READ 1's slot.
+    assert_eq!(b.tx_packets - before.tx_packets, 8, "{b:?}");
+}
+
 // ---- RNR --------------------------------------------------------------------------------
 
 #[test]

@@ -117,6 +117,7 @@ fn link_faults(rng: &mut SmallRng) -> Faults {
             reorder_window_ns: 20_000,
             corrupt: 0.0005,
             latency_ns: 2_000,
+            ..Faults::NONE
         }
     }
 }

@@ -79,6 +79,7 @@ fn scenario(seed: u64) -> Scenario {
         reorder_window_ns: rng.random_range(1_000..=50_000),
         corrupt: rng.random_range(0.0..=0.02),
         latency_ns: rng.random_range(500..=20_000),
+        byte_ns: 0,
     };
     let mtu = [
         Mtu::Mtu256,

@@ -409,8 +409,10 @@ pub fn bench_ticking(
             rows.push(row);
             if std::env::var_os("NVMF_DEBUG_STATS").is_some() {
                 if let Some(h) = c.device::<SoftHca>() {
-                    eprintln!("{:?}", h.with(|d, _| d.stats().clone()));
+                    eprintln!("host {:?}", h.with(|d, _| d.stats().clone()));
                 }
+                let d = target.device();
+                eprintln!("target {:?}", d.with(|d, _| d.stats().clone()));
             }
         }
         anyhow::Ok(rows)

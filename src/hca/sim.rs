@@ -26,6 +26,10 @@ pub struct Faults {
     pub corrupt: f64,
     /// One-way base latency.
     pub latency_ns: u64,
+    /// Time each sender takes to put one byte on the link (its rate; 10 is 100 MB/s), 0 for
+    /// none: a sender's packets leave one after another, so a burst arrives spread out over
+    /// its size divided by the rate, behind whatever that sender put on the link before.
+    pub byte_ns: u64,
 }
 
 impl Faults {
@@ -36,6 +40,7 @@ impl Faults {
         reorder_window_ns: 0,
         corrupt: 0.0,
         latency_ns: 2_000,
+        byte_ns: 0,
     };
     /// The "10% loss, duplication and reordering".
     pub const LOSSY: Faults = Faults {
@@ -45,6 +50,7 @@ impl Faults {
         reorder_window_ns: 20_000,
         corrupt: 0.01,
         latency_ns: 2_000,
+        byte_ns: 0,
     };
 }
 
@@ -77,6 +83,8 @@ impl PartialOrd for InFlight {
 pub struct Wire {
     queue: BinaryHeap<InFlight>,
     seq: u64,
+    /// When each sender's link is free again (see [`Faults::byte_ns`]).
+    busy: Vec<(SocketAddr, u64)>,
 }
 
 impl Wire {
@@ -96,6 +104,19 @@ impl Wire {
         cut: bool,
     ) {
         stats.sent += 1;
+        // Serialization: the packet leaves once the sender's earlier ones have, lost or not.
+        let mut leave = now.0;
+        if f.byte_ns > 0 {
+            let i = match self.busy.iter().position(|&(a, _)| a == src) {
+                Some(i) => i,
+                None => {
+                    self.busy.push((src, 0));
+                    self.busy.len() - 1
+                }
+            };
+            leave = leave.max(self.busy[i].1) + f.byte_ns * data.len() as u64;
+            self.busy[i].1 = leave;
+        }
         if cut || rng.random_bool(f.drop) {
             stats.dropped += 1;
             return;
@@ -113,7 +134,7 @@ impl Wire {
                 data[at] ^= 1 << rng.random_range(0..8);
                 stats.corrupted += 1;
             }
-            let mut delay = f.latency_ns;
+            let mut delay = leave - now.0 + f.latency_ns;
             if f.reorder_window_ns > 0 && rng.random_bool(f.reorder) {
                 delay += rng.random_range(0..f.reorder_window_ns);
                 stats.reordered += 1;
@@ -146,6 +167,7 @@ impl Wire {
     /// Drop everything in flight.
     pub fn clear(&mut self) {
         self.queue.clear();
+        self.busy.clear();
     }
 
     pub fn is_empty(&self) -> bool {

@@ -666,14 +666,12 @@ impl Qp {
             self.comp.timer = None;
             return;
         };
-        // While an RDMA READ is owed data the timer stays the IBA one: a READ resent early
-        // makes the responder drop and redo its queued responses, which under load kept
-        // lossless 4 KiB writes through the target (its READs) at a tenth of their rate.
-        let rto = if self.read_limit().is_some() {
-            max
-        } else {
-            self.comp.rtt.rto(max)
-        };
+        // An RDMA READ owed data is timed the same way: every response packet that brings
+        // data is progress and re-arms the timer, so a long READ streaming in is not taken
+        // for lost. (It once kept the IBA timer here: READs resent early left the peer's
+        // responder answers to duplicates queued that it then counted against new READs,
+        // NAKing one as invalid and failing the QP; `exec_read` drops those now.)
+        let rto = self.comp.rtt.rto(max);
         ctx.stats.rto_ns = rto;
         self.comp.timer = Some((ctx.now + Duration::from_nanos(rto)).min(limit));
     }

@@ -282,7 +282,18 @@ impl Qp {
                 ctx.stats.dup_reads_dropped += 1;
                 return Err(Fault::Nak(NakCode::InvalidRequest));
             }
-        } else if self.resp.reads.len() >= max {
+        } else if self.resp.served.len() >= max {
+            // A new READ: the requester keeps at most `max` in flight, so the oldest one
+            // remembered is complete there. Whatever of it is still queued (answers to its
+            // duplicates, sent after the originals had arrived) is owed to no one.
+            if let Some(old) = self.resp.served.pop_front() {
+                let end = old.first_psn.add(old.npkts);
+                self.resp
+                    .reads
+                    .retain(|r| r.first_psn.before(old.first_psn) || !r.first_psn.before(end));
+            }
+        }
+        if !dup && self.resp.reads.len() >= max {
             return Err(Fault::Nak(NakCode::InvalidRequest));
         }
         let read = ReadCtx {
@@ -295,9 +306,6 @@ impl Qp {
         };
         if !dup {
             self.resp.msn = self.resp.msn.wrapping_add(1);
-            if self.resp.served.len() >= max {
-                self.resp.served.pop_front();
-            }
             self.resp.served.push_back(read);
         }
         self.resp.reads.push_back(read);
