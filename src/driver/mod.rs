@@ -356,7 +356,7 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         if busy_poll > 0 && port.busy_poll() && (n > 0 || sent > 0) {
             let t = std::time::Instant::now();
             spin_until = gate
-                .allow(t, spin::thread_preemptions)
+                .allow(t, n + sent, spin::thread_preemptions)
                 .then(|| t + Duration::from_nanos(busy_poll));
         }
         port.flush();
