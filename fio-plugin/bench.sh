@@ -77,32 +77,8 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# `cpu OUT TARGET_PID CMD...`: run CMD, write its CPU seconds (all threads, getrusage of the
-# child) and TARGET_PID's CPU seconds over the same span (/proc/PID/stat) to OUT as JSON.
-# Returns CMD's exit status.
-cat >"$work/cpu.py" <<'EOF'
-import json, os, subprocess, sys
-
-out, target_pid, cmd = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-tick = os.sysconf("SC_CLK_TCK")
-
-def proc_cpu(pid):
-    # utime and stime are fields 14 and 15; the name (field 2) may hold spaces, so split
-    # after its closing parenthesis.
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / tick
-
-before = proc_cpu(target_pid)
-child = subprocess.Popen(cmd)
-_, status, usage = os.wait4(child.pid, 0)
-result = {"host_cpu_s": usage.ru_utime + usage.ru_stime,
-          "target_cpu_s": proc_cpu(target_pid) - before}
-with open(out, "w") as f:
-    json.dump(result, f)
-sys.exit(os.waitstatus_to_exitcode(status))
-EOF
-cpu() { python3 "$work/cpu.py" "$@"; }
+# `cpu OUT TARGET_PID CMD...`: fio-plugin/cpu.py (CMD's and TARGET_PID's CPU seconds).
+cpu() { python3 "$here/cpu.py" "$@"; }
 
 # Wait (up to 10 s) for a line matching $2 in file $1, written by the process $3.
 wait_for() {

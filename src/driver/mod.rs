@@ -13,6 +13,7 @@ mod metrics_pub;
 mod port;
 pub mod simnet;
 mod socket;
+mod spin;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -285,6 +286,8 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
     // Busy polling: after a turn that moved packets, keep checking the socket (yielding to
     // the runtime's other tasks in between) instead of sleeping, for `busy_poll`.
     let mut spin_until: Option<std::time::Instant> = None;
+    // ... but not while spinning takes a core someone else wants (see `spin`).
+    let mut gate = spin::SpinGate::default();
     loop {
         let deadline = {
             let d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
@@ -351,7 +354,10 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         }
         let busy_poll = shared.busy_poll_ns.load(Ordering::Relaxed);
         if busy_poll > 0 && port.busy_poll() && (n > 0 || sent > 0) {
-            spin_until = Some(std::time::Instant::now() + Duration::from_nanos(busy_poll));
+            let t = std::time::Instant::now();
+            spin_until = gate
+                .allow(t, n + sent, spin::thread_preemptions)
+                .then(|| t + Duration::from_nanos(busy_poll));
         }
         port.flush();
         if more {
