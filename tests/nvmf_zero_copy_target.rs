@@ -150,12 +150,20 @@ async fn ranges_of_a_queue_that_goes_are_released() {
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
     mgr.reset(HOST_DEV, Duration::ZERO).await.unwrap();
-    for h in io {
-        h.await.unwrap();
-    }
-    // The new queues' traffic goes through while no old command is left.
-    c.write(1, 0, &vec![7u8; SPAN]).await.unwrap();
-    assert_eq!(c.read(1, 0, SPAN).await.unwrap(), vec![7u8; SPAN]);
+    // A range left behind by a dead queue would hold every later overlapping command
+    // for ever: bound the wait.
+    let after = async {
+        for h in io {
+            h.await.unwrap();
+        }
+        // The new queues' traffic goes through while no old command is left.
+        c.write(1, 0, &vec![7u8; SPAN]).await.unwrap();
+        c.read(1, 0, SPAN).await.unwrap()
+    };
+    let back = tokio::time::timeout(Duration::from_secs(60), after)
+        .await
+        .expect("I/O after the reset is stuck behind a range of a queue that went");
+    assert_eq!(back, vec![7u8; SPAN]);
     assert!(ranges_drain(&t).await, "a range outlived its queue");
     assert!(t.target.stats().queues_dropped > 0, "no queue went");
 }
