@@ -105,6 +105,7 @@ pub unsafe extern "C" fn nvmf_rs_setup(
         let t = OptionText::from_raw(o)?;
         // Before this job's controllers and targets start (they start on first use).
         nvmf_rdma::driver::set_default_busy_poll(t.busy_poll()?);
+        nvmf_rdma::driver::set_busy_poll_gate(t.busy_poll_gate()?);
         engine::register(td as usize, t.runtime_threads()?).map(|_| ())
     });
     if r.is_some() {

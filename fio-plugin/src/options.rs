@@ -41,6 +41,7 @@ pub struct RawOptions {
     pub identity: *const c_char,
     pub replug_window: *const c_char,
     pub registered_buffers: *const c_char,
+    pub busy_poll_gate: *const c_char,
 }
 
 /// Where the target is: an address, or the built-in RAM target of this size in this process.
@@ -112,7 +113,7 @@ pub struct OptionText {
     pairs: Vec<(&'static str, String)>,
 }
 
-const KEYS: [&str; 20] = [
+const KEYS: [&str; 21] = [
     "traddr",
     "trsvcid",
     "subnqn",
@@ -133,6 +134,7 @@ const KEYS: [&str; 20] = [
     "identity",
     "replug_window",
     "registered_buffers",
+    "busy_poll_gate",
 ];
 
 /// Filename keys that only say what SPDK's transport ID says and we already are.
@@ -167,6 +169,7 @@ impl OptionText {
             raw.identity,
             raw.replug_window,
             raw.registered_buffers,
+            raw.busy_poll_gate,
         ];
         let mut t = OptionText::default();
         for (key, p) in KEYS.iter().zip(ptrs) {
@@ -375,6 +378,16 @@ impl OptionText {
             return Err(format!("busy_poll={d:?}: at most 1s"));
         }
         Ok(d)
+    }
+
+    /// Whether busy polling stops for a while when the polling thread is preempted
+    /// (`nvmf_rdma::driver::set_busy_poll_gate`): 0 (default) or 1.
+    pub fn busy_poll_gate(&self) -> Result<bool, String> {
+        match self.get("busy_poll_gate") {
+            None | Some("0") => Ok(false),
+            Some("1") => Ok(true),
+            Some(v) => Err(format!("busy_poll_gate={v}: 1 or 0")),
+        }
     }
 
     /// Whether fio's I/O buffers are registered memory of the host queue (reads and writes

@@ -68,6 +68,10 @@ fn busy_poll_default_is_the_tools_default_and_flags_parse() {
     let c = Cli::try_parse_from(["nvmf-rdma", "list", "--busy-poll", "0"]).unwrap();
     assert_eq!(c.busy_poll, Duration::ZERO);
     assert!(Cli::try_parse_from(["nvmf-rdma", "list", "--busy-poll", "fast"]).is_err());
+    // The preemption gate is opt-in: it trades IOPS for CPU.
+    assert!(!c.busy_poll_gate);
+    let c = Cli::try_parse_from(["nvmf-rdma", "list", "--busy-poll-gate"]).unwrap();
+    assert!(c.busy_poll_gate);
     let c = Cli::try_parse_from(["nvmf-rdma", "bench", "--job", "randread-4k-qd1"]).unwrap();
     match c.cmd {
         Cmd::Bench { jobs, .. } => assert_eq!(jobs, ["randread-4k-qd1"]),
