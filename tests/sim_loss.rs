@@ -377,32 +377,75 @@ fn delta(p: &Pair, before: &Stats, f: fn(&Stats) -> u64) -> u64 {
     f(p.sim.devices[0].stats()) - f(before)
 }
 
+/// A READ loss case: a warmed-up pair, B's first 4 blocks filled, A's stats and the time at
+/// the start.
+struct ReadCase {
+    p: Pair,
+    want: Vec<u8>,
+    before: Stats,
+    start: Instant,
+}
+
+impl ReadCase {
+    fn new(seed: u64) -> ReadCase {
+        let mut p = pair(seed, Faults::NONE, opts());
+        warm_up(&mut p);
+        let want = fill(&p.b.mem, 0, 4 * BS, seed);
+        let before = p.sim.devices[0].stats().clone();
+        let start = p.sim.now;
+        ReadCase {
+            p,
+            want,
+            before,
+            start,
+        }
+    }
+
+    /// B answers what it was asked into a cut link: its next packets are lost.
+    fn lose_bs_answers(&mut self) {
+        let served = self.p.sim.devices[1].stats().tx_packets;
+        self.p.sim.partitions.push((0, 1));
+        while self.p.sim.devices[1].stats().tx_packets == served {
+            assert!(self.p.sim.step());
+        }
+        self.p.sim.partitions.clear();
+    }
+
+    /// The READs `ids` all complete with B's bytes within a millisecond, and A's counters
+    /// `fields` grew by `grew`.
+    fn finish(&mut self, ids: std::ops::Range<u64>, fields: &[fn(&Stats) -> u64], grew: &[u64]) {
+        let p = &mut self.p;
+        let n = (ids.end - ids.start) as usize;
+        let wcs = wait_wcs(&mut p.sim, 0, p.a.cq, n, Duration::from_secs(1));
+        let took = p.sim.now.saturating_since(self.start);
+        assert_all_ok(&wcs, ids);
+        assert!(
+            read(&p.a.mem, 0, 4 * BS) == self.want,
+            "seed {}",
+            p.sim.seed
+        );
+        let d: Vec<u64> = fields.iter().map(|f| delta(p, &self.before, *f)).collect();
+        assert_eq!(
+            d,
+            grew,
+            "seed {}: {:?}",
+            p.sim.seed,
+            p.sim.devices[0].stats()
+        );
+        assert!(took < MS, "seed {}: took {took:?}", p.sim.seed);
+    }
+}
+
 /// A lost READ request with nothing after it: the responder never hears of it, so no NAK.
 /// The adaptive timer resends it after a few round trips, not the 67 ms local ACK timeout
 /// (which was the only way before).
 #[test]
 fn a_lost_read_request_is_resent_by_the_adaptive_timer() {
-    let mut p = pair(701, Faults::NONE, opts());
-    warm_up(&mut p);
-    let want = fill(&p.b.mem, 0, 4 * BS, 701);
-    let before = p.sim.devices[0].stats().clone();
-    let start = p.sim.now;
-    p.sim.partitions.push((0, 1));
-    post_reads(&mut p, 700..701, 4 * BS);
-    p.sim.partitions.clear();
-    let wcs = wait_wcs(&mut p.sim, 0, p.a.cq, 1, Duration::from_secs(1));
-    let took = p.sim.now.saturating_since(start);
-    assert_all_ok(&wcs, 700..701);
-    assert!(read(&p.a.mem, 0, 4 * BS) == want, "seed {}", p.sim.seed);
-    let d = |f| delta(&p, &before, f);
-    assert_eq!(
-        (d(|s| s.rto_timeouts), d(|s| s.timeouts)),
-        (1, 0),
-        "seed {}: {:?}",
-        p.sim.seed,
-        p.sim.devices[0].stats()
-    );
-    assert!(took < MS, "seed {}: took {took:?}", p.sim.seed);
+    let mut c = ReadCase::new(701);
+    c.p.sim.partitions.push((0, 1));
+    post_reads(&mut c.p, 700..701, 4 * BS);
+    c.p.sim.partitions.clear();
+    c.finish(700..701, &[|s| s.rto_timeouts, |s| s.timeouts], &[1, 0]);
 }
 
 /// The responses of one READ are lost, those of the READ after it arrive: that gap says the
@@ -410,37 +453,15 @@ fn a_lost_read_request_is_resent_by_the_adaptive_timer() {
 /// the READ is resent at once for what is missing, once.
 #[test]
 fn lost_read_responses_before_others_are_resent_at_once() {
-    let mut p = pair(702, Faults::NONE, opts());
-    warm_up(&mut p);
-    let want = fill(&p.b.mem, 0, 4 * BS, 702);
-    let before = p.sim.devices[0].stats().clone();
-    let start = p.sim.now;
-    post_reads(&mut p, 710..711, 4 * BS);
-    // B answers the first READ into a cut link.
-    let served = p.sim.devices[1].stats().tx_packets;
-    p.sim.partitions.push((0, 1));
-    while p.sim.devices[1].stats().tx_packets == served {
-        assert!(p.sim.step());
-    }
-    p.sim.partitions.clear();
-    post_reads(&mut p, 711..712, BS);
-    let wcs = wait_wcs(&mut p.sim, 0, p.a.cq, 2, Duration::from_secs(1));
-    let took = p.sim.now.saturating_since(start);
-    assert_all_ok(&wcs, 710..712);
-    assert!(read(&p.a.mem, 0, 4 * BS) == want, "seed {}", p.sim.seed);
-    let d = |f| delta(&p, &before, f);
-    assert_eq!(
-        (
-            d(|s| s.fast_retransmits),
-            d(|s| s.rto_timeouts),
-            d(|s| s.timeouts)
-        ),
-        (1, 0, 0),
-        "seed {}: {:?}",
-        p.sim.seed,
-        p.sim.devices[0].stats()
+    let mut c = ReadCase::new(702);
+    post_reads(&mut c.p, 710..711, 4 * BS);
+    c.lose_bs_answers();
+    post_reads(&mut c.p, 711..712, BS);
+    c.finish(
+        710..712,
+        &[|s| s.fast_retransmits, |s| s.rto_timeouts, |s| s.timeouts],
+        &[1, 0, 0],
     );
-    assert!(took < MS, "seed {}: took {took:?}", p.sim.seed);
 }
 
 /// The last READ responses in flight are lost: nothing comes after them to show the gap.
@@ -448,31 +469,10 @@ fn lost_read_responses_before_others_are_resent_at_once() {
 /// responses all left, answers it again.
 #[test]
 fn lost_last_read_responses_are_resent_by_the_adaptive_timer() {
-    let mut p = pair(703, Faults::NONE, opts());
-    warm_up(&mut p);
-    let want = fill(&p.b.mem, 0, 4 * BS, 703);
-    let before = p.sim.devices[0].stats().clone();
-    let start = p.sim.now;
-    post_reads(&mut p, 720..721, 4 * BS);
-    let served = p.sim.devices[1].stats().tx_packets;
-    p.sim.partitions.push((0, 1));
-    while p.sim.devices[1].stats().tx_packets == served {
-        assert!(p.sim.step());
-    }
-    p.sim.partitions.clear();
-    let wcs = wait_wcs(&mut p.sim, 0, p.a.cq, 1, Duration::from_secs(1));
-    let took = p.sim.now.saturating_since(start);
-    assert_all_ok(&wcs, 720..721);
-    assert!(read(&p.a.mem, 0, 4 * BS) == want, "seed {}", p.sim.seed);
-    let d = |f| delta(&p, &before, f);
-    assert_eq!(
-        (d(|s| s.rto_timeouts), d(|s| s.timeouts)),
-        (1, 0),
-        "seed {}: {:?}",
-        p.sim.seed,
-        p.sim.devices[0].stats()
-    );
-    assert!(took < MS, "seed {}: took {took:?}", p.sim.seed);
+    let mut c = ReadCase::new(703);
+    post_reads(&mut c.p, 720..721, 4 * BS);
+    c.lose_bs_answers();
+    c.finish(720..721, &[|s| s.rto_timeouts, |s| s.timeouts], &[1, 0]);
 }
 
 /// Long READs over a slow link (100 MB/s: 8 READs of 128 KiB stream in for about 10 ms, the
