@@ -25,9 +25,7 @@
 # Output: a header with the machine (CPU, cores, kernel, load average), then
 #   IOPS table   IOPS of own, plugin, nbdkit; plugin/own and plugin/nbd; fio's average and
 #                p50 completion latency (µs) for plugin and nbdkit; "own copies/IO" is the
-#                `copies_per_io` field of own's result objects, "n/a" while bench has none,
-#                "own tgt cp/IO" their `target_copies_per_io` (the built-in target's payload
-#                copies: 0 for keyed I/O on its RAM namespace).
+#                `copies_per_io` field of own's result objects, "n/a" while bench has none.
 #   CPU table    CPU µs per I/O = (user + system CPU seconds of a process while the fio run
 #                lasted, all its threads) / (I/Os fio completed). host = the fio process
 #                (getrusage of the child: os.wait4), target = the server process (utime +
@@ -247,7 +245,7 @@ def own_row(r, name):
         sys.exit(f"bench.sh: own.{r}.{name}.json has {len(results)} result objects, want 1")
     o = results[0]
     return dict(iops=o["iops"], gbps=o["mbps"] / 1e3, ios=o["ios"], errors=o["errors"],
-                copies=o.get("copies_per_io"), tgt_copies=o.get("target_copies_per_io"))
+                copies=o.get("copies_per_io"))
 
 def per_io_us(row, key):
     return row[key] / row["ios"] * 1e6
@@ -262,13 +260,12 @@ print(f"{rounds} round(s) of {len(names)} workloads; "
       + ("medians, [min-max] of each ratio over the rounds" if rounds > 1 else "one round"))
 
 print("\nIOPS (plugin: fio + plugin, built-in target in fio's process)")
-fmt = "{:<18} {:>9} {:>11} {:>17} {:>11} {:>17} {:>15} {:>15} {:>12} {:>12}"
+fmt = "{:<18} {:>9} {:>11} {:>17} {:>11} {:>17} {:>15} {:>15} {:>12}"
 print(fmt.format("workload", "own IOPS", "plugin IOPS", "plugin/own", "nbdkit IOPS", "plugin/nbd",
-                 "plugin avg/p50", "nbdkit avg/p50", "own copies/IO", "own tgt cp/IO"))
+                 "plugin avg/p50", "nbdkit avg/p50", "own copies/IO"))
 for n in names:
     o, p, nb = own[n], fio["plugin", n], fio["nbd", n]
     copies = [x["copies"] for x in o]
-    tgt_copies = [x["tgt_copies"] for x in o]
     print(fmt.format(
         n, f"{med(x['iops'] for x in o):.0f}", f"{med(x['iops'] for x in p):.0f}",
         spread([a["iops"] / b["iops"] for a, b in zip(p, o)]),
@@ -278,7 +275,6 @@ for n in names:
         f"{med(x['avg'] for x in nb):.1f}/{med(x['p50'] for x in nb):.1f}",
         # Filled in by bench's own copy counter once it reports one; never guessed here.
         "n/a" if None in copies else f"{med(copies):.2f}",
-        "n/a" if None in tgt_copies else f"{med(tgt_copies):.2f}",
     ))
 
 print("\nCPU µs per I/O, host = fio's process, tgt = the server's "

@@ -26,7 +26,6 @@ use crate::verbs::{
 };
 
 use super::backend::{Finished, Job, Op, Pool};
-use super::namespace::{Grants, Waiter};
 use super::{Namespace, Subsystem, TargetConfig};
 use crate::published::{Published, Publisher};
 
@@ -119,8 +118,6 @@ const COUNTERS: &[Published<TargetStats>] = &[
     ("nvmet_offloaded_commands_total", None, |s| s.offloaded),
     ("nvmet_read_bytes_total", None, |s| s.bytes_read),
     ("nvmet_written_bytes_total", None, |s| s.bytes_written),
-    ("nvmet_io_copies_total", None, |s| s.io_copies),
-    ("nvmet_io_copied_bytes_total", None, |s| s.io_copied_bytes),
 ];
 
 /// Counters a person (or a test) can read.
@@ -145,10 +142,9 @@ pub struct TargetStats {
     pub cntlid_exhausted: u64,
     /// Commands whose namespace work ran on a worker thread, off the engine.
     pub offloaded: u64,
-    /// Payload copies the target made for I/O commands (in-capsule data out of the receive
-    /// buffer and into staging or the namespace, staging to and from the namespace or a
-    /// worker's buffer) and their bytes; what the kernel copies for a file namespace is not
-    /// counted. A RAM namespace the device registers moves keyed data with no copy at all.
+    /// Payload copies the target made for I/O commands (in-capsule data into staging,
+    /// staging to and from the namespace or a worker's buffer) and their bytes; what the
+    /// kernel copies for a file namespace is not counted.
     pub io_copies: u64,
     pub io_copied_bytes: u64,
 }
@@ -164,9 +160,6 @@ enum Stage {
     Parked,
     /// Its namespace work runs on a worker ([`super::backend`]).
     Executing,
-    /// Waiting for a range of its namespace that an earlier command holds
-    /// ([`super::namespace::Extents`]); `Cmd::pending` says what comes next.
-    Waiting,
 }
 
 struct Cmd {
@@ -174,44 +167,6 @@ struct Cmd {
     sqe: Sqe,
     capsule: Vec<u8>,
     capsule_len: usize,
-    /// The namespace range the command holds or waits for.
-    hold: Option<Hold>,
-    /// What the command does once its range is granted.
-    pending: Option<Pending>,
-    /// Where its data for the host is, if not its staging: an address and lkey in a
-    /// namespace's memory region.
-    src: Option<(u64, MemKey)>,
-    /// Its host data was fetched straight into the namespace.
-    direct: bool,
-}
-
-impl Cmd {
-    /// Give back the namespace range the command holds or waits for, if any.
-    fn release(&mut self) {
-        self.pending = None;
-        if let Some(h) = self.hold.take() {
-            h.ns.put_range(h.ticket);
-        }
-    }
-}
-
-/// A namespace range of a command ([`Namespace::take_range`]).
-struct Hold {
-    ns: Arc<Namespace>,
-    ticket: u64,
-}
-
-/// The rest of a RAM namespace command, once it has its range.
-enum Pending {
-    /// Give the host `len` bytes at `off`: RDMA WRITE them from the namespace's region, or
-    /// copy them to staging first.
-    Read { off: u64, len: usize },
-    /// RDMA READ the host's data straight into the namespace.
-    Fetch(SendWr),
-    /// Copy the command's data (in its capsule if `inline`, else staged) to `off`.
-    Store { off: u64, len: usize, inline: bool },
-    /// Zero ranges, on a worker.
-    Zero(Op),
 }
 
 /// A queue is born small: until Fabrics Connect succeeds it has one command slot, one
@@ -331,12 +286,6 @@ struct Engine<D: DeviceContext> {
     finished: Vec<Finished>,
     /// `stats` as metrics, published on the keep-alive tick.
     metrics: Publisher<TargetStats>,
-    /// Namespace ranges granted to this engine's commands by whoever released them.
-    grants: Arc<Grants>,
-    granted: Vec<Waiter>,
-    /// RAM namespaces met so far, with their memory region on our PD if the device
-    /// registers their memory (zero copy), registered once and kept until the engine goes.
-    ns_mrs: Vec<(Arc<Namespace>, Option<MrInfo>)>,
 }
 
 /// The engine and the device it posts to, under one lock.
@@ -352,7 +301,6 @@ pub struct Target<D: DeviceContext> {
     /// Zero of the engine's clock (tokio's, so virtual on a simulated network).
     epoch: tokio::time::Instant,
     pool: Arc<Pool<D::Mem>>,
-    grants: Arc<Grants>,
 }
 
 impl<D: DeviceContext> Clone for Target<D> {
@@ -362,7 +310,6 @@ impl<D: DeviceContext> Clone for Target<D> {
             engine: self.engine.clone(),
             epoch: self.epoch,
             pool: self.pool.clone(),
-            grants: self.grants.clone(),
         }
     }
 }
@@ -393,7 +340,6 @@ impl<D: DeviceContext> Target<D> {
             }
         };
         let pool = Pool::new(IO_WORKERS);
-        let grants = Arc::new(Grants::default());
         let metrics = Publisher::new(COUNTERS, "port", &cfg.port.to_string());
         let e = Engine {
             cfg: Arc::new(cfg),
@@ -418,9 +364,6 @@ impl<D: DeviceContext> Target<D> {
             next_token: 0,
             finished: Vec::new(),
             metrics,
-            grants: grants.clone(),
-            granted: Vec::new(),
-            ns_mrs: Vec::new(),
         };
         let d = Io::new(dev.clone());
         let t = Target {
@@ -428,7 +371,6 @@ impl<D: DeviceContext> Target<D> {
             engine: Arc::new(Mutex::new(Locked { e, d })),
             epoch: tokio::time::Instant::now(),
             pool,
-            grants,
         };
         let task = t.clone();
         tokio::spawn(async move { task.serve().await });
@@ -611,26 +553,20 @@ impl<D: DeviceContext> Target<D> {
         e.batching = true;
         d.defer();
         f(e, d);
-        e.run_granted(d);
         e.batching = false;
         e.post_responses(d);
         d.flush();
     }
 
     async fn serve(self) {
-        /// The workers stop with the engine (the device died, or the runtime went); its
-        /// namespace ranges go to whoever else waits for them, its namespace regions are
-        /// deregistered.
-        struct Close<D: DeviceContext>(Target<D>);
-        impl<D: DeviceContext> Drop for Close<D> {
+        /// The workers stop with the engine (the device died, or the runtime went).
+        struct Close<M: HostBuffer>(Arc<Pool<M>>);
+        impl<M: HostBuffer> Drop for Close<M> {
             fn drop(&mut self) {
-                self.0.pool.close();
-                let mut g = self.0.lock();
-                let Locked { e, d } = &mut *g;
-                e.close(d);
+                self.0.close();
             }
         }
-        let _close = Close(self.clone());
+        let _close = Close(self.pool.clone());
         let cq = self.lock().e.cq;
         let mut batch = Vec::with_capacity(256);
         // Keep-alive expiry is checked on this tick; KATO is at least a second in practice.
@@ -651,9 +587,6 @@ impl<D: DeviceContext> Target<D> {
                     e.metrics.publish(&e.stats);
                 }
                 _ = self.pool.ready.notified() => self.turn(|e, d| e.answer_finished(d)),
-                // Ranges granted by another engine's command (or outside a turn): taken at
-                // the end of the turn.
-                _ = self.grants.ready.notified() => self.turn(|_, _| {}),
                 n = self.dev.wait_cq(cq, 256, &mut batch) => {
                     if n == 0 {
                         return; // the device died
@@ -980,16 +913,10 @@ impl<D: DeviceContext> Engine<D> {
     }
 
     fn remove_queue(&mut self, d: &mut Io<D>, qpn: Qpn) {
-        let Some(mut q) = self.queues.remove(&qpn) else {
+        let Some(q) = self.queues.remove(&qpn) else {
             return;
         };
         q.alive.store(false, Ordering::Release);
-        // Its namespace ranges go to whoever waits for them. A write that was fetching
-        // leaves its range part written, as a failed write may (NVMe); a zeroing step that
-        // is running finishes on its own.
-        for c in &mut q.cmds {
-            c.release();
-        }
         self.pool.purge(q.token);
         d.dev.destroy_qp(qpn);
         for mr in [q.recv.1, q.rsp.1, q.data.1] {
@@ -1044,9 +971,6 @@ impl<D: DeviceContext> Engine<D> {
                 if let Some(q) = self.queues.get_mut(&wc.qpn) {
                     if let Some(c) = q.cmds.get_mut(slot) {
                         if c.stage == Stage::Responding {
-                            // A read's data is acknowledged with its response: its range
-                            // may be written again.
-                            c.release();
                             c.stage = Stage::Free;
                             q.free.push(slot);
                             if let Some((r, len)) = q.held.pop_front() {
@@ -1135,12 +1059,10 @@ impl<D: DeviceContext> Engine<D> {
 
     /// Begin a command: fetch host data if it brings any, else execute now.
     fn start(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize) {
-        let Some(q) = self.queues.get_mut(&qpn) else {
+        let Some(q) = self.queues.get(&qpn) else {
             return;
         };
-        let cmd = &mut q.cmds[c];
-        (cmd.src, cmd.direct) = (None, false);
-        let sqe = cmd.sqe;
+        let sqe = q.cmds[c].sqe;
         // Nothing but Connect on a queue without a controller, and no data moved for it
         // (NVMe-oF: Command Sequence Error).
         if q.cntlid.is_none() && sqe.opcode != opcode::FABRICS {
@@ -1151,16 +1073,6 @@ impl<D: DeviceContext> Engine<D> {
             Ok(None) => return self.execute(d, qpn, c),
             Err(st) => return self.respond(d, qpn, c, st, 0, 0),
         };
-        // A write to a RAM namespace takes its data without staging it: in-capsule data is
-        // copied from the capsule, fetched data lands in the namespace if the device
-        // registers its memory.
-        let ram = (sqe.opcode == opcode::io::WRITE)
-            .then(|| self.io_ns(qpn, &sqe))
-            .flatten()
-            .filter(|ns| ns.is_ram());
-        let zc = ram
-            .as_ref()
-            .and_then(|ns| Some((ns.clone(), self.ns_mr(d, ns)?)));
         let Some(q) = self.queues.get_mut(&qpn) else {
             return;
         };
@@ -1188,255 +1100,39 @@ impl<D: DeviceContext> Engine<D> {
                 if offset != 0 || end > q.cmds[c].capsule_len as u64 {
                     return self.respond(d, qpn, c, Status::SGL_OFFSET_INVALID.with_dnr(), 0, 0);
                 }
-                // Stage in-capsule data like fetched data, so execution has one source
-                // (a RAM namespace's write copies it from the capsule instead).
-                if ram.is_none() {
-                    let base = c * q.staging_len;
-                    q.data
-                        .0
-                        .write(base, &q.cmds[c].capsule[SQE_LEN..end as usize]);
-                    if q.qid > 0 {
-                        self.stats.io_copies += 1;
-                        self.stats.io_copied_bytes += want as u64;
-                    }
+                // Stage in-capsule data like fetched data, so execution has one source.
+                let base = c * q.staging_len;
+                q.data
+                    .0
+                    .write(base, &q.cmds[c].capsule[SQE_LEN..end as usize]);
+                if q.qid > 0 {
+                    self.stats.io_copies += 1;
+                    self.stats.io_copied_bytes += want as u64;
                 }
                 self.execute(d, qpn, c);
             }
             SglDescriptor::Keyed { addr, key, .. } => {
-                let op = SendOp::Read {
-                    remote_addr: addr,
-                    rkey: MemKey(key),
+                let local = Sgl::one(
+                    q.data.1.addr + (c * q.staging_len) as u64,
+                    want as u32,
+                    q.data.1.lkey,
+                );
+                let wr = SendWr {
+                    wr_id: wr_id(WR_RDMA_READ, c),
+                    op: SendOp::Read {
+                        remote_addr: addr,
+                        rkey: MemKey(key),
+                    },
+                    sgl: local,
+                    signaled: true,
+                    solicited: false,
                 };
-                let Some((ns, mr)) = zc else {
-                    let local = Sgl::one(
-                        q.data.1.addr + (c * q.staging_len) as u64,
-                        want as u32,
-                        q.data.1.lkey,
-                    );
-                    return self.fetch(d, qpn, c, read_wr(c, op, local), false);
-                };
-                // Straight into the namespace: the range is checked before anything moves,
-                // and the command holds it until the data is in.
-                let slba = sqe.cdw10 as u64 | ((sqe.cdw11 as u64) << 32);
-                let nlb = (sqe.cdw12 & 0xFFFF) as u64 + 1;
-                let off = match ns.range(slba, nlb) {
-                    Ok((off, _)) => off,
-                    Err(st) => {
-                        self.stats.errors += 1;
-                        return self.respond(d, qpn, c, st, 0, 0);
-                    }
-                };
-                let local = Sgl::one(mr.addr + off, want as u32, mr.lkey);
-                let then = Pending::Fetch(read_wr(c, op, local));
-                self.ranged(d, qpn, c, &ns, (off, want), true, then);
-            }
-        }
-    }
-
-    /// RDMA READ the host's data for command `c` (into the namespace if `direct`).
-    fn fetch(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize, wr: SendWr, direct: bool) {
-        let Some(q) = self.queues.get_mut(&qpn) else {
-            return;
-        };
-        q.cmds[c].stage = Stage::Fetching;
-        q.cmds[c].direct = direct;
-        if d.post_send(qpn, wr).is_err() {
-            q.cmds[c].release();
-            q.cmds[c].stage = Stage::Free;
-            q.free.push(c);
-            release_boot_recv(d, qpn, q);
-        }
-    }
-
-    /// The namespace an I/O command names, if its controller has it.
-    fn io_ns(&self, qpn: Qpn, sqe: &Sqe) -> Option<Arc<Namespace>> {
-        let q = self.queues.get(&qpn)?;
-        if q.qid == 0 || sqe.opcode == opcode::FABRICS {
-            return None;
-        }
-        let ctrl = self.ctrls.get(&q.cntlid?)?;
-        self.subsystem(ctrl)?
-            .namespaces
-            .iter()
-            .find(|n| n.nsid == sqe.nsid)
-            .cloned()
-    }
-
-    /// The memory region of RAM namespace `ns` on our PD, registered the first time it is
-    /// asked for: `None` where the device cannot register the namespace's memory (another
-    /// device's memory type, or the registration failed), and the data goes through staging.
-    /// Local access only: we post the RDMA operations, no peer ever gets a key to it.
-    fn ns_mr(&mut self, d: &mut Io<D>, ns: &Arc<Namespace>) -> Option<MrInfo> {
-        if let Some((_, mr)) = self.ns_mrs.iter().find(|(n, _)| Arc::ptr_eq(n, ns)) {
-            return *mr;
-        }
-        let mem = ns
-            .ram_store()
-            .and_then(|s| s.as_any().downcast_ref::<D::Mem>());
-        let mr = mem.and_then(|m| {
-            d.dev
-                .reg_mr(self.pd, m, 0, m.len(), Access::LOCAL_WRITE)
-                .ok()
-        });
-        self.ns_mrs.push((ns.clone(), mr));
-        mr
-    }
-
-    /// Take `(off, len)` of `ns` for command `c` and carry on with `then` at once, or when
-    /// the range is granted ([`Engine::run_granted`]).
-    #[allow(clippy::too_many_arguments)]
-    fn ranged(
-        &mut self,
-        d: &mut Io<D>,
-        qpn: Qpn,
-        c: usize,
-        ns: &Arc<Namespace>,
-        (off, len): (u64, usize),
-        write: bool,
-        then: Pending,
-    ) {
-        let Some(q) = self.queues.get_mut(&qpn) else {
-            return;
-        };
-        let who = Waiter {
-            qpn,
-            token: q.token,
-            slot: c,
-            ticket: 0,
-        };
-        let (ticket, granted) = ns.take_range(off, len, write, who, &self.grants);
-        let cmd = &mut q.cmds[c];
-        cmd.hold = Some(Hold {
-            ns: ns.clone(),
-            ticket,
-        });
-        if granted {
-            self.proceed(d, qpn, c, then);
-        } else {
-            cmd.stage = Stage::Waiting;
-            cmd.pending = Some(then);
-        }
-    }
-
-    /// Carry on with commands whose namespace ranges were granted since (here or by
-    /// another engine).
-    fn run_granted(&mut self, d: &mut Io<D>) {
-        loop {
-            let mut g = std::mem::take(&mut self.granted);
-            self.grants.take(&mut g);
-            if g.is_empty() {
-                self.granted = g;
-                return;
-            }
-            for w in g.drain(..) {
-                let Some(q) = self.queues.get_mut(&w.qpn) else {
-                    continue;
-                };
-                let Some(cmd) = q.cmds.get_mut(w.slot) else {
-                    continue;
-                };
-                let ours = q.token == w.token
-                    && cmd.stage == Stage::Waiting
-                    && cmd.hold.as_ref().map(|h| h.ticket) == Some(w.ticket);
-                if let Some(then) = cmd.pending.take().filter(|_| ours) {
-                    self.proceed(d, w.qpn, w.slot, then);
+                q.cmds[c].stage = Stage::Fetching;
+                if d.post_send(qpn, wr).is_err() {
+                    q.cmds[c].stage = Stage::Free;
+                    q.free.push(c);
+                    release_boot_recv(d, qpn, q);
                 }
-            }
-            self.granted = g;
-        }
-    }
-
-    /// The rest of a RAM namespace command that holds its range.
-    fn proceed(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize, then: Pending) {
-        let Some(ns) = self
-            .queues
-            .get(&qpn)
-            .and_then(|q| q.cmds[c].hold.as_ref())
-            .map(|h| h.ns.clone())
-        else {
-            return;
-        };
-        match then {
-            Pending::Fetch(wr) => self.fetch(d, qpn, c, wr, true),
-            Pending::Read { off, len } => {
-                let mr = self.ns_mr(d, &ns);
-                let Some(q) = self.queues.get_mut(&qpn) else {
-                    return;
-                };
-                if let Some(mr) = mr {
-                    // Zero copy: the RDMA WRITE reads the namespace; the range is held
-                    // until the response (after the data) is acknowledged.
-                    q.cmds[c].src = Some((mr.addr + off, mr.lkey));
-                } else {
-                    let at = c * q.staging_len;
-                    let r = q.data.0.with_range(at, len, |g| ns.read(off, g));
-                    q.cmds[c].release();
-                    if let Err(st) = r {
-                        self.stats.errors += 1;
-                        return self.respond(d, qpn, c, st, 0, 0);
-                    }
-                    self.stats.io_copies += 1;
-                    self.stats.io_copied_bytes += len as u64;
-                }
-                self.respond(d, qpn, c, Status::SUCCESS, 0, len)
-            }
-            Pending::Store { off, len, inline } => {
-                let Some(q) = self.queues.get_mut(&qpn) else {
-                    return;
-                };
-                let r = if inline {
-                    ns.write(off, &q.cmds[c].capsule[SQE_LEN..SQE_LEN + len])
-                } else {
-                    let at = c * q.staging_len;
-                    q.data.0.with_range(at, len, |g| ns.write(off, g))
-                };
-                q.cmds[c].release();
-                match r {
-                    Ok(()) => {
-                        self.stats.io_copies += 1;
-                        self.stats.io_copied_bytes += len as u64;
-                        self.stats.bytes_written += len as u64;
-                        self.respond(d, qpn, c, Status::SUCCESS, 0, 0)
-                    }
-                    Err(st) => {
-                        self.stats.errors += 1;
-                        self.respond(d, qpn, c, st, 0, 0)
-                    }
-                }
-            }
-            Pending::Zero(op) => self.offload(qpn, c, ns, op),
-        }
-    }
-
-    /// Run `op` of command `c` on a worker.
-    fn offload(&mut self, qpn: Qpn, c: usize, ns: Arc<Namespace>, op: Op) {
-        if let Some(q) = self.queues.get_mut(&qpn) {
-            q.cmds[c].stage = Stage::Executing;
-            self.stats.offloaded += 1;
-            self.pool.submit(Job {
-                qpn,
-                token: q.token,
-                slot: c,
-                ns,
-                staging: q.data.0.clone(),
-                at: c * q.staging_len,
-                op,
-                alive: q.alive.clone(),
-            });
-        }
-    }
-
-    /// The engine goes: its commands' namespace ranges to whoever waits for them, its
-    /// namespace regions deregistered.
-    fn close(&mut self, d: &mut Io<D>) {
-        for q in self.queues.values_mut() {
-            for c in &mut q.cmds {
-                c.release();
-            }
-        }
-        for (_, mr) in self.ns_mrs.drain(..) {
-            if let Some(mr) = mr {
-                d.dev.dereg_mr(&mr);
             }
         }
     }
@@ -1495,7 +1191,7 @@ impl<D: DeviceContext> Engine<D> {
         } else if qid == 0 {
             self.exec_admin(qpn, c, &sqe)
         } else {
-            self.exec_io(d, qpn, c, &sqe)
+            self.exec_io(qpn, c, &sqe)
         };
         match r {
             Ok(Done::Respond { result, data_out }) => {
@@ -1506,8 +1202,22 @@ impl<D: DeviceContext> Engine<D> {
                     q.cmds[c].stage = Stage::Parked;
                 }
             }
-            Ok(Done::Offload(ns, op)) => self.offload(qpn, c, ns, op),
-            Ok(Done::Later) => {}
+            Ok(Done::Offload(ns, op)) => {
+                if let Some(q) = self.queues.get_mut(&qpn) {
+                    q.cmds[c].stage = Stage::Executing;
+                    self.stats.offloaded += 1;
+                    self.pool.submit(Job {
+                        qpn,
+                        token: q.token,
+                        slot: c,
+                        ns,
+                        staging: q.data.0.clone(),
+                        at: c * q.staging_len,
+                        op,
+                        alive: q.alive.clone(),
+                    });
+                }
+            }
             Err(st) => {
                 self.stats.errors += 1;
                 self.respond(d, qpn, c, st, 0, 0)
@@ -1528,9 +1238,6 @@ impl<D: DeviceContext> Engine<D> {
                 q.token == f.token && q.cmds.get(f.slot).map(|c| c.stage) == Some(Stage::Executing);
             if !ours {
                 continue;
-            }
-            if let Some(q) = self.queues.get_mut(&f.qpn) {
-                q.cmds[f.slot].release();
             }
             // A worker's read or write copied the payload once, between staging and its
             // own buffer.
@@ -1581,14 +1288,7 @@ impl<D: DeviceContext> Engine<D> {
                             remote_addr: addr,
                             rkey: MemKey(key),
                         },
-                        sgl: match q.cmds[c].src {
-                            Some((addr, lkey)) => Sgl::one(addr, n, lkey),
-                            None => Sgl::one(
-                                q.data.1.addr + (c * q.staging_len) as u64,
-                                n,
-                                q.data.1.lkey,
-                            ),
-                        },
+                        sgl: Sgl::one(q.data.1.addr + (c * q.staging_len) as u64, n, q.data.1.lkey),
                         signaled: false,
                         solicited: false,
                     };
@@ -2142,7 +1842,7 @@ impl<D: DeviceContext> Engine<D> {
         page
     }
 
-    fn exec_io(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize, sqe: &Sqe) -> Result<Done, Status> {
+    fn exec_io(&mut self, qpn: Qpn, c: usize, sqe: &Sqe) -> Result<Done, Status> {
         let ctrl = self.ctrl_of(qpn, false)?;
         let subsys = self
             .subsystem(ctrl)
@@ -2156,50 +1856,48 @@ impl<D: DeviceContext> Engine<D> {
         let slba = sqe.cdw10 as u64 | ((sqe.cdw11 as u64) << 32);
         let nlb = (sqe.cdw12 & 0xFFFF) as u64 + 1;
         let staging = self.queues[&qpn].staging_len;
-        // A RAM namespace's reads and writes move at most `staging` bytes and stay here,
-        // each holding its range of the namespace while its data moves; what a host can
-        // make long goes to a worker.
-        let ram = ns.is_ram();
+        // A RAM namespace's reads and writes are a copy of at most `staging` bytes and stay
+        // here; what a host can make long goes to a worker.
+        let offload = !ns.is_ram();
         match sqe.opcode {
             opcode::io::READ => {
                 let (off, len) = ns.range(slba, nlb)?;
                 if len > staging {
                     return Err(Status::INVALID_FIELD.with_dnr());
                 }
-                if !ram {
+                if offload {
                     return Ok(Done::Offload(ns, Op::Read { off, len }));
                 }
-                let then = Pending::Read { off, len };
-                self.ranged(d, qpn, c, &ns, (off, len), false, then);
-                Ok(Done::Later)
+                let q = &self.queues[&qpn];
+                q.data.0.with_range(c * staging, len, |g| ns.read(off, g))?;
+                self.stats.io_copies += 1;
+                self.stats.io_copied_bytes += len as u64;
+                Ok(Done::Respond {
+                    result: 0,
+                    data_out: len,
+                })
             }
             opcode::io::WRITE => {
                 let (off, len) = ns.range(slba, nlb)?;
                 if len > staging {
                     return Err(Status::INVALID_FIELD.with_dnr());
                 }
-                if !ram {
+                if offload {
                     return Ok(Done::Offload(ns, Op::Write { off, len }));
                 }
-                let q = self.queues.get_mut(&qpn).ok_or(Status::INTERNAL_ERROR)?;
-                if q.cmds[c].direct {
-                    // Fetched straight into the namespace: done, and the range is free.
-                    q.cmds[c].release();
-                    self.stats.bytes_written += len as u64;
-                    return Ok(Done::Respond {
-                        result: 0,
-                        data_out: 0,
-                    });
-                }
-                let inline = matches!(
-                    SglDescriptor::parse(&sqe.dptr),
-                    Ok(SglDescriptor::InCapsule { .. })
-                );
-                let then = Pending::Store { off, len, inline };
-                self.ranged(d, qpn, c, &ns, (off, len), true, then);
-                Ok(Done::Later)
+                let q = &self.queues[&qpn];
+                q.data
+                    .0
+                    .with_range(c * staging, len, |g| ns.write(off, g))?;
+                self.stats.io_copies += 1;
+                self.stats.io_copied_bytes += len as u64;
+                self.stats.bytes_written += len as u64;
+                Ok(Done::Respond {
+                    result: 0,
+                    data_out: 0,
+                })
             }
-            opcode::io::FLUSH if !ram => Ok(Done::Offload(ns, Op::Flush)),
+            opcode::io::FLUSH if offload => Ok(Done::Offload(ns, Op::Flush)),
             opcode::io::FLUSH => {
                 ns.flush()?;
                 Ok(Done::Respond {
@@ -2210,7 +1908,7 @@ impl<D: DeviceContext> Engine<D> {
             opcode::io::WRITE_ZEROES => {
                 let (off, len) = ns.range(slba, nlb)?;
                 let ranges = VecDeque::from([(off, len)]);
-                Ok(self.zero(d, qpn, c, ns, ranges))
+                Ok(Done::Offload(ns, Op::Zero { ranges }))
             }
             opcode::io::DATASET_MANAGEMENT => {
                 let nr = (sqe.cdw10 & 0xFF) as usize + 1;
@@ -2234,32 +1932,9 @@ impl<D: DeviceContext> Engine<D> {
                         zero.push_back((off, len));
                     }
                 }
-                Ok(self.zero(d, qpn, c, ns, zero))
+                Ok(Done::Offload(ns, Op::Zero { ranges: zero }))
             }
             _ => Err(Status::INVALID_OPCODE.with_dnr()),
-        }
-    }
-
-    /// Zero `ranges` of `ns` on a worker; a RAM namespace's zeroing first takes the span
-    /// of its ranges, as a write.
-    fn zero(
-        &mut self,
-        d: &mut Io<D>,
-        qpn: Qpn,
-        c: usize,
-        ns: Arc<Namespace>,
-        ranges: VecDeque<(u64, usize)>,
-    ) -> Done {
-        let lo = ranges.iter().map(|r| r.0).min();
-        let hi = ranges.iter().map(|r| r.0 + r.1 as u64).max();
-        let op = Op::Zero { ranges };
-        match (lo, hi) {
-            (Some(lo), Some(hi)) if ns.is_ram() => {
-                let span = (lo, (hi - lo) as usize);
-                self.ranged(d, qpn, c, &ns, span, true, Pending::Zero(op));
-                Done::Later
-            }
-            _ => Done::Offload(ns, op),
         }
     }
 }
@@ -2272,19 +1947,6 @@ enum Done {
     Park,
     /// Run `Op` on a worker; the response follows when it finishes.
     Offload(Arc<Namespace>, Op),
-    /// The command carries on by itself (it waits for its namespace range, or has already
-    /// been answered).
-    Later,
-}
-
-fn read_wr(c: usize, op: SendOp, sgl: Sgl) -> SendWr {
-    SendWr {
-        wr_id: wr_id(WR_RDMA_READ, c),
-        op,
-        sgl,
-        signaled: true,
-        solicited: false,
-    }
 }
 
 /// An ASCII identify field, space padded; text that does not fit is cut.
@@ -2321,7 +1983,6 @@ fn send_response<D: DeviceContext>(d: &mut Io<D>, qpn: Qpn, q: &mut TQueue<D::Me
         solicited: false,
     };
     if d.post_send(qpn, wr).is_err() {
-        q.cmds[c].release();
         q.cmds[c].stage = Stage::Free;
         q.free.push(c);
     }
@@ -2373,10 +2034,6 @@ fn alloc_rings<D: DeviceContext>(
             sqe: Sqe::new(0, 0),
             capsule: try_zeroed(capsule_len)?,
             capsule_len: 0,
-            hold: None,
-            pending: None,
-            src: None,
-            direct: false,
         });
     }
     // Staging is the big one (slots x max_transfer): its pages come in as commands use

@@ -6,9 +6,7 @@
 //! registered rings: receive capsules (64-byte SQE + in-capsule data), responses (16-byte
 //! CQEs), and one data staging area per command slot for RDMA READ (host → target data) and
 //! RDMA WRITE (target → host data). Every command follows the same path: capsule in → fetch
-//! data if any → execute → push data if any → SEND the response. A RAM namespace whose
-//! memory the device registers skips the staging: its data is fetched into it and pushed
-//! from it, each command holding its byte range meanwhile (`namespace::Extents`).
+//! data if any → execute → push data if any → SEND the response.
 
 mod backend;
 pub mod engine;

@@ -1,14 +1,11 @@
 //! Namespace backends for the built-in target: RAM or a file.
 
-use std::any::Any;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Mutex;
 
-use crate::hca::HostMem;
 use crate::nvme::Status;
-use crate::verbs::{HostBuffer, Qpn};
 
 /// Back a RAM namespace with memory taken now, as SPDK's malloc bdev does: left to the
 /// kernel, the first write to each 4 KiB page would take a page fault, which on a virtual
@@ -35,38 +32,9 @@ fn take_ram(mem: &[u8]) {
     }
 }
 
-/// A RAM namespace's memory: a device's [`HostBuffer`] behind an object-safe face, so a
-/// [`Namespace`] need not be generic over the device. An engine whose device registers this
-/// very memory type (found with [`RamStore::as_any`]) moves the namespace's data with RDMA
-/// straight from and into it; any other engine copies through its staging.
-pub trait RamStore: Send + Sync + 'static {
-    fn as_any(&self) -> &dyn Any;
-    fn read(&self, offset: usize, out: &mut [u8]);
-    fn write(&self, offset: usize, data: &[u8]);
-    fn zero(&self, offset: usize, len: usize);
-}
-
-impl<M: HostBuffer> RamStore for M {
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-
-    fn read(&self, offset: usize, out: &mut [u8]) {
-        HostBuffer::read(self, offset, out)
-    }
-
-    fn write(&self, offset: usize, data: &[u8]) {
-        HostBuffer::write(self, offset, data)
-    }
-
-    fn zero(&self, offset: usize, len: usize) {
-        self.with_range(offset, len, |g| g.fill(0))
-    }
-}
-
 /// Where a namespace keeps its blocks.
 pub enum Backend {
-    Ram(Box<dyn RamStore>),
+    Ram(Mutex<Vec<u8>>),
     File { file: File, direct: bool },
 }
 
@@ -76,8 +44,6 @@ pub struct Namespace {
     pub lbads: u8,
     pub blocks: u64,
     backend: Backend,
-    /// Byte ranges that commands are moving data in or out of (see [`Extents`]).
-    extents: Mutex<Extents>,
 }
 
 impl std::fmt::Debug for Namespace {
@@ -87,26 +53,16 @@ impl std::fmt::Debug for Namespace {
 }
 
 impl Namespace {
-    /// A RAM namespace of `bytes` (rounded down to whole blocks), in the soft-HCA's memory.
+    /// A RAM namespace of `bytes` (rounded down to whole blocks).
     pub fn ram(nsid: u32, bytes: u64, lbads: u8) -> Namespace {
-        Namespace::ram_in::<HostMem>(nsid, bytes, lbads)
-    }
-
-    /// A RAM namespace in device memory of type `M` (a target on a device whose
-    /// [`crate::verbs::DeviceContext::Mem`] is `M` moves its data without a copy).
-    pub fn ram_in<M: HostBuffer>(nsid: u32, bytes: u64, lbads: u8) -> Namespace {
         let blocks = bytes >> lbads;
-        let len = (blocks << lbads) as usize;
-        // Lazily mapped, then taken at once with huge pages (`take_ram`); as `vec!` did, an
-        // allocation that cannot be had ends the process (the operator asked for it).
-        let mem = M::try_alloc_lazy(len).unwrap_or_else(|| M::alloc(len));
-        mem.with_range(0, len, |g| take_ram(g));
+        let mem = vec![0u8; (blocks << lbads) as usize];
+        take_ram(&mem);
         Namespace {
             nsid,
             lbads,
             blocks,
-            backend: Backend::Ram(Box::new(mem)),
-            extents: Mutex::new(Extents::default()),
+            backend: Backend::Ram(Mutex::new(mem)),
         }
     }
 
@@ -141,7 +97,6 @@ impl Namespace {
             lbads,
             blocks: len >> lbads,
             backend: Backend::File { file, direct },
-            extents: Mutex::new(Extents::default()),
         })
     }
 
@@ -167,7 +122,8 @@ impl Namespace {
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), Status> {
         match &self.backend {
             Backend::Ram(m) => {
-                m.read(offset as usize, out);
+                let g = m.lock().unwrap_or_else(|e| e.into_inner());
+                out.copy_from_slice(&g[offset as usize..offset as usize + out.len()]);
                 Ok(())
             }
             Backend::File { file, .. } => file
@@ -179,7 +135,8 @@ impl Namespace {
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), Status> {
         match &self.backend {
             Backend::Ram(m) => {
-                m.write(offset as usize, data);
+                let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+                g[offset as usize..offset as usize + data.len()].copy_from_slice(data);
                 Ok(())
             }
             Backend::File { file, .. } => file
@@ -188,17 +145,9 @@ impl Namespace {
         }
     }
 
-    /// Is this namespace in RAM (its reads and writes cost a copy at most)?
+    /// Is this namespace in RAM (its reads and writes cost a copy, nothing more)?
     pub fn is_ram(&self) -> bool {
         matches!(self.backend, Backend::Ram(_))
-    }
-
-    /// The memory of a RAM namespace.
-    pub fn ram_store(&self) -> Option<&dyn RamStore> {
-        match &self.backend {
-            Backend::Ram(m) => Some(&**m),
-            Backend::File { .. } => None,
-        }
     }
 
     /// The most one [`Namespace::zero_step`] does: bounds how long a worker is busy with one
@@ -213,7 +162,8 @@ impl Namespace {
         let n = len.min(Self::ZERO_STEP);
         match &self.backend {
             Backend::Ram(m) => {
-                m.zero(offset as usize, n);
+                let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+                g[offset as usize..offset as usize + n].fill(0);
                 Ok(n)
             }
             Backend::File { file, .. } => {
@@ -252,136 +202,5 @@ impl Namespace {
                 }
             }
         }
-    }
-}
-
-/// A command waiting for (or holding) a byte range of a namespace, as its engine knows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Waiter {
-    pub qpn: Qpn,
-    /// The queue's incarnation (QPNs come back).
-    pub token: u64,
-    pub slot: usize,
-    pub ticket: u64,
-}
-
-/// Where an engine hears that ranges it waited for are its now: the namespace may be served
-/// by several engines (one per device), and a range one of them releases may go to a
-/// command of another.
-#[derive(Default)]
-pub(crate) struct Grants {
-    granted: Mutex<Vec<Waiter>>,
-    pub ready: tokio::sync::Notify,
-}
-
-impl Grants {
-    /// Move the grants not yet taken into `out`.
-    pub fn take(&self, out: &mut Vec<Waiter>) {
-        out.append(&mut lock(&self.granted));
-    }
-}
-
-struct Extent {
-    off: u64,
-    end: u64,
-    write: bool,
-    granted: bool,
-    who: Waiter,
-    grants: Arc<Grants>,
-}
-
-impl Extent {
-    fn conflicts(&self, other: &Extent) -> bool {
-        (self.write || other.write) && self.off < other.end && other.off < self.end
-    }
-}
-
-/// The ranges of a RAM namespace that commands move data in or out of. With zero copy the
-/// device moves a command's data packet by packet (a block may span packets, and a lost
-/// packet is sent again from the memory later), so two overlapping commands, one a write,
-/// could tear a block that NVMe promises is written atomically (AWUN/AWUPF 0). So a command
-/// takes its range before its data moves and gives it back when the data has arrived
-/// (a write) or been acknowledged (a read), and one that overlaps an earlier command's
-/// range, where either writes, waits for it, in arrival order.
-///
-/// Bounded by the command slots of the queues using the namespace: each slot holds or
-/// waits for one range at most.
-#[derive(Default)]
-pub(crate) struct Extents {
-    /// In arrival order, granted or waiting.
-    list: Vec<Extent>,
-    waiting: usize,
-    next: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl Namespace {
-    /// Ask for `len` bytes at `off` (for writing if `write`) on behalf of `who` (whose
-    /// `ticket` is filled in). Returns the ticket and whether the range is the command's at
-    /// once; if not, it goes to `grants` when every earlier conflicting command is done.
-    pub(crate) fn take_range(
-        &self,
-        off: u64,
-        len: usize,
-        write: bool,
-        who: Waiter,
-        grants: &Arc<Grants>,
-    ) -> (u64, bool) {
-        let mut x = lock(&self.extents);
-        let ticket = x.next;
-        x.next += 1;
-        let mut e = Extent {
-            off,
-            end: off + len as u64,
-            write,
-            granted: false,
-            who: Waiter { ticket, ..who },
-            grants: grants.clone(),
-        };
-        e.granted = !x.list.iter().any(|o| o.conflicts(&e));
-        if !e.granted {
-            x.waiting += 1;
-        }
-        let granted = e.granted;
-        x.list.push(e);
-        (ticket, granted)
-    }
-
-    /// Give back (or stop waiting for) the range of `ticket`; waiting commands that no
-    /// earlier command conflicts with any more are granted theirs. Unknown tickets are
-    /// ignored.
-    pub(crate) fn put_range(&self, ticket: u64) {
-        let mut x = lock(&self.extents);
-        let Some(i) = x.list.iter().position(|e| e.who.ticket == ticket) else {
-            return;
-        };
-        let gone = x.list.remove(i);
-        if !gone.granted {
-            x.waiting -= 1;
-        }
-        if x.waiting == 0 {
-            return;
-        }
-        for j in i..x.list.len() {
-            if x.list[j].granted {
-                continue;
-            }
-            if x.list[..j].iter().any(|o| o.conflicts(&x.list[j])) {
-                continue;
-            }
-            let e = &mut x.list[j];
-            e.granted = true;
-            lock(&e.grants.granted).push(e.who);
-            e.grants.ready.notify_one();
-            x.waiting -= 1;
-        }
-    }
-
-    /// Ranges held or waited for (tests and teardown checks).
-    pub fn ranges_in_use(&self) -> usize {
-        lock(&self.extents).list.len()
     }
 }
