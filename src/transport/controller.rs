@@ -753,12 +753,18 @@ impl<S: DeviceSource> Supervisor<S> {
         // The I/O queues' data-path counters (what `Controller::io_copies` reports) are read
         // here, at each event (keep-alive included), not counted per I/O: the hot path
         // stays free of the metrics facade.
-        let io_sum = |f: fn(&QueueStats) -> u64| self.io.iter().map(|q| f(&q.lock().stats)).sum();
-        self.metrics.completed.absolute(io_sum(|s| s.completed));
-        self.metrics.copies.absolute(io_sum(|s| s.copies));
-        self.metrics
-            .copied_bytes
-            .absolute(io_sum(|s| s.copied_bytes));
+        let (mut done, mut copies, mut bytes) = (0, 0, 0);
+        for q in &self.io {
+            let s = &q.lock().stats;
+            (done, copies, bytes) = (
+                done + s.completed,
+                copies + s.copies,
+                bytes + s.copied_bytes,
+            );
+        }
+        self.metrics.completed.absolute(done);
+        self.metrics.copies.absolute(copies);
+        self.metrics.copied_bytes.absolute(bytes);
         let st = CtrlStatus {
             machine: m,
             cntlid: self.cntlid,
