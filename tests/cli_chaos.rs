@@ -4,6 +4,10 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "common/proc.rs"]
+mod proc;
+use proc::Proc;
+
 /// The number after `"key":` in flat-enough JSON.
 fn num(j: &str, key: &str) -> Option<u64> {
     let k = format!("\"{key}\":");
@@ -63,4 +67,72 @@ fn a_short_chaos_run_recovers_and_passes() {
     assert_eq!(num(j, "mismatches"), Some(0), "{j}");
     assert_eq!(num(j, "hangs"), Some(0), "{j}");
     assert!(num(j, "verified_bytes").unwrap_or(0) > 0, "{j}");
+}
+
+/// A target that dies for good: the controller gives up at ctrl_loss_tmo, and the run ends
+/// then, with the give-up in its summary, not --seconds later. Before the fix the workers
+/// spun on the dead controller for the whole run, keeping one list entry per failed I/O
+/// (millions in the guest test), and this run took 600 s.
+#[test]
+fn a_controller_that_gives_up_ends_the_run() {
+    let dir = std::env::temp_dir().join(format!("nvmf-cli-chaos-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let nqn = "nqn.2026-11.io.nvmf-rdma:cli-chaos";
+    let (mut target, addr) = proc::start_target(nqn, "16M", &dir, &[]);
+    let mut cmd = Command::new(proc::BIN);
+    cmd.args([
+        "chaos",
+        "-a",
+        &addr,
+        "-n",
+        nqn,
+        "--size",
+        "16M",
+        "--workers",
+        "2",
+    ])
+    .args([
+        "-i",
+        "1",
+        "--seconds",
+        "600",
+        "--every",
+        "3600s",
+        "--faults",
+        "user-reset",
+    ])
+    .args([
+        "-c",
+        "1",
+        "-l",
+        "3",
+        "-k",
+        "1",
+        "--io-timeout",
+        "1",
+        "-o",
+        "json",
+    ]);
+    let mut chaos = Proc::spawn(cmd);
+    chaos.expect("connected; verifying I/O", Duration::from_secs(30));
+    let t0 = Instant::now();
+    target.kill();
+    // ctrl_loss_tmo 3 s after the loss is noticed (keep-alive / I/O timeout 1 s): well
+    // under a minute, where the run asked for ten.
+    let st = chaos.exits(Duration::from_secs(120));
+    let gone = t0.elapsed();
+    let out = chaos.rest();
+    assert!(
+        !st.success(),
+        "a run whose controller gave up must fail: {out}"
+    );
+    assert!(
+        gone < Duration::from_secs(60),
+        "ended {gone:?} after the loss: {out}"
+    );
+    assert!(out.contains("ctrl_loss_tmo expired"), "{out}");
+    assert_eq!(num(&out, "mismatches"), Some(0), "{out}");
+    assert_eq!(num(&out, "hangs"), Some(0), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

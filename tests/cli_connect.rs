@@ -2,19 +2,14 @@
 //! `disconnect` ends a `connect` whose controller retries forever, a controller that gives
 //! up ends `connect` with an error exit, and SIGTERM / SIGHUP stop it cleanly, at any time.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const NQN: &str = "nqn.2026-11.io.nvmf-rdma:cli-connect";
-const BIN: &str = env!("CARGO_BIN_EXE_nvmf-rdma");
-
-struct Proc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
+#[path = "common/proc.rs"]
+mod proc;
+use proc::{Proc, BIN};
 
 impl Proc {
     fn start(args: &[&str], run_dir: &Path) -> Proc {
@@ -34,75 +29,6 @@ impl Proc {
         cmd.args(args).env("NVMF_RDMA_RUN_DIR", run_dir);
         Self::spawn(cmd)
     }
-
-    fn spawn(mut cmd: Command) -> Proc {
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start nvmf-rdma");
-        let (tx, lines) = mpsc::channel();
-        for out in [
-            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().unwrap()),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for l in BufReader::new(out).lines().map_while(Result::ok) {
-                    let _ = tx.send(l);
-                }
-            });
-        }
-        Proc { child, lines }
-    }
-
-    /// The first output line containing `what`, within `limit`.
-    fn expect(&self, what: &str, limit: Duration) -> String {
-        let deadline = Instant::now() + limit;
-        let mut seen = Vec::new();
-        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.contains(what) => return l,
-                Ok(l) => seen.push(l),
-                Err(_) => break,
-            }
-        }
-        panic!(
-            "no line with {what:?} within {limit:?}; saw:\n{}",
-            seen.join("\n")
-        );
-    }
-
-    /// The exit status, within `limit`.
-    fn exits(&mut self, limit: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                panic!("still running {limit:?} later");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn rest(&self) -> String {
-        self.lines.try_iter().collect::<Vec<_>>().join("\n")
-    }
-
-    fn signal(&self, sig: libc::c_int) {
-        // SAFETY: kill(2) on our own child's PID.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 struct Rig {
@@ -116,25 +42,7 @@ impl Rig {
         let dir = std::env::temp_dir().join(format!("nvmf-cli-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let target = Proc::start(
-            &[
-                "target",
-                "--listen",
-                "127.0.0.1:0",
-                "--ram",
-                "16M",
-                "-n",
-                NQN,
-            ],
-            &dir,
-        );
-        let line = target.expect("listening on", Duration::from_secs(20));
-        let addr = line
-            .split_whitespace()
-            .skip_while(|w| *w != "on")
-            .nth(1)
-            .unwrap_or_else(|| panic!("no address in {line:?}"))
-            .to_string();
+        let (target, addr) = proc::start_target(NQN, "16M", &dir, &[]);
         Rig { target, addr, dir }
     }
 
@@ -160,8 +68,7 @@ impl Rig {
     }
 
     fn kill_target(&mut self) {
-        let _ = self.target.child.kill();
-        let _ = self.target.child.wait();
+        self.target.kill();
     }
 
     fn sockets(&self) -> usize {

@@ -9,81 +9,15 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_nvmf-rdma");
+#[path = "common/proc.rs"]
+mod proc;
+use proc::{Proc, BIN};
+
 const NQN: &str = "nqn.2026-11.io.nvmf-rdma:daemon-a";
 const NQN_B: &str = "nqn.2026-11.io.nvmf-rdma:daemon-b";
-
-/// A child process whose output lines are collected.
-struct Proc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Proc {
-    fn spawn(mut cmd: Command) -> Proc {
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start nvmf-rdma");
-        let (tx, lines) = mpsc::channel();
-        for out in [
-            Box::new(child.stdout.take().unwrap()) as Box<dyn Read + Send>,
-            Box::new(child.stderr.take().unwrap()),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for l in BufReader::new(out).lines().map_while(Result::ok) {
-                    let _ = tx.send(l);
-                }
-            });
-        }
-        Proc { child, lines }
-    }
-
-    fn expect(&self, what: &str, limit: Duration) -> String {
-        let deadline = Instant::now() + limit;
-        let mut seen = Vec::new();
-        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.contains(what) => return l,
-                Ok(l) => seen.push(l),
-                Err(_) => break,
-            }
-        }
-        panic!(
-            "no line with {what:?} within {limit:?}; saw:\n{}",
-            seen.join("\n")
-        );
-    }
-
-    fn exits(&mut self, limit: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            assert!(Instant::now() < deadline, "still running {limit:?} later");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn signal(&self, sig: libc::c_int) {
-        // SAFETY: kill(2) on our own child's PID.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// A built-in target on a free loopback port.
 fn start_target(nqn: &str, dir: &Path) -> (Proc, String) {
@@ -92,27 +26,7 @@ fn start_target(nqn: &str, dir: &Path) -> (Proc, String) {
 
 /// [`start_target`] with more `target` flags.
 fn start_target_with(nqn: &str, dir: &Path, extra: &[&str]) -> (Proc, String) {
-    let mut cmd = Command::new(BIN);
-    cmd.args([
-        "target",
-        "--listen",
-        "127.0.0.1:0",
-        "--ram",
-        "64M",
-        "-n",
-        nqn,
-    ])
-    .args(extra)
-    .env("NVMF_RDMA_RUN_DIR", dir.join("target-run"));
-    let t = Proc::spawn(cmd);
-    let line = t.expect("listening on", Duration::from_secs(30));
-    let addr = line
-        .split_whitespace()
-        .skip_while(|w| *w != "on")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
-    (t, addr)
+    proc::start_target(nqn, "64M", &dir.join("target-run"), extra)
 }
 
 /// One test's directories and the cleanup that must happen whatever fails: loop devices on

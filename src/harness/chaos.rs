@@ -8,6 +8,7 @@
 //! acknowledged updates the model; every read must match the model block for block. A write
 //! that failed leaves its blocks unknown (old or new data) until they are written again.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -21,7 +22,7 @@ use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use crate::hca::PciAddr;
 use crate::nvme::Nqn;
 use crate::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
-use crate::reconnect::Policy;
+use crate::reconnect::{CtrlState, Policy};
 use crate::transport::{ConnectOptions, Controller, HostError};
 
 pub const CHAOS_NQN: &str = "nqn.2026-11.io.nvmf-rdma:chaos";
@@ -260,8 +261,9 @@ pub struct WorkerReport {
     pub bytes_verified: u64,
     /// Reads that did not match acknowledged data: lost or corrupted writes.
     pub mismatches: u64,
-    /// Failed I/Os by reason.
-    pub errors: Vec<String>,
+    /// Failed I/Os, counted by reason (a map, not a list: a worker that meets a dead
+    /// controller must not grow without bound).
+    pub errors: BTreeMap<String, u64>,
     /// Requests that did not complete within the hang bound.
     pub hangs: u64,
     /// Latency of every I/O, nanoseconds.
@@ -269,6 +271,15 @@ pub struct WorkerReport {
 }
 
 impl WorkerReport {
+    /// Failed I/Os, all reasons.
+    pub fn failed(&self) -> u64 {
+        self.errors.values().sum()
+    }
+
+    fn fail(&mut self, e: &HostError) {
+        *self.errors.entry(error_kind(e)).or_insert(0) += 1;
+    }
+
     /// Add another worker's report to this one.
     pub fn absorb(&mut self, r: WorkerReport) {
         self.writes += r.writes;
@@ -276,7 +287,9 @@ impl WorkerReport {
         self.bytes_verified += r.bytes_verified;
         self.mismatches += r.mismatches;
         self.hangs += r.hangs;
-        self.errors.extend(r.errors);
+        for (k, n) in r.errors {
+            *self.errors.entry(k).or_insert(0) += n;
+        }
         self.lat_ns.extend(r.lat_ns);
     }
 }
@@ -336,7 +349,7 @@ pub async fn verify_worker(
                 }
                 Ok(Err(e)) => {
                     known[off as usize..(off + nb) as usize].fill(false);
-                    r.errors.push(error_kind(&e));
+                    r.fail(&e);
                 }
                 Err(_) => {
                     known[off as usize..(off + nb) as usize].fill(false);
@@ -359,11 +372,16 @@ pub async fn verify_worker(
                         }
                     }
                 }
-                Ok(Err(e)) => r.errors.push(error_kind(&e)),
+                Ok(Err(e)) => r.fail(&e),
                 Err(_) => r.hangs += 1,
             }
         }
         r.lat_ns.push(t0.elapsed().as_nanos() as u64);
+        if ctrl.state() == CtrlState::Dead {
+            // Given up for good: every further I/O would fail at once, and spinning on
+            // them only burns the CPU the rest of the run needs.
+            break;
+        }
     }
     r
 }

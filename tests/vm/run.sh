@@ -98,6 +98,12 @@ shutdown_guest() {
   kill "$QEMU_PID" 2>/dev/null; wait "$QEMU_PID" 2>/dev/null; QEMU_PID=""
 }
 
+guest_reboot() {  # power the guest off (killed if its agent no longer answers), boot, set up
+  shutdown_guest
+  boot || return 1
+  GX_TIMEOUT=120 gx 'rxe_up && nvmet_up' >/dev/null
+}
+
 BG_PIDS=()
 cleanup() {
   local p; for p in "${BG_PIDS[@]}"; do kill "$p" 2>/dev/null; done

@@ -260,7 +260,7 @@ impl ChaosSummary {
         self.io.reads + self.io.writes
     }
     pub(crate) fn failed(&self) -> u64 {
-        self.io.errors.len() as u64
+        self.io.failed()
     }
 
     pub(crate) fn print(&self, a: &ChaosArgs) {
@@ -630,6 +630,12 @@ pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
         }
     };
     let c = Arc::new(c);
+    let ready = format!("connected; verifying I/O for {} s", a.seconds);
+    if json {
+        eprintln!("{ready}");
+    } else {
+        println!("{ready}");
+    }
     let ns = c.namespaces()[0];
     // Against an external target, only the first --size bytes of its namespace.
     let blocks = ns.blocks.min(a.size as u64 / ns.block_size as u64);
@@ -675,12 +681,19 @@ pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
     let run_for = Duration::from_secs_f64(a.seconds);
     let mut faults = Vec::new();
     let mut next = t0 + a.every;
+    // A controller that gave up (ctrl_loss_tmo) ends the run at once: nothing after that
+    // can recover, and the workers have stopped.
+    let mut status = c.watch_status();
     loop {
-        if next >= t0 + run_for {
-            tokio::time::sleep_until((t0 + run_for).into()).await;
+        let end = next >= t0 + run_for;
+        let wake = if end { t0 + run_for } else { next };
+        tokio::select! {
+            _ = tokio::time::sleep_until(wake.into()) => {}
+            _ = status.wait_for(|s| s.machine.state == CtrlState::Dead) => break,
+        }
+        if end {
             break;
         }
-        tokio::time::sleep_until(next.into()).await;
         if c.state() != CtrlState::Live {
             // Lost (or still recovering from the last fault past its bound): stop.
             break;
@@ -718,12 +731,14 @@ pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
     let elapsed = t0.elapsed();
     let st = c.status();
     let (final_state, final_health) = Health::from_status(&st);
-    let mut failed_by_reason = std::collections::BTreeMap::new();
-    for e in &io.errors {
-        *failed_by_reason.entry(e.clone()).or_insert(0u64) += 1;
-    }
+    let failed_by_reason = io.errors.clone();
     let allowed = allowed_failures(p);
-    let unexpected_failures = io.errors.iter().filter(|e| !allowed.contains(e)).count() as u64;
+    let unexpected_failures = io
+        .errors
+        .iter()
+        .filter(|(e, _)| !allowed.contains(e))
+        .map(|(_, n)| n)
+        .sum();
     let mut s = ChaosSummary {
         seed,
         elapsed,
