@@ -17,11 +17,11 @@ use std::time::Duration;
 
 use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::chaos::{
-    host_config, host_options, verify_worker, Fault, Region, TargetRig, WorkerReport, HOST_DEV,
+    host_config, host_options, judge_storm, verify_worker, Fault, Region, TargetRig, HOST_DEV,
 };
 use nvmf_rdma::hca::device::DeviceIdentity;
 use nvmf_rdma::hca::PciAddr;
-use nvmf_rdma::reconnect::{CtrlState, Policy};
+use nvmf_rdma::reconnect::Policy;
 use nvmf_rdma::transport::Controller;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -102,42 +102,7 @@ async fn run_seed(seed: u64, target: &mut TargetRig) -> Result<(u64, u64), Strin
             .map_err(|e| format!("{}: {e}", f.name()))?;
         faults += 1;
     }
-    let mut all = WorkerReport::default();
-    for w in workers {
-        let r = tokio::time::timeout(CTRL_LOSS + Duration::from_secs(10), w)
-            .await
-            .map_err(|_| "a worker hung past ctrl_loss_tmo".to_string())?
-            .map_err(|e| format!("worker panicked: {e}"))?;
-        all.absorb(r);
-    }
-    if all.mismatches > 0 {
-        return Err(format!(
-            "{} reads did not match acknowledged writes",
-            all.mismatches
-        ));
-    }
-    if all.hangs > 0 {
-        return Err(format!("{} I/Os hung", all.hangs));
-    }
-    if !all.errors.is_empty() {
-        return Err(format!("I/O failed within ctrl_loss_tmo: {:?}", all.errors));
-    }
-    for s in c.queue_stats() {
-        if s.duplicate_completion != 0 || s.unknown_cid != 0 {
-            return Err(format!("stray or double completion: {s:?}"));
-        }
-        if s.submitted != s.completed + s.failed {
-            return Err(format!("submitted != completed + failed: {s:?}"));
-        }
-    }
-    // A storm may have just ended: recovery gets its time, bounded well below "forever".
-    let st = c
-        .wait_status(Duration::from_secs(10), |s| s.state() == CtrlState::Live)
-        .await
-        .map_err(|e| format!("controller not live at the end: {e}"))?;
-    if st.machine.fail_reason.is_some() {
-        return Err(format!("the controller gave up: {st:?}"));
-    }
+    let (all, _) = judge_storm(&c, workers, CTRL_LOSS + Duration::from_secs(10)).await?;
     let ops = all.reads + all.writes;
     match Arc::try_unwrap(c) {
         Ok(c) => c.disconnect().await,

@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use nvmf_rdma::driver::{DeviceManager, SimNet};
 use nvmf_rdma::harness::chaos::{
-    connect_host, host_config, host_identity, host_options, verify_worker, Fault, Region,
-    TargetRig, WorkerReport, HOST_DEV,
+    connect_host, host_config, host_identity, host_options, judge_storm, verify_worker, Fault,
+    Region, TargetRig, WorkerReport, HOST_DEV,
 };
 use nvmf_rdma::hca::device::DeviceIdentity;
 use nvmf_rdma::hca::sim::{Faults, LinkStats};
@@ -194,41 +194,7 @@ async fn run_seed(seed: u64) -> Result<Summary, String> {
             .map_err(|e| format!("{}: {e}", f.name()))?;
         faults.push(f.name());
     }
-    let mut all = WorkerReport::default();
-    for w in workers {
-        let r = tokio::time::timeout(CTRL_LOSS + Duration::from_secs(10), w)
-            .await
-            .map_err(|_| "a worker hung past ctrl_loss_tmo".to_string())?
-            .map_err(|e| format!("worker panicked: {e}"))?;
-        all.absorb(r);
-    }
-    if all.mismatches > 0 {
-        return Err(format!(
-            "{} reads did not match acknowledged writes",
-            all.mismatches
-        ));
-    }
-    if all.hangs > 0 {
-        return Err(format!("{} I/Os hung", all.hangs));
-    }
-    if !all.errors.is_empty() {
-        return Err(format!("I/O failed within ctrl_loss_tmo: {:?}", all.errors));
-    }
-    for s in c.queue_stats() {
-        if s.duplicate_completion != 0 || s.unknown_cid != 0 {
-            return Err(format!("stray or double completion: {s:?}"));
-        }
-        if s.submitted != s.completed + s.failed {
-            return Err(format!("submitted != completed + failed: {s:?}"));
-        }
-    }
-    let st = c
-        .wait_status(Duration::from_secs(10), |s| s.state() == CtrlState::Live)
-        .await
-        .map_err(|e| format!("controller not live at the end: {e}"))?;
-    if st.machine.fail_reason.is_some() {
-        return Err(format!("the controller gave up: {st:?}"));
-    }
+    let (all, st) = judge_storm(&c, workers, CTRL_LOSS + Duration::from_secs(10)).await?;
     let requeued = c.queue_stats().iter().map(|s| s.requeued).sum();
     let summary = Summary {
         lossy: link != Faults::NONE,

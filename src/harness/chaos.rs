@@ -23,7 +23,7 @@ use crate::hca::PciAddr;
 use crate::nvme::Nqn;
 use crate::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use crate::reconnect::{CtrlState, Policy};
-use crate::transport::{ConnectOptions, Controller, HostError};
+use crate::transport::{ConnectOptions, Controller, CtrlStatus, HostError};
 
 pub const CHAOS_NQN: &str = "nqn.2026-11.io.nvmf-rdma:chaos";
 /// The host device's slot name in the device manager.
@@ -384,6 +384,55 @@ pub async fn verify_worker(
         }
     }
     r
+}
+
+/// The end of a storm test: join the workers (each within `bound`), then hold the run to
+/// what recovery promises: no acknowledged write lost, no hang, no failure (the storm stays
+/// within ctrl_loss_tmo), no stray or double completion, every submitted command accounted
+/// for, and the controller live again within 10 s without having given up. The workers'
+/// merged report and the final status, or what broke the promise.
+pub async fn judge_storm(
+    ctrl: &Controller,
+    workers: Vec<tokio::task::JoinHandle<WorkerReport>>,
+    bound: Duration,
+) -> Result<(WorkerReport, CtrlStatus), String> {
+    let mut all = WorkerReport::default();
+    for w in workers {
+        let r = tokio::time::timeout(bound, w)
+            .await
+            .map_err(|_| "a worker hung past ctrl_loss_tmo".to_string())?
+            .map_err(|e| format!("worker panicked: {e}"))?;
+        all.absorb(r);
+    }
+    if all.mismatches > 0 {
+        return Err(format!(
+            "{} reads did not match acknowledged writes",
+            all.mismatches
+        ));
+    }
+    if all.hangs > 0 {
+        return Err(format!("{} I/Os hung", all.hangs));
+    }
+    if !all.errors.is_empty() {
+        return Err(format!("I/O failed within ctrl_loss_tmo: {:?}", all.errors));
+    }
+    for s in ctrl.queue_stats() {
+        if s.duplicate_completion != 0 || s.unknown_cid != 0 {
+            return Err(format!("stray or double completion: {s:?}"));
+        }
+        if s.submitted != s.completed + s.failed {
+            return Err(format!("submitted != completed + failed: {s:?}"));
+        }
+    }
+    // A storm may have just ended: recovery gets its time, bounded well below "forever".
+    let st = ctrl
+        .wait_status(Duration::from_secs(10), |s| s.state() == CtrlState::Live)
+        .await
+        .map_err(|e| format!("controller not live at the end: {e}"))?;
+    if st.machine.fail_reason.is_some() {
+        return Err(format!("the controller gave up: {st:?}"));
+    }
+    Ok((all, st))
 }
 
 /// A short, stable name for an error, for summaries.

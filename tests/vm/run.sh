@@ -72,8 +72,11 @@ accel() {
 
 boot() {
   rm -rf "$CMD"; rm -f "$OUT/console.log"; mkdir -p "$CMD" "$OUT"
+  # Not through in_ns: a function in the background is a subshell, and $! would be its PID,
+  # not qemu's (ip netns exec execs qemu in place), so a guest that no longer powers itself
+  # off would outlive shutdown_guest, holding tap0 and the caller's lock.
   # shellcheck disable=SC2046
-  in_ns qemu-system-x86_64 $(accel) -m 1536 -smp 2 -machine q35 -nodefaults -no-reboot \
+  ip netns exec "$NETNS" qemu-system-x86_64 $(accel) -m 1536 -smp 2 -machine q35 -nodefaults -no-reboot \
     -display none -serial "file:$OUT/console.log" -monitor none \
     -kernel "$VM/vmlinuz" -initrd "$VM/initramfs.cpio" \
     -append "console=ttyS0 loglevel=4 panic=-1 vmip=$GUEST_IP/24 vmscript=agent.sh" \
