@@ -22,12 +22,11 @@ use nvmf_rdma::driver::SoftHca;
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
 use nvmf_rdma::hca::{
-    Access, CqId, HostMem, MrInfo, Mtu, PciAddr, Qpn, RecvWr, SendOp, SendWr, Sgl, WcOpcode,
-    WcStatus,
+    Access, CqId, HostMem, MrInfo, PciAddr, Qpn, RecvWr, SendOp, SendWr, Sgl, WcStatus,
 };
 use nvmf_rdma::nvme::admin::{self, feature};
 use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
-use nvmf_rdma::nvme::{Cc, ConnectData, Cqe, FabricsCmd, Nqn, SglDescriptor, Status};
+use nvmf_rdma::nvme::{Cc, FabricsCmd, Nqn, Status};
 use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
 use nvmf_rdma::verbs::INCOMING_BACKLOG;
@@ -36,7 +35,10 @@ use rand::{Rng, SeedableRng};
 
 #[path = "common/counters.rs"]
 mod counters;
+#[path = "common/raw_queue.rs"]
+mod raw_queue;
 use counters::Counters;
+use raw_queue::Raw;
 
 const NQN: &str = "nqn.2026-11.io.nvmf-rdma:adversarial";
 const HOST: &str = "nqn.2026-11.io.nvmf-rdma:adv-host";
@@ -396,160 +398,6 @@ async fn one_hosts_whole_device_trims_do_not_stall_another_hosts_reads() {
 const NQN_CLOSED: &str = "nqn.2026-11.io.nvmf-rdma:adversarial-closed";
 const EVIL: &str = "nqn.2026-11.io.nvmf-rdma:evil-host";
 
-const RAW_SLOT: usize = 64;
-const RAW_SLOTS: usize = 8;
-
-/// One RC queue driven by hand, so the test can send what no host of ours would.
-struct Raw {
-    hca: SoftHca,
-    cq: CqId,
-    qpn: Qpn,
-    size: usize,
-    tx: (HostMem, MrInfo),
-    rx: (HostMem, MrInfo),
-    data: (HostMem, MrInfo),
-    next_wr: u64,
-}
-
-const RECV: u64 = 1 << 40;
-
-impl Raw {
-    async fn open(hca: &SoftHca, cm: &CmService, target: SocketAddr, qid: u16, size: usize) -> Raw {
-        let (cq, qpn, tx, rx, data) = hca.with(|d, _| {
-            let pd = d.alloc_pd().unwrap();
-            let cq = d.create_cq(256).unwrap();
-            let caps = nvmf_rdma::hca::QpCaps {
-                max_send_wr: 16,
-                max_recv_wr: RAW_SLOTS as u32,
-            };
-            let all = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
-            let qpn = create_qp_init(d, pd, cq, caps, all).unwrap();
-            let reg = |d: &mut nvmf_rdma::hca::Device, len: usize, a: Access| {
-                let m = HostMem::new(len);
-                let mr = d.reg_mr(pd, &m, 0, len, a).unwrap();
-                (m, mr)
-            };
-            let tx = reg(d, RAW_SLOT, Access::empty());
-            let rx = reg(d, RAW_SLOTS * RAW_SLOT, Access::LOCAL_WRITE);
-            let data = reg(d, 8192, all);
-            (cq, qpn, tx, rx, data)
-        });
-        let mut params = ConnectParams::new(qpn, 4420);
-        params.path_mtu = Mtu::Mtu4096;
-        let est = within(
-            20,
-            "raw CM connect",
-            cm.connect(
-                target,
-                params,
-                &queue_req(qid, size as u16),
-                CONNECT_TIMEOUT,
-            ),
-        )
-        .await
-        .expect("raw queue CM connect");
-        let peer = PeerInfo {
-            addr: est.peer,
-            qpn: est.remote_qpn,
-            psn: est.remote_psn,
-        };
-        let o = RcOptions {
-            mtu: Mtu::Mtu4096,
-            timeout: 14,
-            ..RcOptions::default()
-        };
-        hca.with(|d, _| qp_to_rts(d, qpn, peer, est.local_psn, &o))
-            .unwrap();
-        let raw = Raw {
-            hca: hca.clone(),
-            cq,
-            qpn,
-            size,
-            tx,
-            rx,
-            data,
-            next_wr: 0,
-        };
-        for r in 0..RAW_SLOTS {
-            raw.post_recv(r);
-        }
-        raw
-    }
-
-    fn post_recv(&self, r: usize) {
-        let wr = RecvWr {
-            wr_id: RECV | r as u64,
-            sgl: Sgl::one(
-                self.rx.1.addr + (r * RAW_SLOT) as u64,
-                RAW_SLOT as u32,
-                self.rx.1.lkey,
-            ),
-        };
-        let qpn = self.qpn;
-        self.hca.with(|d, _| d.post_recv(qpn, wr)).unwrap();
-    }
-
-    /// SEND one 64-byte capsule and wait (3 s) for the response that names `cid`.
-    async fn cmd(&mut self, sqe: [u8; 64], cid: u16) -> Cqe {
-        self.tx.0.write(0, &sqe);
-        self.next_wr += 1;
-        let wr = SendWr {
-            wr_id: self.next_wr,
-            op: SendOp::Send,
-            sgl: Sgl::one(self.tx.1.addr, 64, self.tx.1.lkey),
-            signaled: true,
-            solicited: false,
-        };
-        let qpn = self.qpn;
-        self.hca
-            .with(|d, now| d.post_send(now, qpn, wr))
-            .expect("post capsule");
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-        loop {
-            let mut wcs = Vec::new();
-            let n = tokio::time::timeout_at(deadline, self.hca.wait_cq(self.cq, 16, &mut wcs))
-                .await
-                .unwrap_or_else(|_| panic!("command {cid:#x}: no response"));
-            assert!(n > 0, "device gone");
-            for wc in wcs {
-                assert_eq!(wc.status, WcStatus::Success, "queue failed");
-                if wc.wr_id & RECV == 0 || wc.opcode != WcOpcode::Recv {
-                    continue;
-                }
-                let r = (wc.wr_id & 0xFFFF) as usize;
-                let mut b = [0u8; 16];
-                self.rx.0.read(r * RAW_SLOT, &mut b);
-                self.post_recv(r);
-                let c = Cqe::parse(&b).unwrap();
-                assert_eq!(c.cid, cid, "response names the command");
-                return c;
-            }
-        }
-    }
-
-    /// Fabrics Connect for `qid`, the Connect data fetched from our data buffer.
-    async fn connect(&mut self, qid: u16, cntlid: u16, subnqn: &str, hostnqn: &str) -> Cqe {
-        let cd = ConnectData {
-            hostid: *b"adversarial-host",
-            cntlid,
-            subnqn: Nqn::new(subnqn).unwrap(),
-            hostnqn: Nqn::new(hostnqn).unwrap(),
-        };
-        self.data.0.write(0, &cd.to_bytes());
-        let mut sqe = FabricsCmd::Connect {
-            recfmt: fabrics::RECFMT_0,
-            qid,
-            sqsize: self.size as u16 - 1,
-            cattr: 0,
-            kato_ms: 0,
-        }
-        .to_sqe(0x10 + qid);
-        let sgl = SglDescriptor::keyed(self.data.1.addr, 1024, self.data.1.rkey.0, false);
-        sqe.set_sgl(&sgl.unwrap()).unwrap();
-        self.cmd(sqe.to_bytes(), 0x10 + qid).await
-    }
-}
-
 fn subnqns(log: &[nvmf_rdma::nvme::DiscoveryLogEntry]) -> Vec<String> {
     let mut v: Vec<String> = log.iter().map(|e| e.subnqn.text().to_string()).collect();
     v.sort();
@@ -586,34 +434,34 @@ async fn discovery_lists_only_allowed_subsystems_and_refuses_io_queues() {
     let (hca, cm) = host_dev(16).await;
     let mut aq = Raw::open(&hca, &cm, thca.addr(), 0, 32).await;
     let c = aq
-        .connect(0, CNTLID_DYNAMIC, fabrics::DISCOVERY_NQN, EVIL)
+        .connect(0, CNTLID_DYNAMIC, (fabrics::DISCOVERY_NQN, EVIL))
         .await;
     assert!(c.nvme_status().is_success(), "{:?}", c.nvme_status());
     let ConnectResult::Ok { cntlid, .. } = ConnectResult::from_result(c.result, true) else {
         panic!("connect result");
     };
     let en = FabricsCmd::set(fabrics::reg::CC, Cc::enable_default().0 as u64).to_sqe(2);
-    assert!(aq.cmd(en.to_bytes(), 2).await.nvme_status().is_success());
+    assert!(aq.cmd(&en.to_bytes(), 2).await.nvme_status().is_success());
     // It asked for no keep-alive; it gets nvmet's discovery default, so it cannot idle
     // for ever.
     let kato = aq
         .cmd(
-            admin::get_features(3, feature::KEEP_ALIVE_TIMER).to_bytes(),
+            &admin::get_features(3, feature::KEEP_ALIVE_TIMER).to_bytes(),
             3,
         )
         .await;
     assert_eq!(kato.result as u32, 120_000);
     let off = admin::set_features(4, feature::KEEP_ALIVE_TIMER, 0);
-    assert!(aq.cmd(off.to_bytes(), 4).await.nvme_status().is_success());
+    assert!(aq.cmd(&off.to_bytes(), 4).await.nvme_status().is_success());
     let kato = aq
         .cmd(
-            admin::get_features(5, feature::KEEP_ALIVE_TIMER).to_bytes(),
+            &admin::get_features(5, feature::KEEP_ALIVE_TIMER).to_bytes(),
             5,
         )
         .await;
     assert_eq!(kato.result as u32, 120_000, "Set Features turned it off");
     let mut iq = Raw::open(&hca, &cm, thca.addr(), 1, 32).await;
-    let c = iq.connect(1, cntlid, fabrics::DISCOVERY_NQN, EVIL).await;
+    let c = iq.connect(1, cntlid, (fabrics::DISCOVERY_NQN, EVIL)).await;
     let st = c.nvme_status();
     assert!(
         !st.is_success(),

@@ -14,32 +14,29 @@
 //!
 //! Every await that depends on a peer sits under a timeout.
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use nvmf_rdma::cm::{ConnId, ConnectParams, NvmeCmRequest};
 use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
-use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
-use nvmf_rdma::hca::{
-    Access, CqId, HostMem, MrInfo, Mtu, PciAddr, PdId, QpCaps, Qpn, RecvWr, SendOp, SendWr, Sgl,
-    WcOpcode, WcStatus, WorkCompletion,
-};
+use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::nvme::admin::{self, opcode};
 use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
-use nvmf_rdma::nvme::{Cc, ConnectData, Cqe, FabricsCmd, Nqn, SglDescriptor, Sqe, Status};
+use nvmf_rdma::nvme::{Cc, Cqe, FabricsCmd, Nqn, SglDescriptor, Sqe, Status};
 use nvmf_rdma::reconnect::CtrlState;
 #[path = "common/fake_target.rs"]
 mod fake_target;
+#[path = "common/raw_queue.rs"]
+mod raw_queue;
 use fake_target::{FakeConfig, FakeTarget, Lie, Script};
 use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{ConnectOptions, Controller, HostError, QueueStats};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use raw_queue::Raw;
 
 const NQN: &str = "nqn.2026-11.io.nvmf-rdma:bad-input";
 const HOST_RAW: &str = "nqn.2026-11.io.nvmf-rdma:raw-host";
@@ -94,226 +91,6 @@ fn expect(st: Status) -> (u8, u8, bool) {
 }
 
 // ---- (a) a raw queue against the built-in target ----------------------------------------
-
-const TX_SLOT: usize = 64 + 8192;
-const TX_SLOTS: usize = 16;
-const RX_SLOT: usize = 64;
-const DATA_LEN: usize = 256 << 10;
-
-/// One RC queue driven by hand: whatever bytes we like go out as capsules.
-struct Raw {
-    hca: SoftHca,
-    cm: CmService,
-    conn: ConnId,
-    pd: PdId,
-    cq: CqId,
-    qpn: Qpn,
-    size: usize,
-    tx: (HostMem, MrInfo),
-    rx: (HostMem, MrInfo),
-    data: (HostMem, MrInfo),
-    next_tx: usize,
-    next_wr: u64,
-    backlog: VecDeque<WorkCompletion>,
-}
-
-const RECV: u64 = 1 << 40;
-
-impl Raw {
-    async fn open(hca: &SoftHca, cm: &CmService, target: SocketAddr, qid: u16, size: usize) -> Raw {
-        let (pd, cq, qpn, tx, rx, data) = hca.with(|d, _| {
-            let pd = d.alloc_pd().unwrap();
-            let cq = d.create_cq(1024).unwrap();
-            let caps = QpCaps {
-                max_send_wr: 64,
-                max_recv_wr: size as u32 * 2,
-            };
-            let all = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
-            let qpn = create_qp_init(d, pd, cq, caps, all).unwrap();
-            let tx = HostMem::new(TX_SLOTS * TX_SLOT);
-            let tx_mr = d.reg_mr(pd, &tx, 0, tx.len(), Access::empty()).unwrap();
-            let rx = HostMem::new(size * 2 * RX_SLOT);
-            let rx_mr = d.reg_mr(pd, &rx, 0, rx.len(), Access::LOCAL_WRITE).unwrap();
-            let data = HostMem::new(DATA_LEN);
-            let data_mr = d.reg_mr(pd, &data, 0, data.len(), all).unwrap();
-            (pd, cq, qpn, (tx, tx_mr), (rx, rx_mr), (data, data_mr))
-        });
-        let mut params = ConnectParams::new(qpn, 4420);
-        params.path_mtu = Mtu::Mtu4096;
-        let private = NvmeCmRequest {
-            qid,
-            hrqsize: size as u16,
-            hsqsize: size as u16 - 1,
-            cntlid: 0,
-        }
-        .emit();
-        let est = within(
-            20,
-            "raw CM connect",
-            cm.connect(target, params, &private, CONNECT_TIMEOUT),
-        )
-        .await
-        .expect("raw queue CM connect");
-        let peer = PeerInfo {
-            addr: est.peer,
-            qpn: est.remote_qpn,
-            psn: est.remote_psn,
-        };
-        let o = RcOptions {
-            mtu: Mtu::Mtu4096,
-            timeout: 14,
-            ..RcOptions::default()
-        };
-        hca.with(|d, _| qp_to_rts(d, qpn, peer, est.local_psn, &o))
-            .unwrap();
-        let raw = Raw {
-            hca: hca.clone(),
-            cm: cm.clone(),
-            conn: est.id,
-            pd,
-            cq,
-            qpn,
-            size,
-            tx,
-            rx,
-            data,
-            next_tx: 0,
-            next_wr: 0,
-            backlog: VecDeque::new(),
-        };
-        for r in 0..size * 2 {
-            raw.post_recv(r);
-        }
-        raw
-    }
-
-    fn post_recv(&self, r: usize) {
-        let sgl = Sgl::one(
-            self.rx.1.addr + (r * RX_SLOT) as u64,
-            RX_SLOT as u32,
-            self.rx.1.lkey,
-        );
-        let qpn = self.qpn;
-        let _ = self.hca.with(|d, _| {
-            d.post_recv(
-                qpn,
-                RecvWr {
-                    wr_id: RECV | r as u64,
-                    sgl,
-                },
-            )
-        });
-    }
-
-    /// SEND `bytes` as one capsule.
-    fn send(&mut self, bytes: &[u8]) {
-        assert!(bytes.len() <= TX_SLOT);
-        let at = (self.next_tx % TX_SLOTS) * TX_SLOT;
-        self.next_tx += 1;
-        self.next_wr += 1;
-        self.tx.0.write(at, bytes);
-        let wr = SendWr {
-            wr_id: self.next_wr,
-            op: SendOp::Send,
-            sgl: Sgl::one(
-                self.tx.1.addr + at as u64,
-                bytes.len() as u32,
-                self.tx.1.lkey,
-            ),
-            signaled: true,
-            solicited: false,
-        };
-        let qpn = self.qpn;
-        self.hca
-            .with(|d, now| d.post_send(now, qpn, wr))
-            .expect("post capsule");
-    }
-
-    /// The next response capsule; `Err` if the queue failed (with the WC status) or
-    /// nothing came within `ms`.
-    async fn response(&mut self, ms: u64) -> Result<Cqe, String> {
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(ms);
-        loop {
-            if let Some(wc) = self.backlog.pop_front() {
-                if wc.status != WcStatus::Success {
-                    return Err(format!("transport: {}", wc.status.as_str()));
-                }
-                if wc.wr_id & RECV == 0 || wc.opcode != WcOpcode::Recv {
-                    continue;
-                }
-                let r = (wc.wr_id & 0xFFFF) as usize;
-                let mut b = vec![0u8; wc.byte_len as usize];
-                self.rx.0.read(r * RX_SLOT, &mut b);
-                self.post_recv(r);
-                assert_eq!(b.len(), 16, "the target sent a {}-byte response", b.len());
-                return Ok(Cqe::parse(&b).unwrap());
-            }
-            let mut wcs = Vec::new();
-            match tokio::time::timeout_at(deadline, self.hca.wait_cq(self.cq, 64, &mut wcs)).await {
-                Ok(0) => return Err("device gone".into()),
-                Ok(_) => self.backlog.extend(wcs),
-                Err(_) => return Err("timeout".into()),
-            }
-        }
-    }
-
-    /// Send a capsule and wait for its response, which must carry `cid`.
-    async fn cmd(&mut self, bytes: &[u8], cid: u16) -> Cqe {
-        self.send(bytes);
-        let c = self
-            .response(3000)
-            .await
-            .unwrap_or_else(|e| panic!("command {cid:#x}: {e}"));
-        assert_eq!(c.cid, cid, "response names the command");
-        c
-    }
-
-    /// A Fabrics Connect capsule; the Connect data sits at offset 0 of our data buffer.
-    fn connect_capsule(&self, cid: u16, qid: u16, cntlid: u16, hostid: [u8; 16]) -> [u8; 64] {
-        let cd = ConnectData {
-            hostid,
-            cntlid,
-            subnqn: Nqn::new(NQN).unwrap(),
-            hostnqn: Nqn::new(HOST_RAW).unwrap(),
-        };
-        self.data.0.write(0, &cd.to_bytes());
-        let mut sqe = FabricsCmd::Connect {
-            recfmt: fabrics::RECFMT_0,
-            qid,
-            sqsize: self.size as u16 - 1,
-            cattr: 0,
-            kato_ms: 0,
-        }
-        .to_sqe(cid);
-        sqe.set_sgl(&self.keyed(0, 1024)).unwrap();
-        sqe.to_bytes()
-    }
-
-    /// A keyed SGL for `len` bytes at `offset` of our data buffer.
-    fn keyed(&self, offset: usize, len: u32) -> SglDescriptor {
-        SglDescriptor::keyed(
-            self.data.1.addr + offset as u64,
-            len as u64,
-            self.data.1.rkey.0,
-            false,
-        )
-        .unwrap()
-    }
-
-    fn close(self) {
-        self.cm.disconnect(self.conn);
-        let (qpn, cq, pd) = (self.qpn, self.cq, self.pd);
-        let keys = [self.tx.1.lkey, self.rx.1.lkey, self.data.1.lkey];
-        self.hca.with(|d, _| {
-            let _ = d.destroy_qp(qpn);
-            let _ = d.destroy_cq(cq);
-            for k in keys {
-                let _ = d.dereg_mr(k);
-            }
-            let _ = d.dealloc_pd(pd);
-        });
-    }
-}
 
 fn io_sqe(op: u8, cid: u16, nsid: u32, slba: u64, blocks: u32) -> Sqe {
     let mut s = Sqe::new(op, cid);
@@ -378,7 +155,10 @@ async fn builtin_target(i: u8) -> (Target<SoftHca>, SoftHca) {
 /// Raw admin queue up to an enabled controller with one I/O queue; returns the CNTLID.
 async fn raw_controller(admin_q: &mut Raw, hostid: [u8; 16]) -> u16 {
     let c = admin_q
-        .cmd(&admin_q.connect_capsule(1, 0, CNTLID_DYNAMIC, hostid), 1)
+        .cmd(
+            &admin_q.connect_capsule(1, 0, CNTLID_DYNAMIC, hostid, (NQN, HOST_RAW)),
+            1,
+        )
         .await;
     assert!(c.nvme_status().is_success(), "{:?}", c.nvme_status());
     let ConnectResult::Ok { cntlid, .. } = ConnectResult::from_result(c.result, true) else {
@@ -454,16 +234,22 @@ async fn malformed_capsules_get_typed_statuses_and_the_target_lives_on() {
     let c = iq.cmd(&wk.to_bytes(), 0x33).await;
     assert_eq!(status_of(&c), expect(Status::COMMAND_SEQUENCE_ERROR));
     // A Connect naming a controller that is not ours.
-    let cap = iq.connect_capsule(0x34, 1, cntlid.wrapping_add(100), hostid);
+    let cap = iq.connect_capsule(0x34, 1, cntlid.wrapping_add(100), hostid, (NQN, HOST_RAW));
     let c = iq.cmd(&cap, 0x34).await;
     assert_eq!(status_of(&c), expect(Status::CONNECT_INVALID_PARAMETERS));
     // The right Connect, then a second one.
     let c = iq
-        .cmd(&iq.connect_capsule(0x35, 1, cntlid, hostid), 0x35)
+        .cmd(
+            &iq.connect_capsule(0x35, 1, cntlid, hostid, (NQN, HOST_RAW)),
+            0x35,
+        )
         .await;
     assert!(c.nvme_status().is_success(), "{:?}", c.nvme_status());
     let c = iq
-        .cmd(&iq.connect_capsule(0x36, 1, cntlid, hostid), 0x36)
+        .cmd(
+            &iq.connect_capsule(0x36, 1, cntlid, hostid, (NQN, HOST_RAW)),
+            0x36,
+        )
         .await;
     assert_eq!(status_of(&c), expect(Status::COMMAND_SEQUENCE_ERROR));
 
