@@ -275,6 +275,7 @@ fn the_nbd_listener_outlives_running_out_of_file_descriptors() {
         "all {} clients were accepted: the descriptor limit was not reached",
         clients.len()
     );
+    let n = clients.len();
     drop(clients);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -285,7 +286,8 @@ fn the_nbd_listener_outlives_running_out_of_file_descriptors() {
         }
         assert!(
             Instant::now() < deadline,
-            "the NBD listener is gone after EMFILE ({served} clients had been served)"
+            "the NBD listener is gone after EMFILE ({served} of {n} clients had been served); connect said:\n{}",
+            c.rest()
         );
         std::thread::sleep(Duration::from_millis(50));
     }

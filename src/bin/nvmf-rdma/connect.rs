@@ -19,10 +19,8 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
         c = connect(&s) => Arc::new(c?),
         sig = signals.recv() => bail!("{sig} while connecting to {}: nothing was connected", s.nqn),
     };
-    let exports = start_exports(&c, &s, &x).await?;
-    for l in exports.describe() {
-        println!("{l}");
-    }
+    // The control socket first: once the exports serve, clients may take every file
+    // descriptor the process has (the NBD listener outlives that; a bind would not).
     let dir = run_dir();
     make_run_dir(&dir)?;
     // Names the daemon holds are taken too (it skips ours the same way).
@@ -47,6 +45,17 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
     // umask (and the directory is 0700 too).
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("chmod 0600 {}", path.display()))?;
+    let exports = match start_exports(&c, &s, &x).await {
+        Ok(e) => e,
+        Err(e) => {
+            drop(listener);
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+    };
+    for l in exports.describe() {
+        println!("{l}");
+    }
     println!(
         "{name}: connected to {} at {} (cntlid {})",
         s.nqn, s.fabric.traddr, c.cntlid
