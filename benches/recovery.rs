@@ -1,10 +1,13 @@
 //! Recovery time: from the fatal event (host HCA reset) to the first resubmitted I/O
 //! completing, over 100 resets on loopback with reconnect_delay 0. QD1 4 KiB reads run
-//! throughout; each sample is the time from the reset call to the next read completion.
+//! throughout; each sample is the time from the reset call to the next I/O completion.
 //! For the slowest recoveries and the median one it prints where the time went, from the
 //! controller's [`RecoveryTrace`] (all times on the controller's clock).
 //!
-//! `cargo bench --bench recovery` (RESETS=n to change the count).
+//! `cargo bench --bench recovery` (RESETS=n to change the count; RECOVERY_IO=write for
+//! writes instead of reads, RECOVERY_BS=bytes for another size: a write larger than the
+//! target's in-capsule size is fetched by the target's RDMA READ, so the write held across
+//! the reset has a dead copy on the target while it is resubmitted).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -138,12 +141,22 @@ fn main() {
                 .await
                 .unwrap(),
         );
+        let writes = std::env::var("RECOVERY_IO").is_ok_and(|v| v == "write");
+        let bs: usize = std::env::var("RECOVERY_BS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(4096);
         let done = Arc::new(AtomicU64::new(0));
         let reader = {
             let (c, done) = (c.clone(), done.clone());
             tokio::spawn(async move {
+                let data = vec![0x5Au8; bs];
                 loop {
-                    c.read(1, 0, 4096).await.unwrap();
+                    if writes {
+                        c.write(1, 0, &data).await.unwrap();
+                    } else {
+                        c.read(1, 0, bs).await.unwrap();
+                    }
                     done.store(c.now().0, Ordering::SeqCst);
                 }
             })
@@ -186,7 +199,11 @@ fn main() {
         samples.sort_unstable_by_key(Sample::total);
         let totals: Vec<u64> = samples.iter().map(Sample::total).collect();
         let ms = |ns: u64| ns as f64 / 1e6;
-        println!("recovery: fatal reset -> first resubmitted I/O completes ({resets} resets, reconnect_delay 0, loopback)");
+        println!(
+            "recovery: fatal reset -> first resubmitted I/O completes ({resets} resets, QD1 {} B {}, reconnect_delay 0, loopback)",
+            bs,
+            if writes { "writes" } else { "reads" }
+        );
         println!(
             "  p50 {:.2} ms   p99 {:.2} ms (nearest rank)   max {:.2} ms   recoveries {}",
             ms(pct(&totals, 0.50)),
@@ -195,7 +212,7 @@ fn main() {
             c.status().machine.recoveries
         );
         println!("  recoveries with a transport timeout or RNR NAK on either side: {lossy}");
-        println!("  phases (ms): teardown = reset -> resources dropped; wait = -> start of the attempt that connected (device back, failed attempts, retry gaps); open = device opened; CM = admin CM connection; admin = Fabrics Connect + CC.EN/CSTS.RDY; I/O queues = -> LIVE; first I/O = -> first resubmitted read done");
+        println!("  phases (ms): teardown = reset -> resources dropped; wait = -> start of the attempt that connected (device back, failed attempts, retry gaps); open = device opened; CM = admin CM connection; admin = Fabrics Connect + CC.EN/CSTS.RDY; I/O queues = -> LIVE; first I/O = -> first resubmitted I/O done");
         println!(
             "  {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
             "", "total", "teardown", "wait", "open", "CM", "admin", "I/O q", "first I/O", "attempts"
