@@ -24,13 +24,16 @@
 #
 # Output: a header with the machine (CPU, cores, kernel, load average), then
 #   IOPS table   IOPS of own, plugin, nbdkit; plugin/own and plugin/nbd; fio's average and
-#                p50 completion latency (µs) for plugin and nbdkit; "own copies/IO" is the
-#                `copies_per_io` field of own's result objects, "n/a" while bench has none.
+#                p50 completion latency (µs) for plugin and nbdkit; "own copies/IO" and
+#                "own tgt cp/IO" are the `copies_per_io` (host) and `target_copies_per_io`
+#                fields of own's result objects, "n/a" where bench has none.
 #   CPU table    CPU µs per I/O = (user + system CPU seconds of a process while the fio run
 #                lasted, all its threads) / (I/Os fio completed). host = the fio process
 #                (getrusage of the child: os.wait4), target = the server process (utime +
 #                stime from /proc/PID/stat before and after). ext host/target/sum beside
-#                nbdkit host (fio)/target (nbdkit)/sum, and ext/nbd of the sums. (own and
+#                nbdkit host (fio)/target (nbdkit)/sum, and ext/nbd of the sums; "ext tgt
+#                cp/IO" is how much the target's nvmet_io_copies_total grew (its
+#                --metrics-addr endpoint, read before and after) per I/O fio did. (own and
 #                plugin are not measured: host and target share their process, and building
 #                its 1 GiB RAM target, about 1 s of CPU, would swamp a 3 s run's figure.)
 #                The whole fio process is counted: start-up, connect and exit are in it.
@@ -168,7 +171,8 @@ loss_job >"$work/loss.fio"
 nbdkit --foreground -U "$work/nbd.sock" memory size=1G &
 nbd_pid=$!
 port=$(python3 -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-"$bin" target --ram 1G --listen "127.0.0.1:$port" >"$work/target.log" 2>&1 &
+mport=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$bin" --metrics-addr "127.0.0.1:$mport" target --ram 1G --listen "127.0.0.1:$port" >"$work/target.log" 2>&1 &
 tgt_pid=$!
 for _ in $(seq 100); do [ -S "$work/nbd.sock" ] && break; sleep 0.1; done
 [ -S "$work/nbd.sock" ] || { echo "bench.sh: nbdkit did not start" >&2; exit 1; }
@@ -188,7 +192,8 @@ for r in $(seq "$rounds"); do
       case $e in plugin) g=$plugin_global ;; ext) g=$ext_global ;; nbd) g=$nbd_global ;; esac
       job "$g" "$@" >"$work/$e.fio"
       run=(fio --output-format=json --output="$work/$e.$r.$name.json" "$work/$e.fio")
-      case $e in plugin) "${run[@]}" ;; ext) cpu "$work/$e.$r.$name.cpu" "$tgt_pid" "${run[@]}" ;;
+      case $e in plugin) "${run[@]}" ;;
+                 ext) COPIES_URL=http://127.0.0.1:$mport/metrics cpu "$work/$e.$r.$name.cpu" "$tgt_pid" "${run[@]}" ;;
                  nbd) cpu "$work/$e.$r.$name.cpu" "$nbd_pid" "${run[@]}" ;; esac
     done
   done
@@ -245,7 +250,7 @@ def own_row(r, name):
         sys.exit(f"bench.sh: own.{r}.{name}.json has {len(results)} result objects, want 1")
     o = results[0]
     return dict(iops=o["iops"], gbps=o["mbps"] / 1e3, ios=o["ios"], errors=o["errors"],
-                copies=o.get("copies_per_io"))
+                copies=o.get("copies_per_io"), tgt_copies=o.get("target_copies_per_io"))
 
 def per_io_us(row, key):
     return row[key] / row["ios"] * 1e6
@@ -260,12 +265,13 @@ print(f"{rounds} round(s) of {len(names)} workloads; "
       + ("medians, [min-max] of each ratio over the rounds" if rounds > 1 else "one round"))
 
 print("\nIOPS (plugin: fio + plugin, built-in target in fio's process)")
-fmt = "{:<18} {:>9} {:>11} {:>17} {:>11} {:>17} {:>15} {:>15} {:>12}"
+fmt = "{:<18} {:>9} {:>11} {:>17} {:>11} {:>17} {:>15} {:>15} {:>12} {:>12}"
 print(fmt.format("workload", "own IOPS", "plugin IOPS", "plugin/own", "nbdkit IOPS", "plugin/nbd",
-                 "plugin avg/p50", "nbdkit avg/p50", "own copies/IO"))
+                 "plugin avg/p50", "nbdkit avg/p50", "own copies/IO", "own tgt cp/IO"))
 for n in names:
     o, p, nb = own[n], fio["plugin", n], fio["nbd", n]
     copies = [x["copies"] for x in o]
+    tgt_copies = [x["tgt_copies"] for x in o]
     print(fmt.format(
         n, f"{med(x['iops'] for x in o):.0f}", f"{med(x['iops'] for x in p):.0f}",
         spread([a["iops"] / b["iops"] for a, b in zip(p, o)]),
@@ -275,13 +281,14 @@ for n in names:
         f"{med(x['avg'] for x in nb):.1f}/{med(x['p50'] for x in nb):.1f}",
         # Filled in by bench's own copy counter once it reports one; never guessed here.
         "n/a" if None in copies else f"{med(copies):.2f}",
+        "n/a" if None in tgt_copies else f"{med(tgt_copies):.2f}",
     ))
 
 print("\nCPU µs per I/O, host = fio's process, tgt = the server's "
       "(ext: fio + plugin -> `nvmf-rdma target`; nbd: fio -> nbdkit)")
-fmt = "{:<18} {:>9} {:>17} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>17}"
+fmt = "{:<18} {:>9} {:>17} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>17} {:>13}"
 print(fmt.format("workload", "ext IOPS", "ext/nbd", "ext host", "ext tgt", "ext sum",
-                 "nbd host", "nbd tgt", "nbd sum", "ext sum/nbd sum"))
+                 "nbd host", "nbd tgt", "nbd sum", "ext sum/nbd sum", "ext tgt cp/IO"))
 for n in names:
     ext, nb = fio["ext", n], fio["nbd", n]
     ext_sum = [per_io_us(x, "host_cpu_s") + per_io_us(x, "target_cpu_s") for x in ext]
@@ -294,6 +301,8 @@ for n in names:
         f"{med(per_io_us(x, 'host_cpu_s') for x in nb):.1f}",
         f"{med(per_io_us(x, 'target_cpu_s') for x in nb):.1f}", f"{med(nbd_sum):.1f}",
         spread([a / b for a, b in zip(ext_sum, nbd_sum)]),
+        # The target's own count (nvmet_io_copies_total) over the run, per I/O fio did.
+        f"{med(x['target_copies'] / x['ios'] for x in ext):.2f}",
     ))
 
 print("\n128 KiB: NVMe-oF QD8 vs the raw soft-HCA RDMA operation that carries the data (depth 16)")

@@ -118,6 +118,7 @@ const COUNTERS: &[Published<TargetStats>] = &[
     ("nvmet_offloaded_commands_total", None, |s| s.offloaded),
     ("nvmet_read_bytes_total", None, |s| s.bytes_read),
     ("nvmet_written_bytes_total", None, |s| s.bytes_written),
+    ("nvmet_io_copies_total", None, |s| s.io_copies),
 ];
 
 /// Counters a person (or a test) can read.
@@ -165,7 +166,9 @@ enum Stage {
 struct Cmd {
     stage: Stage,
     sqe: Sqe,
-    capsule: Vec<u8>,
+    /// The command's 64 bytes (its in-capsule data is in the slot's staging).
+    capsule: [u8; SQE_LEN],
+    /// How long the capsule was, in-capsule data included.
     capsule_len: usize,
 }
 
@@ -618,14 +621,6 @@ fn rc_attr(mtu: Mtu) -> RcAttr {
     }
 }
 
-/// A buffer of `len` zeroes, or `None` when memory cannot be had.
-fn try_zeroed(len: usize) -> Option<Vec<u8>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len).ok()?;
-    v.resize(len, 0);
-    Some(v)
-}
-
 /// The device as the engine uses it, with the lists a post goes through (kept, so that
 /// posting allocates nothing).
 struct Io<D> {
@@ -1009,14 +1004,25 @@ impl<D: DeviceContext> Engine<D> {
             return;
         };
         {
+            // The command alone is kept with the slot; in-capsule data goes straight from
+            // the receive buffer to the slot's staging, where fetched data lands too (one
+            // copy, and the buffer can be posted again at once). Staging holds at most
+            // `staging_len`; a capsule that claims more is refused at its SGL.
+            let sqe = len.min(SQE_LEN);
             let cmd = &mut q.cmds[c];
-            q.recv.0.read(at, &mut cmd.capsule[..len]);
+            q.recv.0.read(at, &mut cmd.capsule[..sqe]);
             cmd.capsule_len = len;
-        }
-        if q.qid > 0 && len > SQE_LEN {
-            // In-capsule data, copied out of the receive buffer with its command.
-            self.stats.io_copies += 1;
-            self.stats.io_copied_bytes += (len - SQE_LEN) as u64;
+            let data = (len - sqe).min(q.staging_len);
+            if data > 0 {
+                let recv = &q.recv.0;
+                q.data
+                    .0
+                    .with_range(c * q.staging_len, data, |g| recv.read(at + sqe, g));
+                if q.qid > 0 {
+                    self.stats.io_copies += 1;
+                    self.stats.io_copied_bytes += data as u64;
+                }
+            }
         }
         if q.grown {
             repost(d, qpn, q, r);
@@ -1024,7 +1030,7 @@ impl<D: DeviceContext> Engine<D> {
             q.boot_held = true;
         }
         self.stats.commands += 1;
-        let parsed = Sqe::parse(&q.cmds[c].capsule[..len]);
+        let parsed = Sqe::parse(&q.cmds[c].capsule[..len.min(SQE_LEN)]);
         match parsed {
             Ok(sqe) => {
                 q.cmds[c].sqe = sqe;
@@ -1046,7 +1052,7 @@ impl<D: DeviceContext> Engine<D> {
                 self.stats.malformed_capsules += 1;
                 // Without a command ID there is nobody to answer: a completion for a made-up
                 // ID could complete an unrelated command of the host.
-                let Some(cid) = Sqe::peek_cid(&q.cmds[c].capsule[..len]) else {
+                let Some(cid) = Sqe::peek_cid(&q.cmds[c].capsule[..len.min(SQE_LEN)]) else {
                     q.free.push(c);
                     release_boot_recv(d, qpn, q);
                     return;
@@ -1100,15 +1106,8 @@ impl<D: DeviceContext> Engine<D> {
                 if offset != 0 || end > q.cmds[c].capsule_len as u64 {
                     return self.respond(d, qpn, c, Status::SGL_OFFSET_INVALID.with_dnr(), 0, 0);
                 }
-                // Stage in-capsule data like fetched data, so execution has one source.
-                let base = c * q.staging_len;
-                q.data
-                    .0
-                    .write(base, &q.cmds[c].capsule[SQE_LEN..end as usize]);
-                if q.qid > 0 {
-                    self.stats.io_copies += 1;
-                    self.stats.io_copied_bytes += want as u64;
-                }
+                // The data is in staging already (on_capsule put it there), where fetched
+                // data lands: execution has one source.
                 self.execute(d, qpn, c);
             }
             SglDescriptor::Keyed { addr, key, .. } => {
@@ -2032,7 +2031,7 @@ fn alloc_rings<D: DeviceContext>(
         cmds.push(Cmd {
             stage: Stage::Free,
             sqe: Sqe::new(0, 0),
-            capsule: try_zeroed(capsule_len)?,
+            capsule: [0; SQE_LEN],
             capsule_len: 0,
         });
     }
