@@ -170,8 +170,12 @@ loss_job >"$work/loss.fio"
 # The servers: nbdkit and our target, one each for the whole run, as people would run them.
 nbdkit --foreground -U "$work/nbd.sock" memory size=1G &
 nbd_pid=$!
-port=$(python3 -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-mport=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# A free loopback port: free_port DGRAM (the target's UDP) or free_port STREAM (metrics).
+free_port() {
+  python3 -c "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_$1); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
+}
+port=$(free_port DGRAM)
+mport=$(free_port STREAM)
 "$bin" --metrics-addr "127.0.0.1:$mport" target --ram 1G --listen "127.0.0.1:$port" >"$work/target.log" 2>&1 &
 tgt_pid=$!
 for _ in $(seq 100); do [ -S "$work/nbd.sock" ] && break; sleep 0.1; done

@@ -166,9 +166,8 @@ enum Stage {
 struct Cmd {
     stage: Stage,
     sqe: Sqe,
-    /// The command's 64 bytes (its in-capsule data is in the slot's staging).
-    capsule: [u8; SQE_LEN],
-    /// How long the capsule was, in-capsule data included.
+    /// How long the capsule was, in-capsule data included (that data is in the slot's
+    /// staging).
     capsule_len: usize,
 }
 
@@ -220,10 +219,7 @@ struct TQueue<M> {
 
 impl<M: HostBuffer> TQueue<M> {
     fn footprint(&self) -> usize {
-        self.recv.0.len()
-            + self.rsp.0.len()
-            + self.data.0.len()
-            + self.cmds.iter().map(|c| c.capsule.len()).sum::<usize>()
+        self.recv.0.len() + self.rsp.0.len() + self.data.0.len()
     }
 }
 
@@ -540,8 +536,8 @@ impl<D: DeviceContext> Target<D> {
         self.lock().e.queues.len()
     }
 
-    /// Bytes of queue memory the target holds: receive, response and staging rings and the
-    /// per-slot capsule copies of every queue (what a peer makes us allocate).
+    /// Bytes of queue memory the target holds: receive, response and staging rings of
+    /// every queue (what a peer makes us allocate).
     pub fn queue_memory(&self) -> usize {
         self.lock().e.queues.values().map(TQueue::footprint).sum()
     }
@@ -1003,25 +999,23 @@ impl<D: DeviceContext> Engine<D> {
             q.held.push_back((r, len));
             return;
         };
-        {
-            // The command alone is kept with the slot; in-capsule data goes straight from
-            // the receive buffer to the slot's staging, where fetched data lands too (one
-            // copy, and the buffer can be posted again at once). Staging holds at most
-            // `staging_len`; a capsule that claims more is refused at its SGL.
-            let sqe = len.min(SQE_LEN);
-            let cmd = &mut q.cmds[c];
-            q.recv.0.read(at, &mut cmd.capsule[..sqe]);
-            cmd.capsule_len = len;
-            let data = (len - sqe).min(q.staging_len);
-            if data > 0 {
-                let recv = &q.recv.0;
-                q.data
-                    .0
-                    .with_range(c * q.staging_len, data, |g| recv.read(at + sqe, g));
-                if q.qid > 0 {
-                    self.stats.io_copies += 1;
-                    self.stats.io_copied_bytes += data as u64;
-                }
+        // The command is parsed from its 64 bytes here and kept parsed; in-capsule data goes
+        // straight from the receive buffer to the slot's staging, where fetched data lands
+        // too (one copy, and the buffer can be posted again at once). Staging holds at most
+        // `staging_len`; a capsule that claims more is refused at its SGL.
+        let sqe = len.min(SQE_LEN);
+        let mut head = [0u8; SQE_LEN];
+        q.recv.0.read(at, &mut head[..sqe]);
+        q.cmds[c].capsule_len = len;
+        let data = (len - sqe).min(q.staging_len);
+        if data > 0 {
+            let recv = &q.recv.0;
+            q.data
+                .0
+                .with_range(c * q.staging_len, data, |g| recv.read(at + sqe, g));
+            if q.qid > 0 {
+                self.stats.io_copies += 1;
+                self.stats.io_copied_bytes += data as u64;
             }
         }
         if q.grown {
@@ -1030,7 +1024,7 @@ impl<D: DeviceContext> Engine<D> {
             q.boot_held = true;
         }
         self.stats.commands += 1;
-        let parsed = Sqe::parse(&q.cmds[c].capsule[..len.min(SQE_LEN)]);
+        let parsed = Sqe::parse(&head[..sqe]);
         match parsed {
             Ok(sqe) => {
                 q.cmds[c].sqe = sqe;
@@ -1052,7 +1046,7 @@ impl<D: DeviceContext> Engine<D> {
                 self.stats.malformed_capsules += 1;
                 // Without a command ID there is nobody to answer: a completion for a made-up
                 // ID could complete an unrelated command of the host.
-                let Some(cid) = Sqe::peek_cid(&q.cmds[c].capsule[..len.min(SQE_LEN)]) else {
+                let Some(cid) = Sqe::peek_cid(&head[..sqe]) else {
                     q.free.push(c);
                     release_boot_recv(d, qpn, q);
                     return;
@@ -2031,7 +2025,6 @@ fn alloc_rings<D: DeviceContext>(
         cmds.push(Cmd {
             stage: Stage::Free,
             sqe: Sqe::new(0, 0),
-            capsule: [0; SQE_LEN],
             capsule_len: 0,
         });
     }
