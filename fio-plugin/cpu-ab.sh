@@ -5,11 +5,11 @@
 # fio run (fio-plugin/cpu.py), divided by the I/Os fio completed.
 #
 # usage: bash fio-plugin/cpu-ab.sh BUILD_A BUILD_B [BUILD_C...]
-#   BUILD    ROOT, or ROOT@GLOBAL_ARGS@FIO_OPTS to run one build two ways: ROOT a checkout
+#   BUILD    ROOT, or ROOT@GLOBAL_ARGS@FIO_OPTS[@TARGET_ARGS] to run one build two ways: ROOT a checkout
 #            with release builds in ROOT/target/release (nvmf-rdma and libnvmf_rdma_fio.so),
 #            each build runs its own target and its own plugin; GLOBAL_ARGS go before
 #            `target` (e.g. --busy-poll=0), FIO_OPTS (space separated k=v) into the job
-#            (e.g. busy_poll=0).
+#            (e.g. busy_poll=0), TARGET_ARGS after `target` (e.g. --threads 2).
 #   ROUNDS=5 rounds; each round runs every job on every build, A B C..., back to back.
 #   SECS=3   seconds per fio run (time_based).
 #   JOBS="randread-4k-32 randwrite-4k-32"   RW-BS-QD of each job.
@@ -19,11 +19,11 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 [ $# -ge 2 ] || { echo "usage: cpu-ab.sh ROOT_A ROOT_B [ROOT...]" >&2; exit 2; }
 rounds=${ROUNDS:-5}; secs=${SECS:-3}; jobs=${JOBS:-randread-4k-32 randwrite-4k-32}
-roots=(); targs=(); fopts=()
+roots=(); targs=(); fopts=(); tgtargs=()
 for b in "$@"; do
-  IFS=@ read -r r ta fo <<<"$b"
+  IFS=@ read -r r ta fo tg <<<"$b"
   r=$(realpath "$r")
-  targs+=("$ta"); fopts+=("$fo")
+  targs+=("$ta"); fopts+=("$fo"); tgtargs+=("$tg")
   for f in nvmf-rdma libnvmf_rdma_fio.so; do
     [ -f "$r/target/release/$f" ] || { echo "cpu-ab.sh: no $r/target/release/$f" >&2; exit 1; }
   done
@@ -43,14 +43,14 @@ trap 'exit 130' INT TERM
 ports=()
 for i in "${!roots[@]}"; do
   port=$(python3 -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  # shellcheck disable=SC2086 # GLOBAL_ARGS split on spaces
-  "${roots[$i]}/target/release/nvmf-rdma" ${targs[$i]} target --ram 1G --listen "127.0.0.1:$port" >"$work/target.$i.log" 2>&1 &
+  # shellcheck disable=SC2086 # GLOBAL_ARGS and TARGET_ARGS split on spaces
+  "${roots[$i]}/target/release/nvmf-rdma" ${targs[$i]} target --ram 1G --listen "127.0.0.1:$port" ${tgtargs[$i]} >"$work/target.$i.log" 2>&1 &
   pids+=($!)
   ports+=("$port")
   for _ in $(seq 100); do grep -q "listening on" "$work/target.$i.log" && break; sleep 0.1; done
   grep -q "listening on" "$work/target.$i.log" || { echo "cpu-ab.sh: target $i did not start:" >&2; cat "$work/target.$i.log" >&2; exit 1; }
   echo "build $i: ${roots[$i]} ($(git -C "${roots[$i]}" describe --always --dirty 2>/dev/null || echo ?))" \
-       "${targs[$i]:+target: ${targs[$i]} }${fopts[$i]:+fio: ${fopts[$i]}}"
+       "${targs[$i]:+global: ${targs[$i]} }${tgtargs[$i]:+target: ${tgtargs[$i]} }${fopts[$i]:+fio: ${fopts[$i]}}"
 done
 for r in $(seq "$rounds"); do
   for j in $jobs; do

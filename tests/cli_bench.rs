@@ -5,7 +5,9 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_nvmf-rdma");
+#[path = "common/proc.rs"]
+mod proc;
+use proc::BIN;
 
 #[test]
 fn bench_streams_a_row_per_interval_then_the_summary() {
@@ -132,4 +134,53 @@ fn bench_hca_rows_as_json() {
             "{r}: want {want}"
         );
     }
+}
+
+/// `nvmf-rdma target --threads N` serves I/O on one thread (the default: the device and the
+/// queues hand off without waking another thread) and on several; out of range is refused.
+#[test]
+fn the_target_serves_io_on_one_thread_or_several() {
+    let dir = std::env::temp_dir().join(format!("nvmf-threads-{}", std::process::id()));
+    let nqn = "nqn.2026-11.io.nvmf-rdma:threads";
+    for threads in ["1", "3"] {
+        let (_t, addr) = proc::start_target(nqn, "16M", &dir, &["--threads", threads]);
+        let o = Command::new(BIN)
+            .args([
+                "bench",
+                "-a",
+                &addr,
+                "-n",
+                nqn,
+                "--seconds",
+                "0.3",
+                "-o",
+                "json",
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let results: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("every line is JSON"))
+            .filter(|v: &serde_json::Value| v["type"] == "result")
+            .collect();
+        assert_eq!(results.len(), 3, "--threads {threads}: {results:?}");
+        for r in &results {
+            assert_eq!(r["errors"], 0, "--threads {threads}: {r}");
+            assert!(
+                r["iops"].as_f64().unwrap() > 0.0,
+                "--threads {threads}: {r}"
+            );
+        }
+    }
+    for bad in ["0", "65", "two"] {
+        let o = Command::new(BIN)
+            .args(["target", "--threads", bad])
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "--threads {bad}");
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(e.contains("--threads"), "{e}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -381,11 +381,22 @@ fn run() -> Result<()> {
                 r => r.context("write to stdout"),
             }
         }
-        cmd => tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()?
-            .block_on(run_async(cmd, global)),
+        cmd => {
+            let mut rt = match &cmd {
+                Cmd::Target(t) if t.threads == 1 => tokio::runtime::Builder::new_current_thread(),
+                Cmd::Target(t) => {
+                    let mut b = tokio::runtime::Builder::new_multi_thread();
+                    b.worker_threads(t.threads.into());
+                    b
+                }
+                _ => {
+                    let mut b = tokio::runtime::Builder::new_multi_thread();
+                    b.worker_threads(2);
+                    b
+                }
+            };
+            rt.enable_all().build()?.block_on(run_async(cmd, global))
+        }
     }
 }
 
