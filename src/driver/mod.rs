@@ -362,16 +362,21 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         let events = act != last_activity;
         last_activity = act;
         metrics.publish(d.stats());
+        let next_deadline = d.poll_timeout();
         drop(d);
         if sent > 0 {
             tracing::trace!(device = %name, n = sent, "sending");
         }
         let busy_poll = shared.busy_poll_ns.load(Ordering::Relaxed);
-        if busy_poll > 0 && port.busy_poll() && (n > 0 || sent > 0) {
+        if busy_poll > 0 && port.busy_poll() {
             let t = std::time::Instant::now();
-            let allowed = !BUSY_POLL_GATE.load(Ordering::Relaxed)
-                || gate.allow(t, n + sent, spin::thread_preemptions);
-            spin_until = allowed.then(|| t + Duration::from_nanos(busy_poll));
+            if n > 0 || sent > 0 {
+                let allowed = !BUSY_POLL_GATE.load(Ordering::Relaxed)
+                    || gate.allow(t, n + sent, spin::thread_preemptions);
+                spin_until = allowed.then(|| t + Duration::from_nanos(busy_poll));
+            }
+            let next = next_deadline.map(|d| epoch.into_std() + Duration::from_nanos(d.0));
+            spin_until = spin::spin_until(spin_until, t, next);
         }
         port.flush();
         if more {

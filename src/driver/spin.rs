@@ -113,9 +113,62 @@ impl SpinGate {
     }
 }
 
+/// How far ahead a device timer is waited for by polling rather than by the runtime's timer.
+/// Tokio's timers tick in milliseconds, so a retransmit timeout of 200 µs (the floor of the
+/// adaptive one) or an ACK held back 100 µs, once the driver slept, fired a millisecond or
+/// two late: under random loss each lost packet cost that stall, not a round trip.
+pub(crate) const TIMER_SPIN: Duration = Duration::from_millis(2);
+/// Polling goes on this long past the deadline, so the turn that handles it happens while
+/// still polling.
+const TIMER_SLACK: Duration = Duration::from_micros(20);
+
+/// Where busy polling ends after a turn: `until` (the busy-poll window, or `None` when busy
+/// polling is off or held off by [`SpinGate`]), pushed out to just past the device's next
+/// deadline when that comes within [`TIMER_SPIN`] of `now`. A device has deadlines only
+/// while it owes an ACK or waits for one (its retransmit, tail-loss probe and RNR timers),
+/// so this polls through those waits and no longer: an idle device still sleeps once its
+/// window ends, and a far deadline (a backed-off retransmit) is left to the runtime.
+pub(crate) fn spin_until(
+    until: Option<Instant>,
+    now: Instant,
+    next_deadline: Option<Instant>,
+) -> Option<Instant> {
+    let until = until?;
+    Some(match next_deadline {
+        Some(d) if d <= now + TIMER_SPIN => until.max(d + TIMER_SLACK),
+        _ => until,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn polling_reaches_past_a_near_device_deadline_and_no_further() {
+        let now = Instant::now();
+        let window = now + Duration::from_micros(50);
+        // A retransmit timer 200 µs away: polled for, so it fires on time.
+        let rto = now + Duration::from_micros(200);
+        assert_eq!(
+            spin_until(Some(window), now, Some(rto)),
+            Some(rto + TIMER_SLACK)
+        );
+        // Exactly at the limit still counts; beyond it the runtime's timer takes it.
+        let edge = now + TIMER_SPIN;
+        assert_eq!(
+            spin_until(Some(window), now, Some(edge)),
+            Some(edge + TIMER_SLACK)
+        );
+        let far = now + TIMER_SPIN + Duration::from_micros(1);
+        assert_eq!(spin_until(Some(window), now, Some(far)), Some(window));
+        // A deadline inside the window does not shorten it; none leaves it as it is.
+        let soon = now + Duration::from_micros(10);
+        assert_eq!(spin_until(Some(window), now, Some(soon)), Some(window));
+        assert_eq!(spin_until(Some(window), now, None), Some(window));
+        // Busy polling off (or held off by the gate): never turned on by a deadline.
+        assert_eq!(spin_until(None, now, Some(rto)), None);
+    }
 
     impl SpinGate {
         /// As `allow` after turns of 32 packets (QD32).
