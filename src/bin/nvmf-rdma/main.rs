@@ -382,18 +382,16 @@ fn run() -> Result<()> {
             }
         }
         cmd => {
-            let mut rt = match &cmd {
-                Cmd::Target(t) if t.threads == 1 => tokio::runtime::Builder::new_current_thread(),
-                Cmd::Target(t) => {
-                    let mut b = tokio::runtime::Builder::new_multi_thread();
-                    b.worker_threads(t.threads.into());
-                    b
-                }
-                _ => {
-                    let mut b = tokio::runtime::Builder::new_multi_thread();
-                    b.worker_threads(2);
-                    b
-                }
+            let workers = match &cmd {
+                Cmd::Target(t) => usize::from(t.threads),
+                _ => 2,
+            };
+            let mut rt = if workers == 1 {
+                tokio::runtime::Builder::new_current_thread()
+            } else {
+                let mut b = tokio::runtime::Builder::new_multi_thread();
+                b.worker_threads(workers);
+                b
             };
             rt.enable_all().build()?.block_on(run_async(cmd, global))
         }
