@@ -169,6 +169,14 @@ struct Cmd {
     /// How long the capsule was, in-capsule data included (that data is in the slot's
     /// staging).
     capsule_len: usize,
+    /// Where the data for the host is when not in the slot's staging: an address and lkey
+    /// in a RAM namespace's memory region (a read sent without a copy). Taken by `respond`.
+    src: Option<(u64, MemKey)>,
+    /// Its data was fetched straight into a RAM namespace (a write without a copy).
+    landed: bool,
+    /// Its in-capsule data is still in this receive buffer (an I/O queue's, not reposted
+    /// until the command is done with it; see `Engine::on_capsule`).
+    inline: Option<usize>,
 }
 
 /// A queue is born small: until Fabrics Connect succeeds it has one command slot, one
@@ -181,6 +189,8 @@ struct Cmd {
 /// replaced nothing posted (receive, READ or SEND) still points into the old ones.
 struct TQueue<M> {
     qid: u16,
+    /// Path MTU of its QP, bytes: the most one packet carries.
+    mtu: u32,
     /// The queue size the host asked for (and gets after Connect).
     size: usize,
     /// Command slots and receive buffers allocated now: 1 before Connect, then `size`.
@@ -285,6 +295,11 @@ struct Engine<D: DeviceContext> {
     finished: Vec<Finished>,
     /// `stats` as metrics, published on the keep-alive tick.
     metrics: Publisher<TargetStats>,
+    /// RAM namespaces read so far, with their memory region on our PD where the device
+    /// registers their memory (`None`: it cannot, reads copy through staging). Registered
+    /// on first use, deregistered when the namespace is gone from every subsystem or the
+    /// engine closes.
+    ns_mrs: Vec<(Arc<Namespace>, Option<MrInfo>)>,
 }
 
 /// The engine and the device it posts to, under one lock.
@@ -363,6 +378,7 @@ impl<D: DeviceContext> Target<D> {
             next_token: 0,
             finished: Vec::new(),
             metrics,
+            ns_mrs: Vec::new(),
         };
         let d = Io::new(dev.clone());
         let t = Target {
@@ -558,14 +574,22 @@ impl<D: DeviceContext> Target<D> {
     }
 
     async fn serve(self) {
-        /// The workers stop with the engine (the device died, or the runtime went).
-        struct Close<M: HostBuffer>(Arc<Pool<M>>);
-        impl<M: HostBuffer> Drop for Close<M> {
+        /// The workers stop with the engine (the device died, or the runtime went), and
+        /// its namespace regions are deregistered.
+        struct Close<D: DeviceContext>(Target<D>);
+        impl<D: DeviceContext> Drop for Close<D> {
             fn drop(&mut self) {
-                self.0.close();
+                self.0.pool.close();
+                let mut g = self.0.lock();
+                let Locked { e, d } = &mut *g;
+                for (_, mr) in e.ns_mrs.drain(..) {
+                    if let Some(mr) = mr {
+                        d.dev.dereg_mr(&mr);
+                    }
+                }
             }
         }
-        let _close = Close(self.pool.clone());
+        let _close = Close(self.clone());
         let cq = self.lock().e.cq;
         let mut batch = Vec::with_capacity(256);
         // Keep-alive expiry is checked on this tick; KATO is at least a second in practice.
@@ -814,6 +838,7 @@ impl<D: DeviceContext> Engine<D> {
             qpn,
             TQueue {
                 qid: p.qid,
+                mtu: p.path_mtu.bytes(),
                 size,
                 slots: 1,
                 cntlid: None,
@@ -999,32 +1024,84 @@ impl<D: DeviceContext> Engine<D> {
             q.held.push_back((r, len));
             return;
         };
-        // The command is parsed from its 64 bytes here and kept parsed; in-capsule data goes
-        // straight from the receive buffer to the slot's staging, where fetched data lands
-        // too (one copy, and the buffer can be posted again at once). Staging holds at most
-        // `staging_len`; a capsule that claims more is refused at its SGL.
+        // The command is parsed from its 64 bytes here and kept parsed. In-capsule data
+        // of an I/O queue stays in its receive buffer while the command runs (a RAM
+        // namespace's write copies it from there, once) and goes to the slot's staging, where
+        // fetched data lands, only if the command still needs it after this turn; the buffer
+        // is posted again when the command is done with it, before any response leaves.
+        // Before Connect it goes to staging at once. Staging holds at most `staging_len`; a
+        // capsule that claims more is refused at its SGL.
         let sqe = len.min(SQE_LEN);
         let mut head = [0u8; SQE_LEN];
         q.recv.0.read(at, &mut head[..sqe]);
         q.cmds[c].capsule_len = len;
         let data = (len - sqe).min(q.staging_len);
-        if data > 0 {
-            let recv = &q.recv.0;
-            q.data
-                .0
-                .with_range(c * q.staging_len, data, |g| recv.read(at + sqe, g));
-            if q.qid > 0 {
-                self.stats.io_copies += 1;
-                self.stats.io_copied_bytes += data as u64;
-            }
-        }
-        if q.grown {
+        let keep = data > 0 && q.qid > 0 && q.grown;
+        q.cmds[c].inline = Some(r).filter(|_| data > 0);
+        if keep {
+            // Posted again by `settle_capsule` below.
+        } else if q.grown {
+            self.stage_inline(qpn, c);
+            let Some(q) = self.queues.get(&qpn) else {
+                return;
+            };
             repost(d, qpn, q, r);
         } else {
-            q.boot_held = true;
+            self.stage_inline(qpn, c);
+            if let Some(q) = self.queues.get_mut(&qpn) {
+                q.boot_held = true;
+            }
         }
+        self.on_command(d, qpn, c, &head[..sqe]);
+        if keep {
+            self.settle_capsule(d, qpn, c, r);
+        }
+    }
+
+    /// Copy command `c`'s in-capsule data from its receive buffer to its staging, if it is
+    /// still there.
+    fn stage_inline(&mut self, qpn: Qpn, c: usize) {
+        let Some(q) = self.queues.get_mut(&qpn) else {
+            return;
+        };
+        let Some(r) = q.cmds[c].inline.take() else {
+            return;
+        };
+        let at = r * q.capsule_len + SQE_LEN;
+        let data = (q.cmds[c].capsule_len.saturating_sub(SQE_LEN)).min(q.staging_len);
+        let recv = &q.recv.0;
+        q.data
+            .0
+            .with_range(c * q.staging_len, data, |g| recv.read(at, g));
+        if q.qid > 0 {
+            self.stats.io_copies += 1;
+            self.stats.io_copied_bytes += data as u64;
+        }
+    }
+
+    /// Command `c` has had its turn: if it still needs its in-capsule data (held, or
+    /// executing elsewhere) that goes to staging, and receive buffer `r` is posted again.
+    fn settle_capsule(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize, r: usize) {
+        let Some(q) = self.queues.get_mut(&qpn) else {
+            return;
+        };
+        if q.cmds[c].stage == Stage::Responding {
+            q.cmds[c].inline = None;
+        } else {
+            self.stage_inline(qpn, c);
+        }
+        if let Some(q) = self.queues.get(&qpn) {
+            repost(d, qpn, q, r);
+        }
+    }
+
+    /// Run the command whose 64 bytes `head` just arrived in slot `c`.
+    fn on_command(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize, head: &[u8]) {
+        let Some(q) = self.queues.get_mut(&qpn) else {
+            return;
+        };
         self.stats.commands += 1;
-        let parsed = Sqe::parse(&head[..sqe]);
+        let parsed = Sqe::parse(head);
         match parsed {
             Ok(sqe) => {
                 q.cmds[c].sqe = sqe;
@@ -1046,7 +1123,8 @@ impl<D: DeviceContext> Engine<D> {
                 self.stats.malformed_capsules += 1;
                 // Without a command ID there is nobody to answer: a completion for a made-up
                 // ID could complete an unrelated command of the host.
-                let Some(cid) = Sqe::peek_cid(&head[..sqe]) else {
+                let Some(cid) = Sqe::peek_cid(head) else {
+                    q.cmds[c].inline = None;
                     q.free.push(c);
                     release_boot_recv(d, qpn, q);
                     return;
@@ -1059,9 +1137,10 @@ impl<D: DeviceContext> Engine<D> {
 
     /// Begin a command: fetch host data if it brings any, else execute now.
     fn start(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize) {
-        let Some(q) = self.queues.get(&qpn) else {
+        let Some(q) = self.queues.get_mut(&qpn) else {
             return;
         };
+        q.cmds[c].landed = false;
         let sqe = q.cmds[c].sqe;
         // Nothing but Connect on a queue without a controller, and no data moved for it
         // (NVMe-oF: Command Sequence Error).
@@ -1105,11 +1184,33 @@ impl<D: DeviceContext> Engine<D> {
                 self.execute(d, qpn, c);
             }
             SglDescriptor::Keyed { addr, key, .. } => {
-                let local = Sgl::one(
+                let mut local = Sgl::one(
                     q.data.1.addr + (c * q.staging_len) as u64,
                     want as u32,
                     q.data.1.lkey,
                 );
+                let mut landed = false;
+                // A write to a RAM namespace the device registers is fetched straight into
+                // it, its range checked first. As with staging, what lands is the host's
+                // data for this command only, and a failed fetch leaves the range part
+                // written, which NVMe allows of a failed write.
+                if sqe.opcode == opcode::io::WRITE && q.qid > 0 {
+                    match self.direct_write(d, qpn, &sqe) {
+                        Ok(Some((at, lkey))) => {
+                            local = Sgl::one(at, want as u32, lkey);
+                            landed = true;
+                        }
+                        Ok(None) => {}
+                        Err(st) => {
+                            self.stats.errors += 1;
+                            return self.respond(d, qpn, c, st, 0, 0);
+                        }
+                    }
+                }
+                let Some(q) = self.queues.get_mut(&qpn) else {
+                    return;
+                };
+                q.cmds[c].landed = landed;
                 let wr = SendWr {
                     wr_id: wr_id(WR_RDMA_READ, c),
                     op: SendOp::Read {
@@ -1177,14 +1278,20 @@ impl<D: DeviceContext> Engine<D> {
         };
         let sqe = q.cmds[c].sqe;
         let qid = q.qid;
+        let connected = q.cntlid.is_some();
+        // Only a write takes its in-capsule data from the receive buffer (`exec_io`); for
+        // everything else it is where fetched data would be, in staging.
+        if qid == 0 || sqe.opcode != opcode::io::WRITE {
+            self.stage_inline(qpn, c);
+        }
         let r = if sqe.opcode == opcode::FABRICS {
             self.exec_fabrics(d, qpn, c, &sqe)
-        } else if q.cntlid.is_none() {
+        } else if !connected {
             Err(Status::COMMAND_SEQUENCE_ERROR.with_dnr())
         } else if qid == 0 {
             self.exec_admin(qpn, c, &sqe)
         } else {
-            self.exec_io(qpn, c, &sqe)
+            self.exec_io(d, qpn, c, &sqe)
         };
         match r {
             Ok(Done::Respond { result, data_out }) => {
@@ -1253,7 +1360,8 @@ impl<D: DeviceContext> Engine<D> {
         self.finished = done;
     }
 
-    /// RDMA WRITE `data_out` staged bytes to the host (if any), then SEND the response.
+    /// RDMA WRITE `data_out` bytes to the host (if any: staged, or from the namespace where
+    /// the command's `src` says), then SEND the response.
     fn respond(
         &mut self,
         d: &mut Io<D>,
@@ -1267,6 +1375,7 @@ impl<D: DeviceContext> Engine<D> {
             return;
         };
         let sqe = q.cmds[c].sqe;
+        let src = q.cmds[c].src.take();
         if data_out > 0 && status.is_success() {
             match SglDescriptor::parse(&sqe.dptr) {
                 // A buffer shorter than the data: refuse rather than write part of it.
@@ -1275,13 +1384,15 @@ impl<D: DeviceContext> Engine<D> {
                 }
                 Ok(SglDescriptor::Keyed { addr, key, .. }) => {
                     let n = data_out as u32;
+                    let (at, lkey) =
+                        src.unwrap_or((q.data.1.addr + (c * q.staging_len) as u64, q.data.1.lkey));
                     let wr = SendWr {
                         wr_id: wr_id(WR_RDMA_WRITE, c),
                         op: SendOp::Write {
                             remote_addr: addr,
                             rkey: MemKey(key),
                         },
-                        sgl: Sgl::one(q.data.1.addr + (c * q.staging_len) as u64, n, q.data.1.lkey),
+                        sgl: Sgl::one(at, n, lkey),
                         signaled: false,
                         solicited: false,
                     };
@@ -1416,8 +1527,7 @@ impl<D: DeviceContext> Engine<D> {
                     .and_then(|c| self.subsystem(c))
                     .and_then(|s| s.namespaces.iter().find(|n| n.nsid == sqe.nsid))
                     .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())?;
-                let nlb = (sqe.cdw12 & 0xFFFF) as usize + 1;
-                Ok(Some(nlb << ns.lbads))
+                Ok(Some((nlb(sqe) as usize) << ns.lbads))
             }
             opcode::io::DATASET_MANAGEMENT => Ok(Some(((sqe.cdw10 & 0xFF) as usize + 1) * 16)),
             _ => Ok(None),
@@ -1835,19 +1945,84 @@ impl<D: DeviceContext> Engine<D> {
         page
     }
 
-    fn exec_io(&mut self, qpn: Qpn, c: usize, sqe: &Sqe) -> Result<Done, Status> {
+    /// The memory region of RAM namespace `ns` on our PD, registered the first time it is
+    /// asked for: `None` where the device cannot register the namespace's memory (another
+    /// device's memory type, or the registration failed), and reads copy through staging.
+    /// Local access only (reads from it, RDMA READ responses into it): we post the RDMA, no
+    /// peer ever gets a key to the namespace.
+    fn ns_mr(&mut self, d: &mut Io<D>, ns: &Arc<Namespace>) -> Option<MrInfo> {
+        if let Some((_, mr)) = self.ns_mrs.iter().find(|(n, _)| Arc::ptr_eq(n, ns)) {
+            return *mr;
+        }
+        // A namespace no subsystem has any more (only this list holds it) gives its
+        // region back, so the list is bounded by the namespaces that exist.
+        self.ns_mrs.retain(|(n, mr)| {
+            let gone = Arc::strong_count(n) == 1;
+            if let (true, Some(mr)) = (gone, mr) {
+                d.dev.dereg_mr(mr);
+            }
+            !gone
+        });
+        let mem = ns
+            .ram_store()
+            .and_then(|s| s.as_any().downcast_ref::<D::Mem>());
+        let mr = mem.and_then(|m| {
+            d.dev
+                .reg_mr(self.pd, m, 0, m.len(), Access::LOCAL_WRITE)
+                .ok()
+        });
+        self.ns_mrs.push((ns.clone(), mr));
+        mr
+    }
+
+    /// The region to move queue `qpn`'s data to or from RAM namespace `ns` without a copy,
+    /// if there is one. Only where a packet carries whole blocks (path MTU at least the
+    /// block size): each packet is gathered or scattered under the memory's lock, as every
+    /// other access to it is made, so a read that races a write to the same blocks (NVMe
+    /// leaves their order open) sees each block whole, old or new, as the one-block atomic
+    /// write unit promises. Nothing is held while data crosses the network, so a dead
+    /// queue still retrying its RDMA keeps no live host waiting.
+    fn direct_mr(&mut self, d: &mut Io<D>, qpn: Qpn, ns: &Arc<Namespace>) -> Option<MrInfo> {
+        let mtu = self.queues.get(&qpn)?.mtu;
+        if !ns.is_ram() || mtu < ns.block_size() {
+            return None;
+        }
+        self.ns_mr(d, ns)
+    }
+
+    /// Where write `sqe` on queue `qpn` can be fetched straight into its namespace: the
+    /// address and lkey, `None` if it goes through staging, or the command's error (a
+    /// range outside the namespace is refused before anything moves).
+    fn direct_write(
+        &mut self,
+        d: &mut Io<D>,
+        qpn: Qpn,
+        sqe: &Sqe,
+    ) -> Result<Option<(u64, MemKey)>, Status> {
+        let ns = self.io_ns(qpn, sqe)?;
+        let (off, _) = ns.range(lba(sqe), nlb(sqe))?;
+        Ok(self
+            .direct_mr(d, qpn, &ns)
+            .map(|mr| (mr.addr + off, mr.lkey)))
+    }
+
+    /// The namespace I/O command `sqe` on queue `qpn` names.
+    fn io_ns(&self, qpn: Qpn, sqe: &Sqe) -> Result<Arc<Namespace>, Status> {
         let ctrl = self.ctrl_of(qpn, false)?;
         let subsys = self
             .subsystem(ctrl)
             .ok_or(Status::INVALID_OPCODE.with_dnr())?;
-        let ns = subsys
+        subsys
             .namespaces
             .iter()
             .find(|n| n.nsid == sqe.nsid)
             .cloned()
-            .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())?;
-        let slba = sqe.cdw10 as u64 | ((sqe.cdw11 as u64) << 32);
-        let nlb = (sqe.cdw12 & 0xFFFF) as u64 + 1;
+            .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())
+    }
+
+    fn exec_io(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize, sqe: &Sqe) -> Result<Done, Status> {
+        let ns = self.io_ns(qpn, sqe)?;
+        let (slba, nlb) = (lba(sqe), nlb(sqe));
         let staging = self.queues[&qpn].staging_len;
         // A RAM namespace's reads and writes are a copy of at most `staging` bytes and stay
         // here; what a host can make long goes to a worker.
@@ -1861,10 +2036,18 @@ impl<D: DeviceContext> Engine<D> {
                 if offload {
                     return Ok(Done::Offload(ns, Op::Read { off, len }));
                 }
-                let q = &self.queues[&qpn];
-                q.data.0.with_range(c * staging, len, |g| ns.read(off, g))?;
-                self.stats.io_copies += 1;
-                self.stats.io_copied_bytes += len as u64;
+                // Where the device registers the namespace's memory, the RDMA WRITE reads
+                // it: no copy, and nothing held meanwhile (see `direct_mr`).
+                if let Some(mr) = self.direct_mr(d, qpn, &ns) {
+                    if let Some(q) = self.queues.get_mut(&qpn) {
+                        q.cmds[c].src = Some((mr.addr + off, mr.lkey));
+                    }
+                } else {
+                    let q = &self.queues[&qpn];
+                    q.data.0.with_range(c * staging, len, |g| ns.read(off, g))?;
+                    self.stats.io_copies += 1;
+                    self.stats.io_copied_bytes += len as u64;
+                }
                 Ok(Done::Respond {
                     result: 0,
                     data_out: len,
@@ -1876,14 +2059,26 @@ impl<D: DeviceContext> Engine<D> {
                     return Err(Status::INVALID_FIELD.with_dnr());
                 }
                 if offload {
+                    self.stage_inline(qpn, c);
                     return Ok(Done::Offload(ns, Op::Write { off, len }));
                 }
-                let q = &self.queues[&qpn];
-                q.data
-                    .0
-                    .with_range(c * staging, len, |g| ns.write(off, g))?;
-                self.stats.io_copies += 1;
-                self.stats.io_copied_bytes += len as u64;
+                let Some(q) = self.queues.get_mut(&qpn) else {
+                    return Err(Status::INTERNAL_ERROR);
+                };
+                if let Some(r) = q.cmds[c].inline.take() {
+                    // In-capsule data, from the receive buffer straight into the namespace.
+                    q.recv
+                        .0
+                        .with_range(r * q.capsule_len + SQE_LEN, len, |g| ns.write(off, g))?;
+                    self.stats.io_copies += 1;
+                    self.stats.io_copied_bytes += len as u64;
+                } else if !q.cmds[c].landed {
+                    q.data
+                        .0
+                        .with_range(c * staging, len, |g| ns.write(off, g))?;
+                    self.stats.io_copies += 1;
+                    self.stats.io_copied_bytes += len as u64;
+                }
                 self.stats.bytes_written += len as u64;
                 Ok(Done::Respond {
                     result: 0,
@@ -1930,6 +2125,16 @@ impl<D: DeviceContext> Engine<D> {
             _ => Err(Status::INVALID_OPCODE.with_dnr()),
         }
     }
+}
+
+/// The starting LBA of a read or write (CDW10-11).
+fn lba(sqe: &Sqe) -> u64 {
+    sqe.cdw10 as u64 | ((sqe.cdw11 as u64) << 32)
+}
+
+/// The number of blocks of a read or write (CDW12 bits 15:0, 0's based).
+fn nlb(sqe: &Sqe) -> u64 {
+    (sqe.cdw12 & 0xFFFF) as u64 + 1
 }
 
 enum Done {
@@ -2026,6 +2231,9 @@ fn alloc_rings<D: DeviceContext>(
             stage: Stage::Free,
             sqe: Sqe::new(0, 0),
             capsule_len: 0,
+            src: None,
+            landed: false,
+            inline: None,
         });
     }
     // Staging is the big one (slots x max_transfer): its pages come in as commands use

@@ -1,11 +1,13 @@
 //! Namespace backends for the built-in target: RAM or a file.
 
+use std::any::Any;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::Mutex;
 
+use crate::hca::HostMem;
 use crate::nvme::Status;
+use crate::verbs::HostBuffer;
 
 /// Back a RAM namespace with memory taken now, as SPDK's malloc bdev does: left to the
 /// kernel, the first write to each 4 KiB page would take a page fault, which on a virtual
@@ -32,9 +34,40 @@ fn take_ram(mem: &[u8]) {
     }
 }
 
+/// A RAM namespace's memory: a device's [`HostBuffer`] behind an object-safe face, so a
+/// [`Namespace`] need not be generic over the device. An engine whose device registers this
+/// very memory type (found with [`RamStore::as_any`]) sends the namespace's data to hosts
+/// with RDMA straight from it; any other engine copies through its staging. Each access is
+/// atomic against the others and against the device's own copies (the buffer's lock), so
+/// a read never sees part of a block written.
+pub trait RamStore: Send + Sync + 'static {
+    fn as_any(&self) -> &dyn Any;
+    fn read(&self, offset: usize, out: &mut [u8]);
+    fn write(&self, offset: usize, data: &[u8]);
+    fn zero(&self, offset: usize, len: usize);
+}
+
+impl<M: HostBuffer> RamStore for M {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn read(&self, offset: usize, out: &mut [u8]) {
+        HostBuffer::read(self, offset, out)
+    }
+
+    fn write(&self, offset: usize, data: &[u8]) {
+        HostBuffer::write(self, offset, data)
+    }
+
+    fn zero(&self, offset: usize, len: usize) {
+        self.with_range(offset, len, |g| g.fill(0))
+    }
+}
+
 /// Where a namespace keeps its blocks.
 pub enum Backend {
-    Ram(Mutex<Vec<u8>>),
+    Ram(Box<dyn RamStore>),
     File { file: File, direct: bool },
 }
 
@@ -53,16 +86,25 @@ impl std::fmt::Debug for Namespace {
 }
 
 impl Namespace {
-    /// A RAM namespace of `bytes` (rounded down to whole blocks).
+    /// A RAM namespace of `bytes` (rounded down to whole blocks), in the soft-HCA's memory.
     pub fn ram(nsid: u32, bytes: u64, lbads: u8) -> Namespace {
+        Namespace::ram_in::<HostMem>(nsid, bytes, lbads)
+    }
+
+    /// A RAM namespace in device memory of type `M`: a target on a device whose
+    /// [`crate::verbs::DeviceContext::Mem`] is `M` reads it out to hosts without a copy.
+    pub fn ram_in<M: HostBuffer>(nsid: u32, bytes: u64, lbads: u8) -> Namespace {
         let blocks = bytes >> lbads;
-        let mem = vec![0u8; (blocks << lbads) as usize];
-        take_ram(&mem);
+        let len = (blocks << lbads) as usize;
+        // Mapped lazily, then taken at once with huge pages (`take_ram`). As `vec!` did, an
+        // allocation that cannot be had ends the process: the operator asked for it.
+        let mem = M::try_alloc_lazy(len).unwrap_or_else(|| M::alloc(len));
+        mem.with_range(0, len, |g| take_ram(g));
         Namespace {
             nsid,
             lbads,
             blocks,
-            backend: Backend::Ram(Mutex::new(mem)),
+            backend: Backend::Ram(Box::new(mem)),
         }
     }
 
@@ -122,8 +164,7 @@ impl Namespace {
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), Status> {
         match &self.backend {
             Backend::Ram(m) => {
-                let g = m.lock().unwrap_or_else(|e| e.into_inner());
-                out.copy_from_slice(&g[offset as usize..offset as usize + out.len()]);
+                m.read(offset as usize, out);
                 Ok(())
             }
             Backend::File { file, .. } => file
@@ -135,8 +176,7 @@ impl Namespace {
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), Status> {
         match &self.backend {
             Backend::Ram(m) => {
-                let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
-                g[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+                m.write(offset as usize, data);
                 Ok(())
             }
             Backend::File { file, .. } => file
@@ -145,9 +185,17 @@ impl Namespace {
         }
     }
 
-    /// Is this namespace in RAM (its reads and writes cost a copy, nothing more)?
+    /// Is this namespace in RAM (its reads and writes cost a copy at most)?
     pub fn is_ram(&self) -> bool {
         matches!(self.backend, Backend::Ram(_))
+    }
+
+    /// The memory of a RAM namespace.
+    pub fn ram_store(&self) -> Option<&dyn RamStore> {
+        match &self.backend {
+            Backend::Ram(m) => Some(&**m),
+            Backend::File { .. } => None,
+        }
     }
 
     /// The most one [`Namespace::zero_step`] does: bounds how long a worker is busy with one
@@ -162,8 +210,7 @@ impl Namespace {
         let n = len.min(Self::ZERO_STEP);
         match &self.backend {
             Backend::Ram(m) => {
-                let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
-                g[offset as usize..offset as usize + n].fill(0);
+                m.zero(offset as usize, n);
                 Ok(n)
             }
             Backend::File { file, .. } => {
