@@ -329,6 +329,42 @@ fn retry_cnt_counts_local_ack_timeouts_only() {
     );
 }
 
+/// A timer that fires early (the data arrived, only the ACKs were lost) resends the oldest
+/// packet alone; the peer answers the duplicate with its latest ACK and nothing more is
+/// sent. It used to resend the whole window (32 packets here), all duplicates, which under
+/// a burst of large messages made the next ACKs late too and the timer fire early again.
+#[test]
+fn an_early_timer_resends_one_packet_not_the_window() {
+    let mut p = pair(605, Faults::NONE, opts());
+    warm_up(&mut p);
+    let (a0, b0) = (
+        p.sim.devices[0].stats().clone(),
+        p.sim.devices[1].stats().clone(),
+    );
+    post_writes(&mut p, 500..532);
+    // Everything is on the link and arrives; B's ACKs, and A's tail-loss probe, are lost.
+    p.sim.partitions.push((0, 1));
+    let ok = p.sim.run_until(Duration::from_secs(1), |s| {
+        s.devices[0].stats().tail_probes > a0.tail_probes
+    });
+    assert!(ok, "no probe");
+    p.sim.partitions.clear();
+    let wcs = wait_wcs(&mut p.sim, 0, p.a.cq, 32, Duration::from_secs(1));
+    assert_all_ok(&wcs, 500..532);
+    let (a, b) = (p.sim.devices[0].stats(), p.sim.devices[1].stats());
+    assert_eq!(
+        b.rx_packets - b0.rx_packets,
+        33,
+        "B received the burst and one resend"
+    );
+    assert_eq!(b.rx_duplicates - b0.rx_duplicates, 1, "{b:?}");
+    assert_eq!(
+        (a.rto_timeouts - a0.rto_timeouts, a.timeouts - a0.timeouts),
+        (1, 0),
+        "{a:?}"
+    );
+}
+
 /// A seed's run replays exactly: the timers add nothing that is not in virtual time.
 #[test]
 fn lossy_run_replays_from_its_seed() {

@@ -145,9 +145,30 @@ pub struct TargetStats {
     pub offloaded: u64,
     /// Payload copies the target made for I/O commands (in-capsule data into staging,
     /// staging to and from the namespace or a worker's buffer) and their bytes; what the
-    /// kernel copies for a file namespace is not counted.
+    /// kernel copies for a file namespace is not counted, nor RDMA straight from or into a
+    /// RAM namespace (no copy).
     pub io_copies: u64,
     pub io_copied_bytes: u64,
+}
+
+/// One line for a person: what the target did (the `stopping` line of `nvmf-rdma target`).
+impl std::fmt::Display for TargetStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} commands ({} failed, {} malformed), {} bytes read, {} written, \
+             {} queues connected, {} dropped ({} for keep-alive), {} refused",
+            self.commands,
+            self.errors,
+            self.malformed_capsules,
+            self.bytes_read,
+            self.bytes_written,
+            self.queues_connected,
+            self.queues_dropped,
+            self.kato_expired,
+            self.refused_queues,
+        )
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -52,7 +52,7 @@ async fn run_soft(a: TargetArgs, cfg: TargetConfig) -> Result<()> {
         a.trsvcid
     );
     let sig = StopSignals::new()?.recv().await;
-    println!("{sig}: stopping; {:?}", t.stats());
+    println!("{sig}: stopping; {}", t.stats());
     Ok(())
 }
 
@@ -80,7 +80,7 @@ async fn run_kernel(sel: &str, a: TargetArgs, cfg: TargetConfig) -> Result<()> {
     let mut signals = StopSignals::new()?;
     tokio::select! {
         sig = signals.recv() => {
-            println!("{sig}: stopping; {:?}", t.stats());
+            println!("{sig}: stopping; {}", t.stats());
             Ok(())
         }
         why = t.died() => bail!("{why}"),

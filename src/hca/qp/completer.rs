@@ -212,6 +212,9 @@ impl Qp {
         self.comp.retry_left = self.attr.retry_cnt.min(7);
         self.comp.rnr_left = self.attr.rnr_retry.min(7);
         self.comp.rewound_at = None;
+        // After a timeout, the first ACK that moves things forward ends the one-packet
+        // resend (`CompState::window`).
+        self.comp.window = None;
         if self.req.psn.before(self.comp.psn) {
             self.seek_req(self.comp.psn);
         }

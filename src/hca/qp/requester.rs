@@ -67,7 +67,8 @@ impl Qp {
         if self.comp.rnr_until.is_some_and(|t| t > now) {
             return false;
         }
-        if self.req.psn.diff(self.comp.psn) as u32 >= self.attr.max_unacked {
+        let window = self.comp.window.unwrap_or(u32::MAX);
+        if self.req.psn.diff(self.comp.psn) as u32 >= self.attr.max_unacked.min(window) {
             return false;
         }
         let wqe = &self.sq[self.req.next];
@@ -162,7 +163,17 @@ impl Qp {
         icrc: &IcrcContext,
         out: &mut Vec<u8>,
     ) -> bool {
-        self.requester_can_send(ctx.now) && self.emit_request(ctx, icrc, out, false)
+        if !self.requester_can_send(ctx.now) {
+            return false;
+        }
+        // The last packet the window allows after a timeout asks for its ACK: the window
+        // opens only when one comes, and a packet in the middle of a message is otherwise
+        // acknowledged only with a later one.
+        let last = self
+            .comp
+            .window
+            .is_some_and(|w| self.req.psn.diff(self.comp.psn) as u32 + 1 >= w);
+        self.emit_request(ctx, icrc, out, last)
     }
 
     /// Emit the packet at the requester's position and move past it. `ack_req`: ask for an
