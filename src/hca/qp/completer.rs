@@ -213,8 +213,8 @@ impl Qp {
         self.comp.rnr_left = self.attr.rnr_retry.min(7);
         self.comp.rewound_at = None;
         // After a timeout, the first ACK that moves things forward ends the one-packet
-        // resend (`CompState::window`).
-        self.comp.window = None;
+        // resend (`CompState::lone_resend`).
+        self.comp.lone_resend = false;
         if self.req.psn.before(self.comp.psn) {
             self.seek_req(self.comp.psn);
         }

@@ -312,16 +312,16 @@ pub(crate) struct CompState {
     /// The backoff lasts until this PSN (one past the last sent at the latest expiry) is
     /// reached, or an RTT sample is taken.
     pub backoff_until: Option<Psn>,
-    /// After a retransmit timer expired: how many packets past the oldest unacknowledged
-    /// one may be out (`None`: `max_unacked`). The go-back-N resend starts with the oldest
-    /// packet alone, asking for its ACK, and the rest follows once an ACK moves things
-    /// forward (as F-RTO does for TCP, RFC 5682). If the timer fired early (the ACK was
+    /// A retransmit timer expired and no ACK has moved things forward since: only the
+    /// oldest unacknowledged packet may be out. The go-back-N resend starts with that packet
+    /// alone, asking for its ACK, and the rest follows once an ACK moves things forward (as
+    /// F-RTO does for TCP, RFC 5682). If the timer fired early (the ACK was
     /// late, nothing was lost) the peer answers the duplicate with its latest ACK and
     /// nothing else is resent; if the packet was lost, the peer dropped everything after
     /// it, and the rest goes one round trip later. Without it, a timer that fires early, as
     /// a burst of large messages can make it, resends the whole window (128 packets) that
     /// the peer drops as duplicates, and the extra load makes the next ACK late too.
-    pub window: Option<u32>,
+    pub lone_resend: bool,
 }
 
 pub(crate) enum RespMsg {
@@ -650,7 +650,7 @@ impl Qp {
                     self.rewind(ctx, self.comp.psn);
                     self.arm_rto(ctx);
                 }
-                self.comp.window = Some(1);
+                self.comp.lone_resend = true;
             }
         }
     }

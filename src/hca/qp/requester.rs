@@ -67,8 +67,12 @@ impl Qp {
         if self.comp.rnr_until.is_some_and(|t| t > now) {
             return false;
         }
-        let window = self.comp.window.unwrap_or(u32::MAX);
-        if self.req.psn.diff(self.comp.psn) as u32 >= self.attr.max_unacked.min(window) {
+        let window = if self.comp.lone_resend {
+            1
+        } else {
+            self.attr.max_unacked
+        };
+        if self.req.psn.diff(self.comp.psn) as u32 >= window {
             return false;
         }
         let wqe = &self.sq[self.req.next];
@@ -166,14 +170,11 @@ impl Qp {
         if !self.requester_can_send(ctx.now) {
             return false;
         }
-        // The last packet the window allows after a timeout asks for its ACK: the window
-        // opens only when one comes, and a packet in the middle of a message is otherwise
-        // acknowledged only with a later one.
-        let last = self
-            .comp
-            .window
-            .is_some_and(|w| self.req.psn.diff(self.comp.psn) as u32 + 1 >= w);
-        self.emit_request(ctx, icrc, out, last)
+        // The lone packet resent after a timeout asks for its ACK: nothing more goes until
+        // one comes, and a packet in the middle of a message is otherwise acknowledged only
+        // with a later one.
+        let lone = self.comp.lone_resend;
+        self.emit_request(ctx, icrc, out, lone)
     }
 
     /// Emit the packet at the requester's position and move past it. `ack_req`: ask for an
