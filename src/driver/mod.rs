@@ -8,6 +8,7 @@
 
 mod backend;
 pub mod cm;
+pub mod local;
 pub mod manager;
 mod metrics_pub;
 mod port;

@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::local::LocalLink;
 use super::simnet::{SimNet, SimPort};
 use super::socket::{bind_udp, RawRx, RxBatch, TxBatch};
 use crate::hca::IcrcCheck;
@@ -63,9 +64,13 @@ pub(crate) trait PacketPort: Send + 'static {
 }
 
 /// A UDP socket with its batched receive and send buffers; with a raw socket beside it
-/// when received ICRCs are checked against the real IPv4 header.
+/// when received ICRCs are checked against the real IPv4 header, or the loopback path
+/// ([`LocalLink`]) to the other contexts of this process when it talks to soft-HCA peers.
 pub(crate) struct UdpPort {
     sock: tokio::net::UdpSocket,
+    local: Option<LocalLink>,
+    /// Packets of the last receive that came by the loopback path (they come first).
+    local_n: usize,
     /// Where the datagrams are read, with their IPv4 headers, when the UDP socket only
     /// sends (see [`RawRx`]).
     raw: Option<RawRx>,
@@ -115,6 +120,8 @@ impl UdpPort {
         Ok(UdpPort {
             addr: local,
             sock,
+            local: None,
+            local_n: 0,
             raw: Some(raw),
             rx: RxBatch::new(),
             tx: TxBatch::new(false),
@@ -123,9 +130,12 @@ impl UdpPort {
 
     fn plain(addr: SocketAddr, offload: bool) -> io::Result<UdpPort> {
         let (sock, gro) = bind_udp(addr, offload, false)?;
+        let addr = sock.local_addr()?;
         Ok(UdpPort {
-            addr: sock.local_addr()?,
+            addr,
             sock,
+            local: if offload { LocalLink::register(addr) } else { None },
+            local_n: 0,
             raw: None,
             rx: RxBatch::new(),
             tx: TxBatch::new(gro),
@@ -139,21 +149,33 @@ impl PacketPort for UdpPort {
     }
 
     async fn readable(&self) -> io::Result<()> {
-        match &self.raw {
-            Some(raw) => raw.readable().await,
-            None => self.sock.readable().await,
+        match (&self.raw, &self.local) {
+            (Some(raw), _) => raw.readable().await,
+            (None, Some(local)) => tokio::select! {
+                r = self.sock.readable() => r,
+                () = local.readable() => Ok(()),
+            },
+            (None, None) => self.sock.readable().await,
         }
     }
 
     fn recv(&mut self) -> io::Result<usize> {
-        match &self.raw {
+        self.local_n = self.local.as_mut().map_or(0, LocalLink::recv);
+        let n = match &self.raw {
             Some(raw) => self.rx.recv_raw(raw),
             None => self.rx.recv(&self.sock),
-        }
+        }?;
+        Ok(self.local_n + n)
     }
 
     fn get(&self, i: usize) -> Received<'_> {
-        let (src, data) = self.rx.get(i);
+        if i < self.local_n {
+            if let Some(local) = &self.local {
+                let (src, data) = local.get(i);
+                return Received::Udp(src, data);
+            }
+        }
+        let (src, data) = self.rx.get(i - self.local_n);
         match self.raw {
             Some(_) => Received::Ipv4(data),
             None => Received::Udp(src, data),
@@ -165,14 +187,20 @@ impl PacketPort for UdpPort {
     }
 
     fn push(&mut self, dst: SocketAddr, start: usize) {
-        self.tx.push(dst, start)
+        let len = self.tx.buf.len() - start;
+        if !self.local.as_mut().is_some_and(|l| l.take(dst, start, len)) {
+            self.tx.push(dst, start)
+        }
     }
 
     fn tx_len(&self) -> usize {
-        self.tx.len()
+        self.tx.len() + self.local.as_ref().map_or(0, LocalLink::queued)
     }
 
     fn flush(&mut self) {
+        if let Some(local) = &mut self.local {
+            local.deliver(&self.tx.buf);
+        }
         self.tx.flush(&self.sock)
     }
 

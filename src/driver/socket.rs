@@ -213,14 +213,16 @@ impl TxBatch {
             let mut nruns = 0;
             let mut i = first;
             while i < self.pkts.len() && nruns < MMSG_RUNS {
-                let (dst, _, seg) = self.pkts[i];
+                let (dst, start, seg) = self.pkts[i];
                 let mut j = i + 1;
                 let mut total = seg;
                 if self.gso {
-                    // Packets are laid out back to back in `buf`, so a run is one slice.
+                    // A run is one slice of `buf`: packets back to back (a packet taken by
+                    // the loopback path leaves a gap).
                     while j < self.pkts.len() && j - i < GSO_MAX_SEGS {
-                        let (d, _, l) = self.pkts[j];
-                        if d != dst || l > seg || total + l > GSO_MAX_BYTES {
+                        let (d, s, l) = self.pkts[j];
+                        if d != dst || s != start + total || l > seg || total + l > GSO_MAX_BYTES
+                        {
                             break;
                         }
                         total += l;

@@ -1,0 +1,291 @@
+//! The loopback path: soft-HCA contexts in one process hand each other their packets in
+//! memory instead of through the kernel's UDP stack, as Linux rxe does for a destination
+//! that is one of its own devices (`rxe_loopback`). The packets are the same bytes (headers,
+//! ICRC and all) and go through the same receive path; only the socket is skipped, which on
+//! loopback costs a system call and a walk of the IP stack per run of packets, with the
+//! receiver's half of that walk done in the sender's thread.
+//!
+//! A context takes part when its UDP port is bound to a specific address (not a wildcard),
+//! uses offload (soft-HCA peers only; towards rxe or a NIC offload is off) and reads its
+//! datagrams from the UDP socket (not a raw socket for real-header ICRC checks). It then
+//! registers an [`Inbox`] under its address; a sender whose destination is a registered
+//! address in this process appends the packet there instead of sending it. Anything else
+//! (another process, a proxy, rxe) still goes over UDP. `NVMF_RDMA_LOOPBACK=udp` in the
+//! environment, or [`set_enabled`], keeps every packet on UDP (to measure the socket path,
+//! or to put nftables between two contexts of one process).
+//!
+//! What a link does is kept: an inbox holds at most [`INBOX_BYTES`] and drops what does not
+//! fit (RC retransmits, as for a full socket buffer), and a context that is gone (reset,
+//! hot-remove) takes its inbox with it, so packets to it are lost as they would be on UDP.
+//! Steady state allocates nothing: sender and receiver swap two buffers that keep their
+//! capacity.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+use tokio::sync::Notify;
+
+/// Most bytes an inbox holds before it drops packets (a socket's receive buffer plays the
+/// same part on UDP).
+pub(crate) const INBOX_BYTES: usize = 8 << 20;
+
+/// Packets queued for one context, in arrival order, back to back in `buf`.
+#[derive(Default)]
+struct Queue {
+    buf: Vec<u8>,
+    /// (source, start, length)
+    pkts: Vec<(SocketAddr, usize, usize)>,
+}
+
+impl Queue {
+    fn with_capacity() -> Queue {
+        Queue {
+            buf: Vec::with_capacity(256 << 10),
+            pkts: Vec::with_capacity(256),
+        }
+    }
+
+    fn clear(&mut self) {
+        self.buf.clear();
+        self.pkts.clear();
+    }
+}
+
+/// A context's receive queue on the loopback path.
+pub(crate) struct Inbox {
+    addr: SocketAddr,
+    /// The process that registered it: a child forked from it (fio's `thread=0` jobs) has a
+    /// copy of the registry, but none of the threads that drain those inboxes.
+    pid: u32,
+    q: Mutex<Queue>,
+    /// Something is queued (set and cleared under the lock; read without it).
+    pending: AtomicBool,
+    /// The context is gone: what is sent here is lost.
+    closed: AtomicBool,
+    wake: Notify,
+    /// Packets dropped because the inbox was full.
+    dropped: AtomicU64,
+}
+
+impl Inbox {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.q.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Every inbox of this process by address, and a generation that moves whenever one comes
+/// or goes (senders cache their lookups until it moves).
+struct Registry {
+    map: Mutex<BTreeMap<SocketAddr, Weak<Inbox>>>,
+    generation: AtomicU64,
+}
+
+fn registry() -> &'static Registry {
+    static R: OnceLock<Registry> = OnceLock::new();
+    R.get_or_init(|| Registry {
+        map: Mutex::new(BTreeMap::new()),
+        generation: AtomicU64::new(0),
+    })
+}
+
+fn enabled_flag() -> &'static AtomicBool {
+    static ON: OnceLock<AtomicBool> = OnceLock::new();
+    ON.get_or_init(|| {
+        let udp = std::env::var("NVMF_RDMA_LOOPBACK").is_ok_and(|v| v.eq_ignore_ascii_case("udp"));
+        AtomicBool::new(!udp)
+    })
+}
+
+/// Whether contexts started from now on take the loopback path to each other (on unless
+/// `NVMF_RDMA_LOOPBACK=udp` was in the environment). Contexts already running keep theirs.
+pub fn set_enabled(on: bool) {
+    enabled_flag().store(on, Ordering::Relaxed);
+}
+
+/// Whether new contexts take the loopback path.
+pub fn enabled() -> bool {
+    enabled_flag().load(Ordering::Relaxed)
+}
+
+/// One context's end of the loopback path: its registered inbox, what it took from it, and
+/// what it is about to deliver to others.
+pub(crate) struct LocalLink {
+    inbox: Arc<Inbox>,
+    /// The packets of the last receive (swapped out of the inbox).
+    rx: Queue,
+    /// Destinations looked up since the registry's generation was `seen`: `None` is "not
+    /// in this process".
+    peers: Vec<(SocketAddr, Option<Arc<Inbox>>)>,
+    seen: u64,
+    /// Packets of this turn for local peers: (index in `peers`, start, length) in the
+    /// sender's transmit buffer.
+    out: Vec<(usize, usize, usize)>,
+}
+
+impl LocalLink {
+    /// Register `addr` (the port's bound address). `None` where the loopback path does not
+    /// apply: turned off, or a wildcard address (a reply could not name its source).
+    pub(crate) fn register(addr: SocketAddr) -> Option<LocalLink> {
+        if !enabled() || addr.ip().is_unspecified() || addr.port() == 0 {
+            return None;
+        }
+        let inbox = Arc::new(Inbox {
+            addr,
+            pid: std::process::id(),
+            q: Mutex::new(Queue::with_capacity()),
+            pending: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            wake: Notify::new(),
+            dropped: AtomicU64::new(0),
+        });
+        let r = registry();
+        r.map
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(addr, Arc::downgrade(&inbox));
+        r.generation.fetch_add(1, Ordering::Release);
+        Some(LocalLink {
+            inbox,
+            rx: Queue::with_capacity(),
+            peers: Vec::new(),
+            seen: u64::MAX,
+            out: Vec::with_capacity(256),
+        })
+    }
+
+    /// Resolves when a sender has queued something here (or had, before this was called).
+    pub(crate) async fn readable(&self) {
+        if self.inbox.pending.load(Ordering::Acquire) {
+            return;
+        }
+        self.inbox.wake.notified().await
+    }
+
+    /// Take everything queued; returns the number of packets.
+    pub(crate) fn recv(&mut self) -> usize {
+        self.rx.clear();
+        if self.inbox.pending.load(Ordering::Acquire) {
+            let mut q = self.inbox.lock();
+            std::mem::swap(&mut *q, &mut self.rx);
+            self.inbox.pending.store(false, Ordering::Release);
+        }
+        self.rx.pkts.len()
+    }
+
+    /// Packet `i` of the last receive.
+    pub(crate) fn get(&self, i: usize) -> (SocketAddr, &[u8]) {
+        let (src, s, l) = self.rx.pkts[i];
+        (src, &self.rx.buf[s..s + l])
+    }
+
+    /// The inbox of `dst`, if it is a context of this process.
+    fn route(&mut self, dst: SocketAddr) -> Option<usize> {
+        let generation = registry().generation.load(Ordering::Acquire);
+        if generation != self.seen {
+            self.peers.clear();
+            self.seen = generation;
+        }
+        let i = match self.peers.iter().position(|(a, _)| *a == dst) {
+            Some(i) => i,
+            None => {
+                let pid = std::process::id();
+                let found = registry()
+                    .map
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&dst)
+                    .and_then(Weak::upgrade)
+                    .filter(|inbox| inbox.pid == pid);
+                self.peers.push((dst, found));
+                self.peers.len() - 1
+            }
+        };
+        self.peers[i].1.is_some().then_some(i)
+    }
+
+    /// Take the packet `buf[start..start + len]` for `dst` if `dst` is in this process; it is
+    /// delivered by [`LocalLink::deliver`], before the transmit buffer is reused.
+    pub(crate) fn take(&mut self, dst: SocketAddr, start: usize, len: usize) -> bool {
+        match self.route(dst) {
+            Some(peer) => {
+                self.out.push((peer, start, len));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Packets taken since the last delivery.
+    pub(crate) fn queued(&self) -> usize {
+        self.out.len()
+    }
+
+    /// Hand this turn's local packets (bytes in `buf`) to their inboxes and wake them.
+    pub(crate) fn deliver(&mut self, buf: &[u8]) {
+        let src = self.inbox.addr;
+        let mut k = 0;
+        while k < self.out.len() {
+            let peer = self.out[k].0;
+            let inbox = match self.peers[peer].1.as_deref() {
+                Some(inbox) if !inbox.closed.load(Ordering::Relaxed) => inbox,
+                _ => {
+                    // Gone since the lookup: lost, as on a closed UDP port.
+                    k += 1;
+                    continue;
+                }
+            };
+            let mut dropped = 0u64;
+            {
+                let mut q = inbox.lock();
+                while k < self.out.len() && self.out[k].0 == peer {
+                    let (_, s, l) = self.out[k];
+                    k += 1;
+                    if q.buf.len() + l > INBOX_BYTES {
+                        dropped += 1;
+                        continue;
+                    }
+                    let at = q.buf.len();
+                    q.buf.extend_from_slice(&buf[s..s + l]);
+                    q.pkts.push((src, at, l));
+                }
+                if !q.pkts.is_empty() {
+                    inbox.pending.store(true, Ordering::Release);
+                }
+            }
+            if dropped > 0 {
+                inbox.dropped.fetch_add(dropped, Ordering::Relaxed);
+                tracing::debug!(dst = %inbox.addr, dropped, "loopback inbox full");
+            }
+            inbox.wake.notify_one();
+        }
+        self.out.clear();
+    }
+
+    /// Packets local senders could not queue here because the inbox was full.
+    #[cfg(test)]
+    pub(crate) fn dropped(&self) -> u64 {
+        self.inbox.dropped.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for LocalLink {
+    fn drop(&mut self) {
+        self.inbox.closed.store(true, Ordering::Relaxed);
+        let r = registry();
+        let mut map = r.map.lock().unwrap_or_else(|e| e.into_inner());
+        // A context bound to this address after us (a reset brings the device back on its
+        // port) has replaced our entry; leave that one alone.
+        let ours = map
+            .get(&self.inbox.addr)
+            .is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&self.inbox)));
+        if ours {
+            map.remove(&self.inbox.addr);
+        }
+        drop(map);
+        r.generation.fetch_add(1, Ordering::Release);
+        // Senders that still hold the inbox drop into it until they see the generation move.
+        self.inbox.lock().clear();
+    }
+}
