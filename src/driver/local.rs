@@ -10,9 +10,10 @@
 //! datagrams from the UDP socket (not a raw socket for real-header ICRC checks). It then
 //! registers an [`Inbox`] under its address; a sender whose destination is a registered
 //! address in this process appends the packet there instead of sending it. Anything else
-//! (another process, a proxy, rxe) still goes over UDP. `NVMF_RDMA_LOOPBACK=udp` in the
-//! environment, or [`set_enabled`], keeps every packet on UDP (to measure the socket path,
-//! or to put nftables between two contexts of one process).
+//! (another process, a proxy, rxe) still goes over UDP. A context started with
+//! `Fabric::Udp { loopback: false, .. }` stays off it, and `NVMF_RDMA_LOOPBACK=udp` in the
+//! environment keeps every context of the process off it (to measure the socket path, or to
+//! put nftables between two contexts of one process).
 //!
 //! What a link does is kept: an inbox holds at most [`INBOX_BYTES`] and drops what does not
 //! fit (RC retransmits, as for a full socket buffer), and a context that is gone (reset,
@@ -90,23 +91,13 @@ fn registry() -> &'static Registry {
     })
 }
 
-fn enabled_flag() -> &'static AtomicBool {
-    static ON: OnceLock<AtomicBool> = OnceLock::new();
-    ON.get_or_init(|| {
-        let udp = std::env::var("NVMF_RDMA_LOOPBACK").is_ok_and(|v| v.eq_ignore_ascii_case("udp"));
-        AtomicBool::new(!udp)
-    })
-}
-
-/// Whether contexts started from now on take the loopback path to each other (on unless
-/// `NVMF_RDMA_LOOPBACK=udp` was in the environment). Contexts already running keep theirs.
-pub fn set_enabled(on: bool) {
-    enabled_flag().store(on, Ordering::Relaxed);
-}
-
-/// Whether new contexts take the loopback path.
+/// Whether contexts that ask for the loopback path get it: yes, unless the process was
+/// started with `NVMF_RDMA_LOOPBACK=udp` in its environment.
 pub fn enabled() -> bool {
-    enabled_flag().load(Ordering::Relaxed)
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        !std::env::var("NVMF_RDMA_LOOPBACK").is_ok_and(|v| v.eq_ignore_ascii_case("udp"))
+    })
 }
 
 /// One context's end of the loopback path: its registered inbox, what it took from it, and
@@ -223,8 +214,14 @@ impl LocalLink {
     }
 
     /// Hand this turn's local packets (bytes in `buf`) to their inboxes and wake them.
-    pub(crate) fn deliver(&mut self, buf: &[u8]) {
+    /// `only_local`: every packet in `buf` is one of them, so when they all go to one inbox
+    /// that is empty, `buf` itself becomes its queue (swapped with the inbox's empty buffer)
+    /// instead of being copied.
+    pub(crate) fn deliver(&mut self, buf: &mut Vec<u8>, only_local: bool) {
         let src = self.inbox.addr;
+        if only_local && self.deliver_whole(buf, src) {
+            return;
+        }
         let mut k = 0;
         while k < self.out.len() {
             let peer = self.out[k].0;
@@ -263,6 +260,33 @@ impl LocalLink {
         self.out.clear();
     }
 
+    /// [`LocalLink::deliver`]'s swap; false (nothing done) unless it applies.
+    fn deliver_whole(&mut self, buf: &mut Vec<u8>, src: SocketAddr) -> bool {
+        let Some(&(peer, _, _)) = self.out.first() else {
+            return false;
+        };
+        if self.out.iter().any(|o| o.0 != peer) {
+            return false;
+        }
+        let inbox = match self.peers[peer].1.as_deref() {
+            Some(inbox) if !inbox.closed.load(Ordering::Relaxed) => inbox,
+            _ => return false,
+        };
+        {
+            let mut q = inbox.lock();
+            if !q.pkts.is_empty() || buf.len() > INBOX_BYTES {
+                return false;
+            }
+            std::mem::swap(&mut q.buf, buf);
+            q.pkts.extend(self.out.iter().map(|&(_, s, l)| (src, s, l)));
+            inbox.pending.store(true, Ordering::Release);
+        }
+        inbox.wake.notify_one();
+        self.out.clear();
+        buf.clear();
+        true
+    }
+
     /// Packets local senders could not queue here because the inbox was full.
     #[cfg(test)]
     pub(crate) fn dropped(&self) -> u64 {
@@ -287,5 +311,112 @@ impl Drop for LocalLink {
         r.generation.fetch_add(1, Ordering::Release);
         // Senders that still hold the inbox drop into it until they see the generation move.
         self.inbox.lock().clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Addresses of their own per test: the registry is the process's, shared by every test
+    /// of this binary running at once.
+    fn addr(test: u8, i: u8) -> SocketAddr {
+        SocketAddr::from(([127, 91, test, i], 4791))
+    }
+
+    /// Queue `pkts` (destination, bytes) in one transmit buffer as the driver would, then
+    /// deliver.
+    fn send(l: &mut LocalLink, pkts: &[(SocketAddr, &[u8])], udp: &mut Vec<SocketAddr>) {
+        let mut buf = Vec::new();
+        for &(dst, bytes) in pkts {
+            let start = buf.len();
+            buf.extend_from_slice(bytes);
+            if !l.take(dst, start, bytes.len()) {
+                udp.push(dst);
+            }
+        }
+        let only_local = udp.is_empty();
+        l.deliver(&mut buf, only_local);
+    }
+
+    fn received(l: &mut LocalLink) -> Vec<(SocketAddr, Vec<u8>)> {
+        let n = l.recv();
+        (0..n).map(|i| (l.get(i).0, l.get(i).1.to_vec())).collect()
+    }
+
+    #[test]
+    fn packets_reach_the_context_at_their_address_in_order() {
+        let (a, b, c) = (addr(1, 1), addr(1, 2), addr(1, 3));
+        let mut la = LocalLink::register(a).unwrap();
+        let mut lb = LocalLink::register(b).unwrap();
+        let mut lc = LocalLink::register(c).unwrap();
+        let far = addr(1, 9);
+        // All for one empty inbox: the buffer itself is handed over.
+        let mut udp = Vec::new();
+        send(&mut la, &[(b, b"one"), (b, b"two")], &mut udp);
+        // For two inboxes and one address that is not in this process: copied, and the
+        // other address is left to UDP.
+        send(
+            &mut la,
+            &[(c, b"x"), (b, b"three"), (far, b"udp"), (c, b"y")],
+            &mut udp,
+        );
+        assert_eq!(udp, [far]);
+        let got = received(&mut lb);
+        let want: Vec<(SocketAddr, Vec<u8>)> = [b"one".as_slice(), b"two", b"three"]
+            .iter()
+            .map(|p| (a, p.to_vec()))
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(received(&mut lc), [(a, b"x".to_vec()), (a, b"y".to_vec())]);
+        assert!(received(&mut lb).is_empty());
+        assert!(received(&mut lc).is_empty());
+    }
+
+    #[test]
+    fn a_full_inbox_drops_what_does_not_fit() {
+        let (a, b) = (addr(2, 1), addr(2, 2));
+        let mut la = LocalLink::register(a).unwrap();
+        let mut lb = LocalLink::register(b).unwrap();
+        let pkt = vec![0xA5u8; 4096];
+        let per_turn = 200;
+        let turns = INBOX_BYTES / (pkt.len() * per_turn) + 3;
+        let mut udp = Vec::new();
+        for _ in 0..turns {
+            let pkts: Vec<(SocketAddr, &[u8])> = (0..per_turn).map(|_| (b, &pkt[..])).collect();
+            send(&mut la, &pkts, &mut udp);
+        }
+        let fit = INBOX_BYTES / pkt.len();
+        assert_eq!(lb.recv(), fit);
+        assert_eq!(lb.dropped(), (turns * per_turn - fit) as u64);
+        // Taking them makes room again.
+        send(&mut la, &[(b, &pkt[..])], &mut udp);
+        assert_eq!(lb.recv(), 1);
+        assert!(udp.is_empty());
+    }
+
+    #[test]
+    fn a_context_gone_is_not_reached_and_its_successor_is() {
+        let (a, b) = (addr(3, 1), addr(3, 2));
+        let mut la = LocalLink::register(a).unwrap();
+        let lb = LocalLink::register(b).unwrap();
+        let mut udp = Vec::new();
+        send(&mut la, &[(b, b"old")], &mut udp);
+        // The successor binds the address before the old context's end is dropped (a reset
+        // that brings the device back on its port): dropping the old one leaves it be.
+        let mut lb2 = LocalLink::register(b).unwrap();
+        drop(lb);
+        send(&mut la, &[(b, b"new")], &mut udp);
+        assert_eq!(received(&mut lb2), [(a, b"new".to_vec())]);
+        drop(lb2);
+        // Nobody at b now: UDP's business.
+        send(&mut la, &[(b, b"gone")], &mut udp);
+        assert_eq!(udp, [b]);
+    }
+
+    #[test]
+    fn wildcard_addresses_stay_on_udp() {
+        assert!(LocalLink::register(SocketAddr::from(([0, 0, 0, 0], 4791))).is_none());
+        assert!(LocalLink::register(SocketAddr::from(([127, 91, 4, 1], 0))).is_none());
     }
 }

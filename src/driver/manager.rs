@@ -54,9 +54,13 @@ impl Default for DeviceManager {
 }
 
 impl DeviceManager {
-    /// Devices on UDP sockets, with or without segmentation offload (see [`Fabric::Udp`]).
+    /// Devices on UDP sockets, with or without segmentation offload (with it, the loopback
+    /// path too; see [`Fabric::Udp`]).
     pub fn new(offload: bool) -> DeviceManager {
-        DeviceManager::on(Fabric::Udp { offload })
+        DeviceManager::on(Fabric::Udp {
+            offload,
+            loopback: offload,
+        })
     }
 
     /// Devices attached to `fabric`: UDP, or a simulated network

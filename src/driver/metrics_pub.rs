@@ -6,7 +6,9 @@
 //! may not), and completion / MAD queue overflows. ICRCs: packets verified
 //! (`softhca_rx_icrc_verified_total`), accepted unchecked (`softhca_rx_icrc_unchecked_total`:
 //! `IcrcCheck::Skip`, or an IPv4 RoCEv2 peer without the raw socket), and mismatches, which
-//! are drops (`softhca_rx_dropped_by_reason_total{reason="icrc"}`).
+//! are drops (`softhca_rx_dropped_by_reason_total{reason="icrc"}`). Packets from a context
+//! of the same process by the loopback path (`driver::local`) are counted apart
+//! (`softhca_rx_loopback_total`): they never crossed a wire and are not checked.
 //!
 //! Loss recovery: resends in total (`softhca_retransmits_total`) and by what triggered them:
 //! local ACK timeouts that spend a retry (`softhca_timeouts_total`), earlier expiries of the
@@ -60,6 +62,7 @@ const COUNTERS: &[Published<Stats>] = &[
     ("softhca_rx_icrc_unchecked_total", None, |s| {
         s.rx_icrc_unchecked
     }),
+    ("softhca_rx_loopback_total", None, |s| s.rx_loopback),
     ("softhca_retransmits_total", None, |s| s.retransmits),
     ("softhca_naks_sent_total", None, |s| {
         s.seq_naks_tx + s.rnr_naks_tx + s.naks_tx

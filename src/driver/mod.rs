@@ -106,9 +106,14 @@ impl SoftHca {
     }
 
     /// As [`SoftHca::start`], choosing whether UDP segmentation offload (GSO/GRO) is used.
-    /// Offload is for soft-HCA peers; turn it off towards rxe or a NIC (see `socket`).
+    /// Offload is for soft-HCA peers; turn it off towards rxe or a NIC (see `socket`). With
+    /// offload the loopback path to contexts of this process is on too ([`Fabric::Udp`]).
     pub async fn start_with(config: DeviceConfig, offload: bool) -> std::io::Result<SoftHca> {
-        Self::start_on(config, &Fabric::Udp { offload }).await
+        let fabric = Fabric::Udp {
+            offload,
+            loopback: offload,
+        };
+        Self::start_on(config, &fabric).await
     }
 
     /// Start a context attached to `fabric`: bound to `config.addr` (port 0 picks one). On
@@ -116,8 +121,8 @@ impl SoftHca {
     /// derived from the network's seed and `config.seed`, so that the run replays.
     pub async fn start_on(mut config: DeviceConfig, fabric: &Fabric) -> std::io::Result<SoftHca> {
         match fabric {
-            Fabric::Udp { offload } => {
-                let port = port::UdpPort::bind(config.addr, *offload, config.icrc)?;
+            Fabric::Udp { offload, loopback } => {
+                let port = port::UdpPort::bind(config.addr, *offload, *loopback, config.icrc)?;
                 config.addr = port.local_addr();
                 Ok(Self::launch(Device::new(config), port, None))
             }
@@ -339,6 +344,7 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
             match port.get(i) {
                 port::Received::Udp(src, data) => d.handle_datagram(now, src, data),
                 port::Received::Ipv4(datagram) => d.handle_ipv4(now, datagram),
+                port::Received::Loopback(src, data) => d.handle_loopback(now, src, data),
             }
         }
         if d.poll_timeout().is_some_and(|t| t <= now) {

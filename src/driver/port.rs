@@ -17,9 +17,11 @@ use crate::hca::IcrcCheck;
 #[derive(Clone, Debug)]
 pub enum Fabric {
     /// Real UDP sockets; `offload`: UDP segmentation offload (GSO/GRO) towards soft-HCA
-    /// peers (off towards rxe or a NIC, see `socket`). Keys, PSNs, QPNs and CM IDs come
-    /// from the OS CSPRNG.
-    Udp { offload: bool },
+    /// peers (off towards rxe or a NIC, see `socket`); `loopback`: packets for another
+    /// context of this process skip the socket and are handed over in memory
+    /// ([`super::local`], like rxe's loopback; `NVMF_RDMA_LOOPBACK=udp` turns it off
+    /// process-wide). Keys, PSNs, QPNs and CM IDs come from the OS CSPRNG.
+    Udp { offload: bool, loopback: bool },
     /// A seeded in-memory network: no sockets, delivery on tokio's clock (so a paused
     /// runtime runs it in virtual time), and every key, PSN, QPN and CM ID drawn from the
     /// network's seed so that a run replays exactly. Never for a real network.
@@ -27,8 +29,11 @@ pub enum Fabric {
 }
 
 impl Fabric {
-    /// UDP with offload on: what soft-HCA peers on one host use.
-    pub const UDP: Fabric = Fabric::Udp { offload: true };
+    /// UDP with offload and the loopback path on: what soft-HCA peers on one host use.
+    pub const UDP: Fabric = Fabric::Udp {
+        offload: true,
+        loopback: true,
+    };
 }
 
 /// One received packet, as the port read it.
@@ -38,6 +43,8 @@ pub(crate) enum Received<'a> {
     Udp(SocketAddr, &'a [u8]),
     /// A whole IPv4 datagram, header included (a raw socket).
     Ipv4(&'a [u8]),
+    /// A packet from a context of this process by the loopback path, from `src`.
+    Loopback(SocketAddr, &'a [u8]),
 }
 
 /// One context's end of the network, as the driver loop uses it: wait until something can
@@ -88,12 +95,19 @@ impl UdpPort {
     /// one IP header, a GSO run numbers its IDs); without CAP_NET_RAW the port falls back
     /// to the UDP socket, logging that once per process (the device counts the packets it
     /// could not check), or fails when the mode says the raw socket is required.
-    pub(crate) fn bind(addr: SocketAddr, offload: bool, icrc: IcrcCheck) -> io::Result<UdpPort> {
+    /// `loopback`: take part in the loopback path ([`LocalLink`]) where it applies (a
+    /// specific address, the UDP socket read, offload on).
+    pub(crate) fn bind(
+        addr: SocketAddr,
+        offload: bool,
+        loopback: bool,
+        icrc: IcrcCheck,
+    ) -> io::Result<UdpPort> {
         let SocketAddr::V4(v4) = addr else {
-            return Self::plain(addr, offload);
+            return Self::plain(addr, offload, loopback);
         };
         if !icrc.wants_ip_header() {
-            return Self::plain(addr, offload);
+            return Self::plain(addr, offload, loopback);
         }
         let (sock, _) = bind_udp(addr, false, true)?;
         let local = sock.local_addr()?;
@@ -108,7 +122,7 @@ impl UdpPort {
                     );
                 }
                 drop(sock);
-                return Self::plain(addr, false);
+                return Self::plain(addr, false, false);
             }
             Err(e) => {
                 return Err(io::Error::new(
@@ -128,13 +142,17 @@ impl UdpPort {
         })
     }
 
-    fn plain(addr: SocketAddr, offload: bool) -> io::Result<UdpPort> {
+    fn plain(addr: SocketAddr, offload: bool, loopback: bool) -> io::Result<UdpPort> {
         let (sock, gro) = bind_udp(addr, offload, false)?;
         let addr = sock.local_addr()?;
         Ok(UdpPort {
             addr,
             sock,
-            local: if offload { LocalLink::register(addr) } else { None },
+            local: if offload && loopback {
+                LocalLink::register(addr)
+            } else {
+                None
+            },
             local_n: 0,
             raw: None,
             rx: RxBatch::new(),
@@ -172,7 +190,7 @@ impl PacketPort for UdpPort {
         if i < self.local_n {
             if let Some(local) = &self.local {
                 let (src, data) = local.get(i);
-                return Received::Udp(src, data);
+                return Received::Loopback(src, data);
             }
         }
         let (src, data) = self.rx.get(i - self.local_n);
@@ -199,7 +217,8 @@ impl PacketPort for UdpPort {
 
     fn flush(&mut self) {
         if let Some(local) = &mut self.local {
-            local.deliver(&self.tx.buf);
+            let only_local = self.tx.is_empty();
+            local.deliver(&mut self.tx.buf, only_local);
         }
         self.tx.flush(&self.sock)
     }

@@ -599,7 +599,14 @@ impl Device {
             IcrcCheck::RealHeader { .. } if src.is_ipv6() => Some(assumed),
             IcrcCheck::RealHeader { .. } | IcrcCheck::Skip => None,
         };
-        self.on_roce(now, src, data, icrc.as_ref());
+        self.on_roce(now, src, data, icrc.as_ref(), false);
+    }
+
+    /// A packet another context of this process handed over in memory (the driver's
+    /// loopback path): it never crossed a wire, so its ICRC is not checked; counted as
+    /// `Stats::rx_loopback`. Everything else is as for [`Device::handle_datagram`].
+    pub fn handle_loopback(&mut self, now: Instant, src: SocketAddr, data: &[u8]) {
+        self.on_roce(now, src, data, None, true);
     }
 
     /// An IPv4 datagram arrived whole, header included (a raw socket): the ICRC is checked
@@ -609,7 +616,7 @@ impl Device {
         match Ipv4Udp::parse(datagram) {
             Ok(d) => {
                 let icrc = (self.config.icrc != IcrcCheck::Skip).then_some(&d.icrc);
-                self.on_roce(now, d.icrc.src, d.payload, icrc);
+                self.on_roce(now, d.icrc.src, d.payload, icrc, false);
             }
             Err(_) => {
                 if self.is_live() {
@@ -622,8 +629,15 @@ impl Device {
     }
 
     /// A RoCEv2 packet (the UDP payload) from `src`; its ICRC is checked against `icrc`,
-    /// or not at all when that is `None`.
-    fn on_roce(&mut self, now: Instant, src: SocketAddr, data: &[u8], icrc: Option<&IcrcContext>) {
+    /// or not at all when that is `None` (`loopback`: because it never left this process).
+    fn on_roce(
+        &mut self,
+        now: Instant,
+        src: SocketAddr,
+        data: &[u8],
+        icrc: Option<&IcrcContext>,
+        loopback: bool,
+    ) {
         if !self.is_live() {
             return;
         }
@@ -642,6 +656,8 @@ impl Device {
         };
         if icrc.is_some() {
             self.stats.rx_icrc_verified += 1;
+        } else if loopback {
+            self.stats.rx_loopback += 1;
         } else {
             self.stats.rx_icrc_unchecked += 1;
         }

@@ -47,6 +47,9 @@ pub struct Stats {
     /// Packets accepted without an ICRC check (`IcrcCheck::Skip`, or an IPv4 peer's
     /// packet whose IP header the driver could not read).
     pub rx_icrc_unchecked: u64,
+    /// Packets from a context of this process by the loopback path (in memory, never on a
+    /// wire; their ICRC is not checked).
+    pub rx_loopback: u64,
     pub rx_unknown_qp: u64,
     pub rx_dropped: u64,
     /// Packets for a connected QP from an address other than its peer's (dropped).

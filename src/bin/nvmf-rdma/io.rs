@@ -231,6 +231,12 @@ pub(crate) async fn run_verify(
                     "icrc: {} verified, {} mismatched (dropped), {} unchecked",
                     s.rx_icrc_verified, s.rx_icrc_errors, s.rx_icrc_unchecked
                 );
+                if s.rx_loopback > 0 {
+                    println!(
+                        "loopback path: {} packets from a target in this process (in memory, no ICRC)",
+                        s.rx_loopback
+                    );
+                }
             }
             c.disconnect().await;
             r?;
