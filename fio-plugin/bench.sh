@@ -9,6 +9,9 @@
 #   nbdkit   fio's own nbd engine against `nbdkit memory size=1G` over a unix socket, also
 #            one server for the whole run,
 #   raw      `nvmf-rdma bench --hca -o json`: the soft-HCA's raw RDMA READ/WRITE rates,
+# (own, plugin and raw have host and target in one process: their packets take the in-memory
+# loopback path, as rxe's loopback does, unless NVMF_RDMA_LOOPBACK=udp is set; ext and the
+# loss runs cross processes over UDP; the header says which),
 # and, with LOSS set, 4 KiB QD32 randread/randwrite with verify through the plugin under
 # random UDP loss (fio-plugin/loss.sh).
 #
@@ -165,6 +168,13 @@ loss_job >"$work/loss.fio"
        "$(nproc) cores, kernel $(uname -r); load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "build: $(cd "$root" && git describe --always --dirty 2>/dev/null || echo unknown);" \
        "command: $([ -n "${LOSS:-}" ] && echo "LOSS=$LOSS ")bash fio-plugin/bench.sh $secs $rounds"
+  if [ "${NVMF_RDMA_LOOPBACK:-}" = udp ]; then
+    echo "paths: every engine's packets through UDP sockets on 127.0.0.1 (NVMF_RDMA_LOOPBACK=udp)"
+  else
+    echo "paths: own, plugin and raw (host and target in one process) hand packets over in memory" \
+         "(the loopback path; NVMF_RDMA_LOOPBACK=udp for UDP); ext and the loss runs (two" \
+         "processes) go through UDP sockets; nbdkit through a unix socket"
+  fi
 } >"$work/header"
 
 # The servers: nbdkit and our target, one each for the whole run, as people would run them.

@@ -136,6 +136,38 @@ fn bench_hca_rows_as_json() {
     }
 }
 
+/// `bench` says which way its packets went: the in-memory loopback path between the two
+/// contexts of its process, or UDP when `NVMF_RDMA_LOOPBACK=udp` says so; both move data.
+#[test]
+fn bench_names_the_path_its_packets_take() {
+    for (env, path) in [(None, "loopback"), (Some("udp"), "udp")] {
+        let mut cmd = Command::new(BIN);
+        cmd.args([
+            "bench",
+            "--seconds",
+            "0.2",
+            "--job",
+            "randwrite-4k-qd1",
+            "-o",
+            "json",
+        ]);
+        cmd.env_remove("NVMF_RDMA_LOOPBACK");
+        if let Some(v) = env {
+            cmd.env("NVMF_RDMA_LOOPBACK", v);
+        }
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let out = String::from_utf8_lossy(&o.stdout);
+        let r: serde_json::Value = out
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["type"] == "result")
+            .unwrap_or_else(|| panic!("no result in {out}"));
+        assert_eq!(r["path"], path, "{r}");
+        assert!(r["ios"].as_u64().unwrap() > 0 && r["errors"] == 0, "{r}");
+    }
+}
+
 /// `nvmf-rdma target --threads N` serves I/O on one thread (the default: the device and the
 /// queues hand off without waking another thread) and on several; out of range is refused.
 #[test]

@@ -44,8 +44,9 @@ impl Rows {
         let _ = writeln!(out, "{line}").and_then(|_| out.flush());
     }
 
-    /// The summary: today's table, or a `result` object per job.
-    fn summary(&self, rows: &[JobResult]) {
+    /// The summary: today's table, or a `result` object per job; `path`: how the packets
+    /// went (`loopback`, `udp`, or `remote` for --traddr).
+    fn summary(&self, rows: &[JobResult], path: &str) {
         if self.output != ListFormat::Json {
             nvmf_perf::print_results(rows);
             return;
@@ -59,7 +60,7 @@ impl Rows {
                     "ios": r.ios, "iops": r.iops().round(), "mbps": (r.mbps() * 10.0).round() / 10.0,
                     "p50_us": secs(r.p50) * 1e6, "p99_us": secs(r.p99) * 1e6, "errors": r.errors,
                     "copies_per_io": (r.copies_per_io * 100.0).round() / 100.0,
-                    "target_copies_per_io": r.target_copies_per_io,
+                    "target_copies_per_io": r.target_copies_per_io, "path": path,
                 })
             );
         }
@@ -105,7 +106,7 @@ pub(crate) fn remote_bench(sub: &Subsys, runtime: Duration, show: &Rows) -> Resu
                 nvmf_perf::run_job_ticking(c.clone(), job, Some((show.interval, &mut f))).await,
             );
         }
-        show.summary(&rows);
+        show.summary(&rows, "remote");
         let errors: u64 = rows.iter().map(|r| r.errors).sum();
         if let Ok(c) = Arc::try_unwrap(c) {
             c.disconnect().await;
@@ -161,11 +162,31 @@ pub(crate) fn run_bench(
         };
         return remote_bench(&sub, Duration::from_secs_f64(seconds), &show);
     }
+    // Both ends are in this process: say which way their packets go.
+    let path = if nvmf_rdma::driver::local::enabled() {
+        "loopback"
+    } else {
+        "udp"
+    };
+    if show.output != ListFormat::Json {
+        println!(
+            "{}",
+            if path == "loopback" {
+                "host and target in this process: packets take the in-memory loopback path (NVMF_RDMA_LOOPBACK=udp for the UDP socket)"
+            } else {
+                "host and target in this process: packets go through UDP sockets on 127.0.0.1 (NVMF_RDMA_LOOPBACK=udp)"
+            }
+        );
+    }
+    let json_path = |mut v: serde_json::Value| {
+        v["path"] = path.into();
+        v
+    };
     if hca {
         let rows = hca_perf::standard_table(Duration::from_secs_f64(seconds))?;
         if show.output == ListFormat::Json {
             for r in &rows {
-                println!("{}", hca_json(r));
+                println!("{}", json_path(hca_json(r)));
             }
         } else {
             hca_perf::print_table(&rows);
@@ -175,7 +196,7 @@ pub(crate) fn run_bench(
         let mut f = |t: &Tick| show.tick(t);
         let rows =
             nvmf_perf::bench_ticking(jobs, queues.clamp(1, 64), Some((show.interval, &mut f)))?;
-        show.summary(&rows);
+        show.summary(&rows, path);
     }
     Ok(())
 }

@@ -13,7 +13,15 @@ pub(crate) fn demo(size: usize, seconds: f64) -> Result<()> {
         bail!("--size at most 1G");
     }
     let ns_bytes = (size as u64).max(256 << 20);
-    println!("nvmf-rdma demo: built-in target ({} RAM namespace) and host, each on its own soft RoCEv2 HCA on 127.0.0.1", hca_perf::human(ns_bytes as usize));
+    println!(
+        "nvmf-rdma demo: built-in target ({} RAM namespace) and host, each on its own soft RoCEv2 HCA on 127.0.0.1 ({})",
+        hca_perf::human(ns_bytes as usize),
+        if nvmf_rdma::driver::local::enabled() {
+            "one process: packets take the in-memory loopback path; NVMF_RDMA_LOOPBACK=udp for UDP"
+        } else {
+            "packets over UDP"
+        }
+    );
     let t = LocalTarget::start(ns_bytes, 9)?;
     let addr = t.addr;
     let rt = tokio::runtime::Builder::new_current_thread()
