@@ -32,6 +32,9 @@ use tokio::sync::Notify;
 /// same part on UDP).
 pub(crate) const INBOX_BYTES: usize = 8 << 20;
 
+/// Destinations a sender remembers the way to (see [`LocalLink::route`]).
+const MAX_CACHED_PEERS: usize = 16;
+
 /// Packets queued for one context, in arrival order, back to back in `buf`.
 #[derive(Default)]
 struct Queue {
@@ -173,14 +176,22 @@ impl LocalLink {
 
     /// The inbox of `dst`, if it is a context of this process.
     fn route(&mut self, dst: SocketAddr) -> Option<usize> {
+        // `out` holds indices into `peers`: the list is only rebuilt between turns. Within
+        // a turn a context that went away is still found (its packets are then lost, as on
+        // a closed port), and an address already found empty stays on UDP.
         let generation = registry().generation.load(Ordering::Acquire);
-        if generation != self.seen {
+        if generation != self.seen && self.out.is_empty() {
             self.peers.clear();
             self.seen = generation;
         }
         let i = match self.peers.iter().position(|(a, _)| *a == dst) {
             Some(i) => i,
             None => {
+                if self.peers.len() >= MAX_CACHED_PEERS && self.out.is_empty() {
+                    // Many peers over UDP (a target serving remote hosts): look up again
+                    // rather than scan a long list for every packet.
+                    self.peers.clear();
+                }
                 let pid = std::process::id();
                 let found = registry()
                     .map
@@ -412,6 +423,24 @@ mod tests {
         // Nobody at b now: UDP's business.
         send(&mut la, &[(b, b"gone")], &mut udp);
         assert_eq!(udp, [b]);
+    }
+
+    /// Contexts coming and going while a sender has packets taken but not delivered: each
+    /// packet still goes to the context it was taken for, or is lost with it.
+    #[test]
+    fn a_context_that_comes_or_goes_mid_turn_gets_only_its_own_packets() {
+        let (a, b, d) = (addr(5, 1), addr(5, 2), addr(5, 4));
+        let mut la = LocalLink::register(a).unwrap();
+        let lb = LocalLink::register(b).unwrap();
+        let mut buf = Vec::new();
+        buf.extend_from_slice(b"for b");
+        assert!(la.take(b, 0, 5));
+        drop(lb);
+        let mut ld = LocalLink::register(d).unwrap();
+        buf.extend_from_slice(b"for d");
+        assert!(la.take(d, 5, 5));
+        la.deliver(&mut buf, true);
+        assert_eq!(received(&mut ld), [(a, b"for d".to_vec())]);
     }
 
     #[test]
