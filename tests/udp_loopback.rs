@@ -99,35 +99,8 @@ async fn all_ops(path: Path, mtu: Mtu) {
         let sgl = Sgl::one(ea.mr.addr, len as u32, ea.mr.lkey);
         // SEND
         let data = pattern(len, i as u64);
-        ea.mem.write(0, &data);
-        b.with(|d, _| {
-            d.post_recv(
-                eb.qpn,
-                RecvWr {
-                    wr_id: 1,
-                    sgl: Sgl::one(eb.mr.addr, 8 << 20, eb.mr.lkey),
-                },
-            )
-        })
-        .unwrap();
-        a.with(|d, now| {
-            d.post_send(
-                now,
-                ea.qpn,
-                SendWr {
-                    wr_id: 1,
-                    op: SendOp::Send,
-                    sgl,
-                    signaled: true,
-                    solicited: false,
-                },
-            )
-        })
-        .unwrap();
-        assert_eq!(one_wc(&a, ea.cq).await.status, WcStatus::Success);
-        let r = one_wc(&b, eb.cq).await;
-        assert_eq!((r.status, r.byte_len as usize), (WcStatus::Success, len));
-        assert!(snapshot(&eb.mem, len) == data, "SEND {len} B");
+        let got = send_one((&a, &ea), (&b, &eb), &data).await;
+        assert!(got == (WcStatus::Success, data), "SEND {len} B");
         // WRITE
         let data = pattern(len, 100 + i as u64);
         ea.mem.write(0, &data);
@@ -249,6 +222,7 @@ async fn send_one(
     .unwrap();
     assert_eq!(one_wc(a, ea.cq).await.status, WcStatus::Success);
     let w = one_wc(b, eb.cq).await;
+    assert_eq!(w.byte_len as usize, len);
     (w.status, snapshot(&eb.mem, len))
 }
 
