@@ -299,7 +299,6 @@ impl LocalLink {
     }
 
     /// Packets local senders could not queue here because the inbox was full.
-    #[cfg(test)]
     pub(crate) fn dropped(&self) -> u64 {
         self.inbox.dropped.load(Ordering::Relaxed)
     }

@@ -2,7 +2,7 @@
 //!
 //! Besides traffic, the counters an operator watches for abuse: received packets dropped,
 //! in total and by reason (malformed, bad ICRC, unknown QP, from a source that is not the
-//! QP's peer, for a QP that is gone, other), remote access errors (a peer touching memory it
+//! QP's peer, for a QP that is gone, the loopback path's inbox full, other), remote access errors (a peer touching memory it
 //! may not), and completion / MAD queue overflows. ICRCs: packets verified
 //! (`softhca_rx_icrc_verified_total`), accepted unchecked (`softhca_rx_icrc_unchecked_total`:
 //! `IcrcCheck::Skip`, or an IPv4 RoCEv2 peer without the raw socket), and mismatches, which
@@ -53,6 +53,11 @@ const COUNTERS: &[Published<Stats>] = &[
         Some("dup_read"),
         |s| s.dup_reads_dropped,
     ),
+    (
+        "softhca_rx_dropped_by_reason_total",
+        Some("loopback_full"),
+        |s| s.rx_loopback_full,
+    ),
     ("softhca_rx_dropped_by_reason_total", Some("other"), |s| {
         s.rx_dropped
     }),
@@ -93,6 +98,7 @@ fn dropped(s: &Stats) -> u64 {
         + s.rx_ghost
         + s.rx_foreign_source
         + s.dup_reads_dropped
+        + s.rx_loopback_full
 }
 
 /// A device's counters, and the retransmit timeout last armed as a gauge.

@@ -336,6 +336,7 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         // is where ACK coalescing comes from.
         let n = port.recv()?;
         let mut d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
+        d.set_loopback_full(port.overflows());
         let now = Instant(epoch.elapsed().as_nanos() as u64);
         if n > 0 {
             tracing::trace!(device = %name, n, "received");

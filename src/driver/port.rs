@@ -68,6 +68,10 @@ pub(crate) trait PacketPort: Send + 'static {
     fn flush(&mut self);
     /// Busy polling makes sense only where a wakeup costs real time.
     fn busy_poll(&self) -> bool;
+    /// Packets for this port it dropped itself (the loopback path's full inbox), so far.
+    fn overflows(&self) -> u64 {
+        0
+    }
 }
 
 /// A UDP socket with its batched receive and send buffers; with a raw socket beside it
@@ -225,6 +229,10 @@ impl PacketPort for UdpPort {
 
     fn busy_poll(&self) -> bool {
         true
+    }
+
+    fn overflows(&self) -> u64 {
+        self.local.as_ref().map_or(0, LocalLink::dropped)
     }
 }
 

@@ -256,6 +256,12 @@ impl Device {
         &self.stats
     }
 
+    /// The driver's count of packets the loopback path dropped for this context (a full
+    /// inbox); reported as `Stats::rx_loopback_full`.
+    pub fn set_loopback_full(&mut self, dropped: u64) {
+        self.stats.rx_loopback_full = dropped;
+    }
+
     fn live(&self) -> Result<(), VerbsError> {
         if self.is_live() {
             Ok(())

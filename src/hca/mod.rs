@@ -50,6 +50,9 @@ pub struct Stats {
     /// Packets from a context of this process by the loopback path (in memory, never on a
     /// wire; their ICRC is not checked).
     pub rx_loopback: u64,
+    /// Packets for this context the loopback path dropped because its inbox was full (on
+    /// UDP the kernel counts the same thing as receive-buffer errors). Set by the driver.
+    pub rx_loopback_full: u64,
     pub rx_unknown_qp: u64,
     pub rx_dropped: u64,
     /// Packets for a connected QP from an address other than its peer's (dropped).
