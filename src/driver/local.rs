@@ -1,9 +1,10 @@
 //! The loopback path: soft-HCA contexts in one process hand each other their packets in
 //! memory instead of through the kernel's UDP stack, as Linux rxe does for a destination
 //! that is one of its own devices (`rxe_loopback`). The packets are the same bytes (headers,
-//! ICRC and all) and go through the same receive path; only the socket is skipped, which on
-//! loopback costs a system call and a walk of the IP stack per run of packets, with the
-//! receiver's half of that walk done in the sender's thread.
+//! ICRC and all) and go through the same receive path, except that the receiver does not
+//! check their ICRC (they never left the process; `Stats::rx_loopback` counts them). Only
+//! the socket is skipped, which on loopback costs a system call and a walk of the IP stack
+//! per run of packets, with the receiver's half of that walk done in the sender's thread.
 //!
 //! A context takes part when its UDP port is bound to a specific address (not a wildcard),
 //! uses offload (soft-HCA peers only; towards rxe or a NIC offload is off) and reads its
@@ -18,7 +19,7 @@
 //! What a link does is kept: an inbox holds at most [`INBOX_BYTES`] and drops what does not
 //! fit (RC retransmits, as for a full socket buffer), and a context that is gone (reset,
 //! hot-remove) takes its inbox with it, so packets to it are lost as they would be on UDP.
-//! Steady state allocates nothing: sender and receiver swap two buffers that keep their
+//! Steady state allocates nothing: senders and receiver swap buffers that keep their
 //! capacity.
 
 use std::collections::BTreeMap;
