@@ -9,16 +9,17 @@
 //! A context takes part when its UDP port is bound to a specific address (not a wildcard),
 //! uses offload (soft-HCA peers only; towards rxe or a NIC offload is off) and reads its
 //! datagrams from the UDP socket (not a raw socket for real-header ICRC checks). It then
-//! registers an [`Inbox`] under its address; a sender whose destination is a registered
+//! registers an `Inbox` under its address; a sender whose destination is a registered
 //! address in this process appends the packet there instead of sending it. Anything else
 //! (another process, a proxy, rxe) still goes over UDP. A context started with
 //! `Fabric::Udp { loopback: false, .. }` stays off it, and `NVMF_RDMA_LOOPBACK=udp` in the
 //! environment keeps every context of the process off it (to measure the socket path, or to
 //! put nftables between two contexts of one process).
 //!
-//! What a link does is kept: an inbox holds at most [`INBOX_BYTES`] and drops what does not
-//! fit (RC retransmits, as for a full socket buffer), and a context that is gone (reset,
-//! hot-remove) takes its inbox with it, so packets to it are lost as they would be on UDP.
+//! What a link does is kept: an inbox holds at most `INBOX_BYTES` (8 MiB) and drops what
+//! does not fit (RC retransmits, as for a full socket buffer), and a context that is gone
+//! (reset, hot-remove) takes its inbox with it, so packets to it are lost as they would be
+//! on UDP.
 //! Steady state allocates nothing: senders and receiver swap buffers that keep their
 //! capacity.
 
