@@ -281,6 +281,9 @@ impl SoftHca {
     }
 }
 
+/// Most packets one turn of the driver loop builds before it looks at what came in again.
+const TURN_PACKETS: usize = 256;
+
 /// The driver loop: receive a batch, advance timers, transmit everything ready, publish
 /// metrics, wake waiters; sleep until the next datagram, deadline or kick.
 async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Result<()> {
@@ -352,19 +355,17 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
             d.handle_timeout(now);
         }
         // Collect a bounded batch under the lock, send it after releasing the lock.
-        loop {
+        let mut sent = 0;
+        while sent < TURN_PACKETS {
             let buf = port.tx_buf();
             let start = buf.len();
             let Some(dst) = d.poll_transmit(now, buf) else {
                 break;
             };
             port.push(dst, start);
-            if port.tx_len() >= 256 {
-                break;
-            }
+            sent += 1;
         }
-        let sent = port.tx_len();
-        let more = sent >= 256;
+        let more = sent >= TURN_PACKETS;
         d.take_dirty_cqs(&mut dirty);
         let act = d.activity();
         let events = act != last_activity;

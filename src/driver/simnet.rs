@@ -361,10 +361,6 @@ impl SimPort {
         self.tx.push((dst, start, self.tx_buf.len() - start));
     }
 
-    pub fn tx_len(&self) -> usize {
-        self.tx.len()
-    }
-
     /// Put every queued packet on the wire.
     pub fn flush(&mut self) {
         if self.tx.is_empty() {
