@@ -35,20 +35,26 @@ enum Path {
     UdpOffload,
     /// In memory (`driver::local`).
     Loopback,
+    /// UDP with GSO/GRO, from a context on the loopback path (its port, not its device,
+    /// computes the ICRC of what it sends over UDP) to one that is not.
+    FromLoopbackToUdp,
 }
 
 impl Path {
-    fn fabric(self) -> Fabric {
+    /// The fabric of context `a` (the requester of `all_ops`) or of the other.
+    fn fabric(self, a: bool) -> Fabric {
         Fabric::Udp {
             offload: self != Path::Udp,
-            loopback: self == Path::Loopback,
+            loopback: self == Path::Loopback || (self == Path::FromLoopbackToUdp && a),
         }
     }
 }
 
 async fn pair(path: Path, mtu: Mtu) -> (SoftHca, SoftHca, RcEnd, RcEnd) {
-    let a = SoftHca::start_on(cfg(1), &path.fabric()).await.unwrap();
-    let b = SoftHca::start_on(cfg(2), &path.fabric()).await.unwrap();
+    let a = SoftHca::start_on(cfg(1), &path.fabric(true)).await.unwrap();
+    let b = SoftHca::start_on(cfg(2), &path.fabric(false))
+        .await
+        .unwrap();
     connect(&a, &b, mtu)
 }
 
@@ -181,6 +187,13 @@ async fn send_write_read_over_udp_without_offload() {
     all_ops(Path::Udp, Mtu::Mtu1024).await;
 }
 
+/// Every ICRC the context on the loopback path sends over UDP is checked by the other and
+/// must be right: a zero or wrong one is dropped, and the ops time out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_write_read_from_the_loopback_path_to_a_context_off_it() {
+    all_ops(Path::FromLoopbackToUdp, Mtu::Mtu4096).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn send_write_read_over_the_loopback_path() {
     all_ops(Path::Loopback, Mtu::Mtu4096).await;
@@ -244,7 +257,7 @@ async fn the_loopback_path_follows_a_context_back_on_its_address() {
         .expect("the driver did not stop after fatal");
     let mut c = cfg(3);
     c.addr = addr;
-    let a2 = SoftHca::start_on(c, &Path::Loopback.fabric())
+    let a2 = SoftHca::start_on(c, &Path::Loopback.fabric(true))
         .await
         .unwrap();
     let (_, _, ea2, eb2) = connect(&a2, &b, Mtu::Mtu4096);

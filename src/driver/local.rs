@@ -252,13 +252,10 @@ impl LocalLink {
         let mut k = 0;
         while k < self.out.len() {
             let peer = self.out[k].0;
-            let inbox = match self.peers[peer].1.as_deref() {
-                Some(inbox) if !inbox.closed.load(Ordering::Relaxed) => inbox,
-                _ => {
-                    // Gone since the lookup: lost, as on a closed UDP port.
-                    k += 1;
-                    continue;
-                }
+            let Some(inbox) = self.live(peer) else {
+                // Gone since the lookup: lost, as on a closed UDP port.
+                k += 1;
+                continue;
             };
             let mut dropped = 0u64;
             {
@@ -288,6 +285,14 @@ impl LocalLink {
         self.out_bytes = 0;
     }
 
+    /// The inbox of `peers[peer]` unless its context is gone.
+    fn live(&self, peer: usize) -> Option<&Inbox> {
+        self.peers[peer]
+            .1
+            .as_deref()
+            .filter(|inbox| !inbox.closed.load(Ordering::Relaxed))
+    }
+
     /// [`LocalLink::deliver`]'s swap; false (nothing done) unless it applies.
     fn deliver_whole(&mut self, buf: &mut Vec<u8>, src: SocketAddr) -> bool {
         let Some(&(peer, _, _)) = self.out.first() else {
@@ -296,9 +301,8 @@ impl LocalLink {
         if self.out.iter().any(|o| o.0 != peer) {
             return false;
         }
-        let inbox = match self.peers[peer].1.as_deref() {
-            Some(inbox) if !inbox.closed.load(Ordering::Relaxed) => inbox,
-            _ => return false,
+        let Some(inbox) = self.live(peer) else {
+            return false;
         };
         {
             let mut q = inbox.lock();
@@ -337,7 +341,8 @@ impl Drop for LocalLink {
         }
         drop(map);
         r.generation.fetch_add(1, Ordering::Release);
-        // Senders that still hold the inbox drop into it until they see the generation move.
+        // Senders that still hold the inbox (until they see the generation move) find it
+        // closed and drop what they would have put there (`LocalLink::live`).
         self.inbox.lock().clear();
     }
 }

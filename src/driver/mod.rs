@@ -140,8 +140,9 @@ impl SoftHca {
         }
     }
 
-    fn launch<P: PacketPort>(dev: Device, port: P, replay_seed: Option<u64>) -> SoftHca {
+    fn launch<P: PacketPort>(mut dev: Device, port: P, replay_seed: Option<u64>) -> SoftHca {
         let addr = port.local_addr();
+        dev.set_icrc_by_port(port.fills_icrc());
         let shared = Arc::new(Shared {
             dev: Mutex::new(dev),
             kick: Notify::new(),

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use super::local::{LocalLink, DELIVER_EARLY_BYTES};
 use super::simnet::{SimNet, SimPort};
 use super::socket::{bind_udp, RawRx, RxBatch, TxBatch};
+use crate::hca::wire::{fill_icrc, IcrcContext};
 use crate::hca::IcrcCheck;
 
 /// The network a soft-HCA context is attached to.
@@ -66,6 +67,11 @@ pub(crate) trait PacketPort: Send + 'static {
     fn flush(&mut self);
     /// Busy polling makes sense only where a wakeup costs real time.
     fn busy_poll(&self) -> bool;
+    /// The port computes the ICRC of the packets it sends over the network, and the device
+    /// leaves it zero ([`crate::hca::Device::set_icrc_by_port`]).
+    fn fills_icrc(&self) -> bool {
+        false
+    }
     /// Packets for this port it dropped itself (the loopback path's full inbox), so far.
     fn overflows(&self) -> u64 {
         0
@@ -212,6 +218,8 @@ impl PacketPort for UdpPort {
             return self.tx.push(dst, start);
         };
         if !local.take(dst, start, len) {
+            // Not for this process: the device left the ICRC to us (`fills_icrc`).
+            fill_icrc(&IcrcContext::new(self.addr, dst), &mut self.tx.buf[start..]);
             return self.tx.push(dst, start);
         }
         if local.queued_bytes() >= DELIVER_EARLY_BYTES {
@@ -230,6 +238,12 @@ impl PacketPort for UdpPort {
 
     fn busy_poll(&self) -> bool {
         true
+    }
+
+    /// With the loopback path: a packet for another context of the process needs no ICRC
+    /// (the receiver does not check it), so it is computed only for those sent over UDP.
+    fn fills_icrc(&self) -> bool {
+        self.local.is_some()
     }
 
     fn overflows(&self) -> u64 {

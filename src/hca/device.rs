@@ -39,6 +39,7 @@ macro_rules! ctx {
             local: $d.config.addr,
             now: $now,
             ack_delay: $d.ack_delay,
+            icrc_by_port: $d.icrc_by_port,
         }
     };
 }
@@ -184,6 +185,8 @@ pub struct Device {
     popped: u64,
     /// ACK coalescing delay (see `qp::DEFAULT_ACK_DELAY`).
     ack_delay: std::time::Duration,
+    /// QPs leave their packets' ICRC for the port to fill in.
+    icrc_by_port: bool,
     /// CQs that received completions since the driver last asked.
     cq_dirty: Vec<CqId>,
 }
@@ -229,6 +232,7 @@ impl Device {
             gsi_psn: 0,
             popped: 0,
             ack_delay: crate::hca::qp::DEFAULT_ACK_DELAY,
+            icrc_by_port: false,
         };
         d.events.push_back(AsyncEvent::PortActive);
         d
@@ -238,6 +242,15 @@ impl Device {
     /// before it leaves alone. Zero sends every ACK at once (one per receive batch).
     pub fn set_ack_delay(&mut self, delay: std::time::Duration) {
         self.ack_delay = delay;
+    }
+
+    /// Leave the ICRC of the QPs' outgoing packets zero (`on`), for the port to compute as
+    /// it sends them ([`crate::hca::wire::fill_icrc`], with this device's address as the
+    /// source), as a NIC computes the ICRC on its way out: the driver's UDP port does this
+    /// when it can hand packets to another context of the process in memory, which needs
+    /// no ICRC at all. Management datagrams always carry theirs.
+    pub fn set_icrc_by_port(&mut self, on: bool) {
+        self.icrc_by_port = on;
     }
 
     pub fn identity(&self) -> &DeviceIdentity {

@@ -393,6 +393,9 @@ pub(crate) struct Ctx<'a> {
     pub now: Instant,
     /// The device's ACK coalescing delay (zero: every ACK leaves at once).
     pub ack_delay: std::time::Duration,
+    /// Leave the ICRC of outgoing packets zero: the port fills it in (see
+    /// `Device::set_icrc_by_port`).
+    pub icrc_by_port: bool,
 }
 
 impl Ctx<'_> {
@@ -606,14 +609,15 @@ impl Qp {
     pub fn poll_transmit(&mut self, ctx: &mut Ctx<'_>, out: &mut Vec<u8>) -> Option<SocketAddr> {
         let dest = self.attr.dest?;
         let icrc = self.icrc_ctx(ctx.local)?;
+        let icrc = (!ctx.icrc_by_port).then_some(&icrc);
         let start = out.len();
-        let sent = if self.responder_poll(ctx, &icrc, out) {
+        let sent = if self.responder_poll(ctx, icrc, out) {
             true
-        } else if self.probe_poll(ctx, &icrc, out) || self.requester_poll(ctx, &icrc, out) {
+        } else if self.probe_poll(ctx, icrc, out) || self.requester_poll(ctx, icrc, out) {
             self.resp.ride |= self.resp.ack.is_some();
             true
         } else {
-            self.responder_ack(ctx, &icrc, out)
+            self.responder_ack(ctx, icrc, out)
         };
         if sent {
             ctx.stats.tx_packets += 1;

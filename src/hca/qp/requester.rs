@@ -126,7 +126,7 @@ impl Qp {
     pub(super) fn probe_poll(
         &mut self,
         ctx: &mut Ctx<'_>,
-        icrc: &IcrcContext,
+        icrc: Option<&IcrcContext>,
         out: &mut Vec<u8>,
     ) -> bool {
         if !self.probe_can_send(ctx.now) {
@@ -164,7 +164,7 @@ impl Qp {
     pub(super) fn requester_poll(
         &mut self,
         ctx: &mut Ctx<'_>,
-        icrc: &IcrcContext,
+        icrc: Option<&IcrcContext>,
         out: &mut Vec<u8>,
     ) -> bool {
         if !self.requester_can_send(ctx.now) {
@@ -182,7 +182,7 @@ impl Qp {
     fn emit_request(
         &mut self,
         ctx: &mut Ctx<'_>,
-        icrc: &IcrcContext,
+        icrc: Option<&IcrcContext>,
         out: &mut Vec<u8>,
         ack_req: bool,
     ) -> bool {

@@ -385,7 +385,7 @@ impl Qp {
     pub(super) fn responder_poll(
         &mut self,
         ctx: &mut Ctx<'_>,
-        icrc: &IcrcContext,
+        icrc: Option<&IcrcContext>,
         out: &mut Vec<u8>,
     ) -> bool {
         let start = out.len();
@@ -455,7 +455,7 @@ impl Qp {
     pub(super) fn responder_ack(
         &mut self,
         ctx: &mut Ctx<'_>,
-        icrc: &IcrcContext,
+        icrc: Option<&IcrcContext>,
         out: &mut Vec<u8>,
     ) -> bool {
         if self.attr.state == super::QpState::Reset || !self.ack_ready(ctx.now) {
@@ -470,7 +470,13 @@ impl Qp {
     }
 
     /// Append an ACK or NAK packet for `psn` carrying `aeth`.
-    fn emit_acknowledge(&self, psn: Psn, aeth: AethRepr, icrc: &IcrcContext, out: &mut Vec<u8>) {
+    fn emit_acknowledge(
+        &self,
+        psn: Psn,
+        aeth: AethRepr,
+        icrc: Option<&IcrcContext>,
+        out: &mut Vec<u8>,
+    ) {
         let start = out.len();
         let mut h = PacketHeaders::new(BthRepr::new(
             Opcode::RC_ACKNOWLEDGE,

@@ -84,15 +84,26 @@ impl PacketHeaders {
 }
 
 /// Pad the packet that starts at `out[start]` to a 4-byte boundary, record the pad count in
-/// its BTH and append the ICRC.
-pub fn finish_packet(out: &mut Vec<u8>, start: usize, ctx: &IcrcContext) {
+/// its BTH and append the ICRC; with no `ctx`, append zeros where the ICRC goes, for whoever
+/// sends the packet to fill in with [`fill_icrc`] (as a NIC computes it on the way out).
+pub fn finish_packet(out: &mut Vec<u8>, start: usize, ctx: Option<&IcrcContext>) {
     let pad = (4 - (out.len() - start) % 4) % 4;
     out.resize(out.len() + pad, 0);
     if let Ok(mut bth) = Bth::new_checked(&mut out[start..]) {
         bth.set_pad_count(pad as u8);
     }
-    let crc = icrc(ctx, &out[start..]);
+    let crc = ctx.map_or(0, |ctx| icrc(ctx, &out[start..]));
     out.extend_from_slice(&crc.to_le_bytes());
+}
+
+/// Write the ICRC of `packet` (a whole packet as [`finish_packet`] leaves it, ICRC last)
+/// into its last four bytes. Does nothing to a packet too short to have one.
+pub fn fill_icrc(ctx: &IcrcContext, packet: &mut [u8]) {
+    let Some(body) = packet.len().checked_sub(ICRC_LEN) else {
+        return;
+    };
+    let crc = icrc(ctx, &packet[..body]);
+    packet[body..].copy_from_slice(&crc.to_le_bytes());
 }
 
 /// Append a whole packet (headers, payload, pad, ICRC) to `out`.
@@ -100,7 +111,7 @@ pub fn emit_packet(hdrs: &PacketHeaders, payload: &[u8], ctx: &IcrcContext, out:
     let start = out.len();
     hdrs.emit_into(out);
     out.extend_from_slice(payload);
-    finish_packet(out, start, ctx);
+    finish_packet(out, start, Some(ctx));
 }
 
 /// A received packet: its headers and a borrowed payload with the pad removed.
@@ -248,6 +259,26 @@ mod tests {
                 assert_eq!(p.payload, payload);
             }
         }
+    }
+
+    /// A packet finished without its ICRC and filled in later is the packet finished with
+    /// it, whatever its length and pad.
+    #[test]
+    fn an_icrc_filled_in_later_is_the_same() {
+        for len in 0..9usize {
+            let payload: Vec<u8> = (0..len as u8).collect();
+            let mut whole = Vec::new();
+            emit_packet(&full(Opcode::RC_SEND_ONLY), &payload, &ctx(), &mut whole);
+            let mut later = vec![0xAA; 3];
+            full(Opcode::RC_SEND_ONLY).emit_into(&mut later);
+            later.extend_from_slice(&payload);
+            finish_packet(&mut later, 3, None);
+            assert_eq!(later[later.len() - ICRC_LEN..], [0; ICRC_LEN]);
+            assert!(ParsedPacket::parse(&later[3..], Some(&ctx())).is_err());
+            fill_icrc(&ctx(), &mut later[3..]);
+            assert_eq!(later[3..], whole[..], "{len} B");
+        }
+        fill_icrc(&ctx(), &mut [1, 2, 3]);
     }
 
     #[test]
