@@ -25,8 +25,8 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock, Weak};
 
 use tokio::sync::Notify;
 
@@ -71,9 +71,6 @@ impl Queue {
 /// A context's receive queue on the loopback path.
 pub(crate) struct Inbox {
     addr: SocketAddr,
-    /// The process that registered it: a child forked from it (fio's `thread=0` jobs) has a
-    /// copy of the registry, but none of the threads that drain those inboxes.
-    pid: u32,
     q: Mutex<Queue>,
     /// Something is queued (set and cleared under the lock; read without it).
     pending: AtomicBool,
@@ -97,12 +94,43 @@ struct Registry {
     generation: AtomicU64,
 }
 
+/// This process's registry: null until first used, and again in a child just forked.
+static REGISTRY: AtomicPtr<Registry> = AtomicPtr::new(std::ptr::null_mut());
+
 fn registry() -> &'static Registry {
-    static R: OnceLock<Registry> = OnceLock::new();
-    R.get_or_init(|| Registry {
+    let r = REGISTRY.load(Ordering::Acquire);
+    // SAFETY: REGISTRY holds null or a leaked box, which is never freed.
+    if let Some(r) = unsafe { r.as_ref() } {
+        return r;
+    }
+    static AT_FORK: Once = Once::new();
+    AT_FORK.call_once(|| {
+        // SAFETY: registers a handler that only stores to an atomic (async-signal-safe).
+        // Without it (the call fails only for want of memory) a child shares the parent's
+        // registry, as before: its lookups find inboxes no thread of its own drains.
+        unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+    });
+    let new = Box::into_raw(Box::new(Registry {
         map: Mutex::new(BTreeMap::new()),
         generation: AtomicU64::new(0),
-    })
+    }));
+    match REGISTRY.compare_exchange(r, new, Ordering::AcqRel, Ordering::Acquire) {
+        // SAFETY: just leaked, never freed.
+        Ok(_) => unsafe { &*new },
+        Err(won) => {
+            // SAFETY: `new` was never shared; `won` is another thread's leaked box.
+            drop(unsafe { Box::from_raw(new) });
+            unsafe { &*won }
+        }
+    }
+}
+
+/// In the child of a fork (fio's `thread=0` jobs): start a registry of the child's own.
+/// The parent's stays behind, with inboxes whose draining threads the child does not have,
+/// and with its lock perhaps held, at the moment of the fork, by one of those threads: the
+/// child's copy of that lock would never be released.
+extern "C" fn forked() {
+    REGISTRY.store(std::ptr::null_mut(), Ordering::Release);
 }
 
 /// Whether contexts that ask for the loopback path get it: yes, unless the process was
@@ -140,7 +168,6 @@ impl LocalLink {
         }
         let inbox = Arc::new(Inbox {
             addr,
-            pid: std::process::id(),
             q: Mutex::new(Queue::with_capacity()),
             pending: AtomicBool::new(false),
             closed: AtomicBool::new(false),
@@ -206,14 +233,12 @@ impl LocalLink {
                     // rather than scan a long list for every packet.
                     self.peers.clear();
                 }
-                let pid = std::process::id();
                 let found = registry()
                     .map
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .get(&dst)
-                    .and_then(Weak::upgrade)
-                    .filter(|inbox| inbox.pid == pid);
+                    .and_then(Weak::upgrade);
                 self.peers.push((dst, found));
                 self.peers.len() - 1
             }
@@ -375,6 +400,33 @@ mod tests {
     fn received(l: &mut LocalLink) -> Vec<(SocketAddr, Vec<u8>)> {
         let n = l.recv();
         (0..n).map(|i| (l.get(i).0, l.get(i).1.to_vec())).collect()
+    }
+
+    /// A fork while another thread holds the registry's lock (a driver looking a peer up)
+    /// leaves the child a registry of its own, without the parent's contexts. Before, the
+    /// child kept a copy of the parent's registry, lock held and never released there: its
+    /// first context hung on it (here the alarm then kills the child).
+    #[test]
+    fn a_child_forked_while_the_registry_is_locked_starts_its_own() {
+        let (a, b) = (addr(7, 1), addr(7, 2));
+        let _parent = LocalLink::register(a).unwrap();
+        let held = registry().map.lock().unwrap();
+        // SAFETY: the child runs only the lines below and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            unsafe { libc::alarm(10) };
+            let ok = LocalLink::register(b).is_some()
+                && registry().map.lock().unwrap().get(&a).is_none();
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        drop(held);
+        assert!(pid > 0, "fork failed");
+        let mut status = 0;
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "child: wait status {status:#x} (signal 14: it hung on the parent's lock)"
+        );
     }
 
     #[test]
