@@ -1,8 +1,10 @@
 //! The loopback path: soft-HCA contexts in one process hand each other their packets in
 //! memory instead of through the kernel's UDP stack, as Linux rxe does for a destination
-//! that is one of its own devices (`rxe_loopback`). The packets are the same bytes (headers,
-//! ICRC and all) and go through the same receive path, except that the receiver does not
-//! check their ICRC (they never left the process; `Stats::rx_loopback` counts them). Only
+//! that is one of its own devices (`rxe_loopback`). The packets are the same bytes but for
+//! the ICRC, which the sending device leaves zero (its port computes ICRCs only for what it
+//! sends over UDP, `Device::set_icrc_by_port`), and go through the same receive path, except
+//! that the receiver does not check their ICRC (they never left the process;
+//! `Stats::rx_loopback` counts them). Only
 //! the socket is skipped, which on loopback costs a system call and a walk of the IP stack
 //! per run of packets, with the receiver's half of that walk done in the sender's thread.
 //!

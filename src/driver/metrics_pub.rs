@@ -2,8 +2,8 @@
 //!
 //! Besides traffic, the counters an operator watches for abuse: received packets dropped,
 //! in total and by reason (malformed, bad ICRC, unknown QP, from a source that is not the
-//! QP's peer, for a QP that is gone, the loopback path's inbox full, other), remote access errors (a peer touching memory it
-//! may not), and completion / MAD queue overflows. ICRCs: packets verified
+//! QP's peer, for a QP that is gone, the loopback path's inbox full, other), remote access
+//! errors (a peer touching memory it may not), and completion / MAD queue overflows. ICRCs: packets verified
 //! (`softhca_rx_icrc_verified_total`), accepted unchecked (`softhca_rx_icrc_unchecked_total`:
 //! `IcrcCheck::Skip`, or an IPv4 RoCEv2 peer without the raw socket), and mismatches, which
 //! are drops (`softhca_rx_dropped_by_reason_total{reason="icrc"}`). Packets from a context

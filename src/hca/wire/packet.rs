@@ -92,8 +92,10 @@ pub fn finish_packet(out: &mut Vec<u8>, start: usize, ctx: Option<&IcrcContext>)
     if let Ok(mut bth) = Bth::new_checked(&mut out[start..]) {
         bth.set_pad_count(pad as u8);
     }
-    let crc = ctx.map_or(0, |ctx| icrc(ctx, &out[start..]));
-    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&[0; ICRC_LEN]);
+    if let Some(ctx) = ctx {
+        fill_icrc(ctx, &mut out[start..]);
+    }
 }
 
 /// Write the ICRC of `packet` (a whole packet as [`finish_packet`] leaves it, ICRC last)
