@@ -249,6 +249,14 @@ impl<M: HostBuffer> TQueue<M> {
     fn footprint(&self) -> usize {
         self.recv.0.len() + self.rsp.0.len() + self.data.0.len()
     }
+
+    /// Slot `c`'s staging as the device sees it: address and lkey.
+    fn staging_at(&self, c: usize) -> (u64, MemKey) {
+        (
+            self.data.1.addr + (c * self.staging_len) as u64,
+            self.data.1.lkey,
+        )
+    }
 }
 
 struct Ctrl {
@@ -1158,11 +1166,8 @@ impl<D: DeviceContext> Engine<D> {
                 self.execute(d, qpn, c);
             }
             SglDescriptor::Keyed { addr, key, .. } => {
-                let mut local = Sgl::one(
-                    q.data.1.addr + (c * q.staging_len) as u64,
-                    want as u32,
-                    q.data.1.lkey,
-                );
+                let (at, lkey) = q.staging_at(c);
+                let mut local = Sgl::one(at, want as u32, lkey);
                 let mut landed = false;
                 // A large write to a RAM namespace the device registers is fetched straight
                 // into it, its range checked first. As with staging, what lands is the
@@ -1352,8 +1357,7 @@ impl<D: DeviceContext> Engine<D> {
                 }
                 Ok(SglDescriptor::Keyed { addr, key, .. }) => {
                     let n = data_out as u32;
-                    let (at, lkey) =
-                        src.unwrap_or((q.data.1.addr + (c * q.staging_len) as u64, q.data.1.lkey));
+                    let (at, lkey) = src.unwrap_or_else(|| q.staging_at(c));
                     let wr = SendWr {
                         wr_id: wr_id(WR_RDMA_WRITE, c),
                         op: SendOp::Write {
@@ -1489,14 +1493,7 @@ impl<D: DeviceContext> Engine<D> {
             return Ok(None);
         }
         match sqe.opcode {
-            opcode::io::WRITE => {
-                let ctrl = q.cntlid.and_then(|c| self.ctrls.get(&c));
-                let ns = ctrl
-                    .and_then(|c| self.subsystem(c))
-                    .and_then(|s| s.namespaces.iter().find(|n| n.nsid == sqe.nsid))
-                    .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())?;
-                Ok(Some((nlb(sqe) as usize) << ns.lbads))
-            }
+            opcode::io::WRITE => Ok(Some((nlb(sqe) as usize) << self.io_ns_ref(qpn, sqe)?.lbads)),
             opcode::io::DATASET_MANAGEMENT => Ok(Some(((sqe.cdw10 & 0xFF) as usize + 1) * 16)),
             _ => Ok(None),
         }
@@ -1976,6 +1973,10 @@ impl<D: DeviceContext> Engine<D> {
 
     /// The namespace I/O command `sqe` on queue `qpn` names.
     fn io_ns(&self, qpn: Qpn, sqe: &Sqe) -> Result<Arc<Namespace>, Status> {
+        self.io_ns_ref(qpn, sqe).cloned()
+    }
+
+    fn io_ns_ref(&self, qpn: Qpn, sqe: &Sqe) -> Result<&Arc<Namespace>, Status> {
         let ctrl = self.ctrl_of(qpn, false)?;
         let subsys = self
             .subsystem(ctrl)
@@ -1984,7 +1985,6 @@ impl<D: DeviceContext> Engine<D> {
             .namespaces
             .iter()
             .find(|n| n.nsid == sqe.nsid)
-            .cloned()
             .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())
     }
 
