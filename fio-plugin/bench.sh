@@ -16,8 +16,9 @@
 # random UDP loss (fio-plugin/loss.sh).
 #
 # usage: bash fio-plugin/bench.sh [seconds per job, default 3] [rounds, default 1]
-#   Every round runs each workload on own, plugin, ext and nbdkit back to back, then the raw
-#   table, then the loss runs, so a slow minute on a shared machine hits all of them alike.
+#   Every round runs each workload on own, plugin (twice: SECONDS, then twice that, for the
+#   CPU table), ext and nbdkit back to back, then the raw table, then the loss runs, so a
+#   slow minute on a shared machine hits all of them alike.
 #   Figures are medians over the rounds; [a-b] is the range of a ratio over the rounds, each
 #   ratio taken within one round. No warm-up is cut (fio's ramp_time=0, as the own loop):
 #   every I/O done is counted, which the CPU columns need.
@@ -36,10 +37,13 @@
 #                stime from /proc/PID/stat before and after). ext host/target/sum beside
 #                nbdkit host (fio)/target (nbdkit)/sum, and ext/nbd of the sums; "ext tgt
 #                cp/IO" is how much the target's nvmet_io_copies_total grew (its
-#                --metrics-addr endpoint, read before and after) per I/O fio did. (own and
-#                plugin are not measured: host and target share their process, and building
-#                its 1 GiB RAM target, about 1 s of CPU, would swamp a 3 s run's figure.)
+#                --metrics-addr endpoint, read before and after) per I/O fio did.
 #                The whole fio process is counted: start-up, connect and exit are in it.
+#                "plugin sum": host + target with the built-in target, both in fio's process.
+#                Taking and zeroing its 1 GiB, about 1 s of CPU, would swamp a 3 s run, so
+#                every plugin job also runs for twice the seconds right after, and the figure
+#                is the difference in fio's CPU over the difference in I/Os (cpu.py's
+#                marginal_us): the CPU of the I/O phase alone. (own is not measured.)
 #                Busy polling (50 µs, the default on both sides) is CPU spent and counted.
 #   128 KiB table NVMe-oF 128 KiB QD8 throughput (own, plugin) beside the raw soft-HCA 128 KiB
 #                rate of the RDMA operation that carries its data (depth 16): a read's data is
@@ -99,13 +103,13 @@ wait_for() {
 workloads=("randread 4k 1" "randread 4k 32" "randwrite 4k 1" "randwrite 4k 32" \
            "read 128k 8" "write 128k 8")
 
-# One fio job file: the engine's [global] lines, then one workload.
+# One fio job file: the engine's [global] lines, then one workload for SECONDS.
 job() {
-  local engine=$1 rw=$2 bs=$3 qd=$4
+  local engine=$1 seconds=$2 rw=$3 bs=$4 qd=$5
   echo "$engine"
   cat <<EOF
 time_based=1
-runtime=$secs
+runtime=$seconds
 norandommap=1
 randrepeat=0
 size=1G
@@ -202,11 +206,12 @@ for r in $(seq "$rounds"); do
     name="$1-$2-qd$3"
     echo "round $r/$rounds: $name (own, plugin, ext, nbdkit)" >&2
     "$bin" bench --seconds "$secs" --job "$name" -o json >"$work/own.$r.$name.json"
-    for e in plugin ext nbd; do
-      case $e in plugin) g=$plugin_global ;; ext) g=$ext_global ;; nbd) g=$nbd_global ;; esac
-      job "$g" "$@" >"$work/$e.fio"
+    for e in plugin plugin-long ext nbd; do
+      case $e in plugin*) g=$plugin_global ;; ext) g=$ext_global ;; nbd) g=$nbd_global ;; esac
+      t=$secs; [ $e = plugin-long ] && t=$((2 * secs))
+      job "$g" "$t" "$@" >"$work/$e.fio"
       run=(fio --output-format=json --output="$work/$e.$r.$name.json" "$work/$e.fio")
-      case $e in plugin) "${run[@]}" ;;
+      case $e in plugin*) cpu "$work/$e.$r.$name.cpu" - "${run[@]}" ;;
                  ext) COPIES_URL=http://127.0.0.1:$mport/metrics cpu "$work/$e.$r.$name.cpu" "$tgt_pid" "${run[@]}" ;;
                  nbd) cpu "$work/$e.$r.$name.cpu" "$nbd_pid" "${run[@]}" ;; esac
     done
@@ -227,10 +232,13 @@ for r in $(seq "$rounds"); do
 done
 echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$work/header"
 
-python3 - "$work" "$rounds" "${loss_rates[*]:-}" "${workloads[@]}" <<'EOF'
+python3 - "$here" "$work" "$rounds" "${loss_rates[*]:-}" "${workloads[@]}" <<'EOF'
 import json, statistics, sys
 
-work, rounds, loss_rates, workloads = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4:]
+here, work, rounds, loss_rates, workloads = (sys.argv[1], sys.argv[2], int(sys.argv[3]),
+                                             sys.argv[4].split(), sys.argv[5:])
+sys.path.insert(0, here)
+from cpu import marginal_us
 names = ["{}-{}-qd{}".format(*w.split()) for w in workloads]
 med = statistics.median
 
@@ -254,8 +262,7 @@ def fio_row(engine, r, name):
     row = dict(iops=d["iops"], gbps=d["bw_bytes"] / 1e9, ios=d["total_ios"],
                avg=d["clat_ns"]["mean"] / 1e3, p50=d["clat_ns"]["percentile"]["50.000000"] / 1e3,
                errors=j["error"])
-    if engine != "plugin":
-        row.update(cpu(f"{work}/{engine}.{r}.{name}.cpu"))
+    row.update(cpu(f"{work}/{engine}.{r}.{name}.cpu"))
     return row
 
 def own_row(r, name):
@@ -271,7 +278,20 @@ def per_io_us(row, key):
 
 runs = range(1, rounds + 1)
 own = {n: [own_row(r, n) for r in runs] for n in names}
-fio = {(e, n): [fio_row(e, r, n) for r in runs] for e in ("plugin", "ext", "nbd") for n in names}
+fio = {(e, n): [fio_row(e, r, n) for r in runs]
+       for e in ("plugin", "plugin-long", "ext", "nbd") for n in names}
+
+def plugin_us(short, long):
+    """The built-in target's host + target CPU per I/O of one round (marginal_us); None when
+    the longer run did no more I/O (a machine busy with something else)."""
+    return marginal_us(*(dict(cpu_s=x["host_cpu_s"], ios=x["ios"]) for x in (short, long)))
+
+def known(xs):
+    """The rounds that gave a figure; the column says 'k/n' when some did not."""
+    return [x for x in xs if x is not None]
+
+def of_rounds(xs):
+    return "" if None not in xs else f" ({len(known(xs))}/{len(xs)})"
 
 with open(f"{work}/header") as f:
     print(f.read(), end="")
@@ -299,14 +319,18 @@ for n in names:
     ))
 
 print("\nCPU µs per I/O, host = fio's process, tgt = the server's "
-      "(ext: fio + plugin -> `nvmf-rdma target`; nbd: fio -> nbdkit)")
-fmt = "{:<18} {:>9} {:>17} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>17} {:>13}"
+      "(ext: fio + plugin -> `nvmf-rdma target`; nbd: fio -> nbdkit; plugin: fio + plugin + "
+      "built-in target, one process, I/O phase only)")
+fmt = "{:<18} {:>9} {:>17} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>17} {:>13} {:>11} {:>17}"
 print(fmt.format("workload", "ext IOPS", "ext/nbd", "ext host", "ext tgt", "ext sum",
-                 "nbd host", "nbd tgt", "nbd sum", "ext sum/nbd sum", "ext tgt cp/IO"))
+                 "nbd host", "nbd tgt", "nbd sum", "ext sum/nbd sum", "ext tgt cp/IO",
+                 "plugin sum", "plugin sum/nbd"))
 for n in names:
     ext, nb = fio["ext", n], fio["nbd", n]
     ext_sum = [per_io_us(x, "host_cpu_s") + per_io_us(x, "target_cpu_s") for x in ext]
     nbd_sum = [per_io_us(x, "host_cpu_s") + per_io_us(x, "target_cpu_s") for x in nb]
+    plugin_sum = [plugin_us(a, b) for a, b in zip(fio["plugin", n], fio["plugin-long", n])]
+    plugin_nbd = [a / b if a is not None else None for a, b in zip(plugin_sum, nbd_sum)]
     print(fmt.format(
         n, f"{med(x['iops'] for x in ext):.0f}",
         spread([a["iops"] / b["iops"] for a, b in zip(ext, nb)]),
@@ -317,6 +341,8 @@ for n in names:
         spread([a / b for a, b in zip(ext_sum, nbd_sum)]),
         # The target's own count (nvmet_io_copies_total) over the run, per I/O fio did.
         f"{med(x['target_copies'] / x['ios'] for x in ext):.2f}",
+        f"{med(known(plugin_sum)):.1f}{of_rounds(plugin_sum)}" if known(plugin_sum) else "n/a",
+        spread(known(plugin_nbd)) if known(plugin_nbd) else "n/a",
     ))
 
 print("\n128 KiB: NVMe-oF QD8 vs the raw soft-HCA RDMA operation that carries the data (depth 16)")
