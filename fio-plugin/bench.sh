@@ -283,7 +283,7 @@ fio = {(e, n): [fio_row(e, r, n) for r in runs]
 
 def plugin_us(short, long):
     """The built-in target's host + target CPU per I/O of one round (marginal_us); None when
-    the longer run did no more I/O (a machine busy with something else)."""
+    the longer run did no more I/O or spent no more CPU (a machine busy with something else)."""
     return marginal_us(*(dict(cpu_s=x["host_cpu_s"], ios=x["ios"]) for x in (short, long)))
 
 def known(xs):

@@ -19,6 +19,8 @@
 #            is the difference of the two runs' CPU over the difference of their I/Os
 #            (cpu.py's marginal_us), so the second or so of CPU the target spends on its
 #            memory before the first I/O cancels. GLOBAL_ARGS and TARGET_ARGS do not apply.
+#            Give it seconds: a same-build pair came out 0.92-1.13 apart at SECS=3, and
+#            2.4x apart at SECS=1 LONG=2.
 # Prints per build and job: median IOPS, host, target and sum µs per I/O [range], and the sum
 # as a ratio to the first build's within each round: median [range]. With ENGINE=plugin, the
 # sum is the marginal host + target figure and host/target are not told apart.
@@ -109,8 +111,8 @@ def row(j, i, r):
     if engine == "ext":
         return dict(short, sum=short["cpu_s"] / short["ios"] * 1e6)
     long = one(f"{work}/{j}.{i}.{r}.long")
-    # None when the long run did no more I/O (the machine busy with something else): that
-    # round is left out of this build's CPU figures and of its ratios.
+    # None when the long run did no more I/O or CPU (the machine busy with something
+    # else): that round is left out of this build's CPU figures and of its ratios.
     us = marginal_us(short, long)
     return dict(long, err=short["err"] + long["err"], host=us, tgt=0.0, sum=us)
 def sp(xs, d=2):

@@ -16,11 +16,13 @@ def marginal_us(short, long):
     length: {"cpu_s", "ios"} each. A process that holds its target (fio with the plugin's
     built-in RAM target) spends about a second of CPU taking and zeroing its memory before
     the first I/O, and some more connecting and exiting; that cost is the same in both runs
-    and cancels. None when the longer run did not do more I/O (nothing to divide by)."""
+    and cancels. None when the longer run did not do more I/O or spend more CPU (a machine
+    busy with something else: no figure rather than a meaningless one)."""
     ios = long["ios"] - short["ios"]
-    if ios <= 0:
+    cpu_s = long["cpu_s"] - short["cpu_s"]
+    if ios <= 0 or cpu_s <= 0:
         return None
-    return (long["cpu_s"] - short["cpu_s"]) / ios * 1e6
+    return cpu_s / ios * 1e6
 
 
 def proc_cpu(pid):
@@ -54,6 +56,8 @@ def main(argv):
     if len(argv) < 3:
         sys.exit("usage: cpu.py OUT TARGET_PID|- CMD...")
     out, target, cmd = argv[0], argv[1], argv[2:]
+    if target != "-" and not target.isdigit():
+        sys.exit(f"cpu.py: TARGET_PID is a process ID or -, not '{target}'")
     target_pid = None if target == "-" else int(target)
     url = os.environ.get("COPIES_URL")
     copies_before = settled_copies(url) if url else None
