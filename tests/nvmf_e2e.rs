@@ -39,11 +39,21 @@ async fn target(bytes: u64) -> (Target<SoftHca>, SoftHca) {
 }
 
 async fn host(target: &SoftHca, queues: usize) -> Result<Controller, HostError> {
+    host_with(target, queues, |_| {}).await
+}
+
+/// [`host`], with `tune` applied to the options first.
+async fn host_with(
+    target: &SoftHca,
+    queues: usize,
+    tune: impl FnOnce(&mut ConnectOptions),
+) -> Result<Controller, HostError> {
     let hca = SoftHca::start(cfg("host0", 2)).await.unwrap();
     let cm = CmService::for_device(&hca);
     let mut o = ConnectOptions::new(target.addr(), NQN);
     o.nr_io_queues = queues;
     o.queue_size = 32;
+    tune(&mut o);
     Controller::connect(hca, cm, o).await
 }
 
@@ -211,8 +221,34 @@ async fn more_concurrent_writes_than_slots_all_land() {
 /// the target reads it. Both kinds land whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shallow_writes_go_in_the_capsule_deep_ones_as_keyed_sgls() {
+    let depth = nvmf_rdma::transport::SOFT_INLINE_DEPTH;
+    let in_capsule = deep_writes(Some(depth)).await;
+    assert_eq!(in_capsule, 10 + depth as u64);
+}
+
+/// By default the host chooses by the path: this target is in the process, its packets
+/// take the loopback path, and there every write that fits goes in its capsule, however
+/// deep the queue (fails before the choice by path: 10 + SOFT_INLINE_DEPTH of them did).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn towards_a_target_in_this_process_every_fitting_write_goes_in_the_capsule() {
+    assert_eq!(deep_writes(None).await, 10 + DEEP);
+}
+
+/// Writes held at the target, so the queue only gets deeper.
+const DEEP: u64 = 24;
+
+/// Ten writes one at a time, then [`DEEP`] at once with `inline_depth`; every one read back
+/// whole. How many went in their capsule.
+async fn deep_writes(inline_depth: Option<usize>) -> u64 {
     let (t, thca) = target(16 << 20).await;
-    let c = Arc::new(connected(&thca, 1).await);
+    let c = tokio::time::timeout(
+        Duration::from_secs(20),
+        host_with(&thca, 1, |o| o.inline_depth = inline_depth),
+    )
+    .await
+    .expect("connect in time")
+    .expect("connect");
+    let c = Arc::new(c);
     let fill = |i: u64| vec![(i * 7 % 251) as u8 + 1; 4096];
     // The I/O queue's Fabrics Connect sent its data in the capsule too.
     let base = c.queue_stats()[1].in_capsule;
@@ -226,18 +262,16 @@ async fn shallow_writes_go_in_the_capsule_deep_ones_as_keyed_sgls() {
         "one at a time, every write is in its capsule"
     );
 
-    // The target holds the commands, so the queue only gets deeper: the first
-    // SOFT_INLINE_DEPTH are in the capsule, the rest keyed.
-    const N: u64 = 24;
+    // The target holds the commands, so the queue only gets deeper.
     t.stall_io(true);
-    let writes: Vec<_> = (10..10 + N)
+    let writes: Vec<_> = (10..10 + DEEP)
         .map(|i| {
             let c = c.clone();
             tokio::spawn(async move { c.write(1, i * 8, &fill(i)).await })
         })
         .collect();
     tokio::time::timeout(Duration::from_secs(10), async {
-        while t.stalled_io() < N as usize {
+        while t.stalled_io() < DEEP as usize {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     })
@@ -247,19 +281,15 @@ async fn shallow_writes_go_in_the_capsule_deep_ones_as_keyed_sgls() {
     for w in writes {
         w.await.unwrap().unwrap();
     }
-    assert_eq!(
-        in_capsule(&c),
-        10 + nvmf_rdma::transport::SOFT_INLINE_DEPTH as u64,
-        "{:?}",
-        c.queue_stats()[1]
-    );
-    for i in 0..10 + N {
+    let n = in_capsule(&c);
+    for i in 0..10 + DEEP {
         let mut buf = vec![0u8; 4096];
         c.read_into(1, i * 8, &mut buf).await.unwrap();
         assert_eq!(buf, fill(i), "write {i} did not land whole");
     }
     disconnect(c).await;
     drop(t);
+    n
 }
 
 /// At full queue depth the host sends its next command as soon as it has a response, ahead

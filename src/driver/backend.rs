@@ -81,6 +81,10 @@ impl DeviceContext for SoftHca {
         SoftHca::same(self, other)
     }
 
+    fn reaches_in_memory(&self, peer: std::net::SocketAddr) -> bool {
+        super::local::reaches(self.addr(), peer)
+    }
+
     fn inflict_fatal(&self) {
         self.fatal()
     }

@@ -144,6 +144,21 @@ pub fn enabled() -> bool {
     })
 }
 
+/// Whether packets from `from` to `to` take the loopback path: both are addresses of live
+/// contexts of this process that registered for it.
+pub(crate) fn reaches(from: SocketAddr, to: SocketAddr) -> bool {
+    if !enabled() {
+        return false;
+    }
+    let map = registry().map.lock().unwrap_or_else(|e| e.into_inner());
+    let live = |a: &SocketAddr| {
+        map.get(a)
+            .and_then(Weak::upgrade)
+            .is_some_and(|i| !i.closed.load(Ordering::Acquire))
+    };
+    live(&from) && live(&to)
+}
+
 /// One context's end of the loopback path: its registered inbox, what it took from it, and
 /// what it is about to deliver to others.
 pub(crate) struct LocalLink {
@@ -402,6 +417,21 @@ mod tests {
     fn received(l: &mut LocalLink) -> Vec<(SocketAddr, Vec<u8>)> {
         let n = l.recv();
         (0..n).map(|i| (l.get(i).0, l.get(i).1.to_vec())).collect()
+    }
+
+    /// Packets stay in memory only between two live registered contexts
+    /// (`ConnectOptions::inline_depth` chooses by this).
+    #[test]
+    fn reaches_only_between_live_registered_contexts() {
+        let (a, b, c) = (addr(9, 1), addr(9, 2), addr(9, 3));
+        let la = LocalLink::register(a).unwrap();
+        let lb = LocalLink::register(b).unwrap();
+        assert!(reaches(a, b) && reaches(b, a));
+        assert!(!reaches(a, c), "nothing registered at c: over UDP");
+        drop(lb);
+        assert!(!reaches(a, b), "b's context is gone");
+        drop(la);
+        assert!(!reaches(a, a));
     }
 
     /// A fork while another thread holds the registry's lock (a driver looking a peer up)

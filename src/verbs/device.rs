@@ -76,6 +76,13 @@ pub trait DeviceContext: Clone + Send + Sync + 'static {
     fn lifecycle(&self) -> Lifecycle;
     /// Is `other` this very context (not merely a context of the same device)?
     fn same(&self, other: &Self) -> bool;
+    /// Do this context's packets to `peer` stay in memory (another context of this
+    /// process, as the soft-HCA's loopback path and rxe's own loopback do) rather than go
+    /// over a network? Hosts choose how to send writes by it
+    /// (`ConnectOptions::inline_depth`). No, unless the backend knows better.
+    fn reaches_in_memory(&self, _peer: std::net::SocketAddr) -> bool {
+        false
+    }
     /// Fault injection for chaos tools and tests: a fatal error, as if the device had
     /// reported DEVICE_FATAL. The context becomes a zombie.
     fn inflict_fatal(&self);
