@@ -38,11 +38,7 @@ async fn target(bytes: u64) -> (Target<SoftHca>, SoftHca) {
     (t, hca)
 }
 
-async fn host(target: &SoftHca, queues: usize) -> Result<Controller, HostError> {
-    host_with(target, queues, |_| {}).await
-}
-
-/// [`host`], with `tune` applied to the options first.
+/// A host with `queues` I/O queues connected to `target`, `tune` applied to its options.
 async fn host_with(
     target: &SoftHca,
     queues: usize,
@@ -59,7 +55,16 @@ async fn host_with(
 
 /// A host with `queues` I/O queues, connected within 20 s or the test fails.
 async fn connected(target: &SoftHca, queues: usize) -> Controller {
-    tokio::time::timeout(Duration::from_secs(20), host(target, queues))
+    connected_with(target, queues, |_| {}).await
+}
+
+/// [`connected`], with `tune` applied to the options first.
+async fn connected_with(
+    target: &SoftHca,
+    queues: usize,
+    tune: impl FnOnce(&mut ConnectOptions),
+) -> Controller {
+    tokio::time::timeout(Duration::from_secs(20), host_with(target, queues, tune))
         .await
         .expect("connect in time")
         .expect("connect")
@@ -241,14 +246,7 @@ const DEEP: u64 = 24;
 /// whole. How many went in their capsule.
 async fn deep_writes(inline_depth: Option<usize>) -> u64 {
     let (t, thca) = target(16 << 20).await;
-    let c = tokio::time::timeout(
-        Duration::from_secs(20),
-        host_with(&thca, 1, |o| o.inline_depth = inline_depth),
-    )
-    .await
-    .expect("connect in time")
-    .expect("connect");
-    let c = Arc::new(c);
+    let c = Arc::new(connected_with(&thca, 1, |o| o.inline_depth = inline_depth).await);
     let fill = |i: u64| vec![(i * 7 % 251) as u8 + 1; 4096];
     // The I/O queue's Fabrics Connect sent its data in the capsule too.
     let base = c.queue_stats()[1].in_capsule;

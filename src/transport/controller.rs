@@ -94,7 +94,7 @@ pub const SOFT_INLINE_DEPTH: usize = 4;
 
 /// [`ConnectOptions::inline_depth`]'s choice by the path, for a host whose device reaches
 /// the target over a network (`in_memory` false) or in memory.
-pub fn inline_depth_for(traddr: SocketAddr, in_memory: bool) -> usize {
+fn inline_depth_for(traddr: SocketAddr, in_memory: bool) -> usize {
     if roce_peer(traddr.ip()) || in_memory {
         usize::MAX
     } else {

@@ -8,8 +8,8 @@ pub mod fixed;
 pub mod queue;
 
 pub use controller::{
-    default_hostid, discover, inline_depth_for, AsyncEvent, ConnectOptions, Controller, CtrlStatus,
-    NsInfo, RecoveryTrace, SOFT_INLINE_DEPTH,
+    default_hostid, discover, AsyncEvent, ConnectOptions, Controller, CtrlStatus, NsInfo,
+    RecoveryTrace, SOFT_INLINE_DEPTH,
 };
 pub use error::HostError;
 pub use fixed::Fixed;
