@@ -66,6 +66,9 @@ struct Op {
 struct Scenario {
     faults: Faults,
     mtu: Mtu,
+    /// Payload per packet when the pair stands for two contexts on the in-memory path
+    /// (`QpAttr::in_memory_seg`); 0: the MTU.
+    in_memory_seg: u32,
     ops: Vec<Op>,
     buf_len: usize,
 }
@@ -88,6 +91,7 @@ fn scenario(seed: u64) -> Scenario {
         Mtu::Mtu2048,
         Mtu::Mtu4096,
     ][rng.random_range(0..5)];
+    let in_memory_seg = [0, 0, MAX_IN_MEMORY_SEG][rng.random_range(0..3)];
     let n = rng.random_range(5..=20);
     // A bump allocator per device; every range is 64-byte aligned and used by one op only.
     let mut next = [0usize; 2];
@@ -128,6 +132,7 @@ fn scenario(seed: u64) -> Scenario {
     Scenario {
         faults,
         mtu,
+        in_memory_seg,
         ops,
         buf_len: next[0].max(next[1]).max(4096),
     }
@@ -152,8 +157,9 @@ fn ends(p: &Pair, dev: usize) -> (&RcEnd, &RcEnd) {
 fn run_seed(seed: u64) -> Trace {
     let sc = scenario(seed);
     let ctx = format!(
-        "seed {seed}: mtu {:?}, {:?}, {} ops",
+        "seed {seed}: mtu {:?}, in-memory segment {}, {:?}, {} ops",
         sc.mtu,
+        sc.in_memory_seg,
         sc.faults,
         sc.ops.len()
     );
@@ -163,6 +169,7 @@ fn run_seed(seed: u64) -> Trace {
         RcOptions {
             mtu: sc.mtu,
             buf_len: sc.buf_len,
+            in_memory_seg: sc.in_memory_seg,
             ..RcOptions::default()
         },
     );
@@ -395,9 +402,10 @@ fn a_seed_replays_identically() {
 #[test]
 fn scenarios_cover_the_space() {
     // The generator itself: over the default sweep every op kind, both directions, every
-    // MTU, zero-length and maximum-length messages all occur, and ranges never overlap.
+    // MTU, packets of the MTU and of the in-memory path, zero-length and maximum-length messages all occur, and ranges never overlap.
     let mut kinds = std::collections::HashSet::new();
     let mut mtus = std::collections::HashSet::new();
+    let mut segs = std::collections::HashSet::new();
     let (mut zero, mut max, mut dirs) = (false, false, [false; 2]);
     for seed in 0..DEFAULT_SEEDS {
         let sc = scenario(seed);
@@ -405,6 +413,7 @@ fn scenarios_cover_the_space() {
         let f = sc.faults;
         assert!(f.drop <= 0.15 && f.duplicate <= 0.15 && f.reorder <= 0.15 && f.corrupt <= 0.02);
         mtus.insert(sc.mtu.bytes());
+        segs.insert(sc.in_memory_seg);
         let mut ranges: [Vec<(usize, usize)>; 2] = [Vec::new(), Vec::new()];
         for op in &sc.ops {
             kinds.insert(format!("{:?}", op.kind));
@@ -425,6 +434,7 @@ fn scenarios_cover_the_space() {
     }
     assert_eq!(kinds.len(), 5);
     assert_eq!(mtus.len(), 5);
+    assert_eq!(segs.len(), 2);
     assert!(zero && max && dirs == [true, true]);
 }
 

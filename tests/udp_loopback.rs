@@ -173,7 +173,7 @@ async fn all_ops(path: Path, mtu: Mtu) {
                 "{s:?}"
             );
         }
-        assert!(s.rx_packets > 1000, "{s:?}");
+        assert!(s.rx_bytes > 8 << 20, "{s:?}");
     }
 }
 
@@ -192,6 +192,64 @@ async fn send_write_read_over_udp_without_offload() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn send_write_read_from_the_loopback_path_to_a_context_off_it() {
     all_ops(Path::FromLoopbackToUdp, Mtu::Mtu4096).await;
+}
+
+/// Packets that never leave the process carry 16 KiB each, whatever the path MTU says (a
+/// quarter of the packets, each with its per-packet work, for large transfers), and only
+/// there: towards a context off the loopback path the MTU holds. Measured as the mean size
+/// of what a side received during a 1 MiB WRITE and a 1 MiB READ, which a retransmit or a
+/// stray ACK cannot move across the line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_loopback_path_carries_16_kib_per_packet() {
+    const LEN: usize = 1 << 20;
+    for (path, in_memory) in [(Path::Loopback, true), (Path::FromLoopbackToUdp, false)] {
+        let (a, b, ea, eb) = pair(path, Mtu::Mtu4096).await;
+        let rx = |h: &SoftHca| h.with(|d, _| (d.stats().rx_packets, d.stats().rx_bytes));
+        let mean = |(p0, b0): (u64, u64), (p1, b1): (u64, u64)| (b1 - b0) / (p1 - p0).max(1);
+        let check = |what: &str, mean: u64| {
+            if in_memory {
+                assert!(mean > 8192, "{path:?}: {what}: {mean} B per packet");
+            } else {
+                assert!(
+                    (4096..=4096 + 64).contains(&mean),
+                    "{path:?}: {what}: {mean} B"
+                );
+            }
+        };
+        let sgl = Sgl::one(ea.mr.addr, LEN as u32, ea.mr.lkey);
+        let data = pattern(LEN, 7);
+        ea.mem.write(0, &data);
+        let before = rx(&b);
+        let wr = SendWr {
+            wr_id: 1,
+            op: SendOp::Write {
+                remote_addr: eb.mr.addr,
+                rkey: eb.mr.rkey,
+            },
+            sgl,
+            signaled: true,
+            solicited: false,
+        };
+        a.with(|d, now| d.post_send(now, ea.qpn, wr)).unwrap();
+        assert_eq!(one_wc(&a, ea.cq).await.status, WcStatus::Success);
+        assert!(snapshot(&eb.mem, LEN) == data, "{path:?}: WRITE");
+        check("WRITE", mean(before, rx(&b)));
+        let data = pattern(LEN, 8);
+        eb.mem.write(0, &data);
+        let before = rx(&a);
+        let wr = SendWr {
+            wr_id: 2,
+            op: SendOp::Read {
+                remote_addr: eb.mr.addr,
+                rkey: eb.mr.rkey,
+            },
+            ..wr
+        };
+        a.with(|d, now| d.post_send(now, ea.qpn, wr)).unwrap();
+        assert_eq!(one_wc(&a, ea.cq).await.status, WcStatus::Success);
+        assert!(snapshot(&ea.mem, LEN) == data, "{path:?}: READ");
+        check("READ", mean(before, rx(&a)));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -267,7 +325,7 @@ async fn the_loopback_path_follows_a_context_back_on_its_address() {
         (WcStatus::Success, data)
     );
     let s = a2.with(|d, _| d.stats().clone());
-    assert!(s.rx_loopback >= 25 && s.rx_icrc_verified == 0, "{s:?}");
+    assert!(s.rx_loopback >= 7 && s.rx_icrc_verified == 0, "{s:?}");
 }
 
 /// A fatal reset through the driver: outstanding work flushes, the waiter wakes, the port is

@@ -143,6 +143,7 @@ impl SoftHca {
     fn launch<P: PacketPort>(mut dev: Device, port: P, replay_seed: Option<u64>) -> SoftHca {
         let addr = port.local_addr();
         dev.set_icrc_by_port(port.fills_icrc());
+        dev.set_in_memory_path(port.in_memory_path());
         let shared = Arc::new(Shared {
             dev: Mutex::new(dev),
             kick: Notify::new(),
@@ -284,6 +285,11 @@ impl SoftHca {
 
 /// Most packets one turn of the driver loop builds before it looks at what came in again.
 const TURN_PACKETS: usize = 256;
+/// ... and most bytes: 256 full packets of the largest MTU. Packets on the in-memory path
+/// carry four times that (`QpAttr::in_memory_seg`); without this bound a turn could queue
+/// 4 MiB for a peer whose inbox holds 8 MiB, and two such turns (an 8 MiB READ's responses)
+/// overflowed it.
+const TURN_BYTES: usize = TURN_PACKETS * 4096;
 
 /// The driver loop: receive a batch, advance timers, transmit everything ready, publish
 /// metrics, wake waiters; sleep until the next datagram, deadline or kick.
@@ -356,17 +362,18 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
             d.handle_timeout(now);
         }
         // Collect a bounded batch under the lock, send it after releasing the lock.
-        let mut sent = 0;
-        while sent < TURN_PACKETS {
+        let (mut sent, mut bytes) = (0, 0);
+        while sent < TURN_PACKETS && bytes < TURN_BYTES {
             let buf = port.tx_buf();
             let start = buf.len();
             let Some(dst) = d.poll_transmit(now, buf) else {
                 break;
             };
+            bytes += buf.len() - start;
             port.push(dst, start);
             sent += 1;
         }
-        let more = sent >= TURN_PACKETS;
+        let more = sent >= TURN_PACKETS || bytes >= TURN_BYTES;
         d.take_dirty_cqs(&mut dirty);
         let act = d.activity();
         let events = act != last_activity;

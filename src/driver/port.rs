@@ -72,6 +72,11 @@ pub(crate) trait PacketPort: Send + 'static {
     fn fills_icrc(&self) -> bool {
         false
     }
+    /// Whether two addresses are contexts of this process on the in-memory path, for a port
+    /// that is on it ([`crate::hca::Device::set_in_memory_path`]).
+    fn in_memory_path(&self) -> Option<fn(SocketAddr, SocketAddr) -> bool> {
+        None
+    }
     /// Packets for this port it dropped itself (the loopback path's full inbox), so far.
     fn overflows(&self) -> u64 {
         0
@@ -244,6 +249,12 @@ impl PacketPort for UdpPort {
     /// (the receiver does not check it), so it is computed only for those sent over UDP.
     fn fills_icrc(&self) -> bool {
         self.local.is_some()
+    }
+
+    fn in_memory_path(&self) -> Option<fn(SocketAddr, SocketAddr) -> bool> {
+        self.local
+            .is_some()
+            .then_some(super::local::reaches as fn(_, _) -> _)
     }
 
     fn overflows(&self) -> u64 {

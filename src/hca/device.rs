@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 use super::cq::{Cq, CqId, WorkCompletion};
 use super::mr::{Access, HostMem, MrInfo, MrTable, PdId};
 use super::qp::state::{self, AttrMask, QpState};
-use super::qp::{Ctx, Qp, QpAttr, QpCaps, RecvWr, SendWr};
+use super::qp::{Ctx, Qp, QpAttr, QpCaps, RecvWr, SendWr, MAX_IN_MEMORY_SEG};
 use super::types::Psn;
 use super::types::{Guid, Instant, MemKey, PciAddr, Qpn};
 use super::wire::{
@@ -187,6 +187,9 @@ pub struct Device {
     ack_delay: std::time::Duration,
     /// QPs leave their packets' ICRC for the port to fill in.
     icrc_by_port: bool,
+    /// Whether two addresses are contexts of this process whose packets go in memory
+    /// ([`Device::set_in_memory_path`]).
+    in_memory_path: Option<fn(SocketAddr, SocketAddr) -> bool>,
     /// CQs that received completions since the driver last asked.
     cq_dirty: Vec<CqId>,
 }
@@ -233,6 +236,7 @@ impl Device {
             popped: 0,
             ack_delay: crate::hca::qp::DEFAULT_ACK_DELAY,
             icrc_by_port: false,
+            in_memory_path: None,
         };
         d.events.push_back(AsyncEvent::PortActive);
         d
@@ -251,6 +255,15 @@ impl Device {
     /// no ICRC at all. Management datagrams always carry theirs.
     pub fn set_icrc_by_port(&mut self, on: bool) {
         self.icrc_by_port = on;
+    }
+
+    /// The driver's port is on the in-memory path between contexts of this process, and
+    /// `reaches(ours, theirs)` says whether a peer is too. A QP whose AV names such a peer
+    /// gets the path's larger packets (`QpAttr::in_memory_seg`) unless it was given a size:
+    /// decided here, when the AV is set, whoever brings the QP up (the backend seam, CM, a
+    /// test by hand), so that both ends, asking the same registry, agree.
+    pub fn set_in_memory_path(&mut self, reaches: Option<fn(SocketAddr, SocketAddr) -> bool>) {
+        self.in_memory_path = reaches;
     }
 
     pub fn identity(&self) -> &DeviceIdentity {
@@ -428,6 +441,16 @@ impl Device {
     /// ibv_modify_qp: checked against the transition table before anything changes.
     pub fn modify_qp(&mut self, qpn: Qpn, attr: &QpAttr, mask: AttrMask) -> Result<(), VerbsError> {
         self.live()?;
+        let mut attr = *attr;
+        if let (Some(reaches), Some(dest)) = (self.in_memory_path, attr.dest) {
+            if mask.contains(AttrMask::AV)
+                && attr.in_memory_seg == 0
+                && reaches(self.config.addr, dest)
+            {
+                attr.in_memory_seg = MAX_IN_MEMORY_SEG;
+            }
+        }
+        let attr = &attr;
         let qp = self
             .qps
             .get_mut(&qpn)

@@ -15,7 +15,9 @@ pub mod wire;
 pub use cq::{CqId, WcOpcode, WcStatus, WorkCompletion};
 pub use device::{Device, DeviceConfig, DeviceIdentity, IcrcCheck, Lifecycle, VerbsError};
 pub use mr::{Access, HostMem, MrInfo, PdId};
-pub use qp::{AttrMask, Mtu, QpAttr, QpCaps, QpState, RecvWr, SendOp, SendWr, Sge, Sgl};
+pub use qp::{
+    AttrMask, Mtu, QpAttr, QpCaps, QpState, RecvWr, SendOp, SendWr, Sge, Sgl, MAX_IN_MEMORY_SEG,
+};
 pub use registry::{DeviceInfo, DeviceList, RegistryError};
 pub use types::{Guid, Instant, MemKey, PciAddr, Psn, Qpn};
 

@@ -21,6 +21,8 @@ pub struct RcOptions {
     pub min_rnr_timer: u8,
     pub max_unacked: u32,
     pub max_rd_atomic: u8,
+    /// Payload per packet on the in-memory path (`QpAttr::in_memory_seg`; 0: the MTU).
+    pub in_memory_seg: u32,
 }
 
 impl Default for RcOptions {
@@ -37,6 +39,7 @@ impl Default for RcOptions {
             min_rnr_timer: 1,
             max_unacked: 128,
             max_rd_atomic: 16,
+            in_memory_seg: 0,
         }
     }
 }
@@ -163,6 +166,7 @@ pub fn qp_to_rts(
         max_dest_rd_atomic: o.max_rd_atomic,
         min_rnr_timer: o.min_rnr_timer,
         max_unacked: o.max_unacked,
+        in_memory_seg: o.in_memory_seg,
         ..QpAttr::default()
     };
     dev.modify_qp(

@@ -115,7 +115,7 @@ impl Qp {
             self.retry_once(ctx, expected);
             return;
         }
-        let mtu = self.attr.path_mtu.bytes();
+        let mtu = self.attr.seg_bytes();
         let k = psn.diff(front.first_psn) as u32;
         let offset = k * mtu;
         let want_len = (front.len - offset).min(mtu) as usize;

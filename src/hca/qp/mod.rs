@@ -205,6 +205,33 @@ pub struct QpAttr {
     pub rnr_retry: u8,
     /// Most unacknowledged request packets in flight (rxe: 128).
     pub max_unacked: u32,
+    /// Payload bytes per packet (every FIRST and MIDDLE packet, every full READ response)
+    /// when both ends are soft-HCA contexts of one process, whose packets take the in-memory
+    /// loopback path (`driver::local`) and never meet a wire or its MTU. 0, the default, is
+    /// the path MTU, as on any wire. Both ends must agree: the requester counts a READ's
+    /// response PSNs by it and the responder checks packet lengths against it. Not an IBA
+    /// attribute; carried along with the AV, like `max_unacked`. A value outside path MTU
+    /// ..= [`MAX_IN_MEMORY_SEG`] means the path MTU.
+    pub in_memory_seg: u32,
+}
+
+/// The most payload per packet a QP may be given for the in-memory path
+/// ([`QpAttr::in_memory_seg`]): 16 KiB keeps a driver turn's 256 packets inside a loopback
+/// inbox (8 MiB) and takes most of what larger packets would (own loop, 128 KiB QD8: 16 KiB
+/// and 64 KiB packets both run 1.3-1.5x the 4 KiB rate).
+pub const MAX_IN_MEMORY_SEG: u32 = crate::hca::wire::MAX_PAYLOAD as u32;
+
+impl QpAttr {
+    /// Payload bytes per full packet on this QP's path: the path MTU, or the in-memory
+    /// segment when one is set.
+    pub fn seg_bytes(&self) -> u32 {
+        let mtu = self.path_mtu.bytes();
+        if (mtu..=MAX_IN_MEMORY_SEG).contains(&self.in_memory_seg) {
+            self.in_memory_seg
+        } else {
+            mtu
+        }
+    }
 }
 
 impl Default for QpAttr {
@@ -226,6 +253,7 @@ impl Default for QpAttr {
             retry_cnt: 7,
             rnr_retry: 7,
             max_unacked: 128,
+            in_memory_seg: 0,
         }
     }
 }
@@ -472,6 +500,7 @@ impl Qp {
         // Not an IBA attribute; carried along with the AV.
         if mask.contains(AttrMask::AV) {
             a.max_unacked = attr.max_unacked.max(1);
+            a.in_memory_seg = attr.in_memory_seg;
         }
         if mask.contains(AttrMask::RQ_PSN) {
             a.rq_psn = attr.rq_psn;

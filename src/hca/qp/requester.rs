@@ -186,7 +186,7 @@ impl Qp {
         out: &mut Vec<u8>,
         ack_req: bool,
     ) -> bool {
-        let mtu = self.attr.path_mtu.bytes();
+        let mtu = self.attr.seg_bytes();
         let psn = self.req.psn;
         let idx = self.req.next;
         let wqe = &mut self.sq[idx];

@@ -79,7 +79,7 @@ impl Qp {
     /// Run one in-order request packet. Returns how many PSNs it consumed.
     fn execute(&mut self, ctx: &mut Ctx<'_>, pkt: &ParsedPacket<'_>) -> Result<u32, Fault> {
         let info = pkt.hdrs.bth.opcode.info();
-        let mtu = self.attr.path_mtu.bytes() as usize;
+        let mtu = self.attr.seg_bytes() as usize;
         // Opcode sequence (IBA 9.7.5.1.3 / rxe check_op_seq).
         let in_msg = match &self.resp.cur {
             Some(RespMsg::Send { .. }) => Some(OpClass::Send),
@@ -255,7 +255,7 @@ impl Qp {
         };
         self.check_remote(ctx, reth.rkey, reth.va, reth.dma_len, Access::REMOTE_READ)?;
         let psn = pkt.hdrs.bth.psn;
-        let npkts = packets_for(reth.dma_len, self.attr.path_mtu.bytes());
+        let npkts = packets_for(reth.dma_len, self.attr.seg_bytes());
         let max = self.attr.max_dest_rd_atomic.max(1) as usize;
         if dup {
             // Only a part of a READ we executed and still remember (rxe's rule: else a
@@ -403,7 +403,7 @@ impl Qp {
             return false;
         }
         if let Some(read) = self.resp.reads.front_mut() {
-            let mtu = self.attr.path_mtu.bytes();
+            let mtu = self.attr.seg_bytes();
             let k = read.next;
             let pos = pos_of(k, read.npkts);
             let offset = k * mtu;

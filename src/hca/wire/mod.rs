@@ -21,7 +21,7 @@ pub use icrc::{icrc, IcrcContext};
 pub use imm::{Ieth, ImmDt};
 pub use ipv4::Ipv4Udp;
 pub use opcode::{HdrMask, MsgPos, OpClass, Opcode, OpcodeInfo, OPCODE_TABLE};
-pub use packet::{emit_packet, fill_icrc, finish_packet, PacketHeaders, ParsedPacket};
+pub use packet::{emit_packet, fill_icrc, finish_packet, PacketHeaders, ParsedPacket, MAX_PAYLOAD};
 pub use reth::{Reth, RethRepr};
 
 /// The UDP destination port IANA assigned to RoCEv2.

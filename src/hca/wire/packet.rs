@@ -9,8 +9,13 @@ use crate::hca::types::MemKey;
 
 use super::reth::RethRepr;
 
-/// The largest payload a packet may carry (path MTU 4096) plus the largest header stack.
-const MAX_PACKET: usize = 4096 + 80 + ICRC_LEN;
+/// The largest payload a packet may carry: 16 KiB, on the in-memory path between two
+/// contexts of one process (`QpAttr::in_memory_seg`); on a wire the path MTU (at most 4096),
+/// which each QP checks against its own.
+pub const MAX_PAYLOAD: usize = 16 << 10;
+
+/// The largest payload plus the largest header stack.
+const MAX_PACKET: usize = MAX_PAYLOAD + 80 + ICRC_LEN;
 
 /// All headers of one packet as values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
