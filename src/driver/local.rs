@@ -42,8 +42,11 @@ pub(crate) const INBOX_BYTES: usize = 8 << 20;
 /// on a message's first packets while the sender's are still on the wire. Without it a turn
 /// (up to 256 packets, a megabyte of 4 KiB payloads) reached the peer in one piece, so the
 /// two threads took turns instead of overlapping: a 128 KiB write at QD8 ran no faster than
-/// at QD1. One 128 KiB transfer's packets, which also keeps the buffers in cache.
-pub(crate) const DELIVER_EARLY_BYTES: usize = 128 << 10;
+/// at QD1. Half a 128 KiB transfer: with writes in their capsules at any depth, a QD32 turn
+/// of 4 KiB writes is 130 KiB of capsules, which a 128 KiB threshold handed over only at
+/// the turn's end (own loop, 3 rounds: 4 KiB QD32 writes 188-247 K IOPS at 128 KiB,
+/// 322-382 K at 64 KiB, 128 KiB transfers level; fio-plugin/PROFILE.md, stop 32).
+pub(crate) const DELIVER_EARLY_BYTES: usize = 64 << 10;
 
 /// Destinations a sender remembers the way to (see [`LocalLink::route`]).
 const MAX_CACHED_PEERS: usize = 16;
