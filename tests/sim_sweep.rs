@@ -402,7 +402,8 @@ fn a_seed_replays_identically() {
 #[test]
 fn scenarios_cover_the_space() {
     // The generator itself: over the default sweep every op kind, both directions, every
-    // MTU, packets of the MTU and of the in-memory path, zero-length and maximum-length messages all occur, and ranges never overlap.
+    // MTU, packets of the MTU and of the in-memory path, zero-length and maximum-length
+    // messages all occur, and ranges never overlap.
     let mut kinds = std::collections::HashSet::new();
     let mut mtus = std::collections::HashSet::new();
     let mut segs = std::collections::HashSet::new();

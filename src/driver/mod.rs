@@ -285,10 +285,9 @@ impl SoftHca {
 
 /// Most packets one turn of the driver loop builds before it looks at what came in again.
 const TURN_PACKETS: usize = 256;
-/// ... and most bytes: 256 full packets of the largest MTU. Packets on the in-memory path
-/// carry four times that (`QpAttr::in_memory_seg`); without this bound a turn could queue
-/// 4 MiB for a peer whose inbox holds 8 MiB, and two such turns (an 8 MiB READ's responses)
-/// overflowed it.
+/// ... and most bytes: 256 full packets of the largest MTU, what a turn queued for a peer
+/// before packets on the in-memory path grew to four times that (`QpAttr::in_memory_seg`);
+/// without it one turn could put 4 MiB, half its inbox, in a peer's inbox.
 const TURN_BYTES: usize = TURN_PACKETS * 4096;
 
 /// The driver loop: receive a batch, advance timers, transmit everything ready, publish
