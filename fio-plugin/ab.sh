@@ -3,7 +3,8 @@
 # 4 KiB randread QD32 (768 MiB per run) and 128 KiB read QD8 (6 GiB per run). Prints each
 # build's median IOPS with its range, and the B/A ratio's median and range over the pairs.
 # usage: bash fio-plugin/ab.sh A.so B.so [pairs, default 5]
-#   JOBS="rr4k seq128k rw4k sw128k" adds 4 KiB randwrite QD32 and 128 KiB write QD8.
+#   JOBS="rr4k seq128k rw4k sw128k" adds 4 KiB randwrite QD32 and 128 KiB write QD8;
+#   rr4k1 and rw4k1 are 4 KiB randread and randwrite at QD1 (256 MiB per run).
 #   e.g. A from `git worktree add /tmp/a <rev>` + `cargo build --release -p nvmf-rdma-fio`
 #   (with the env of `fio-plugin/setup.sh --env`), B from this checkout.
 set -euo pipefail
@@ -18,7 +19,9 @@ for v in a b; do
       rw4k) rw=randwrite bs=4k qd=32 ios=768m ;;
       seq128k) rw=read bs=128k qd=8 ios=6g ;;
       sw128k) rw=write bs=128k qd=8 ios=6g ;;
-      *) echo "unknown job $j (rr4k rw4k seq128k sw128k)" >&2; exit 2 ;;
+      rr4k1) rw=randread bs=4k qd=1 ios=256m ;;
+      rw4k1) rw=randwrite bs=4k qd=1 ios=256m ;;
+      *) echo "unknown job $j (rr4k rw4k seq128k sw128k rr4k1 rw4k1)" >&2; exit 2 ;;
     esac
     printf '%s\n' '[global]' "ioengine=external:$so" thread=1 builtin_target=256M filename=ns=1 \
       size=256M "io_size=$ios" "bs=$bs" "iodepth=$qd" "[$j]" "rw=$rw" > "$W/$v-$j.fio"

@@ -224,7 +224,7 @@ impl CmService {
 }
 
 async fn pump(sh: Arc<Shared>) {
-    let wake = sh.hca.wake_handle();
+    let wake = sh.hca.event_handle();
     loop {
         let notified = wake.notified();
         tokio::pin!(notified);

@@ -218,6 +218,11 @@ impl LocalLink {
         self.inbox.wake.notified().await
     }
 
+    /// Is something queued here? A flag read: no waiter is registered.
+    pub(crate) fn has_input(&self) -> bool {
+        self.inbox.pending.load(Ordering::Acquire)
+    }
+
     /// Take everything queued; returns the number of packets.
     pub(crate) fn recv(&mut self) -> usize {
         self.rx.clear();

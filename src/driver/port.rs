@@ -55,6 +55,11 @@ pub(crate) trait PacketPort: Send + 'static {
     fn local_addr(&self) -> SocketAddr;
     /// Resolves once a receive may find datagrams (it may still find none).
     fn readable(&self) -> impl Future<Output = io::Result<()>> + Send + '_;
+    /// Would [`PacketPort::readable`] be ready now? For a busy-polling driver between
+    /// yields: readiness flags only, nothing registered, no syscall.
+    fn has_input(&self) -> bool {
+        false
+    }
     /// Take what is queued, without waiting; returns the number of packets.
     fn recv(&mut self) -> io::Result<usize>;
     /// Packet `i` of the last `recv`.
@@ -187,6 +192,22 @@ impl PacketPort for UdpPort {
                 () = local.readable() => Ok(()),
             },
             (None, None) => self.sock.readable().await,
+        }
+    }
+
+    fn has_input(&self) -> bool {
+        // `try_io` with a closure that reads nothing: Ok while tokio holds the socket
+        // readable (set by its I/O driver, which runs between the spinner's yields), and
+        // the readiness stays set for `recv`.
+        match (&self.raw, &self.local) {
+            (Some(raw), _) => raw.ready(),
+            (None, local) => {
+                local.as_ref().is_some_and(LocalLink::has_input)
+                    || self
+                        .sock
+                        .try_io(tokio::io::Interest::READABLE, || Ok(()))
+                        .is_ok()
+            }
         }
     }
 

@@ -168,6 +168,13 @@ impl RawRx {
         // finds the socket empty.
         self.fd.readable().await.map(drop)
     }
+
+    /// Does tokio hold the socket readable now? Registers nothing; the readiness stays set.
+    pub(crate) fn ready(&self) -> bool {
+        self.fd
+            .try_io(tokio::io::Interest::READABLE, |_| Ok(()))
+            .is_ok()
+    }
 }
 
 /// Outgoing packets of one driver turn.
