@@ -85,6 +85,19 @@ async fn one_wc(h: &SoftHca, cq: CqId) -> WorkCompletion {
     v[0]
 }
 
+/// Post one signaled `op` over `sgl` on `e`'s QP and wait for its completion.
+async fn post_one(h: &SoftHca, e: &RcEnd, op: SendOp, sgl: Sgl, wr_id: u64) -> WorkCompletion {
+    let wr = SendWr {
+        wr_id,
+        op,
+        sgl,
+        signaled: true,
+        solicited: false,
+    };
+    h.with(|d, now| d.post_send(now, e.qpn, wr)).unwrap();
+    one_wc(h, e.cq).await
+}
+
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut v = vec![0u8; len];
     SmallRng::seed_from_u64(seed).fill(&mut v[..]);
@@ -114,21 +127,10 @@ async fn all_ops(path: Path, mtu: Mtu) {
             remote_addr: eb.mr.addr,
             rkey: eb.mr.rkey,
         };
-        a.with(|d, now| {
-            d.post_send(
-                now,
-                ea.qpn,
-                SendWr {
-                    wr_id: 2,
-                    op,
-                    sgl,
-                    signaled: true,
-                    solicited: false,
-                },
-            )
-        })
-        .unwrap();
-        assert_eq!(one_wc(&a, ea.cq).await.status, WcStatus::Success);
+        assert_eq!(
+            post_one(&a, &ea, op, sgl, 2).await.status,
+            WcStatus::Success
+        );
         assert!(snapshot(&eb.mem, len) == data, "WRITE {len} B");
         // READ
         let data = pattern(len, 200 + i as u64);
@@ -137,21 +139,7 @@ async fn all_ops(path: Path, mtu: Mtu) {
             remote_addr: eb.mr.addr,
             rkey: eb.mr.rkey,
         };
-        a.with(|d, now| {
-            d.post_send(
-                now,
-                ea.qpn,
-                SendWr {
-                    wr_id: 3,
-                    op,
-                    sgl,
-                    signaled: true,
-                    solicited: false,
-                },
-            )
-        })
-        .unwrap();
-        let w = one_wc(&a, ea.cq).await;
+        let w = post_one(&a, &ea, op, sgl, 3).await;
         assert_eq!((w.status, w.byte_len as usize), (WcStatus::Success, len));
         assert!(snapshot(&ea.mem, len) == data, "READ {len} B");
     }
@@ -220,33 +208,22 @@ async fn the_loopback_path_carries_16_kib_per_packet() {
         let data = pattern(LEN, 7);
         ea.mem.write(0, &data);
         let before = rx(&b);
-        let wr = SendWr {
-            wr_id: 1,
-            op: SendOp::Write {
-                remote_addr: eb.mr.addr,
-                rkey: eb.mr.rkey,
-            },
-            sgl,
-            signaled: true,
-            solicited: false,
-        };
-        a.with(|d, now| d.post_send(now, ea.qpn, wr)).unwrap();
-        assert_eq!(one_wc(&a, ea.cq).await.status, WcStatus::Success);
+        let (remote_addr, rkey) = (eb.mr.addr, eb.mr.rkey);
+        let op = SendOp::Write { remote_addr, rkey };
+        assert_eq!(
+            post_one(&a, &ea, op, sgl, 1).await.status,
+            WcStatus::Success
+        );
         assert!(snapshot(&eb.mem, LEN) == data, "{path:?}: WRITE");
         check("WRITE", mean(before, rx(&b)));
         let data = pattern(LEN, 8);
         eb.mem.write(0, &data);
         let before = rx(&a);
-        let wr = SendWr {
-            wr_id: 2,
-            op: SendOp::Read {
-                remote_addr: eb.mr.addr,
-                rkey: eb.mr.rkey,
-            },
-            ..wr
-        };
-        a.with(|d, now| d.post_send(now, ea.qpn, wr)).unwrap();
-        assert_eq!(one_wc(&a, ea.cq).await.status, WcStatus::Success);
+        let op = SendOp::Read { remote_addr, rkey };
+        assert_eq!(
+            post_one(&a, &ea, op, sgl, 2).await.status,
+            WcStatus::Success
+        );
         assert!(snapshot(&ea.mem, LEN) == data, "{path:?}: READ");
         check("READ", mean(before, rx(&a)));
     }

@@ -362,10 +362,12 @@ impl SoftHca {
 
 /// Most packets one turn of the driver loop builds before it looks at what came in again.
 const TURN_PACKETS: usize = 256;
-/// ... and most bytes: 256 full packets of the largest MTU, what a turn queued for a peer
-/// before packets on the in-memory path grew to four times that (`QpAttr::in_memory_seg`);
-/// without it one turn could put 4 MiB, half its inbox, in a peer's inbox.
-const TURN_BYTES: usize = TURN_PACKETS * 4096;
+/// ... and most bytes: 256 full packets of the largest MTU with their headers, what a turn
+/// queued for a peer before packets on the in-memory path grew to four times that
+/// (`QpAttr::in_memory_seg`); without it one turn could put 4 MiB, half its inbox, in a
+/// peer's inbox. The headers are counted so that over UDP a turn still ends at 256 full
+/// packets, not a few short of it.
+const TURN_BYTES: usize = TURN_PACKETS * (4096 + 128);
 
 /// The driver loop: receive a batch, advance timers, transmit everything ready, publish
 /// metrics, wake waiters; sleep until the next datagram, deadline or kick.

@@ -645,6 +645,10 @@ impl<D: DeviceContext> Target<D> {
                             e.on_completion(d, wc);
                         }
                     });
+                    // The driver first: it was poked with what this turn posted, and on a
+                    // runtime of one thread it runs only once this task is pending; the
+                    // loop's next look at the CQ and its waiters can come after.
+                    tokio::task::yield_now().await;
                 }
             }
         }

@@ -1813,6 +1813,8 @@ async fn run<D: DeviceContext>(ctl: QueueCtl<D>, mut rx: mpsc::Receiver<Request>
     // (`QueueHandle::submit_slice`): it goes first once a slot is free.
     let mut stash: Option<Request> = None;
     loop {
+        // Completions were handed to their callers this iteration.
+        let mut reaped = false;
         let (cq, accepting, next_timeout, closed) = {
             let mut c = ctl.lock();
             if c.accepting() {
@@ -1895,16 +1897,25 @@ async fn run<D: DeviceContext>(ctl: QueueCtl<D>, mut rx: mpsc::Receiver<Request>
                         for wc in &wcs {
                             c.on_wc(wc);
                         }
+                        reaped = true;
                     }
                 }
             }
         }
-        let mut c = ctl.lock();
-        c.flush_posts();
-        if c.take_control_fresh() {
-            // Every enabled waiter: the controller's keep-alive watch and a bring-up
-            // command can both be registered; a single permit could go to the wrong one.
-            ctl.control_done.notify_waiters();
+        {
+            let mut c = ctl.lock();
+            c.flush_posts();
+            if c.take_control_fresh() {
+                // Every enabled waiter: the controller's keep-alive watch and a bring-up
+                // command can both be registered; a single permit could go to the wrong one.
+                ctl.control_done.notify_waiters();
+            }
+        }
+        if reaped {
+            // The callers first: on a runtime of one thread they run only once this task
+            // is pending, and what the loop does next (its timer, its waiters made again,
+            // a look at the CQ) would stand between a completion and its caller.
+            tokio::task::yield_now().await;
         }
     }
 }
