@@ -91,8 +91,8 @@ struct Shared {
 /// CM and event waiters when async events or MADs arrive, everyone when the device dies.
 ///
 /// One `Notify` for all of it woke every CQ's consumer, the CM's MAD pump and event waiters
-/// for each completion: at QD1 four tasks polled (each locking the device, the pump also
-/// re-arming its timer) where one had work, 2 µs of the host's side of the round trip.
+/// for each completion: at QD1 several tasks polled (each locking the device, the pump also
+/// re-arming its timer) where one had work, 1.7 µs of the host's side of the round trip.
 struct Wakes {
     /// Per CQ, created by its first waiter. An entry nobody holds is dropped once the list
     /// grows past [`Wakes::KEEP`] (CQs of torn-down connections): a waiter keeps its own
@@ -148,9 +148,9 @@ impl Wakes {
 }
 
 impl Shared {
-    /// Tell the driver it has work: the flag for a busy-polling driver, which has no waiter
-    /// registered between its yields, and the `Notify` for a sleeping one (with nobody
-    /// waiting that only stores a permit, no wakeup).
+    /// Tell the driver it has work: the flag, which a busy-polling driver reads after each
+    /// yield, and the `Notify`, which wakes a sleeping driver or schedules a spinning one
+    /// at once (with nobody waiting it only stores a permit, no wakeup).
     fn poke(&self) {
         self.kicked.store(true, Ordering::Release);
         self.kick.notify_one();
@@ -381,7 +381,7 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         .name
         .clone();
     let mut metrics = metrics_pub::publisher(&name);
-    // While busy polling, the counters are published at most every `PUBLISH_EVERY` (and
+    // While busy polling, the counters are published at most every `PUBLISH_EVERY_NS` (and
     // once more before the driver sleeps); a sleeping driver publishes every turn.
     let mut publish_at = 0u64;
     let mut unpublished = false;
@@ -514,12 +514,12 @@ const PUBLISH_EVERY_NS: u64 = 1_000_000;
 /// post or lifecycle change poked the driver, the port has input, the device's next
 /// deadline or the end of the window came), until one says there is a turn to run.
 ///
-/// Between yields nothing is registered: no `Notify` waiter, no waker, no timer. A spin
-/// iteration that went through the `select!` of a sleeping driver (three waiters made and
-/// dropped, the timer polled) cost 1.4-2 µs here, and a QD1 round trip waits on four of
-/// them (fio-plugin/PROFILE.md, "A cheaper spin"); with nobody waiting, a poke or a
-/// loopback delivery also only stores a permit instead of waking a task, which for a
-/// peer's driver on another thread was a write to its runtime's eventfd.
+/// Between yields nothing is made again: the kick waiter is registered once per spell, and
+/// the inbox, the socket and the clock are only read. A spin iteration that went through
+/// the `select!` of a sleeping driver (three waiters made and dropped, the timer polled)
+/// cost 1.4-2 µs here (fio-plugin/PROFILE.md, "The QD1 round trip, traced"); and with no
+/// waiter on the inbox, a loopback delivery to a spinning peer only stores a permit instead
+/// of waking it, which for a driver on another thread was a write to its runtime's eventfd.
 async fn spin<P: PacketPort>(
     shared: &Shared,
     port: &mut P,
