@@ -143,8 +143,9 @@ pub struct TargetStats {
     pub cntlid_exhausted: u64,
     /// Commands whose namespace work ran on a worker thread, off the engine.
     pub offloaded: u64,
-    /// Payload copies the target made for I/O commands (in-capsule data into staging,
-    /// staging to and from the namespace or a worker's buffer) and their bytes; what the
+    /// Payload copies the target made for I/O commands (in-capsule data into a RAM
+    /// namespace or into staging, staging to and from the namespace or a worker's buffer)
+    /// and their bytes; what the
     /// kernel copies for a file namespace is not counted, nor RDMA straight from or into a
     /// RAM namespace (no copy).
     pub io_copies: u64,
@@ -195,6 +196,10 @@ struct Cmd {
     src: Option<(u64, MemKey)>,
     /// Its data was fetched straight into a RAM namespace (a write without a copy).
     landed: bool,
+    /// An in-capsule write's data, still in its receive buffer (offset, bytes there): set by
+    /// `on_capsule` while it runs the command, which posts the buffer again only after. The
+    /// write copies it into the namespace from there, or into staging for a worker.
+    inline: Option<(usize, usize)>,
 }
 
 /// A queue is born small: until Fabrics Connect succeeds it has one command slot, one
@@ -1063,16 +1068,26 @@ impl<D: DeviceContext> Engine<D> {
             q.held.push_back((r, len));
             return;
         };
-        // The command is parsed from its 64 bytes here and kept parsed; in-capsule data goes
-        // straight from the receive buffer to the slot's staging, where fetched data lands
-        // too (one copy, and the buffer can be posted again at once). Staging holds at most
-        // `staging_len`; a capsule that claims more is refused at its SGL.
+        // The command is parsed from its 64 bytes here and kept parsed. An I/O queue's
+        // in-capsule write is run with its data where it arrived: `exec_io` copies it from
+        // the receive buffer into the namespace (one copy), and the buffer is posted again
+        // after that. Other in-capsule data goes from the receive buffer to the slot's
+        // staging, where fetched data lands too, and the buffer is posted again at once.
+        // Staging holds at most `staging_len`; a capsule that claims more is refused at its
+        // SGL.
         let sqe = len.min(SQE_LEN);
         let mut head = [0u8; SQE_LEN];
         q.recv.0.read(at, &mut head[..sqe]);
         q.cmds[c].capsule_len = len;
+        let parsed = Sqe::parse(&head[..sqe]);
         let data = (len - sqe).min(q.staging_len);
-        if data > 0 {
+        let in_place = data > 0
+            && q.grown
+            && q.qid > 0
+            && !self.stall_io
+            && parsed.as_ref().is_ok_and(|s| s.opcode == opcode::io::WRITE);
+        q.cmds[c].inline = in_place.then_some((at + sqe, data));
+        if data > 0 && !in_place {
             let recv = &q.recv.0;
             q.data
                 .0
@@ -1082,13 +1097,12 @@ impl<D: DeviceContext> Engine<D> {
                 self.stats.io_copied_bytes += data as u64;
             }
         }
-        if q.grown {
-            repost(d, qpn, q, r);
-        } else {
+        if !q.grown {
             q.boot_held = true;
+        } else if !in_place {
+            repost(d, qpn, q, r);
         }
         self.stats.commands += 1;
-        let parsed = Sqe::parse(&head[..sqe]);
         match parsed {
             Ok(sqe) => {
                 q.cmds[c].sqe = sqe;
@@ -1097,6 +1111,15 @@ impl<D: DeviceContext> Engine<D> {
                     return;
                 }
                 self.start(d, qpn, c);
+                if in_place {
+                    // The command has run (or failed) and its data was taken where needed;
+                    // the buffer's requests go to the device with the response, at the end
+                    // of the turn (`Io::flush`).
+                    if let Some(q) = self.queues.get_mut(&qpn) {
+                        q.cmds[c].inline = None;
+                        repost(d, qpn, q, r);
+                    }
+                }
                 if let Some((after, freeze, _)) = &self.trap {
                     if self.stats.commands >= *after {
                         self.frozen |= *freeze;
@@ -2030,14 +2053,32 @@ impl<D: DeviceContext> Engine<D> {
                 if len > staging {
                     return Err(Status::INVALID_FIELD.with_dnr());
                 }
+                let q = &self.queues[&qpn];
+                let inline = q.cmds[c].inline;
+                if inline.is_some_and(|(_, n)| len > n) {
+                    // `start` checked the capsule against the SGL, and the SGL against the
+                    // namespace range: this does not happen.
+                    return Err(Status::SGL_DATA_LENGTH_INVALID.with_dnr());
+                }
                 if offload {
+                    // A worker reads it from staging, after this buffer is posted again.
+                    if let Some((from, _)) = inline {
+                        let recv = &q.recv.0;
+                        q.data
+                            .0
+                            .with_range(c * staging, len, |g| recv.read(from, g));
+                        self.stats.io_copies += 1;
+                        self.stats.io_copied_bytes += len as u64;
+                    }
                     return Ok(Done::Offload(ns, Op::Write { off, len }));
                 }
-                let q = &self.queues[&qpn];
                 if !q.cmds[c].landed {
-                    q.data
-                        .0
-                        .with_range(c * staging, len, |g| ns.write(off, g))?;
+                    // In-capsule data from its receive buffer, anything else from staging.
+                    let (mem, at) = match inline {
+                        Some((from, _)) => (&q.recv.0, from),
+                        None => (&q.data.0, c * staging),
+                    };
+                    mem.with_range(at, len, |g| ns.write(off, g))?;
                     self.stats.io_copies += 1;
                     self.stats.io_copied_bytes += len as u64;
                 }
@@ -2195,6 +2236,7 @@ fn alloc_rings<D: DeviceContext>(
             capsule_len: 0,
             src: None,
             landed: false,
+            inline: None,
         });
     }
     // Staging is the big one (slots x max_transfer): its pages come in as commands use
