@@ -145,9 +145,8 @@ pub struct TargetStats {
     pub offloaded: u64,
     /// Payload copies the target made for I/O commands (in-capsule data into a RAM
     /// namespace or into staging, staging to and from the namespace or a worker's buffer)
-    /// and their bytes; what the
-    /// kernel copies for a file namespace is not counted, nor RDMA straight from or into a
-    /// RAM namespace (no copy).
+    /// and their bytes; what the kernel copies for a file namespace is not counted, nor
+    /// RDMA straight from or into a RAM namespace (no copy).
     pub io_copies: u64,
     pub io_copied_bytes: u64,
 }
