@@ -46,20 +46,8 @@ async fn write_and_check(a: &SoftHca, ea: &RcEnd, eb: &RcEnd, byte: u8) {
         rkey: eb.mr.rkey,
     };
     let sgl = Sgl::one(ea.mr.addr, 65536, ea.mr.lkey);
-    a.with(|d, now| {
-        d.post_send(
-            now,
-            ea.qpn,
-            SendWr {
-                wr_id: 1,
-                op,
-                sgl,
-                signaled: true,
-                solicited: false,
-            },
-        )
-    })
-    .unwrap();
+    a.with(|d, now| d.post_send(now, ea.qpn, SendWr::signaled(1, op, sgl)))
+        .unwrap();
     let mut v = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), a.wait_cq(ea.cq, 1, &mut v))
         .await

@@ -87,13 +87,7 @@ async fn one_wc(h: &SoftHca, cq: CqId) -> WorkCompletion {
 
 /// Post one signaled `op` over `sgl` on `e`'s QP and wait for its completion.
 async fn post_one(h: &SoftHca, e: &RcEnd, op: SendOp, sgl: Sgl, wr_id: u64) -> WorkCompletion {
-    let wr = SendWr {
-        wr_id,
-        op,
-        sgl,
-        signaled: true,
-        solicited: false,
-    };
+    let wr = SendWr::signaled(wr_id, op, sgl);
     h.with(|d, now| d.post_send(now, e.qpn, wr)).unwrap();
     one_wc(h, e.cq).await
 }
@@ -258,13 +252,11 @@ async fn send_one(
         d.post_send(
             now,
             ea.qpn,
-            SendWr {
-                wr_id: 8,
-                op: SendOp::Send,
-                sgl: Sgl::one(ea.mr.addr, len as u32, ea.mr.lkey),
-                signaled: true,
-                solicited: false,
-            },
+            SendWr::signaled(
+                8,
+                SendOp::Send,
+                Sgl::one(ea.mr.addr, len as u32, ea.mr.lkey),
+            ),
         )
     })
     .unwrap();
@@ -343,17 +335,7 @@ async fn fatal_flushes_and_frees_the_port() {
     assert_eq!(wcs.len(), 8);
     assert!(wcs.iter().all(|w| w.status == WcStatus::WrFlushErr));
     assert!(matches!(
-        a.with(|d, now| d.post_send(
-            now,
-            ea.qpn,
-            SendWr {
-                wr_id: 1,
-                op: SendOp::Send,
-                sgl: Sgl::empty(),
-                signaled: true,
-                solicited: false
-            }
-        )),
+        a.with(|d, now| d.post_send(now, ea.qpn, SendWr::signaled(1, SendOp::Send, Sgl::empty()))),
         Err(VerbsError::DeviceGone)
     ));
     // The driver lets go of the socket; the same address can be bound again. Wait for the

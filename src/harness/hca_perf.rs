@@ -213,13 +213,7 @@ async fn drive_load(
             },
             Op::Send => SendOp::Send,
         };
-        SendWr {
-            wr_id: i as u64,
-            op,
-            sgl,
-            signaled: true,
-            solicited: false,
-        }
+        SendWr::signaled(i as u64, op, sgl)
     };
     let post_recv = |i: usize| {
         let r = RecvWr {
@@ -432,17 +426,7 @@ async fn transfer_all(
             )
         };
         let sgl = Sgl::one(local, chunk as u32, ea.mr.lkey);
-        d.post_send(
-            now,
-            ea.qpn,
-            SendWr {
-                wr_id: i as u64,
-                op,
-                sgl,
-                signaled: true,
-                solicited: false,
-            },
-        )
+        d.post_send(now, ea.qpn, SendWr::signaled(i as u64, op, sgl))
     };
     while done < n {
         a.with(|d, now| -> anyhow::Result<()> {

@@ -128,13 +128,7 @@ pub fn conformance<P: VerbsPair>(p: &mut P) -> Result<(), String> {
     }
     let sgl =
         |e: &EndInfo, off: usize, len: usize| Sgl::one(e.addr + off as u64, len as u32, e.lkey);
-    let wr = |wr_id, op, sgl| SendWr {
-        wr_id,
-        op,
-        sgl,
-        signaled: true,
-        solicited: false,
-    };
+    let wr = |wr_id, op, sgl| SendWr::signaled(wr_id, op, sgl);
 
     // SEND -> RECV
     let msg = pattern(1000, 1);

@@ -1216,16 +1216,14 @@ impl<D: DeviceContext> Engine<D> {
                     return;
                 };
                 q.cmds[c].landed = landed;
-                let wr = SendWr {
-                    wr_id: wr_id(WR_RDMA_READ, c),
-                    op: SendOp::Read {
+                let wr = SendWr::signaled(
+                    wr_id(WR_RDMA_READ, c),
+                    SendOp::Read {
                         remote_addr: addr,
                         rkey: MemKey(key),
                     },
-                    sgl: local,
-                    signaled: true,
-                    solicited: false,
-                };
+                    local,
+                );
                 q.cmds[c].stage = Stage::Fetching;
                 if d.post_send(qpn, wr).is_err() {
                     q.cmds[c].stage = Stage::Free;
@@ -1384,16 +1382,14 @@ impl<D: DeviceContext> Engine<D> {
                 Ok(SglDescriptor::Keyed { addr, key, .. }) => {
                     let n = data_out as u32;
                     let (at, lkey) = src.unwrap_or_else(|| q.staging_at(c));
-                    let wr = SendWr {
-                        wr_id: wr_id(WR_RDMA_WRITE, c),
-                        op: SendOp::Write {
+                    let wr = SendWr::unsignaled(
+                        wr_id(WR_RDMA_WRITE, c),
+                        SendOp::Write {
                             remote_addr: addr,
                             rkey: MemKey(key),
                         },
-                        sgl: Sgl::one(at, n, lkey),
-                        signaled: false,
-                        solicited: false,
-                    };
+                        Sgl::one(at, n, lkey),
+                    );
                     if d.post_send(qpn, wr).is_err() {
                         status = Status::DATA_TRANSFER_ERROR;
                     } else {
@@ -2171,17 +2167,15 @@ fn send_response<D: DeviceContext>(d: &mut Io<D>, qpn: Qpn, q: &mut TQueue<D::Me
         }) if d.dev.send_with_invalidate() => SendOp::SendWithInv(MemKey(key)),
         _ => SendOp::Send,
     };
-    let wr = SendWr {
-        wr_id: wr_id(WR_SEND, c),
+    let wr = SendWr::signaled(
+        wr_id(WR_SEND, c),
         op,
-        sgl: Sgl::one(
+        Sgl::one(
             q.rsp.1.addr + (c * CQE_LEN) as u64,
             CQE_LEN as u32,
             q.rsp.1.lkey,
         ),
-        signaled: true,
-        solicited: false,
-    };
+    );
     if d.post_send(qpn, wr).is_err() {
         q.cmds[c].stage = Stage::Free;
         q.free.push(c);

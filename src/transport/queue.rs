@@ -872,13 +872,11 @@ impl<D: DeviceContext> QueueCore<D> {
         s.send_done = false;
         s.cqe = None;
         s.posted_at = now;
-        self.sends.push(SendWr {
-            wr_id: (WR_SEND << 32) | i as u64,
-            op: SendOp::Send,
-            sgl: Sgl::new(&sges[..nsge]).unwrap_or_default(),
-            signaled: true,
-            solicited: false,
-        });
+        self.sends.push(SendWr::signaled(
+            (WR_SEND << 32) | i as u64,
+            SendOp::Send,
+            Sgl::new(&sges[..nsge]).unwrap_or_default(),
+        ));
     }
 
     /// Post the turn's sends and receive re-posts under one lock, with one driver kick. A

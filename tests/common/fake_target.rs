@@ -368,13 +368,7 @@ impl FakeQueue {
     async fn post(&mut self, hca: &SoftHca, op: SendOp, sgl: Sgl) -> Result<(), ()> {
         self.next_wr += 1;
         let wr_id = self.next_wr;
-        let wr = SendWr {
-            wr_id,
-            op,
-            sgl,
-            signaled: true,
-            solicited: false,
-        };
+        let wr = SendWr::signaled(wr_id, op, sgl);
         let qpn = self.qpn;
         hca.with(|d, now| d.post_send(now, qpn, wr))
             .map_err(|_| ())?;

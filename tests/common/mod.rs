@@ -67,13 +67,11 @@ pub fn wait_wcs(
 }
 
 pub fn send_wr(wr_id: u64, op: SendOp, end: &RcEnd, offset: usize, len: usize) -> SendWr {
-    SendWr {
+    SendWr::signaled(
         wr_id,
         op,
-        sgl: Sgl::one(end.mr.addr + offset as u64, len as u32, end.mr.lkey),
-        signaled: true,
-        solicited: false,
-    }
+        Sgl::one(end.mr.addr + offset as u64, len as u32, end.mr.lkey),
+    )
 }
 
 pub fn recv_wr(wr_id: u64, end: &RcEnd, offset: usize, len: usize) -> RecvWr {

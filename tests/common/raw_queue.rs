@@ -139,17 +139,15 @@ impl Raw {
         self.next_tx += 1;
         self.next_wr += 1;
         self.tx.0.write(at, bytes);
-        let wr = SendWr {
-            wr_id: self.next_wr,
-            op: SendOp::Send,
-            sgl: Sgl::one(
+        let wr = SendWr::signaled(
+            self.next_wr,
+            SendOp::Send,
+            Sgl::one(
                 self.tx.1.addr + at as u64,
                 bytes.len() as u32,
                 self.tx.1.lkey,
             ),
-            signaled: true,
-            solicited: false,
-        };
+        );
         let qpn = self.qpn;
         self.hca
             .with(|d, now| d.post_send(now, qpn, wr))

@@ -122,6 +122,27 @@ pub struct SendWr {
     pub solicited: bool,
 }
 
+impl SendWr {
+    /// A request that completes on success too, not solicited: what most posters want.
+    pub fn signaled(wr_id: u64, op: SendOp, sgl: Sgl) -> SendWr {
+        SendWr {
+            wr_id,
+            op,
+            sgl,
+            signaled: true,
+            solicited: false,
+        }
+    }
+
+    /// The same without a completion on success (errors still complete).
+    pub fn unsignaled(wr_id: u64, op: SendOp, sgl: Sgl) -> SendWr {
+        SendWr {
+            signaled: false,
+            ..SendWr::signaled(wr_id, op, sgl)
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecvWr {
     pub wr_id: u64,
