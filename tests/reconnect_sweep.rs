@@ -10,7 +10,7 @@
 //! so the fault schedule (chosen from the seed and keyed on I/O counts) replays the same
 //! way; socket timing still varies a little between runs. The same
 //! sweep on the simulated backend, in virtual time and replayable exactly, is
-//! `tests/sim_recovery.rs`.
+//! `tests/suite/sim_recovery.rs`.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;

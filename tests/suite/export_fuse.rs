@@ -3,15 +3,13 @@
 //! see `export_common`) → umount, drop caches, remount → read back by checksum → `fsck -n`.
 //! Needs root, /dev/fuse and loop devices; prints SKIPPED and passes without them (CI is root).
 
-mod export_common;
-
 use std::io::Write;
 use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use export_common::*;
+use crate::export_common::*;
 use nvmf_rdma::export::{mount_fuse, NbdListener};
 
 const NS_BYTES: u64 = 256 << 20;
@@ -188,7 +186,7 @@ fn nbdfuse_loop_ext4() {
 }
 
 /// Sequential MB/s through FUSE + loop (the README line). 1 GiB each way with dd, O_DIRECT.
-/// `cargo test --release --test export_fuse -- --ignored --nocapture fuse_loop_seq_bench`
+/// `cargo test --release --test suite -- --ignored --nocapture fuse_loop_seq_bench`
 #[test]
 #[ignore = "benchmark"]
 fn fuse_loop_seq_bench() {

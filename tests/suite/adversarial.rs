@@ -33,10 +33,7 @@ use nvmf_rdma::verbs::INCOMING_BACKLOG;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-#[path = "common/counters.rs"]
-mod counters;
-#[path = "common/raw_queue.rs"]
-mod raw_queue;
+use crate::{counters, raw_queue};
 use counters::Counters;
 use raw_queue::Raw;
 
@@ -543,13 +540,7 @@ async fn a_capsule_from_another_udp_port_of_the_peers_ip_is_dropped_and_counted(
 
     // Then the real peer sends with the same PSN: B must take the real one.
     amem.write(0, b"the real capsule");
-    let wr = SendWr {
-        wr_id: 1,
-        op: SendOp::Send,
-        sgl: Sgl::one(amr.addr, 16, amr.lkey),
-        signaled: false,
-        solicited: false,
-    };
+    let wr = SendWr::unsignaled(1, SendOp::Send, Sgl::one(amr.addr, 16, amr.lkey));
     a.with(|d, now| d.post_send(now, aqpn, wr)).unwrap();
     let mut wcs = Vec::new();
     within(5, "B's receive", b.wait_cq(bcq, 1, &mut wcs)).await;

@@ -3,16 +3,14 @@
 //! for interop (`qemu-img`, `nbdcopy`, `nbdinfo`, `nbdsh`; skipped with a printed reason when
 //! not installed), and proptests that the sans-I/O parser never panics.
 
-mod export_common;
-
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command as Cmd;
 
+use crate::export_common::*;
 use bytes::{Buf, BufMut, BytesMut};
-use export_common::*;
 use nvmf_rdma::export::nbd::{self, *};
 use nvmf_rdma::export::{ExportAddr, NbdLimits, NbdListener, NbdStats};
 use proptest::prelude::*;

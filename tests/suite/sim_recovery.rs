@@ -275,7 +275,7 @@ fn recovery_seed_sweep() {
                 lossy += u64::from(s.lossy);
             }
             Err(e) => panic!(
-                "seed {seed} failed: {e}\nreplay: SIM_SEED={seed} cargo test --release --test sim_recovery recovery_seed_sweep -- --nocapture"
+                "seed {seed} failed: {e}\nreplay: SIM_SEED={seed} cargo test --release --test suite sim_recovery::recovery_seed_sweep -- --nocapture"
             ),
         }
     }
@@ -308,7 +308,11 @@ fn a_replay_in_another_process_prints_the_same_summary() {
     let seed = 21u64;
     let here = replay(seed).unwrap();
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["recovery_seed_sweep", "--exact", "--nocapture"])
+        .args([
+            "sim_recovery::recovery_seed_sweep",
+            "--exact",
+            "--nocapture",
+        ])
         .env("SIM_SEED", seed.to_string())
         .env_remove("SIM_SWEEP_SEEDS")
         .output()

@@ -20,19 +20,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::{fake_target, raw_queue};
+use fake_target::{FakeConfig, FakeTarget, Lie, Script};
 use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::nvme::admin::{self, opcode};
 use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use nvmf_rdma::nvme::{Cc, Cqe, FabricsCmd, Nqn, SglDescriptor, Sqe, Status};
-use nvmf_rdma::reconnect::CtrlState;
-#[path = "common/fake_target.rs"]
-mod fake_target;
-#[path = "common/raw_queue.rs"]
-mod raw_queue;
-use fake_target::{FakeConfig, FakeTarget, Lie, Script};
 use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::reconnect::CtrlState;
 use nvmf_rdma::transport::{ConnectOptions, Controller, HostError, QueueStats};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
