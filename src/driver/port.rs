@@ -184,6 +184,8 @@ impl PacketPort for UdpPort {
         self.addr
     }
 
+    /// Waits on the sources [`PacketPort::has_input`] probes (below): the two matches must
+    /// name the same ones, or a spinner would miss what a sleeper wakes for.
     async fn readable(&self) -> io::Result<()> {
         match (&self.raw, &self.local) {
             (Some(raw), _) => raw.readable().await,
@@ -196,9 +198,9 @@ impl PacketPort for UdpPort {
     }
 
     fn has_input(&self) -> bool {
-        // `try_io` with a closure that reads nothing: Ok while tokio holds the socket
-        // readable (set by its I/O driver, which runs between the spinner's yields), and
-        // the readiness stays set for `recv`.
+        // The sources `readable` waits on, no other. `try_io` with a closure that reads
+        // nothing: Ok while tokio holds the socket readable (set by its I/O driver, which
+        // runs between the spinner's yields), and the readiness stays set for `recv`.
         match (&self.raw, &self.local) {
             (Some(raw), _) => raw.ready(),
             (None, local) => {
