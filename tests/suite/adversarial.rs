@@ -12,18 +12,15 @@
 //!
 //! Every await that depends on a peer sits under a timeout.
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use nvmf_rdma::cm::{ConnectParams, NvmeCmRequest};
 use nvmf_rdma::driver::CmService;
 use nvmf_rdma::driver::SoftHca;
-use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use nvmf_rdma::hca::device::DeviceConfig;
 use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
-use nvmf_rdma::hca::{
-    Access, CqId, HostMem, MrInfo, PciAddr, Qpn, RecvWr, SendOp, SendWr, Sgl, WcStatus,
-};
+use nvmf_rdma::hca::{Access, CqId, HostMem, MrInfo, Qpn, RecvWr, SendOp, SendWr, Sgl, WcStatus};
 use nvmf_rdma::nvme::admin::{self, feature};
 use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use nvmf_rdma::nvme::{Cc, FabricsCmd, Nqn, Status};
@@ -33,6 +30,7 @@ use nvmf_rdma::verbs::INCOMING_BACKLOG;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use crate::rig::within;
 use crate::{counters, raw_queue};
 use counters::Counters;
 use raw_queue::Raw;
@@ -47,20 +45,7 @@ fn cfg(name: &str, i: u8) -> DeviceConfig {
 }
 
 fn cfg_on(name: &str, i: u8, ip: [u8; 4]) -> DeviceConfig {
-    DeviceConfig {
-        identity: DeviceIdentity::from_mac(name, [2, 0, 0, 9, 0, i], PciAddr::new(0, 9, i, 0)),
-        addr: SocketAddr::from((ip, 0)),
-        icrc: IcrcCheck::Verify,
-        peer_port: None,
-        seed: 900 + i as u64,
-    }
-}
-
-async fn within<T>(secs: u64, what: &str, f: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(Duration::from_secs(secs), f).await {
-        Ok(v) => v,
-        Err(_) => panic!("{what}: no result within {secs} s"),
-    }
+    crate::rig::device_on(9, name, i, ip)
 }
 
 fn subsystem(nqn: &str) -> Subsystem {

@@ -15,6 +15,7 @@ mod export_common;
 mod fake_target;
 #[path = "../common/raw_queue.rs"]
 mod raw_queue;
+mod rig;
 
 mod adversarial;
 mod export_fuse;

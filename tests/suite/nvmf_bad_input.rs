@@ -14,17 +14,16 @@
 //!
 //! Every await that depends on a peer sits under a timeout.
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::rig::within;
 use crate::{fake_target, raw_queue};
 use fake_target::{FakeConfig, FakeTarget, Lie, Script};
 use nvmf_rdma::driver::{CmService, SoftHca};
-use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
-use nvmf_rdma::hca::PciAddr;
+use nvmf_rdma::hca::device::DeviceConfig;
 use nvmf_rdma::nvme::admin::{self, opcode};
 use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use nvmf_rdma::nvme::{Cc, Cqe, FabricsCmd, Nqn, SglDescriptor, Sqe, Status};
@@ -44,20 +43,7 @@ const BS: usize = 512;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(8);
 
 fn cfg(name: &str, i: u8) -> DeviceConfig {
-    DeviceConfig {
-        identity: DeviceIdentity::from_mac(name, [2, 0, 0, 8, 0, i], PciAddr::new(0, 8, i, 0)),
-        addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-        icrc: IcrcCheck::Verify,
-        peer_port: None,
-        seed: 800 + i as u64,
-    }
-}
-
-async fn within<T>(secs: u64, what: &str, f: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(Duration::from_secs(secs), f).await {
-        Ok(v) => v,
-        Err(_) => panic!("{what}: no result within {secs} s"),
-    }
+    crate::rig::device(8, name, i)
 }
 
 async fn device(name: &str, i: u8) -> (SoftHca, CmService) {

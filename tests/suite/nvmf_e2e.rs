@@ -1,13 +1,11 @@
 //! NVMe-oF over the soft-HCA, end to end on loopback UDP: CM handshake, Fabrics Connect,
 //! enable, Identify, I/O queues, and data written then read back.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use nvmf_rdma::driver::{CmService, SoftHca};
-use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
-use nvmf_rdma::hca::PciAddr;
+use nvmf_rdma::hca::device::DeviceConfig;
 use nvmf_rdma::nvme::Nqn;
 use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{ConnectOptions, Controller, HostError};
@@ -17,13 +15,7 @@ use rand::{Rng, SeedableRng};
 const NQN: &str = "nqn.2026-11.io.nvmf-rdma:test";
 
 fn cfg(name: &str, i: u8) -> DeviceConfig {
-    DeviceConfig {
-        identity: DeviceIdentity::from_mac(name, [2, 0, 0, 1, 0, i], PciAddr::new(0, 2, i, 0)),
-        addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-        icrc: IcrcCheck::Verify,
-        peer_port: None,
-        seed: 40 + i as u64,
-    }
+    crate::rig::device(1, name, i)
 }
 
 async fn target(bytes: u64) -> (Target<SoftHca>, SoftHca) {

@@ -5,15 +5,13 @@
 //!
 //! Every await that talks to a peer sits under a timeout, so a hang fails with a message.
 
-use std::future::Future;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::rig::within;
 use nvmf_rdma::driver::{CmService, SoftHca};
-use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
-use nvmf_rdma::hca::PciAddr;
+use nvmf_rdma::hca::device::DeviceConfig;
 use nvmf_rdma::nvme::{admin, fabrics, Nqn, Status};
 use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{discover, ConnectOptions, Controller, HostError};
@@ -31,21 +29,7 @@ const BS: usize = 512;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(8);
 
 fn cfg(name: &str, i: u8) -> DeviceConfig {
-    DeviceConfig {
-        identity: DeviceIdentity::from_mac(name, [2, 0, 0, 7, 0, i], PciAddr::new(0, 7, i, 0)),
-        addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-        icrc: IcrcCheck::Verify,
-        peer_port: None,
-        seed: 700 + i as u64,
-    }
-}
-
-/// Fail with `what` instead of hanging.
-async fn within<T>(secs: u64, what: &str, f: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(Duration::from_secs(secs), f).await {
-        Ok(v) => v,
-        Err(_) => panic!("{what}: no result within {secs} s"),
-    }
+    crate::rig::device(7, name, i)
 }
 
 fn subsystem(nqn: &str, ns: Namespace) -> Subsystem {

@@ -1,0 +1,38 @@
+//! What the suite's files share: a soft-HCA's configuration, and a bounded wait.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use nvmf_rdma::hca::PciAddr;
+
+/// Device `i` of the file numbered `file`, on `ip` with a port the OS picks. The file's
+/// number keeps its devices' MACs, PCI addresses and seeds apart from the other files'.
+pub fn device_on(file: u8, name: &str, i: u8, ip: [u8; 4]) -> DeviceConfig {
+    DeviceConfig {
+        identity: DeviceIdentity::from_mac(
+            name,
+            [2, 0, 0, file, 0, i],
+            PciAddr::new(0, file, i, 0),
+        ),
+        addr: SocketAddr::from((ip, 0)),
+        icrc: IcrcCheck::Verify,
+        peer_port: None,
+        seed: file as u64 * 100 + i as u64,
+    }
+}
+
+/// The same on 127.0.0.1.
+pub fn device(file: u8, name: &str, i: u8) -> DeviceConfig {
+    device_on(file, name, i, [127, 0, 0, 1])
+}
+
+/// Fail with `what` instead of hanging.
+pub async fn within<T>(secs: u64, what: &str, f: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(Duration::from_secs(secs), f).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: no result within {secs} s"),
+    }
+}
