@@ -1,7 +1,7 @@
 //! Integration tests that share one test binary. Each file here was a test crate of its own,
 //! and each compiled the same host, target and device code again (12-30 s apiece in release,
-//! most of CI's test build); as modules of one crate that code is compiled once. Run one
-//! file's tests with `cargo test --release --test suite <file>::`.
+//! together about half of CI's test build); as modules of one crate that code is compiled
+//! once. Run one file's tests with `cargo test --release --test suite <file>::`.
 //!
 //! Outside, each its own binary: tests that set something for the whole process
 //! (recovery_alloc's and hw_backend's global allocators, host_metrics' metrics recorder,
