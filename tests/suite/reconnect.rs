@@ -18,13 +18,7 @@ const IP: [u8; 4] = [127, 0, 0, 1];
 const NS_BYTES: u64 = 16 << 20;
 
 fn policy() -> Policy {
-    // Reconnect at once; the rest (keep-alive 5 s, both identities) as the defaults.
-    Policy {
-        ctrl_loss_tmo: Some(Duration::from_secs(30)),
-        reconnect_delay: Duration::ZERO,
-        replug_window: Duration::from_secs(30),
-        ..Policy::default()
-    }
+    crate::rig::reconnect_at_once(Some(Duration::from_secs(30)), Duration::from_secs(30))
 }
 
 async fn rig(p: Policy, queues: usize) -> (DeviceManager, TargetRig, Arc<Controller>) {

@@ -29,13 +29,7 @@ const NS_BYTES: u64 = 8 << 20;
 const BOUND: Duration = Duration::from_secs(10);
 
 fn policy(ctrl_loss_tmo: Option<Duration>) -> Policy {
-    // Reconnect at once; the rest (keep-alive 5 s, both identities) as the defaults.
-    Policy {
-        ctrl_loss_tmo,
-        reconnect_delay: Duration::ZERO,
-        replug_window: Duration::from_secs(30),
-        ..Policy::default()
-    }
+    crate::rig::reconnect_at_once(ctrl_loss_tmo, Duration::from_secs(30))
 }
 
 fn opts(t: &TargetRig, p: Policy) -> ConnectOptions {

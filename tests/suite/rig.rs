@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::PciAddr;
+use nvmf_rdma::reconnect::Policy;
 
 /// Device `i` of the file numbered `file`, on `ip` with a port the OS picks. The file's
 /// number keeps its devices' MACs, PCI addresses and seeds apart from the other files'.
@@ -27,6 +28,17 @@ pub fn device_on(file: u8, name: &str, i: u8, ip: [u8; 4]) -> DeviceConfig {
 /// The same on 127.0.0.1.
 pub fn device(file: u8, name: &str, i: u8) -> DeviceConfig {
     device_on(file, name, i, [127, 0, 0, 1])
+}
+
+/// Reconnect at once, give up after `ctrl_loss_tmo`, wait `replug_window` for a card that
+/// went; the rest (keep-alive 5 s, both identities) as the defaults.
+pub fn reconnect_at_once(ctrl_loss_tmo: Option<Duration>, replug_window: Duration) -> Policy {
+    Policy {
+        ctrl_loss_tmo,
+        reconnect_delay: Duration::ZERO,
+        replug_window,
+        ..Policy::default()
+    }
 }
 
 /// Fail with `what` instead of hanging.

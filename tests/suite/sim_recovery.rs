@@ -41,13 +41,7 @@ const NS_BYTES: u64 = 4 << 20;
 const CTRL_LOSS: Duration = Duration::from_secs(30);
 
 fn policy() -> Policy {
-    // Reconnect at once; the rest (keep-alive 5 s, both identities) as the defaults.
-    Policy {
-        ctrl_loss_tmo: Some(CTRL_LOSS),
-        reconnect_delay: Duration::ZERO,
-        replug_window: CTRL_LOSS,
-        ..Policy::default()
-    }
+    crate::rig::reconnect_at_once(Some(CTRL_LOSS), CTRL_LOSS)
 }
 
 /// A runtime for one simulated world: one thread, tokio's clock paused (it jumps to the
