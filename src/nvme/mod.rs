@@ -24,7 +24,8 @@
 //! - `discovery.rs`: the Discovery Log Page header and entries (Fabrics: Discovery Log Page).
 //!
 //! Parsers take `&[u8]`, check the length first and never panic, whatever the bytes (the
-//! property tests in `tests/suite/nvme_props.rs` and the `capsule` fuzz target hold them to that).
+//! property tests in `tests/suite/nvme_props.rs` and the `capsule` fuzz target hold them to
+//! that).
 //! Emitters take fixed-size arrays, so a short buffer is a compile error, not a panic.
 //! A completion status is data ([`Status`]), never an `Err` of these parsers.
 

@@ -254,6 +254,15 @@ impl<M: HostBuffer> TQueue<M> {
         self.recv.0.len() + self.rsp.0.len() + self.data.0.len()
     }
 
+    /// Copy `len` bytes of in-capsule data, at `from` in the receive ring, into slot `c`'s
+    /// staging.
+    fn stage_from_recv(&self, c: usize, from: usize, len: usize) {
+        let recv = &self.recv.0;
+        self.data
+            .0
+            .with_range(c * self.staging_len, len, |g| recv.read(from, g));
+    }
+
     /// Slot `c`'s staging as the device sees it: address and lkey.
     fn staging_at(&self, c: usize) -> (u64, MemKey) {
         (
@@ -1087,10 +1096,7 @@ impl<D: DeviceContext> Engine<D> {
             && parsed.as_ref().is_ok_and(|s| s.opcode == opcode::io::WRITE);
         q.cmds[c].inline = in_place.then_some((at + sqe, data));
         if data > 0 && !in_place {
-            let recv = &q.recv.0;
-            q.data
-                .0
-                .with_range(c * q.staging_len, data, |g| recv.read(at + sqe, g));
+            q.stage_from_recv(c, at + sqe, data);
             if q.qid > 0 {
                 self.stats.io_copies += 1;
                 self.stats.io_copied_bytes += data as u64;
@@ -2058,10 +2064,7 @@ impl<D: DeviceContext> Engine<D> {
                 if offload {
                     // A worker reads it from staging, after this buffer is posted again.
                     if let Some((from, _)) = inline {
-                        let recv = &q.recv.0;
-                        q.data
-                            .0
-                            .with_range(c * staging, len, |g| recv.read(from, g));
+                        q.stage_from_recv(c, from, len);
                         self.stats.io_copies += 1;
                         self.stats.io_copied_bytes += len as u64;
                     }
