@@ -38,6 +38,10 @@ impl HostBuffer for HostMem {
         HostMem::try_new_lazy(len)
     }
 
+    fn stream_writes(&self) {
+        HostMem::stream_writes(self)
+    }
+
     fn len(&self) -> usize {
         HostMem::len(self)
     }

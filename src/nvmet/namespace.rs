@@ -100,6 +100,7 @@ impl Namespace {
         // allocation that cannot be had ends the process: the operator asked for it.
         let mem = M::try_alloc_lazy(len).unwrap_or_else(|| M::alloc(len));
         mem.with_range(0, len, |g| take_ram(g));
+        mem.stream_writes();
         Namespace {
             nsid,
             lbads,

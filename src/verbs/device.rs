@@ -35,6 +35,10 @@ pub trait HostBuffer: Sized + Send + Sync + 'static {
     }
     fn read(&self, offset: usize, out: &mut [u8]);
     fn write(&self, offset: usize, data: &[u8]);
+    /// A hint: this buffer is far larger than any cache and what is written to it is rarely
+    /// read back soon (a RAM namespace), so the device's copies into it may bypass the
+    /// cache. A device that copies with the CPU heeds it; one that writes by DMA need not.
+    fn stream_writes(&self) {}
     /// Run `f` over bytes `offset..offset + len` (and only those: other bytes of the buffer
     /// may be in use by the device or by C code at the same time). As with DMA, the bytes a
     /// posted work request names belong to the device until it completes; this only makes
