@@ -5,7 +5,7 @@ fn main() -> anyhow::Result<()> {
         .and_then(|s| s.parse().ok())
         .unwrap_or(2.0);
     let rows =
-        nvmf_rdma::harness::hca_perf::standard_table(std::time::Duration::from_secs_f64(secs))?;
+        nvmf_rdma::harness::hca_perf::standard_table(std::time::Duration::from_secs_f64(secs), 0)?;
     nvmf_rdma::harness::hca_perf::print_table(&rows);
     Ok(())
 }

@@ -136,6 +136,48 @@ fn bench_hca_rows_as_json() {
     }
 }
 
+/// `bench --hca --region SIZE` runs the raw table over that much memory on the requester's
+/// side (the size of a namespace, out of cache) and says so in each row; `--region` without
+/// `--hca`, or beyond 4G, is a one-line refusal.
+#[test]
+fn bench_hca_region_is_reported_and_checked() {
+    let o = Command::new(BIN)
+        .args([
+            "bench",
+            "--hca",
+            "--region",
+            "8M",
+            "--seconds",
+            "0.1",
+            "-o",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("every line is JSON"))
+        .collect();
+    assert_eq!(rows.len(), 6, "{rows:?}");
+    for r in &rows {
+        assert_eq!(r["region"], 8 << 20, "{r}");
+        assert!(r["messages"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    for (args, want) in [
+        (&["bench", "--region", "1G"][..], "add --hca"),
+        (
+            &["bench", "--hca", "--region", "5G"][..],
+            "between 1 byte and 4G",
+        ),
+    ] {
+        let o = Command::new(BIN).args(args).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(e.contains(want) && e.lines().count() == 1, "{args:?}: {e}");
+    }
+}
+
 /// `bench` says which way its packets went: the in-memory loopback path between the two
 /// contexts of its process, or UDP when `NVMF_RDMA_LOOPBACK=udp` says so; both move data.
 #[test]

@@ -38,6 +38,11 @@ pub struct Workload {
     pub depth: usize,
     pub duration: Duration,
     pub mtu: Mtu,
+    /// Bytes the requester's side of the messages moves through, one message after the
+    /// other (an RDMA READ lands there, an RDMA WRITE or SEND leaves from there); 0 for
+    /// `depth` messages' worth, which stays in the CPU's caches. A RAM namespace's data is
+    /// not in cache: `bench --hca --region 1G` is the raw rate over memory of its size.
+    pub region: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -171,10 +176,9 @@ impl Drop for LoopbackPair {
 
 /// Run one workload from A towards B and report throughput.
 pub fn run(w: Workload) -> anyhow::Result<Report> {
-    let slots = w.depth.max(1);
     let opts = RcOptions {
         mtu: w.mtu,
-        buf_len: w.msg_size * slots,
+        buf_len: region_len(&w),
         timeout: 14,
         caps: crate::hca::QpCaps {
             max_send_wr: 1024,
@@ -190,6 +194,14 @@ pub fn run(w: Workload) -> anyhow::Result<Report> {
     report
 }
 
+/// The requester's buffer: `region` rounded down to whole messages, and at least `depth`
+/// messages.
+fn region_len(w: &Workload) -> usize {
+    let slots = w.depth.max(1);
+    let whole = w.region / w.msg_size.max(1) * w.msg_size;
+    whole.max(w.msg_size * slots)
+}
+
 async fn drive_load(
     w: Workload,
     a: SoftHca,
@@ -199,8 +211,13 @@ async fn drive_load(
 ) -> anyhow::Result<Report> {
     let size = w.msg_size;
     let slots = w.depth.max(1);
-    let wr = |i: usize| -> SendWr {
-        let sgl = Sgl::one(ea.mr.addr + (i * size) as u64, size as u32, ea.mr.lkey);
+    let region = region_len(&w);
+    // Where the next message's local side goes: sequentially through the region.
+    let mut next = 0usize;
+    let mut wr = |i: usize| -> SendWr {
+        let local = next;
+        next = (next + size) % region;
+        let sgl = Sgl::one(ea.mr.addr + local as u64, size as u32, ea.mr.lkey);
         let remote_addr = eb.mr.addr + (i * size) as u64;
         let op = match w.op {
             Op::Write => SendOp::Write {
@@ -281,7 +298,8 @@ async fn drive_load(
 }
 
 /// The benchmark table the README records.
-pub fn standard_table(duration: Duration) -> anyhow::Result<Vec<Report>> {
+/// `region`: see [`Workload::region`].
+pub fn standard_table(duration: Duration, region: usize) -> anyhow::Result<Vec<Report>> {
     let mut out = Vec::new();
     for (op, size, depth) in [
         (Op::Write, 4096, 64),
@@ -297,6 +315,7 @@ pub fn standard_table(duration: Duration) -> anyhow::Result<Vec<Report>> {
             depth,
             duration,
             mtu: Mtu::Mtu4096,
+            region,
         })?);
     }
     Ok(out)

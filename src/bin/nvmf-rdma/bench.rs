@@ -73,7 +73,7 @@ fn hca_json(r: &hca_perf::Report) -> serde_json::Value {
         "type": "hca", "op": r.workload.op.name(), "bytes": r.workload.msg_size,
         "depth": r.workload.depth, "seconds": secs(r.elapsed), "messages": r.messages,
         "gbps": (r.gbytes_per_sec() * 1e4).round() / 1e4, "msgs_per_s": r.msgs_per_sec().round(),
-        "retransmits": r.retransmits,
+        "retransmits": r.retransmits, "region": r.workload.region,
     })
 }
 
@@ -119,9 +119,15 @@ pub(crate) fn remote_bench(sub: &Subsys, runtime: Duration, show: &Rows) -> Resu
 }
 
 /// `bench`: the built-in table, the raw soft-HCA table, or fio's jobs against --traddr.
+/// Most memory `--region` may name (each end of the pair takes that much).
+const MAX_REGION: usize = 4 << 30;
+
+/// `region`: the raw table's `--region` (only with `hca`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_bench(
     seconds: f64,
     hca: bool,
+    region: Option<usize>,
     queues: usize,
     jobs: Vec<String>,
     ext: ExternalTarget,
@@ -139,6 +145,13 @@ pub(crate) fn run_bench(
     }
     if !(0.01..=3600.0).contains(&show.interval.as_secs_f64()) {
         bail!("--interval must be between 10ms and 1h");
+    }
+    match region {
+        Some(_) if !hca => bail!("--region is for the raw soft-HCA table: add --hca"),
+        Some(r) if r == 0 || r > MAX_REGION => {
+            bail!("--region must be between 1 byte and 4G, not {r} bytes")
+        }
+        _ => {}
     }
     if !jobs.is_empty() && (hca || traddr.is_some()) {
         bail!("--job picks rows of the built-in NVMe-oF table; not with --hca or --traddr");
@@ -183,7 +196,7 @@ pub(crate) fn run_bench(
         v
     };
     if hca {
-        let rows = hca_perf::standard_table(Duration::from_secs_f64(seconds))?;
+        let rows = hca_perf::standard_table(Duration::from_secs_f64(seconds), region.unwrap_or(0))?;
         if show.output == ListFormat::Json {
             for r in &rows {
                 println!("{}", json_path(hca_json(r)));

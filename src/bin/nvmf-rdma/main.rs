@@ -133,6 +133,12 @@ enum Cmd {
         seconds: f64,
         #[arg(long)]
         hca: bool,
+        /// With --hca: the requester's side of the messages moves through this much memory
+        /// (an RDMA READ's data lands there, a WRITE's leaves from there), e.g. 1G, the size
+        /// of bench's RAM namespace; by default it is depth x message size, which stays in
+        /// the CPU's caches.
+        #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+        region: Option<usize>,
         /// I/O queues for the NVMe-oF table.
         #[arg(long, default_value_t = 1)]
         queues: usize,
@@ -354,12 +360,21 @@ fn run() -> Result<()> {
         Cmd::Bench {
             seconds,
             hca,
+            region,
             queues,
             jobs,
             ext,
             interval,
             output,
-        } => run_bench(seconds, hca, queues, jobs, ext, Rows { interval, output }),
+        } => run_bench(
+            seconds,
+            hca,
+            region,
+            queues,
+            jobs,
+            ext,
+            Rows { interval, output },
+        ),
         Cmd::QpStates { dot } => {
             if dot {
                 print!("{}", nvmf_rdma::hca::qp::state::dot());
