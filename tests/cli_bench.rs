@@ -100,13 +100,11 @@ fn bench_streams_a_row_per_interval_then_the_summary() {
     assert!(e.contains("--interval must be between"), "{e}");
 }
 
-/// `bench --hca -o json` gives a `"type":"hca"` object per row of the raw soft-HCA table, so
-/// fio-plugin/bench.sh can put the raw 128 KiB RDMA rates beside NVMe-oF's without scraping
-/// the table (it refused json before).
-#[test]
-fn bench_hca_rows_as_json() {
+/// The six rows of `bench --hca --seconds 0.1 -o json EXTRA...`, each a JSON object.
+fn hca_rows(extra: &[&str]) -> Vec<serde_json::Value> {
     let o = Command::new(BIN)
         .args(["bench", "--hca", "--seconds", "0.1", "-o", "json"])
+        .args(extra)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -115,6 +113,15 @@ fn bench_hca_rows_as_json() {
         .map(|l| serde_json::from_str(l).expect("every line is JSON"))
         .collect();
     assert_eq!(rows.len(), 6, "{rows:?}");
+    rows
+}
+
+/// `bench --hca -o json` gives a `"type":"hca"` object per row of the raw soft-HCA table, so
+/// fio-plugin/bench.sh can put the raw 128 KiB RDMA rates beside NVMe-oF's without scraping
+/// the table (it refused json before).
+#[test]
+fn bench_hca_rows_as_json() {
+    let rows = hca_rows(&[]);
     assert!(rows.iter().all(|r| r["type"] == "hca"), "{rows:?}");
     for op in ["RDMA READ", "RDMA WRITE"] {
         let r = rows
@@ -141,25 +148,7 @@ fn bench_hca_rows_as_json() {
 /// `--hca`, or beyond 4G, is a one-line refusal.
 #[test]
 fn bench_hca_region_is_reported_and_checked() {
-    let o = Command::new(BIN)
-        .args([
-            "bench",
-            "--hca",
-            "--region",
-            "8M",
-            "--seconds",
-            "0.1",
-            "-o",
-            "json",
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("every line is JSON"))
-        .collect();
-    assert_eq!(rows.len(), 6, "{rows:?}");
+    let rows = hca_rows(&["--region", "8M"]);
     for r in &rows {
         assert_eq!(r["region"], 8 << 20, "{r}");
         assert!(r["messages"].as_f64().unwrap() > 0.0, "{r}");

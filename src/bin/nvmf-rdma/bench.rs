@@ -118,12 +118,11 @@ pub(crate) fn remote_bench(sub: &Subsys, runtime: Duration, show: &Rows) -> Resu
     })
 }
 
-/// `bench`: the built-in table, the raw soft-HCA table, or fio's jobs against --traddr.
 /// Most memory `--region` may name (each end of the pair takes that much).
 const MAX_REGION: usize = 4 << 30;
 
-/// `region`: the raw table's `--region` (only with `hca`).
-#[allow(clippy::too_many_arguments)]
+/// `bench`: the built-in table, the raw soft-HCA table, or fio's jobs against --traddr.
+/// `region` is the raw table's `--region` (only with `hca`).
 pub(crate) fn run_bench(
     seconds: f64,
     hca: bool,
