@@ -18,5 +18,6 @@ pub mod nvme;
 pub mod nvmet;
 pub mod published;
 pub mod reconnect;
+pub mod timer;
 pub mod transport;
 pub mod verbs;

@@ -27,6 +27,7 @@ use crate::hca::cq::CqId;
 use crate::hca::device::{Device, DeviceConfig, Lifecycle};
 use crate::hca::types::Instant;
 use crate::hca::{AsyncEvent, WorkCompletion};
+use crate::timer::EarliestTimer;
 
 pub use cm::CmService;
 pub use manager::{DeviceManager, ManagerError};
@@ -386,14 +387,11 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
     let mut publish_at = 0u64;
     let mut unpublished = false;
     let mut last_activity = u64::MAX;
-    // One timer for the life of the driver. It is moved earlier when the core's next
-    // deadline is earlier than what it is set to, and left alone when the deadline moved
-    // later (it then fires early, once, and is set again). Setting a timer earlier wakes
-    // tokio's time driver, which costs a syscall, so a deadline that slides forward every
-    // turn (an ACK's, a retransmit timer's) must not reset it every turn.
-    let timer = tokio::time::sleep(Duration::from_secs(3600));
+    // One timer for the life of the driver, moved only earlier (see `EarliestTimer`): a
+    // deadline that slides forward every turn (an ACK's, a retransmit timer's) must not
+    // reset it every turn.
+    let timer = EarliestTimer::new();
     tokio::pin!(timer);
-    let mut armed: Option<tokio::time::Instant> = None;
     let epoch = shared.epoch;
     // Busy polling: after a turn that moved packets, keep checking the socket (yielding to
     // the runtime's other tasks in between, see `spin`) instead of sleeping, for `busy_poll`.
@@ -416,10 +414,7 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         };
         if let Some(t) = deadline {
             let at = epoch + Duration::from_nanos(t.0);
-            if armed.is_none_or(|a| at < a) {
-                timer.as_mut().reset(at);
-                armed = Some(at);
-            }
+            timer.as_mut().arm(at);
         }
         match spinning {
             Some(until) => {
@@ -430,7 +425,7 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
                 biased;
                 r = port.readable() => { r?; }
                 _ = shared.kick.notified() => {}
-                _ = &mut timer, if armed.is_some() => { armed = None; }
+                _ = &mut timer => {}
             },
         }
         // Receive whatever is queued (bounded), then let the core react all at once: that

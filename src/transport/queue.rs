@@ -33,6 +33,7 @@ use crate::verbs::{
 };
 
 use super::HostError;
+use crate::timer::EarliestTimer;
 
 pub const SQE_LEN: usize = 64;
 pub const CQE_LEN: usize = 16;
@@ -1810,13 +1811,10 @@ async fn run<D: DeviceContext>(ctl: QueueCtl<D>, mut rx: mpsc::Receiver<Request>
     // A request taken from the channel after callers filled the last free slot directly
     // (`QueueHandle::submit_slice`): it goes first once a slot is free.
     let mut stash: Option<Request> = None;
-    // One timer for the life of the task, as the device driver's: moved earlier when the
-    // next command deadline is earlier than it is set to, and otherwise left to fire early
-    // once (nothing has expired then) and be set again. A timer made every iteration cost a
-    // registration in the runtime's timer wheel and its removal for every completion.
-    let timer = tokio::time::sleep(Duration::from_secs(3600));
+    // One timer for the life of the task, moved only earlier (see `EarliestTimer`): an
+    // early fire finds nothing expired and is armed again.
+    let timer = EarliestTimer::new();
     tokio::pin!(timer);
-    let mut armed: Option<tokio::time::Instant> = None;
     loop {
         // Completions were handed to their callers this iteration.
         let mut reaped = false;
@@ -1842,10 +1840,7 @@ async fn run<D: DeviceContext>(ctl: QueueCtl<D>, mut rx: mpsc::Receiver<Request>
         }
         if let Some(t) = next_timeout {
             let at = tokio::time::Instant::now() + t.saturating_since(ctl.now());
-            if armed.is_none_or(|a| at < a) {
-                timer.as_mut().reset(at);
-                armed = Some(at);
-            }
+            timer.as_mut().arm(at);
         }
         wcs.clear();
         // Biased, so that a simulated run replays (tokio's unbiased choice is random), with
@@ -1853,8 +1848,7 @@ async fn run<D: DeviceContext>(ctl: QueueCtl<D>, mut rx: mpsc::Receiver<Request>
         // stop must still see the commands that stopped.
         tokio::select! {
             biased;
-            _ = &mut timer, if armed.is_some() => {
-                armed = None;
+            _ = &mut timer => {
                 ctl.lock().check_timeouts(ctl.now());
             }
             req = rx.recv(), if open && accepting => match req {
