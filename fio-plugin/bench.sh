@@ -28,7 +28,9 @@
 #
 # Output: a header with the machine (CPU, cores, kernel, load average), then
 #   IOPS table   IOPS of own, plugin, nbdkit; plugin/own and plugin/nbd; fio's average and
-#                p50 completion latency (µs) for plugin and nbdkit; "own copies/IO" and
+#                p50 total latency (µs, `lat`: submission + completion) for plugin and
+#                nbdkit, plugin/nbd of the averages, and nbdkit's average submission
+#                latency (`slat`, which `clat` leaves out; the plugin's is 0); "own copies/IO" and
 #                "own tgt cp/IO" are the `copies_per_io` (host) and `target_copies_per_io`
 #                fields of own's result objects, "n/a" where bench has none.
 #   CPU table    CPU µs per I/O = (user + system CPU seconds of a process while the fio run
@@ -116,6 +118,7 @@ runtime=$seconds
 norandommap=1
 randrepeat=0
 size=1G
+lat_percentiles=1
 EOF
   for kv in ${FIO_EXTRA:-}; do echo "$kv"; done
   printf '[%s-%s-qd%s]\nrw=%s\nbs=%s\niodepth=%s\n' "$rw" "$bs" "$qd" "$rw" "$bs" "$qd"
@@ -264,7 +267,11 @@ def fio_row(engine, r, name):
         j = json.load(f)["jobs"][0]
     d = j["write" if "write" in j["jobname"] else "read"]
     row = dict(iops=d["iops"], gbps=d["bw_bytes"] / 1e9, ios=d["total_ios"],
-               avg=d["clat_ns"]["mean"] / 1e3, p50=d["clat_ns"]["percentile"]["50.000000"] / 1e3,
+               # Total latency: the nbd engine sends its request inside fio's queue call
+               # (slat, ~3.6 µs here), which clat leaves out; the plugin queues and
+               # issues at commit (slat 0). At QD1, 1/IOPS is lat, not clat.
+               avg=d["lat_ns"]["mean"] / 1e3, p50=d["lat_ns"]["percentile"]["50.000000"] / 1e3,
+               slat=d["slat_ns"]["mean"] / 1e3,
                errors=j["error"])
     row.update(cpu(f"{work}/{engine}.{r}.{name}.cpu"))
     return row
@@ -303,9 +310,10 @@ print(f"{rounds} round(s) of {len(names)} workloads; "
       + ("medians, [min-max] of each ratio over the rounds" if rounds > 1 else "one round"))
 
 print("\nIOPS (plugin: fio + plugin, built-in target in fio's process)")
-fmt = "{:<18} {:>9} {:>11} {:>17} {:>11} {:>17} {:>15} {:>15} {:>12} {:>12}"
+fmt = "{:<18} {:>9} {:>11} {:>17} {:>11} {:>17} {:>15} {:>15} {:>17} {:>9} {:>12} {:>12}"
 print(fmt.format("workload", "own IOPS", "plugin IOPS", "plugin/own", "nbdkit IOPS", "plugin/nbd",
-                 "plugin avg/p50", "nbdkit avg/p50", "own copies/IO", "own tgt cp/IO"))
+                 "plugin avg/p50", "nbdkit avg/p50", "avg plugin/nbd", "nbd slat",
+                 "own copies/IO", "own tgt cp/IO"))
 for n in names:
     o, p, nb = own[n], fio["plugin", n], fio["nbd", n]
     copies = [x["copies"] for x in o]
@@ -317,10 +325,14 @@ for n in names:
         spread([a["iops"] / b["iops"] for a, b in zip(p, nb)]),
         f"{med(x['avg'] for x in p):.1f}/{med(x['p50'] for x in p):.1f}",
         f"{med(x['avg'] for x in nb):.1f}/{med(x['p50'] for x in nb):.1f}",
+        spread([a["avg"] / b["avg"] for a, b in zip(p, nb)]),
+        f"{med(x['slat'] for x in nb):.1f}",
         # Filled in by bench's own copy counter once it reports one; never guessed here.
         "n/a" if None in copies else f"{med(copies):.2f}",
         "n/a" if None in tgt_copies else f"{med(tgt_copies):.2f}",
     ))
+print("(latency: fio's lat, submission + completion, in µs; at QD1 it is 1/IOPS. nbdkit's clat "
+      "would leave out its slat, the request it sends inside fio's queue call)")
 
 print("\nCPU µs per I/O, host = fio's process, tgt = the server's "
       "(ext: fio + plugin -> `nvmf-rdma target`; nbd: fio -> nbdkit; plugin: fio + plugin + "
