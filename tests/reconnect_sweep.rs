@@ -18,10 +18,9 @@ use std::time::Duration;
 
 use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::chaos::{
-    host_config, host_options, judge_storm, verify_worker, Fault, Region, TargetRig, HOST_DEV,
+    connect_host_on, host_config, host_options, judge_storm, seeded_identity, Fault, TargetRig,
+    Verifiers,
 };
-use nvmf_rdma::hca::device::DeviceIdentity;
-use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::reconnect::Policy;
 use nvmf_rdma::transport::Controller;
 use rand::rngs::SmallRng;
@@ -53,39 +52,20 @@ async fn run_seed(seed: u64, target: &mut TargetRig) -> Result<(u64, u64), Strin
     // CSPRNG anyway; the target may still hold connections of an earlier seed's reset host
     // until their keep-alive expires).
     let mut cfg = host_config(IP);
-    let b = seed.to_be_bytes();
-    cfg.identity = DeviceIdentity::from_mac(
-        HOST_DEV,
-        [0x52, 0x55, b[4], b[5], b[6], b[7]],
-        PciAddr::new(0, 0x31, 0, 0),
-    );
-    mgr.plug(cfg).await.map_err(|e| format!("plug: {e}"))?;
+    cfg.identity = seeded_identity(seed);
     let c = Arc::new(
-        Controller::connect_managed(
-            mgr.clone(),
-            HOST_DEV,
-            host_options(target.addr, queues, 16, policy()),
-        )
-        .await
-        .map_err(|e| format!("connect: {e}"))?,
+        connect_host_on(&mgr, cfg, host_options(target.addr, queues, 16, policy()))
+            .await
+            .map_err(|e| format!("connect: {e:#}"))?,
     );
     let stop = Arc::new(AtomicBool::new(false));
-    let workers: Vec<_> = (0..2u64)
-        .map(|w| {
-            tokio::spawn(verify_worker(
-                c.clone(),
-                Region {
-                    first: w * 512,
-                    blocks: 512,
-                },
-                seed.wrapping_mul(31).wrapping_add(w),
-                32,
-                Some(rng.random_range(20..60)),
-                stop.clone(),
-                CTRL_LOSS + Duration::from_secs(5),
-            ))
-        })
-        .collect();
+    let workers = Verifiers::spawn_sweep(
+        &c,
+        &stop,
+        seed,
+        &mut rng,
+        CTRL_LOSS + Duration::from_secs(5),
+    );
     let nfaults = rng.random_range(1..=3);
     let mut faults = 0;
     for _ in 0..nfaults {

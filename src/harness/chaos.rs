@@ -166,8 +166,28 @@ pub async fn connect_host(
     ip: [u8; 4],
     o: ConnectOptions,
 ) -> anyhow::Result<Controller> {
-    mgr.plug(host_config(ip)).await?;
+    connect_host_on(mgr, host_config(ip), o).await
+}
+
+/// [`connect_host`] with a device configuration of the caller's (another card, say).
+pub async fn connect_host_on(
+    mgr: &DeviceManager,
+    cfg: DeviceConfig,
+    o: ConnectOptions,
+) -> anyhow::Result<Controller> {
+    mgr.plug(cfg).await?;
     Ok(Controller::connect_managed(mgr.clone(), HOST_DEV, o).await?)
+}
+
+/// A card of its own for seed `seed` of a sweep, in the host's slot: each seed's host is a
+/// new machine to a target that may still hold an earlier seed's connections.
+pub fn seeded_identity(seed: u64) -> DeviceIdentity {
+    let b = seed.to_be_bytes();
+    DeviceIdentity::from_mac(
+        HOST_DEV,
+        [0x52, 0x55, b[4], b[5], b[6], b[7]],
+        PciAddr::new(0, 0x31, 0, 0),
+    )
 }
 
 /// One thing chaos does to the system.
@@ -299,6 +319,68 @@ impl WorkerReport {
 pub struct Region {
     pub first: u64,
     pub blocks: u64,
+}
+
+/// Verify workers side by side on namespace 1: worker `w` of `workers` gets `blocks`
+/// blocks from `w * blocks`, I/Os of up to `max_blocks`, and `hang_after` (see
+/// [`verify_worker`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Verifiers {
+    pub workers: u64,
+    pub blocks: u64,
+    pub max_blocks: u64,
+    pub hang_after: Duration,
+}
+
+impl Verifiers {
+    /// Spawn them on the current runtime, in order; `seed_ops(w)` gives worker `w`'s seed
+    /// and how many I/Os it does (`None`: until `stop`).
+    pub fn spawn(
+        &self,
+        ctrl: &Arc<Controller>,
+        stop: &Arc<AtomicBool>,
+        mut seed_ops: impl FnMut(u64) -> (u64, Option<u64>),
+    ) -> Vec<tokio::task::JoinHandle<WorkerReport>> {
+        (0..self.workers)
+            .map(|w| {
+                let (seed, ops) = seed_ops(w);
+                tokio::spawn(verify_worker(
+                    ctrl.clone(),
+                    Region {
+                        first: w * self.blocks,
+                        blocks: self.blocks,
+                    },
+                    seed,
+                    self.max_blocks,
+                    ops,
+                    stop.clone(),
+                    self.hang_after,
+                ))
+            })
+            .collect()
+    }
+
+    /// The recovery seed sweeps' I/O, on sockets (tests/reconnect_sweep.rs) and on the
+    /// simulator alike: two workers of 512 blocks, each doing 20-60 verified I/Os of up to
+    /// 32 blocks, the counts drawn from `rng`.
+    pub fn spawn_sweep(
+        ctrl: &Arc<Controller>,
+        stop: &Arc<AtomicBool>,
+        seed: u64,
+        rng: &mut impl Rng,
+        hang_after: Duration,
+    ) -> Vec<tokio::task::JoinHandle<WorkerReport>> {
+        Verifiers {
+            workers: 2,
+            blocks: 512,
+            max_blocks: 32,
+            hang_after,
+        }
+        .spawn(ctrl, stop, |w| {
+            let ops = rng.random_range(20..60);
+            (seed.wrapping_mul(31).wrapping_add(w), Some(ops))
+        })
+    }
 }
 
 /// Verified random I/O on `region` until `stop`, or `ops` operations if given. Each I/O

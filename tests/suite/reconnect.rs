@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::chaos::{
-    connect_host, host_identity, host_options, verify_worker, Region, TargetRig, WorkerReport,
-    HOST_DEV,
+    connect_host, host_identity, host_options, TargetRig, Verifiers, WorkerReport, HOST_DEV,
 };
 use nvmf_rdma::reconnect::{Cause, CtrlState, FailReason, IdentityMatch, Policy};
 use nvmf_rdma::transport::{Controller, HostError};
@@ -39,22 +38,13 @@ fn spawn_workers(
     n: u64,
     stop: &Arc<AtomicBool>,
 ) -> Vec<tokio::task::JoinHandle<WorkerReport>> {
-    (0..n)
-        .map(|w| {
-            tokio::spawn(verify_worker(
-                c.clone(),
-                Region {
-                    first: w * 2048,
-                    blocks: 2048,
-                },
-                w + 1,
-                64,
-                None,
-                stop.clone(),
-                Duration::from_secs(40),
-            ))
-        })
-        .collect()
+    Verifiers {
+        workers: n,
+        blocks: 2048,
+        max_blocks: 64,
+        hang_after: Duration::from_secs(40),
+    }
+    .spawn(c, stop, |w| (w + 1, None))
 }
 
 async fn join(ws: Vec<tokio::task::JoinHandle<WorkerReport>>) -> WorkerReport {

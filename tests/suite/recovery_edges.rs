@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::harness::chaos::{
-    host_config, host_options, verify_worker, Region, TargetRig, WorkerReport, HOST_DEV,
+    host_config, host_options, TargetRig, Verifiers, WorkerReport, HOST_DEV,
 };
 use nvmf_rdma::nvme::admin;
 use nvmf_rdma::reconnect::{CtrlState, FailReason, Policy};
@@ -193,22 +193,13 @@ fn spawn_workers(
     seed: u64,
     stop: &Arc<AtomicBool>,
 ) -> Vec<tokio::task::JoinHandle<WorkerReport>> {
-    (0..workers)
-        .map(|w| {
-            tokio::spawn(verify_worker(
-                c.clone(),
-                Region {
-                    first: w * 1024,
-                    blocks: 1024,
-                },
-                seed * 7 + w,
-                32,
-                None,
-                stop.clone(),
-                Duration::from_secs(30),
-            ))
-        })
-        .collect()
+    Verifiers {
+        workers,
+        blocks: 1024,
+        max_blocks: 32,
+        hang_after: Duration::from_secs(30),
+    }
+    .spawn(c, stop, |w| (seed * 7 + w, None))
 }
 
 /// Some I/O completes: the workers are making progress.

@@ -23,12 +23,10 @@ use std::time::Duration;
 
 use nvmf_rdma::driver::{DeviceManager, SimNet};
 use nvmf_rdma::harness::chaos::{
-    connect_host, host_config, host_identity, host_options, judge_storm, verify_worker, Fault,
-    Region, TargetRig, WorkerReport, HOST_DEV,
+    connect_host, connect_host_on, host_config, host_identity, host_options, judge_storm,
+    seeded_identity, Fault, TargetRig, Verifiers, WorkerReport, HOST_DEV,
 };
-use nvmf_rdma::hca::device::DeviceIdentity;
 use nvmf_rdma::hca::sim::{Faults, LinkStats};
-use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::reconnect::{Cause, CtrlState, FailReason, IdentityMatch, Policy};
 use nvmf_rdma::transport::{Controller, HostError};
 use rand::rngs::SmallRng;
@@ -129,40 +127,21 @@ async fn run_seed(seed: u64) -> Result<Summary, String> {
     let mgr = net.device_manager();
     let queues = rng.random_range(1..=2);
     let mut cfg = host_config(HOST_IP);
-    let b = seed.to_be_bytes();
-    cfg.identity = DeviceIdentity::from_mac(
-        HOST_DEV,
-        [0x52, 0x55, b[4], b[5], b[6], b[7]],
-        PciAddr::new(0, 0x31, 0, 0),
-    );
-    mgr.plug(cfg).await.map_err(|e| format!("plug: {e}"))?;
+    cfg.identity = seeded_identity(seed);
     let c = Arc::new(
-        Controller::connect_managed(
-            mgr.clone(),
-            HOST_DEV,
-            host_options(target.addr, queues, 16, policy()),
-        )
-        .await
-        .map_err(|e| format!("connect: {e}"))?,
+        connect_host_on(&mgr, cfg, host_options(target.addr, queues, 16, policy()))
+            .await
+            .map_err(|e| format!("connect: {e:#}"))?,
     );
     net.set_faults(link);
     let stop = Arc::new(AtomicBool::new(false));
-    let workers: Vec<_> = (0..2u64)
-        .map(|w| {
-            tokio::spawn(verify_worker(
-                c.clone(),
-                Region {
-                    first: w * 512,
-                    blocks: 512,
-                },
-                seed.wrapping_mul(31).wrapping_add(w),
-                32,
-                Some(rng.random_range(20..60)),
-                stop.clone(),
-                CTRL_LOSS + Duration::from_secs(5),
-            ))
-        })
-        .collect();
+    let workers = Verifiers::spawn_sweep(
+        &c,
+        &stop,
+        seed,
+        &mut rng,
+        CTRL_LOSS + Duration::from_secs(5),
+    );
     let nfaults = rng.random_range(1..=3);
     let mut faults = Vec::new();
     for _ in 0..nfaults {
@@ -346,22 +325,13 @@ fn resets_under_io_lose_nothing_acknowledged() {
     runtime().block_on(async {
         let (_net, mgr, _t, c) = rig(1, policy()).await;
         let stop = Arc::new(AtomicBool::new(false));
-        let ws: Vec<_> = (0..4u64)
-            .map(|w| {
-                tokio::spawn(verify_worker(
-                    c.clone(),
-                    Region {
-                        first: w * 1024,
-                        blocks: 1024,
-                    },
-                    w + 1,
-                    64,
-                    None,
-                    stop.clone(),
-                    Duration::from_secs(40),
-                ))
-            })
-            .collect();
+        let ws = Verifiers {
+            workers: 4,
+            blocks: 1024,
+            max_blocks: 64,
+            hang_after: Duration::from_secs(40),
+        }
+        .spawn(&c, &stop, |w| (w + 1, None));
         for i in 1..=5 {
             let at = completed(&c) + 20;
             until_completed(&c, at, &ws).await;
@@ -541,22 +511,13 @@ fn a_target_restart_under_io_is_survived_with_its_data() {
         let before = vec![0x42u8; 128 << 10];
         c.write(1, 6000, &before).await.unwrap();
         let stop = Arc::new(AtomicBool::new(false));
-        let ws: Vec<_> = (0..2u64)
-            .map(|w| {
-                tokio::spawn(verify_worker(
-                    c.clone(),
-                    Region {
-                        first: w * 1024,
-                        blocks: 1024,
-                    },
-                    w + 1,
-                    64,
-                    None,
-                    stop.clone(),
-                    Duration::from_secs(40),
-                ))
-            })
-            .collect();
+        let ws = Verifiers {
+            workers: 2,
+            blocks: 1024,
+            max_blocks: 64,
+            hang_after: Duration::from_secs(40),
+        }
+        .spawn(&c, &stop, |w| (w + 1, None));
         let at = completed(&c) + 20;
         until_completed(&c, at, &ws).await;
         t.restart().await.unwrap();

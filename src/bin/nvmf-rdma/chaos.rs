@@ -9,7 +9,7 @@ use nvmf_rdma::cli::device::{connect_kernel, DeviceChoice};
 use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, Health};
 use nvmf_rdma::cli::wire_json::JsonObj;
 use nvmf_rdma::driver::DeviceManager;
-use nvmf_rdma::harness::chaos::{self, Region, TargetRig, WorkerReport};
+use nvmf_rdma::harness::chaos::{self, TargetRig, WorkerReport};
 use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
 use nvmf_rdma::transport::Controller;
 
@@ -661,22 +661,15 @@ pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
 
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let t0 = Instant::now();
-    let workers: Vec<_> = (0..a.workers)
-        .map(|w| {
-            tokio::spawn(chaos::verify_worker(
-                c.clone(),
-                Region {
-                    first: w * per,
-                    blocks: per,
-                },
-                seed ^ (w + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-                max_blocks,
-                None,
-                stop.clone(),
-                hang_after,
-            ))
-        })
-        .collect();
+    let workers = chaos::Verifiers {
+        workers: a.workers,
+        blocks: per,
+        max_blocks,
+        hang_after,
+    }
+    .spawn(&c, &stop, |w| {
+        (seed ^ (w + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15), None)
+    });
 
     let run_for = Duration::from_secs_f64(a.seconds);
     let mut faults = Vec::new();
