@@ -268,7 +268,7 @@ def fio_row(engine, r, name):
     d = j["write" if "write" in j["jobname"] else "read"]
     row = dict(iops=d["iops"], gbps=d["bw_bytes"] / 1e9, ios=d["total_ios"],
                # Total latency: the nbd engine sends its request inside fio's queue call
-               # (slat, ~3.6 µs here), which clat leaves out; the plugin queues and
+               # (slat, 2-4 µs at 4 KiB here), which clat leaves out; the plugin queues and
                # issues at commit (slat 0). At QD1, 1/IOPS is lat, not clat.
                avg=d["lat_ns"]["mean"] / 1e3, p50=d["lat_ns"]["percentile"]["50.000000"] / 1e3,
                slat=d["slat_ns"]["mean"] / 1e3,
