@@ -18,8 +18,7 @@ use std::time::Duration;
 
 use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::chaos::{
-    connect_host_on, host_config, host_options, judge_storm, seeded_identity, Fault, TargetRig,
-    Verifiers,
+    connect_seeded_host, host_options, judge_storm, Fault, TargetRig, Verifiers,
 };
 use nvmf_rdma::reconnect::Policy;
 use nvmf_rdma::transport::Controller;
@@ -51,10 +50,9 @@ async fn run_seed(seed: u64, target: &mut TargetRig) -> Result<(u64, u64), Strin
     // Each seed's host is a new machine: its own card (keys and QP numbers come from the OS
     // CSPRNG anyway; the target may still hold connections of an earlier seed's reset host
     // until their keep-alive expires).
-    let mut cfg = host_config(IP);
-    cfg.identity = seeded_identity(seed);
+    let o = host_options(target.addr, queues, 16, policy());
     let c = Arc::new(
-        connect_host_on(&mgr, cfg, host_options(target.addr, queues, 16, policy()))
+        connect_seeded_host(&mgr, IP, seed, o)
             .await
             .map_err(|e| format!("connect: {e:#}"))?,
     );

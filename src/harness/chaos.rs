@@ -166,28 +166,35 @@ pub async fn connect_host(
     ip: [u8; 4],
     o: ConnectOptions,
 ) -> anyhow::Result<Controller> {
-    connect_host_on(mgr, host_config(ip), o).await
+    plug_and_connect(mgr, host_config(ip), o).await
 }
 
-/// [`connect_host`] with a device configuration of the caller's (another card, say).
-pub async fn connect_host_on(
+/// [`connect_host`] for seed `seed` of a sweep, on a card of its own (its MAC from the
+/// seed) in the host's slot: each seed's host is a new machine to a target that may still
+/// hold an earlier seed's connections.
+pub async fn connect_seeded_host(
+    mgr: &DeviceManager,
+    ip: [u8; 4],
+    seed: u64,
+    o: ConnectOptions,
+) -> anyhow::Result<Controller> {
+    let mut cfg = host_config(ip);
+    let b = seed.to_be_bytes();
+    cfg.identity = DeviceIdentity::from_mac(
+        HOST_DEV,
+        [0x52, 0x55, b[4], b[5], b[6], b[7]],
+        PciAddr::new(0, 0x31, 0, 0),
+    );
+    plug_and_connect(mgr, cfg, o).await
+}
+
+async fn plug_and_connect(
     mgr: &DeviceManager,
     cfg: DeviceConfig,
     o: ConnectOptions,
 ) -> anyhow::Result<Controller> {
     mgr.plug(cfg).await?;
     Ok(Controller::connect_managed(mgr.clone(), HOST_DEV, o).await?)
-}
-
-/// A card of its own for seed `seed` of a sweep, in the host's slot: each seed's host is a
-/// new machine to a target that may still hold an earlier seed's connections.
-pub fn seeded_identity(seed: u64) -> DeviceIdentity {
-    let b = seed.to_be_bytes();
-    DeviceIdentity::from_mac(
-        HOST_DEV,
-        [0x52, 0x55, b[4], b[5], b[6], b[7]],
-        PciAddr::new(0, 0x31, 0, 0),
-    )
 }
 
 /// One thing chaos does to the system.

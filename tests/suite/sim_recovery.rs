@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use nvmf_rdma::driver::{DeviceManager, SimNet};
 use nvmf_rdma::harness::chaos::{
-    connect_host, connect_host_on, host_config, host_identity, host_options, judge_storm,
-    seeded_identity, Fault, TargetRig, Verifiers, WorkerReport, HOST_DEV,
+    connect_host, connect_seeded_host, host_identity, host_options, judge_storm, Fault, TargetRig,
+    Verifiers, WorkerReport, HOST_DEV,
 };
 use nvmf_rdma::hca::sim::{Faults, LinkStats};
 use nvmf_rdma::reconnect::{Cause, CtrlState, FailReason, IdentityMatch, Policy};
@@ -126,10 +126,9 @@ async fn run_seed(seed: u64) -> Result<Summary, String> {
         .map_err(|e| format!("target: {e}"))?;
     let mgr = net.device_manager();
     let queues = rng.random_range(1..=2);
-    let mut cfg = host_config(HOST_IP);
-    cfg.identity = seeded_identity(seed);
+    let o = host_options(target.addr, queues, 16, policy());
     let c = Arc::new(
-        connect_host_on(&mgr, cfg, host_options(target.addr, queues, 16, policy()))
+        connect_seeded_host(&mgr, HOST_IP, seed, o)
             .await
             .map_err(|e| format!("connect: {e:#}"))?,
     );
