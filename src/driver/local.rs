@@ -318,7 +318,7 @@ impl LocalLink {
                         continue;
                     }
                     let at = q.buf.len();
-                    q.buf.extend_from_slice(&buf[s..s + l]);
+                    crate::hca::copy::extend_bytes(&mut q.buf, &buf[s..s + l]);
                     q.pkts.push((src, at, l));
                 }
                 if !q.pkts.is_empty() {

@@ -1,6 +1,7 @@
 //! The soft-HCA: a software RDMA device speaking RoCEv2, as a sans-I/O core (`device`, `qp`,
 //! `mr`, `cq`, `wire`) that the tokio driver and the simulator both drive.
 
+pub mod copy;
 pub mod cq;
 pub mod device;
 pub mod mr;

@@ -13,6 +13,8 @@ use std::sync::{Arc, Mutex};
 use bitflags::bitflags;
 use rand::Rng;
 
+pub use super::copy::STREAM_MIN;
+use super::copy::{copy_bytes, copy_streaming, extend_bytes};
 use super::types::MemKey;
 
 bitflags! {
@@ -160,14 +162,14 @@ impl HostMem {
     }
 
     pub fn read(&self, offset: usize, out: &mut [u8]) {
-        self.with_range(offset, out.len(), |b| out.copy_from_slice(b))
+        self.with_range(offset, out.len(), |b| copy_bytes(out, b))
     }
 
     pub fn write(&self, offset: usize, data: &[u8]) {
         if data.len() >= STREAM_MIN && self.inner.stream.load(Ordering::Relaxed) {
             return self.with_range(offset, data.len(), |b| copy_streaming(b, data));
         }
-        self.with_range(offset, data.len(), |b| b.copy_from_slice(data))
+        self.with_range(offset, data.len(), |b| copy_bytes(b, data))
     }
 
     /// From now on, [`write`](Self::write)s of [`STREAM_MIN`] bytes or more store past the
@@ -183,7 +185,7 @@ impl HostMem {
 
     /// Append bytes `offset..offset + len` to `out`.
     pub fn append_to(&self, offset: usize, len: usize, out: &mut Vec<u8>) {
-        self.with_range(offset, len, |b| out.extend_from_slice(b))
+        self.with_range(offset, len, |b| extend_bytes(out, b))
     }
 
     pub fn to_vec(&self) -> Vec<u8> {
@@ -195,38 +197,6 @@ impl HostMem {
     pub fn same(&self, other: &HostMem) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
-}
-
-/// Writes at least this long go past the cache into memory marked with
-/// [`HostMem::stream_writes`]: a packet's payload or an in-capsule block, not a queue entry.
-pub const STREAM_MIN: usize = 1024;
-
-/// `dst.copy_from_slice(src)` with non-temporal stores for the 16-byte-aligned middle, then a
-/// store fence, so the bytes are in memory order before the caller's lock is released.
-#[cfg(target_arch = "x86_64")]
-fn copy_streaming(dst: &mut [u8], src: &[u8]) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-    assert_eq!(dst.len(), src.len(), "copy_streaming: lengths differ");
-    let head = ((dst.as_ptr() as usize).wrapping_neg() & 15).min(dst.len());
-    let body = (dst.len() - head) & !15;
-    dst[..head].copy_from_slice(&src[..head]);
-    // SAFETY: SSE2 is part of x86_64. `dst[head..head + body]` starts 16-byte aligned and
-    // both ranges hold `body` bytes (a multiple of 16) inside their slices; the loads are
-    // unaligned loads.
-    unsafe {
-        let d = dst.as_mut_ptr().add(head).cast::<__m128i>();
-        let s = src.as_ptr().add(head).cast::<__m128i>();
-        for k in 0..body / 16 {
-            _mm_stream_si128(d.add(k), _mm_loadu_si128(s.add(k)));
-        }
-        _mm_sfence();
-    }
-    dst[head + body..].copy_from_slice(&src[head + body..]);
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn copy_streaming(dst: &mut [u8], src: &[u8]) {
-    dst.copy_from_slice(src)
 }
 
 /// `len` zero bytes, or the allocation error (never an abort).
@@ -426,25 +396,7 @@ impl MrTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::{prop_assert, prop_assert_eq, proptest};
-    use rand::{Rng, SeedableRng};
-
-    proptest! {
-        /// Streaming stores copy exactly `src` into exactly `dst`, whatever the alignment of
-        /// either and the length (head, aligned middle and tail each empty or not).
-        #[test]
-        fn copy_streaming_copies_exactly_the_range(
-            dst_at in 0usize..48, src_at in 0usize..48, len in 0usize..700, seed: u64,
-        ) {
-            let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
-            let src: Vec<u8> = (0..src_at + len).map(|_| rng.random()).collect();
-            let mut dst = vec![0xEEu8; dst_at + len + 32];
-            copy_streaming(&mut dst[dst_at..dst_at + len], &src[src_at..]);
-            prop_assert!(dst[..dst_at].iter().all(|&b| b == 0xEE));
-            prop_assert_eq!(&dst[dst_at..dst_at + len], &src[src_at..]);
-            prop_assert!(dst[dst_at + len..].iter().all(|&b| b == 0xEE));
-        }
-    }
+    use rand::SeedableRng;
 
     /// A buffer marked for streaming writes holds what was written, long or short, at any
     /// offset, and other bytes stay as they were.
