@@ -5,8 +5,50 @@ use std::time::Duration;
 
 use crate::{args::*, host::*};
 use anyhow::{bail, Result};
+use nvmf_rdma::cli::support::parse_duration;
 use nvmf_rdma::harness::hca_perf;
 use nvmf_rdma::harness::nvmf_perf::{self, Job, JobResult, Pattern, Tick, DEMO_NQN};
+
+/// `nvmf-rdma bench`'s flags.
+#[derive(clap::Args)]
+pub(crate) struct BenchArgs {
+    /// Seconds per row.
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// The raw soft-HCA table instead of NVMe-oF: RDMA WRITE, RDMA READ and SEND between two
+    /// soft-HCA devices of this process, at the sizes and depths the NVMe-oF table's data
+    /// takes.
+    #[arg(long)]
+    hca: bool,
+    /// With --hca: the requester's side of the messages moves through this much memory
+    /// (an RDMA READ's data lands there, a WRITE's leaves from there), e.g. 1G, the size
+    /// of bench's RAM namespace; by default it is depth x message size, which stays in
+    /// the CPU's caches.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    region: Option<usize>,
+    /// I/O queues for the NVMe-oF table.
+    #[arg(long, default_value_t = 1)]
+    queues: usize,
+    /// Run only this row of the NVMe-oF table (repeatable), named as fio-plugin/bench.sh
+    /// names its fio jobs: randread-4k-qd1, randread-4k-qd32, randwrite-4k-qd1,
+    /// randwrite-4k-qd32, read-128k-qd8, write-128k-qd8.
+    #[arg(long = "job", value_name = "NAME")]
+    pub(crate) jobs: Vec<String>,
+    #[command(flatten)]
+    ext: ExternalTarget,
+    /// A row per interval while each job runs (then the summary table).
+    #[arg(long, default_value = "1s", value_parser = parse_duration, value_name = "TIME")]
+    interval: Duration,
+    /// normal, or json: one object per line, `"type":"interval"` while a job runs and
+    /// `"type":"result"` per job at the end; with --hca, `"type":"hca"` per row.
+    #[arg(
+        short = 'o',
+        long = "output-format",
+        value_enum,
+        default_value = "normal"
+    )]
+    output: ListFormat,
+}
 
 /// How `bench` shows its rows: a line per interval while a job runs, then the table (or one
 /// JSON object per line for both).
@@ -122,16 +164,18 @@ pub(crate) fn remote_bench(sub: &Subsys, runtime: Duration, show: &Rows) -> Resu
 const MAX_REGION: usize = 4 << 30;
 
 /// `bench`: the built-in table, the raw soft-HCA table, or fio's jobs against --traddr.
-/// `region` is the raw table's `--region` (only with `hca`).
-pub(crate) fn run_bench(
-    seconds: f64,
-    hca: bool,
-    region: Option<usize>,
-    queues: usize,
-    jobs: Vec<String>,
-    ext: ExternalTarget,
-    show: Rows,
-) -> Result<()> {
+pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
+    let BenchArgs {
+        seconds,
+        hca,
+        region,
+        queues,
+        jobs,
+        ext,
+        interval,
+        output,
+    } = args;
+    let show = Rows { interval, output };
     let ExternalTarget {
         traddr,
         trsvcid,

@@ -127,41 +127,7 @@ enum Cmd {
     /// --traddr: 4 KiB random reads at QD1 and QD32 and 128 KiB sequential reads at QD16 on
     /// namespace 1 of that target, the jobs `tests/vm/run.sh bench` gives fio through the
     /// Linux host.
-    Bench {
-        /// Seconds per row.
-        #[arg(long, default_value_t = 3.0)]
-        seconds: f64,
-        #[arg(long)]
-        hca: bool,
-        /// With --hca: the requester's side of the messages moves through this much memory
-        /// (an RDMA READ's data lands there, a WRITE's leaves from there), e.g. 1G, the size
-        /// of bench's RAM namespace; by default it is depth x message size, which stays in
-        /// the CPU's caches.
-        #[arg(long, value_parser = parse_size, value_name = "SIZE")]
-        region: Option<usize>,
-        /// I/O queues for the NVMe-oF table.
-        #[arg(long, default_value_t = 1)]
-        queues: usize,
-        /// Run only this row of the NVMe-oF table (repeatable), named as fio-plugin/bench.sh
-        /// names its fio jobs: randread-4k-qd1, randread-4k-qd32, randwrite-4k-qd1,
-        /// randwrite-4k-qd32, read-128k-qd8, write-128k-qd8.
-        #[arg(long = "job", value_name = "NAME")]
-        jobs: Vec<String>,
-        #[command(flatten)]
-        ext: ExternalTarget,
-        /// A row per interval while each job runs (then the summary table).
-        #[arg(long, default_value = "1s", value_parser = parse_duration, value_name = "TIME")]
-        interval: Duration,
-        /// normal, or json: one object per line, `"type":"interval"` while a job runs and
-        /// `"type":"result"` per job at the end; with --hca, `"type":"hca"` per row.
-        #[arg(
-            short = 'o',
-            long = "output-format",
-            value_enum,
-            default_value = "normal"
-        )]
-        output: ListFormat,
-    },
+    Bench(BenchArgs),
     /// Run the built-in NVMe-oF target until interrupted.
     Target(TargetArgs),
     /// Add a namespace to a running `target --control SOCKET` (its hosts get a Namespace
@@ -357,24 +323,7 @@ fn run() -> Result<()> {
     match cli.cmd {
         Cmd::Demo { size, seconds } => demo(size, seconds),
         Cmd::HcaDemo { size, chunk } => hca_demo(size, chunk),
-        Cmd::Bench {
-            seconds,
-            hca,
-            region,
-            queues,
-            jobs,
-            ext,
-            interval,
-            output,
-        } => run_bench(
-            seconds,
-            hca,
-            region,
-            queues,
-            jobs,
-            ext,
-            Rows { interval, output },
-        ),
+        Cmd::Bench(a) => run_bench(a),
         Cmd::QpStates { dot } => {
             if dot {
                 print!("{}", nvmf_rdma::hca::qp::state::dot());

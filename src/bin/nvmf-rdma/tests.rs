@@ -74,7 +74,7 @@ fn busy_poll_default_is_the_tools_default_and_flags_parse() {
     assert!(c.busy_poll_gate);
     let c = Cli::try_parse_from(["nvmf-rdma", "bench", "--job", "randread-4k-qd1"]).unwrap();
     match c.cmd {
-        Cmd::Bench { jobs, .. } => assert_eq!(jobs, ["randread-4k-qd1"]),
+        Cmd::Bench(a) => assert_eq!(a.jobs, ["randread-4k-qd1"]),
         _ => panic!("not bench"),
     }
 }
