@@ -793,49 +793,42 @@ impl RepRepr {
 const COMM_LOCAL: usize = H;
 const COMM_REMOTE: usize = H + 4;
 
-/// RTU and DREP share one layout: the two communication IDs, then 224 bytes of private data.
-const IDS_PRIVATE: usize = H + 8;
-
-fn parse_ids_private(b: &[u8]) -> (u32, u32, [u8; 224]) {
-    let mut private_data = [0u8; 224];
-    private_data.copy_from_slice(&b[IDS_PRIVATE..IDS_PRIVATE + 224]);
-    (rd32(b, COMM_LOCAL), rd32(b, COMM_REMOTE), private_data)
-}
-
-fn emit_ids_private(out: &mut [u8; MAD_LEN], local: u32, remote: u32, private: &[u8; 224]) {
-    wr32(out, COMM_LOCAL, local);
-    wr32(out, COMM_REMOTE, remote);
-    out[IDS_PRIVATE..].copy_from_slice(private);
-}
-
-/// An RTU: the active side is ready to use the connection (IBA §12.6.9).
+/// RTU and DREP share one layout: the two communication IDs, then 224 bytes of private
+/// data. One type serves both, told apart by the attribute ID it is sent under.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RtuRepr {
+pub struct IdsPrivateRepr<const ATTR: u16> {
     pub local_comm_id: u32,
     pub remote_comm_id: u32,
-    pub private_data: [u8; RtuRepr::PRIVATE_LEN],
+    pub private_data: [u8; IDS_PRIVATE_LEN],
 }
 
-impl RtuRepr {
-    pub const ATTR_ID: u16 = attr::RTU;
-    /// `IB_CM_RTU_PRIVATE_DATA_SIZE`.
-    pub const PRIVATE_LEN: usize = 224;
+/// `IB_CM_RTU_PRIVATE_DATA_SIZE` and `IB_CM_DREP_PRIVATE_DATA_SIZE`.
+const IDS_PRIVATE_LEN: usize = 224;
+const IDS_PRIVATE: usize = H + 8;
 
-    pub fn parse<T: AsRef<[u8]>>(v: &Mad<T>) -> Result<RtuRepr, MadError> {
-        let (local_comm_id, remote_comm_id, private_data) = parse_ids_private(v.b());
-        Ok(RtuRepr {
-            local_comm_id,
-            remote_comm_id,
+/// An RTU: the active side is ready to use the connection (IBA §12.6.9).
+pub type RtuRepr = IdsPrivateRepr<{ attr::RTU }>;
+/// A DREP: the disconnect is acknowledged (IBA §12.6.11).
+pub type DrepRepr = IdsPrivateRepr<{ attr::DREP }>;
+
+impl<const ATTR: u16> IdsPrivateRepr<ATTR> {
+    pub const ATTR_ID: u16 = ATTR;
+    pub const PRIVATE_LEN: usize = IDS_PRIVATE_LEN;
+
+    pub fn parse<T: AsRef<[u8]>>(v: &Mad<T>) -> Result<Self, MadError> {
+        let b = v.b();
+        let mut private_data = [0u8; IDS_PRIVATE_LEN];
+        private_data.copy_from_slice(&b[IDS_PRIVATE..IDS_PRIVATE + IDS_PRIVATE_LEN]);
+        Ok(IdsPrivateRepr {
+            local_comm_id: rd32(b, COMM_LOCAL),
+            remote_comm_id: rd32(b, COMM_REMOTE),
             private_data,
         })
     }
     pub fn emit(&self, out: &mut [u8; MAD_LEN]) {
-        emit_ids_private(
-            out,
-            self.local_comm_id,
-            self.remote_comm_id,
-            &self.private_data,
-        );
+        wr32(out, COMM_LOCAL, self.local_comm_id);
+        wr32(out, COMM_REMOTE, self.remote_comm_id);
+        out[IDS_PRIVATE..].copy_from_slice(&self.private_data);
     }
 }
 
@@ -874,37 +867,6 @@ impl DreqRepr {
         wr32(out, COMM_REMOTE, self.remote_comm_id);
         wr32(out, Self::REMOTE_QPN, self.remote_qpn.get() << 8);
         out[Self::PRIVATE_DATA..].copy_from_slice(&self.private_data);
-    }
-}
-
-/// A DREP: the disconnect is acknowledged (IBA §12.6.11).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DrepRepr {
-    pub local_comm_id: u32,
-    pub remote_comm_id: u32,
-    pub private_data: [u8; DrepRepr::PRIVATE_LEN],
-}
-
-impl DrepRepr {
-    pub const ATTR_ID: u16 = attr::DREP;
-    /// `IB_CM_DREP_PRIVATE_DATA_SIZE`.
-    pub const PRIVATE_LEN: usize = 224;
-
-    pub fn parse<T: AsRef<[u8]>>(v: &Mad<T>) -> Result<DrepRepr, MadError> {
-        let (local_comm_id, remote_comm_id, private_data) = parse_ids_private(v.b());
-        Ok(DrepRepr {
-            local_comm_id,
-            remote_comm_id,
-            private_data,
-        })
-    }
-    pub fn emit(&self, out: &mut [u8; MAD_LEN]) {
-        emit_ids_private(
-            out,
-            self.local_comm_id,
-            self.remote_comm_id,
-            &self.private_data,
-        );
     }
 }
 
