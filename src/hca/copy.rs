@@ -11,9 +11,9 @@
 //! 28 bytes of headers, so gathers into packets, the scatters out of them and the copies
 //! between packet buffers land in that window often enough to show: the own loop's 128 KiB
 //! reads ran 1.3x faster once they stayed out of it (fio-plugin/PROFILE.md, stop 37). A
-//! plain vector loop (32-byte unaligned loads and stores) ran at 20-21 GB/s from memory
-//! and 57-70 from cache at every distance, so runs of [`VECTOR_MIN`] bytes or more in the
-//! window take it; every other copy stays with `memcpy`. `cargo bench --bench copy` shows
+//! plain vector loop (32-byte unaligned AVX2 loads and stores) ran at 20-21 GB/s from
+//! memory and 57-70 from cache at every distance, so runs of [`VECTOR_MIN`] bytes or more in
+//! the window take it; every other copy stays with `memcpy`. `cargo bench --bench copy` shows
 //! both on the machine at hand.
 
 /// Shorter copies stay with `memcpy`: below a couple of KiB glibc copies with vector moves,
@@ -62,8 +62,8 @@ pub fn extend_bytes(out: &mut Vec<u8>, src: &[u8]) {
     }
 }
 
-/// Copies `len` bytes with unaligned vector loads and stores: 32 bytes at a time where the
-/// CPU has AVX2, else 16 (SSE2 is part of x86_64).
+/// Copies `len` bytes with unaligned 32-byte vector loads and stores where the CPU has
+/// AVX2 (every x86_64 of this project's kinds), else with `memcpy` as before.
 ///
 /// # Safety
 /// `src` is valid for `len` bytes of reads, `dst` for `len` bytes of writes, and the two
@@ -74,8 +74,8 @@ unsafe fn vector_copy(dst: *mut u8, src: *const u8, len: usize) {
         // SAFETY: AVX2 is present; the caller's contract is passed on.
         unsafe { vector_copy_avx2(dst, src, len) }
     } else {
-        // SAFETY: the caller's contract is passed on.
-        unsafe { vector_copy_sse2(dst, src, len) }
+        // SAFETY: the caller's contract is `copy_nonoverlapping`'s.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
     }
 }
 
@@ -114,36 +114,6 @@ unsafe fn vector_copy_avx2(dst: *mut u8, src: *const u8, len: usize) {
         }
         let done = steps * 128;
         // The tail, under 128 bytes: memcpy moves it with vector moves.
-        std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done);
-    }
-}
-
-/// [`vector_copy`] with 4 x 16-byte moves per step.
-///
-/// # Safety
-/// As [`vector_copy`].
-#[cfg(target_arch = "x86_64")]
-unsafe fn vector_copy_sse2(dst: *mut u8, src: *const u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_storeu_si128};
-    let steps = len / 64;
-    // SAFETY: as in `vector_copy_avx2`, with 16-byte moves inside the first `steps * 64`
-    // bytes.
-    unsafe {
-        for k in 0..steps {
-            let s = src.add(k * 64).cast::<__m128i>();
-            let d = dst.add(k * 64).cast::<__m128i>();
-            let (a, b, c, e) = (
-                _mm_loadu_si128(s),
-                _mm_loadu_si128(s.add(1)),
-                _mm_loadu_si128(s.add(2)),
-                _mm_loadu_si128(s.add(3)),
-            );
-            _mm_storeu_si128(d, a);
-            _mm_storeu_si128(d.add(1), b);
-            _mm_storeu_si128(d.add(2), c);
-            _mm_storeu_si128(d.add(3), e);
-        }
-        let done = steps * 64;
         std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done);
     }
 }
@@ -203,8 +173,8 @@ mod tests {
             prop_assert!(dst[dst_at + len..].iter().all(|&b| b == 0xEE));
         }
 
-        /// Every way of copying writes exactly `src` into exactly `dst`: both line offsets,
-        /// lengths on both sides of VECTOR_MIN and of a loop step, both vector widths.
+        /// Every way of copying writes exactly `src` into exactly `dst`: any offsets, lengths
+        /// on both sides of VECTOR_MIN and of a loop step.
         #[test]
         fn copies_take_exactly_the_range_at_any_offsets(
             dst_at in 0usize..130, src_at in 0usize..130, len in 0usize..(VECTOR_MIN * 3),
@@ -219,27 +189,11 @@ mod tests {
             let mut dst = vec![0xEEu8; dst_at + len + 32];
             copy_bytes(&mut dst[dst_at..dst_at + len], &src[src_at..]);
             prop_assert!(check(&dst));
-            #[cfg(target_arch = "x86_64")]
-            {
-                let mut dst = vec![0xEEu8; dst_at + len + 32];
-                // SAFETY: two distinct vectors, each with `len` bytes at the offsets given.
-                unsafe {
-                    vector_copy_sse2(dst.as_mut_ptr().add(dst_at), src.as_ptr().add(src_at), len)
-                };
-                prop_assert!(check(&dst));
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    let mut dst = vec![0xEEu8; dst_at + len + 32];
-                    // SAFETY: as above, and AVX2 is present.
-                    unsafe {
-                        vector_copy_avx2(
-                            dst.as_mut_ptr().add(dst_at),
-                            src.as_ptr().add(src_at),
-                            len,
-                        )
-                    };
-                    prop_assert!(check(&dst));
-                }
-            }
+            // The loop itself, whatever the window says of these two allocations.
+            let mut dst = vec![0xEEu8; dst_at + len + 32];
+            // SAFETY: two distinct vectors, each with `len` bytes at the offsets given.
+            unsafe { vector_copy(dst.as_mut_ptr().add(dst_at), src.as_ptr().add(src_at), len) };
+            prop_assert!(check(&dst));
             let mut out = vec![0xEEu8; dst_at];
             extend_bytes(&mut out, &src[src_at..]);
             prop_assert_eq!(out.len(), dst_at + len);
