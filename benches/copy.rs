@@ -2,10 +2,11 @@
 //! (the loopback path's packet size) with `memcpy` (`copy_from_slice`) and with the data
 //! path's `copy_bytes`, with the destination this many bytes ahead of the source within a
 //! 4 KiB page: 0, the distances a payload has behind its headers when both buffers start
-//! on pages (BTH 12 bytes, BTH + RETH 28), 44, and 200. "memory" copies from 256 MiB read once in order (out of cache, as a
-//! RAM namespace's data), "cache" from 1 MiB read over and over. Both columns of a row run
-//! in turn, three times, and the median is printed: compare within a row, not across
-//! machines (src/hca/copy.rs says what was seen on the machines of this project's kind).
+//! on pages (BTH 12 bytes, BTH + RETH 28), 44, and 200. "memory" copies from 256 MiB read
+//! once in order (out of cache, as a RAM namespace's data), "cache" from 1 MiB read over
+//! and over. Each of a row's four figures is taken three times, in turn with the others,
+//! and the median is printed: compare within a row, not across machines (src/hca/copy.rs
+//! says what was seen on the machines of this project's kind).
 
 use std::time::Instant;
 

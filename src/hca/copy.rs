@@ -10,7 +10,8 @@
 //! A RAM namespace and I/O buffers start on pages, and a packet's payload sits behind 12 or
 //! 28 bytes of headers, so gathers into packets, the scatters out of them and the copies
 //! between packet buffers land in that window often enough to show: the own loop's 128 KiB
-//! reads ran 1.3x faster once they stayed out of it (fio-plugin/PROFILE.md, stop 37). A
+//! reads ran 1.18x as fast once they stayed out of it (6 alternated rounds; 1.27x while the
+//! machine ran in its fast mode; fio-plugin/PROFILE.md, stop 37). A
 //! plain vector loop (32-byte unaligned AVX2 loads and stores) ran at 20-21 GB/s from
 //! memory and 57-70 from cache at every distance, so runs of [`VECTOR_MIN`] bytes or more in
 //! the window take it; every other copy stays with `memcpy`. `cargo bench --bench copy` shows
@@ -32,7 +33,8 @@ fn in_alias_window(dst: *const u8, src: *const u8, len: usize) -> bool {
 }
 
 /// `dst.copy_from_slice(src)`, without `rep movsb` where the destination is just ahead of
-/// the source within a page (module doc). Panics if the lengths differ, as `copy_from_slice` does.
+/// the source within a page (module doc). Panics if the lengths differ, as `copy_from_slice`
+/// does.
 pub fn copy_bytes(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy_bytes: lengths differ");
     if in_alias_window(dst.as_ptr(), src.as_ptr(), src.len()) {
