@@ -11,11 +11,11 @@
 //! 28 bytes of headers, so gathers into packets, the scatters out of them and the copies
 //! between packet buffers land in that window often enough to show: the own loop's 128 KiB
 //! reads ran 1.18x as fast once they stayed out of it (6 alternated rounds; 1.27x while the
-//! machine ran in its fast mode; fio-plugin/PROFILE.md, stop 37). A
-//! plain vector loop (32-byte unaligned AVX2 loads and stores) ran at 20-21 GB/s from
-//! memory and 57-70 from cache at every distance, so runs of [`VECTOR_MIN`] bytes or more in
-//! the window take it; every other copy stays with `memcpy`. `cargo bench --bench copy` shows
-//! both on the machine at hand.
+//! machine ran in its fast mode; fio-plugin/PROFILE.md, stop 37). A plain vector loop
+//! (32-byte unaligned AVX2 loads and stores) ran at 20-21 GB/s from memory and 57-70 from
+//! cache at every distance, so runs of [`VECTOR_MIN`] bytes or more in the window take it;
+//! every other copy stays with `memcpy`. `cargo bench --bench copy` shows both on the
+//! machine at hand.
 
 /// Shorter copies stay with `memcpy`: below a couple of KiB glibc copies with vector moves,
 /// not `rep movsb`.
@@ -37,12 +37,8 @@ fn in_alias_window(dst: *const u8, src: *const u8, len: usize) -> bool {
 /// does.
 pub fn copy_bytes(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy_bytes: lengths differ");
-    if in_alias_window(dst.as_ptr(), src.as_ptr(), src.len()) {
-        // SAFETY: two slices of the same length; a `&mut` and a `&` cannot overlap.
-        unsafe { vector_copy(dst.as_mut_ptr(), src.as_ptr(), src.len()) }
-    } else {
-        dst.copy_from_slice(src)
-    }
+    // SAFETY: two slices of the same length; a `&mut` and a `&` cannot overlap.
+    unsafe { copy_raw(dst.as_mut_ptr(), src.as_ptr(), src.len()) }
 }
 
 /// `out.extend_from_slice(src)`, copied as [`copy_bytes`] copies.
@@ -54,13 +50,24 @@ pub fn extend_bytes(out: &mut Vec<u8>, src: &[u8]) {
     // borrowed mutably, so they do not overlap. Every byte up to the new length is written
     // before `set_len`.
     unsafe {
-        let dst = out.as_mut_ptr().add(start);
-        if in_alias_window(dst, src.as_ptr(), src.len()) {
-            vector_copy(dst, src.as_ptr(), src.len());
-        } else {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
-        }
+        copy_raw(out.as_mut_ptr().add(start), src.as_ptr(), src.len());
         out.set_len(start + src.len());
+    }
+}
+
+/// The one choice both copies make: the vector loop in the window, `memcpy` elsewhere.
+///
+/// # Safety
+/// `src` is valid for `len` bytes of reads, `dst` for `len` bytes of writes, and the two
+/// ranges do not overlap.
+unsafe fn copy_raw(dst: *mut u8, src: *const u8, len: usize) {
+    // SAFETY: the caller's contract is both callees'.
+    unsafe {
+        if in_alias_window(dst, src, len) {
+            vector_copy(dst, src, len)
+        } else {
+            std::ptr::copy_nonoverlapping(src, dst, len)
+        }
     }
 }
 
