@@ -56,7 +56,10 @@
 #   loss table   at each LOSS percentage: ext-style target and fio both inside a private
 #                network namespace (loss.sh); IOPS as a fraction of the 0% run of the same
 #                round, and whether fio's verify was clean in every round.
-# needs: fio-plugin/setup.sh done (fio, nbdkit, the release plugin), python3.
+# Failures: a run that fails (a missing tool, a server that does not start, fio or bench
+# exiting non-zero, an I/O or verify error, a loss run without its figures) stops the
+# benchmark with a line naming it and the end of its log, exit 1, and no figure at all.
+# needs: fio-plugin/setup.sh done (fio, nbdkit, nftables, the release plugin), python3.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -76,6 +79,15 @@ plugin=${NVMF_FIO_PLUGIN:-$root/target/release/libnvmf_rdma_fio.so}
 for tool in fio nbdkit python3; do
   command -v "$tool" >/dev/null || { echo "bench.sh: $tool is missing (run fio-plugin/setup.sh)" >&2; exit 1; }
 done
+# The loss runs need a network namespace with an nftables rule: say what is missing before
+# the first round, not after the main table has run.
+if [ ${#loss_rates[@]} -gt 0 ]; then
+  [ "$(id -u)" = 0 ] || { echo "bench.sh: LOSS needs root (network namespaces and nftables); run as root or drop LOSS" >&2; exit 1; }
+  for tool in ip nft; do
+    command -v "$tool" >/dev/null ||
+      { echo "bench.sh: LOSS needs $tool (run fio-plugin/setup.sh, which installs iproute2 and nftables)" >&2; exit 1; }
+  done
+fi
 [ -f "$plugin" ] || { echo "bench.sh: no plugin at $plugin (run fio-plugin/setup.sh)" >&2; exit 1; }
 (cd "$root" && cargo build -q --release --bin nvmf-rdma)
 bin=$root/target/release/nvmf-rdma
@@ -94,6 +106,22 @@ trap 'exit 130' INT TERM
 
 # `cpu OUT TARGET_PID CMD...`: fio-plugin/cpu.py (CMD's and TARGET_PID's CPU seconds).
 cpu() { python3 "$here/cpu.py" "$@"; }
+
+# `must WHAT LOG CMD...`: run CMD with its stderr in LOG; if it fails, say which run failed
+# with the end of LOG and stop. A benchmark with a failed run prints no figure at all.
+must() {
+  local what=$1 log=$2 rc=0
+  shift 2
+  "$@" 2>"$log" || rc=$?
+  if [ "$rc" != 0 ]; then
+    echo "bench.sh: $what failed (exit $rc); no figures are printed. Its last lines:" >&2
+    tail -n 8 "$log" >&2 2>/dev/null || true
+    exit 1
+  fi
+}
+
+# `to FILE CMD...`: CMD with its stdout in FILE.
+to() { local out=$1; shift; "$@" >"$out"; }
 
 # Wait (up to 10 s) for a line matching $2 in file $1, written by the process $3.
 wait_for() {
@@ -165,7 +193,7 @@ set -u
 tgt=\$!
 $(declare -f wait_for)
 wait_for "\$1.target.log" "listening on" \$tgt || exit 1
-fio --output-format=json --output="\$1.json" "$work/loss.fio" 2>"\$1.err"
+fio --output-format=json --output="\$1.json" "$work/loss.fio"
 rc=\$?
 kill \$tgt; wait \$tgt
 exit \$rc
@@ -211,30 +239,30 @@ for r in $(seq "$rounds"); do
     set -- $w
     name="$1-$2-qd$3"
     echo "round $r/$rounds: $name (own, plugin, ext, nbdkit)" >&2
-    "$bin" bench --seconds "$secs" --job "$name" -o json >"$work/own.$r.$name.json"
+    must "round $r: own $name" "$work/own.$r.$name.err" \
+      to "$work/own.$r.$name.json" "$bin" bench --seconds "$secs" --job "$name" -o json
     for e in plugin plugin-long ext nbd; do
       case $e in plugin*) g=$plugin_global ;; ext) g=$ext_global ;; nbd) g=$nbd_global ;; esac
       t=$secs; [ $e = plugin-long ] && t=$((2 * secs))
       job "$g" "$t" "$@" >"$work/$e.fio"
       run=(fio --output-format=json --output="$work/$e.$r.$name.json" "$work/$e.fio")
-      case $e in plugin*) cpu "$work/$e.$r.$name.cpu" - "${run[@]}" ;;
-                 ext) COPIES_URL=http://127.0.0.1:$mport/metrics cpu "$work/$e.$r.$name.cpu" "$tgt_pid" "${run[@]}" ;;
-                 nbd) cpu "$work/$e.$r.$name.cpu" "$nbd_pid" "${run[@]}" ;; esac
+      log=$work/$e.$r.$name.err
+      case $e in plugin*) must "round $r: fio $e $name" "$log" cpu "$work/$e.$r.$name.cpu" - "${run[@]}" ;;
+                 ext) COPIES_URL=http://127.0.0.1:$mport/metrics \
+                        must "round $r: fio ext $name" "$log" cpu "$work/$e.$r.$name.cpu" "$tgt_pid" "${run[@]}" ;;
+                 nbd) must "round $r: fio nbdkit $name" "$log" cpu "$work/$e.$r.$name.cpu" "$nbd_pid" "${run[@]}" ;; esac
     done
   done
   echo "round $r/$rounds: raw soft-HCA table" >&2
-  "$bin" bench --hca --seconds "$secs" -o json >"$work/hca.$r.json"
-  "$bin" bench --hca --region 1G --seconds "$secs" -o json >"$work/hca1g.$r.json"
+  must "round $r: raw soft-HCA bench" "$work/hca.$r.err" \
+    to "$work/hca.$r.json" "$bin" bench --hca --seconds "$secs" -o json
+  must "round $r: raw soft-HCA bench --region 1G" "$work/hca1g.$r.err" \
+    to "$work/hca1g.$r.json" "$bin" bench --hca --region 1G --seconds "$secs" -o json
   for p in ${loss_rates[@]:+0 "${loss_rates[@]}"}; do
     echo "round $r/$rounds: $p% UDP loss, verify on" >&2
-    rc=0
-    bash "$here/loss.sh" "$p" -- bash "$work/loss-run.sh" "$work/loss.$r.$p" \
-      2>"$work/loss.$r.$p.log" || rc=$?
-    echo "$rc" >"$work/loss.$r.$p.rc"
-    if [ "$rc" != 0 ]; then
-      echo "bench.sh: the $p% loss run failed (exit $rc); its last lines:" >&2
-      tail -n 5 "$work/loss.$r.$p.err" "$work/loss.$r.$p.log" >&2 2>/dev/null || true
-    fi
+    # fio exits non-zero on a verify error too, so a clean exit is a clean verify.
+    must "round $r: the $p% loss run" "$work/loss.$r.$p.log" \
+      bash "$here/loss.sh" "$p" -- bash "$work/loss-run.sh" "$work/loss.$r.$p"
   done
 done
 echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$work/header"
@@ -303,6 +331,30 @@ def known(xs):
 
 def of_rounds(xs):
     return "" if None not in xs else f" ({len(known(xs))}/{len(xs)})"
+
+LOSS_JOBS = ("randread-4k-qd32", "randwrite-4k-qd32")
+
+def loss_iops(r, p):
+    """IOPS by job of one loss run; None when a job is missing or reported an error."""
+    with open(f"{work}/loss.{r}.{p}.json") as f:
+        jobs = {j["jobname"]: j for j in json.load(f)["jobs"]}
+    if any(j["error"] for j in jobs.values()) or not all(n in jobs for n in LOSS_JOBS):
+        return None
+    return {n: jobs[n]["read" if "randread" in n else "write"]["iops"] for n in LOSS_JOBS}
+
+loss = {(r, p): loss_iops(r, p) for r in runs for p in (["0"] + loss_rates if loss_rates else [])}
+
+# A run with an I/O error, or a loss run without its figures, fails the whole benchmark
+# before any table is printed: no figure comes from a run that failed.
+failed = [f"own {n} round {r}: {x['errors']} I/O errors"
+          for n, rows in own.items() for r, x in zip(runs, rows) if x["errors"]]
+failed += [f"fio {e} {n} round {r}: error {x['errors']}"
+           for (e, n), rows in fio.items() for r, x in zip(runs, rows) if x["errors"]]
+failed += [f"the {p}% loss run of round {r}: a job failed or is missing"
+           for (r, p), v in loss.items() if v is None or 0 in v.values()]
+if failed:
+    print("bench.sh: " + "; ".join(failed) + "; no figures are printed", file=sys.stderr)
+    sys.exit(1)
 
 with open(f"{work}/header") as f:
     print(f.read(), end="")
@@ -384,37 +436,16 @@ print("(raw: the requester's side of the messages stays in cache, as bench --hca
       "default; raw 1G: it moves through 1 GiB, as the namespace's data does: "
       "bench --hca --region 1G)")
 
-errors = sum(x["errors"] for rows in list(own.values()) + list(fio.values()) for x in rows)
 
 if loss_rates:
     print("\nUDP loss (fio-plugin/loss.sh: target and fio in a private namespace, 4 KiB QD32, "
           "verify=crc32c); IOPS as a fraction of the same round's 0% run")
-    def loss_run(r, p):
-        """(IOPS by job, clean): clean = fio exited 0 with no job error (verify included)."""
-        with open(f"{work}/loss.{r}.{p}.rc") as f:
-            rc = int(f.read())
-        try:
-            with open(f"{work}/loss.{r}.{p}.json") as f:
-                jobs = json.load(f)["jobs"]
-        except (OSError, ValueError):
-            return {}, False
-        iops = {j["jobname"]: j["read" if "randread" in j["jobname"] else "write"]["iops"]
-                for j in jobs if j["jobname"] != "fill"}
-        return iops, rc == 0 and all(j["error"] == 0 for j in jobs)
-    base = {r: loss_run(r, "0") for r in runs}
     fmt = "{:<18} {:>6} {:>14} {:>24}"
-    print(fmt.format("workload", "loss", "IOPS", "fraction of 0%", ) + "  verify")
-    for job in ("randread-4k-qd32", "randwrite-4k-qd32"):
+    print(fmt.format("workload", "loss", "IOPS", "fraction of 0%") + "  verify")
+    for job in LOSS_JOBS:
         for p in ["0"] + loss_rates:
-            got = [loss_run(r, p) for r in runs]
-            iops = [g[0].get(job) for g in got]
-            clean = all(g[1] for g in got)
-            frac = [i / base[r][0][job] for r, i in zip(runs, iops)
-                    if i is not None and base[r][0].get(job)]
-            print(fmt.format(job, f"{p}%",
-                             f"{med(i for i in iops if i is not None):.0f}" if frac else "none",
-                             spread(frac) if frac else "n/a")
-                  + ("  clean" if clean else "  FAILED (fio's errors are above the tables)"))
-
-print(f"\nI/O errors in the main tables: {errors}")
+            iops = [loss[r, p][job] for r in runs]
+            frac = [i / loss[r, "0"][job] for r, i in zip(runs, iops)]
+            # Every run got here with fio's exit 0 and no job error: verify was clean.
+            print(fmt.format(job, f"{p}%", f"{med(iops):.0f}", spread(frac)) + "  clean")
 EOF

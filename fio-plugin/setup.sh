@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare a Debian machine for the fio plugin, idempotently (run as root):
 #   1. enable deb-src for the running suite (needed by `apt-get source`),
-#   2. install fio (and nbdkit, for bench.sh),
+#   2. install fio (and nbdkit, nftables and iproute2, for bench.sh and its loss runs),
 #   3. fetch the source of exactly the installed fio version and run its configure, which
 #      writes config-host.h (the plugin compiles against fio's own headers),
 #   4. build the plugin in release.
@@ -35,7 +35,7 @@ SRC
   need_update=1
 fi
 pkgs=""
-for p in fio nbdkit dpkg-dev gcc make; do
+for p in fio nbdkit nftables iproute2 dpkg-dev gcc make; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || pkgs="$pkgs $p"
 done
 if [ -n "$pkgs" ] || [ "$need_update" = 1 ] || [ -z "$(fio_src_dir)" ]; then
