@@ -491,7 +491,27 @@ pub(crate) fn wire_quote(s: &str) -> String {
 /// PCI remove, done from outside.
 pub(crate) const KERNEL_FAULTS: [FaultKind; 2] = [FaultKind::Reset, FaultKind::UserReset];
 
+/// The faults to inflict: those given, else the default for the target and device
+/// (target-restart only where chaos runs the target; a kernel device cannot be unplugged
+/// from here).
+pub(crate) fn chosen_faults(a: &ChaosArgs) -> Vec<FaultKind> {
+    if !a.faults.is_empty() {
+        a.faults.clone()
+    } else if matches!(a.ext.device, DeviceChoice::Kernel(_)) {
+        KERNEL_FAULTS.to_vec()
+    } else if a.ext.traddr.is_some() {
+        vec![FaultKind::Reset, FaultKind::Replug]
+    } else {
+        vec![
+            FaultKind::Reset,
+            FaultKind::Replug,
+            FaultKind::TargetRestart,
+        ]
+    }
+}
+
 pub(crate) fn check_chaos_args(a: &ChaosArgs) -> Result<()> {
+    let faults = chosen_faults(a);
     if !(a.seconds > 0.0 && a.seconds <= 86_400.0) {
         bail!("--seconds must be more than 0 and at most 86400");
     }
@@ -501,15 +521,12 @@ pub(crate) fn check_chaos_args(a: &ChaosArgs) -> Result<()> {
     if a.down_max > Duration::from_secs(600) {
         bail!("--down-max must be at most 600s");
     }
-    if a.faults.is_empty() {
-        bail!("--faults needs at least one fault");
-    }
-    if a.ext.traddr.is_some() && a.faults.contains(&FaultKind::TargetRestart) {
+    if a.ext.traddr.is_some() && faults.contains(&FaultKind::TargetRestart) {
         bail!("--faults target-restart needs the built-in target (no --traddr)");
     }
     // (clap makes --device need --traddr: the built-in target of chaos is on the soft-HCA.)
     if let DeviceChoice::Kernel(d) = &a.ext.device {
-        if let Some(k) = a.faults.iter().find(|k| !KERNEL_FAULTS.contains(k)) {
+        if let Some(k) = faults.iter().find(|k| !KERNEL_FAULTS.contains(k)) {
             bail!(
                 "--faults {}: on kernel RDMA device {d} chaos can inflict reset and user-reset; \
                  unplug it from outside (rxe: `rdma link delete {d}`, then `rdma link add`)",
@@ -532,8 +549,9 @@ pub(crate) fn check_chaos_args(a: &ChaosArgs) -> Result<()> {
     Ok(())
 }
 
-pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
+pub(crate) async fn run_chaos(mut a: ChaosArgs) -> Result<()> {
     use rand::{Rng, SeedableRng};
+    a.faults = chosen_faults(&a);
     check_chaos_args(&a)?;
     let r = a
         .policy

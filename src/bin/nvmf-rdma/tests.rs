@@ -59,6 +59,21 @@ fn sizes() {
     assert!(parse_size("12Q").is_err());
     assert!(parse_size("-1").is_err());
     assert!(parse_size("99999999999999999999G").is_err());
+    assert_eq!(parse_size("4T"), Ok(4 << 40));
+    assert_eq!(parse_size("1.5M"), Ok(3 << 19));
+    assert_eq!(parse_size("0.5K"), Ok(512));
+    assert_eq!(parse_size("2.0G"), Ok(2 << 30));
+    assert!(parse_size("0.3K")
+        .unwrap_err()
+        .contains("whole number of bytes"));
+    assert!(parse_size("1.2.3M").is_err());
+    assert!(parse_size(".").is_err());
+    assert!(parse_size("0.0M").is_err());
+    let e = parse_size("4X").unwrap_err();
+    assert!(
+        e.contains("unknown size unit 'X'") && e.contains("K, M, G, T"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -313,13 +328,23 @@ fn chaos_flags_and_defaults() {
         )
     );
     assert_eq!(
-        a.faults,
+        chosen_faults(&a),
         [
             FaultKind::Reset,
             FaultKind::Replug,
             FaultKind::TargetRestart
         ]
     );
+    // Against another target, the default is the host-side faults.
+    let ext = chaos_args(&["-a", "192.168.100.2", "-n", "nqn.x"]).unwrap();
+    assert_eq!(chosen_faults(&ext), [FaultKind::Reset, FaultKind::Replug]);
+    assert!(check_chaos_args(&ext).is_ok());
+    let e =
+        check_chaos_args(&chaos_args(&["-a", "10.0.0.1", "--faults", "target-restart"]).unwrap());
+    assert!(e
+        .unwrap_err()
+        .to_string()
+        .contains("needs the built-in target"));
     assert_eq!(a.output, OutputFormat::Normal);
     // Chaos defaults: reconnect at once, give up after a minute.
     let r = a
@@ -377,6 +402,8 @@ fn chaos_on_a_kernel_device_takes_the_faults_it_can_inflict() {
         "reset,user-reset",
     ];
     assert_eq!(err(&ok), None);
+    let dflt = chaos_args(&["--device", "rxe0", "-a", "192.168.100.2"]).unwrap();
+    assert_eq!(chosen_faults(&dflt), KERNEL_FAULTS);
     // No built-in target on a kernel device: --device needs --traddr.
     assert!(chaos_args(&["--device", "rxe0", "--faults", "reset"]).is_err());
     // Unplugging a kernel device is done from outside.
