@@ -285,13 +285,37 @@ enum TargetNsCmd {
 /// Errors end the process with one line: what failed and why, outermost first (anyhow's
 /// `{:#}`), never Debug text or a backtrace.
 fn main() -> std::process::ExitCode {
+    quiet_on_closed_stdout();
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) if reader_went_away(&e) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("nvmf-rdma: {e:#}");
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// A reader that stops reading (`| head -1`) ends the command quietly, as it ends `cat`: the
+/// output nobody reads is not an error. `print!` panics when stdout is a closed pipe; this
+/// hook turns exactly that panic into exit 0 and leaves every other panic as it was.
+fn quiet_on_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info.payload_as_str().unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.contains("os error 32") {
+            std::process::exit(0);
+        }
+        default(info)
+    }));
+}
+
+/// An error whose cause is a write to a closed pipe (`writeln!` to stdout under `| head`).
+fn reader_went_away(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 fn run() -> Result<()> {
