@@ -302,7 +302,12 @@ fn main() -> std::process::ExitCode {
 fn quiet_on_closed_stdout() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let msg = info.payload_as_str().unwrap_or("");
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
         if msg.starts_with("failed printing to stdout") && msg.contains("os error 32") {
             std::process::exit(0);
         }
