@@ -434,7 +434,7 @@ impl Thread {
 /// fio queued the next while the target waited, the two threads taking turns (at 4 KiB QD32
 /// reads, 50-100 µs waits on each side, both spinning through them). Two half-depth
 /// batches keep both busy: the target answers one while fio takes the other's completions
-/// (fio-plugin/PROFILE.md, "Two halves in flight").
+/// (docs/performance.md, "Two halves in flight").
 fn start_early(committed: usize, in_flight: usize) -> bool {
     committed >= 2 && committed * 2 >= in_flight
 }

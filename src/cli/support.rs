@@ -18,7 +18,7 @@ pub use crate::hca::device::roce_peer;
 /// CM REQ and REP, so it must tell a peer nothing (no PID), yet differ between processes on
 /// one IP, as the CM tells connections apart by it. Towards a RoCEv2 peer (rxe, a NIC) the
 /// device speaks to UDP port 4791 and checks ICRCs against the real IP header
-/// ([`icrc_check_for`]; see the README's Security).
+/// ([`icrc_check_for`]; see docs/wire.md, "ICRC").
 pub fn soft_device_config(name: &str, addr: SocketAddr, n: u8) -> crate::hca::DeviceConfig {
     use crate::hca::device::DeviceIdentity;
     let r: [u8; 3] = rand::random();

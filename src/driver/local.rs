@@ -45,7 +45,7 @@ pub(crate) const INBOX_BYTES: usize = 8 << 20;
 /// at QD1. Half a 128 KiB transfer: with writes in their capsules at any depth, a QD32 turn
 /// of 4 KiB writes is 130 KiB of capsules, which a 128 KiB threshold handed over only at
 /// the turn's end (own loop, 3 rounds: 4 KiB QD32 writes 188-247 K IOPS at 128 KiB,
-/// 322-382 K at 64 KiB, 128 KiB transfers level; fio-plugin/PROFILE.md, stop 32).
+/// 322-382 K at 64 KiB, 128 KiB transfers level; docs/performance.md).
 pub(crate) const DELIVER_EARLY_BYTES: usize = 64 << 10;
 
 /// Destinations a sender remembers the way to (see [`LocalLink::route`]).

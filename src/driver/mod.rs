@@ -512,7 +512,7 @@ const PUBLISH_EVERY_NS: u64 = 1_000_000;
 /// Between yields nothing is made again: the kick waiter is registered once per spell, and
 /// the inbox, the socket and the clock are only read. A spin iteration that went through
 /// the `select!` of a sleeping driver (three waiters made and dropped, the timer polled)
-/// cost 1.4-2 µs here (fio-plugin/PROFILE.md, "The QD1 round trip, traced"); and with no
+/// cost 1.4-2 µs here (docs/performance.md, "A QD1 round trip"); and with no
 /// waiter on the inbox, a loopback delivery to a spinning peer only stores a permit instead
 /// of waking it, which for a driver on another thread was a write to its runtime's eventfd.
 async fn spin<P: PacketPort>(

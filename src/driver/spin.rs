@@ -5,7 +5,7 @@
 //! the target's worker) needs to produce the very packet it waits for, and every empty poll
 //! is a syscall: on the 2-core test machine at load 8, 4 KiB QD32 through the plugin and an
 //! `nvmf-rdma target` cost 9.9 µs of CPU per I/O with 50 µs busy polling and 6.1 µs without
-//! it, at 0.56x the IOPS (fio-plugin/PROFILE.md). The sign of that is the spinning thread
+//! it, at 0.56x the IOPS (docs/performance.md). The sign of that is the spinning thread
 //! being preempted: the kernel only takes a core from a runnable thread when another one
 //! wants it. So while spinning, every [`CHECK_EVERY`] the driver reads its thread's
 //! involuntary context switches; if that count rose since the last check (a reading at most

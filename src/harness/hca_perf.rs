@@ -297,7 +297,7 @@ async fn drive_load(
     })
 }
 
-/// The benchmark table the README records.
+/// The benchmark table docs/performance.md records.
 /// `region`: see [`Workload::region`].
 pub fn standard_table(duration: Duration, region: usize) -> anyhow::Result<Vec<Report>> {
     let mut out = Vec::new();

@@ -11,7 +11,7 @@
 //! 28 bytes of headers, so gathers into packets, the scatters out of them and the copies
 //! between packet buffers land in that window often enough to show: the own loop's 128 KiB
 //! reads ran 1.18x as fast once they stayed out of it (6 alternated rounds; 1.27x while the
-//! machine ran in its fast mode; fio-plugin/PROFILE.md, stop 37). A plain vector loop
+//! machine ran in its fast mode; docs/performance.md). A plain vector loop
 //! (32-byte unaligned AVX2 loads and stores) ran at 20-21 GB/s from memory and 57-70 from
 //! cache at every distance, so runs of [`VECTOR_MIN`] bytes or more in the window take it;
 //! every other copy stays with `memcpy`. `cargo bench --bench copy` shows both on the

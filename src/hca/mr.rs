@@ -178,7 +178,7 @@ impl HostMem {
     /// the cache anyway, and an ordinary store first reads the line it fills (twice the
     /// memory traffic), then evicts something the data path uses. Own loop, 6 alternated
     /// rounds: 4 KiB random writes 1.09x at QD32 and 1.10x at QD1, 128 KiB writes 1.10x
-    /// (fio-plugin/PROFILE.md, stop 35).
+    /// (docs/performance.md, "128 KiB transfers").
     pub fn stream_writes(&self) {
         self.inner.stream.store(true, Ordering::Relaxed);
     }

@@ -1,6 +1,6 @@
 //! What an attacker who can reach the target's (or host's) UDP port can do, each case as
-//! a test against the library over loopback (the security review's rows; README
-//! "Security"). Every test here failed on the code before its fix.
+//! a test against the library over loopback (the security review's rows;
+//! docs/security.md). Every test here failed on the code before its fix.
 //!
 //! - pre-Connect CM REQs cost a small fixed amount and are capped per peer IP and in total;
 //! - comm IDs, PSNs and memory keys differ between two instances built identically;

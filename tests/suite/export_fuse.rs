@@ -185,7 +185,7 @@ fn nbdfuse_loop_ext4() {
     server.abort();
 }
 
-/// Sequential MB/s through FUSE + loop (the README line). 1 GiB each way with dd, O_DIRECT.
+/// Sequential MB/s through FUSE + loop (docs/performance.md). 1 GiB each way with dd, O_DIRECT.
 /// `cargo test --release --test suite -- --ignored --nocapture fuse_loop_seq_bench`
 #[test]
 #[ignore = "benchmark"]

@@ -181,7 +181,7 @@ PY
 }
 
 # The kernel host in the same guest under the comparable faults (not in CI): for the
-# side-by-side table in the README. (No pipes after gx: it must run in this shell.)
+# side-by-side table in docs/interop.md. (No pipes after gx: it must run in this shell.)
 case_linux_chaos() {
   log "linux chaos: kernel host, nvmet port disabled for 8 s (reconnect_delay=2, ctrl_loss_tmo=60)"
   GX_TIMEOUT=150 gx 'linux_chaos port_disable port_enable 8' > "$OUT/linux-chaos-port.txt"

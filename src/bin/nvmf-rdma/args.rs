@@ -338,7 +338,7 @@ pub(crate) struct TargetArgs {
     /// Threads serving the soft-HCA and the hosts' queues. One (the default, like SPDK's
     /// one-core reactor mask) keeps every hand-off between the device and the queues on one
     /// thread: against two it cost 10-14% less CPU per 4 KiB QD32 I/O at 13-18% more IOPS,
-    /// and answered QD1 I/O 1.6x as fast (fio-plugin/PROFILE.md). More spread many hosts'
+    /// and answered QD1 I/O 1.6x as fast (docs/performance.md). More spread many hosts'
     /// queues over cores.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub(crate) threads: u16,

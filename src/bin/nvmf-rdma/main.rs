@@ -58,7 +58,7 @@ struct Cli {
     busy_poll: Duration,
     /// Stop busy polling for a while whenever the polling thread is preempted, so it does
     /// not hold a core the application (or the target) needs: less CPU per I/O on
-    /// oversubscribed cores, fewer IOPS when the cores are free (see the README).
+    /// oversubscribed cores, fewer IOPS when the cores are free (see docs/performance.md).
     #[arg(long, global = true)]
     busy_poll_gate: bool,
     #[command(subcommand)]

@@ -143,7 +143,7 @@ hw_fio_replug() {  # hw_fio_replug TRADDR NQN
     'time_based=1' 'runtime=20' '[hwreplug]' 'rw=randwrite' > /tmp/hw.fio
   # A second RDMA device (rxe9 on a dummy netdev): librdmacm re-reads the device list to let go
   # of a removed device's context, but gives up when the list is empty, and the kernel finishes
-  # removing rxe0 only once that context is closed (see README, Devices).
+  # removing rxe0 only once that context is closed (see docs/devices.md).
   modprobe dummy 2>/dev/null; ip link add nvmfdummy0 type dummy 2>/dev/null; ip link set nvmfdummy0 up
   rdma link add rxe9 type rxe netdev nvmfdummy0 2>/dev/null
   LD_LIBRARY_PATH=/mnt/out/hw/lib fio --status-interval=1 /tmp/hw.fio > /tmp/hw-fio.txt 2>&1 &
