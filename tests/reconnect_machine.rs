@@ -528,3 +528,51 @@ fn forever_means_forever() {
     d.run_to(d.now);
     assert_eq!(d.attempts().len(), 1);
 }
+
+/// The episode log a watcher keeps (the fio plugin's end-of-run line): a recovered episode
+/// followed by one that ends at ctrl_loss_tmo gives two episodes with both causes, one
+/// recovered and one not, whatever the stale cause of the status says in between.
+#[test]
+fn the_recovery_log_counts_every_episode_and_the_one_not_recovered() {
+    use nvmf_rdma::reconnect::RecoveryLog;
+    let p = Policy {
+        ctrl_loss_tmo: Some(Duration::from_secs(3)),
+        reconnect_delay: Duration::from_secs(1),
+        fast_io_fail_tmo: None,
+        ..policy()
+    };
+    let mut d = Drive::new(p);
+    let mut log = RecoveryLog::default();
+    let mut look = |d: &Drive| {
+        let st = d.m.status(Instant(d.now));
+        log.observe(&st);
+        (st, log.clone())
+    };
+    assert_eq!(look(&d).1.summary(&look(&d).0), "no recovery");
+    d.ev(Event::DeviceDown { removed: true });
+    look(&d);
+    d.ev(Event::DeviceUp(ours()));
+    d.run_to(S);
+    d.ev(Event::Connected);
+    let (st, l) = look(&d);
+    assert_eq!(d.m.state(), CtrlState::Live);
+    assert_eq!(
+        l.summary(&st),
+        "1 recovery episode (device-removed): 1 recovered"
+    );
+    d.now += S;
+    d.ev(Event::Failed(Cause::KeepAliveLost));
+    let (st, l) = look(&d);
+    assert_eq!(
+        l.summary(&st),
+        "2 recovery episodes (device-removed, keep-alive-lost): 1 recovered, 1 in progress"
+    );
+    d.run_to(20 * S);
+    let (st, l) = look(&d);
+    assert_eq!(d.m.state(), CtrlState::Dead);
+    assert_eq!(
+        l.summary(&st),
+        "2 recovery episodes (device-removed, keep-alive-lost): 1 recovered, \
+         1 not recovered (ctrl_loss_tmo expired)"
+    );
+}

@@ -18,6 +18,7 @@ use nvmf_rdma::cli::device::{connect_kernel, DeviceChoice};
 use nvmf_rdma::cli::support::{local_ip_for, soft_device_config};
 use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::nvmf_perf::LocalTarget;
+use nvmf_rdma::reconnect::RecoveryLog;
 use nvmf_rdma::transport::{ConnectOptions, Controller};
 
 use crate::options::{Chaos, CtrlKey, CtrlOptions, TargetAddr};
@@ -33,33 +34,19 @@ pub struct Ctrl {
     chaos: Option<Chaos>,
     chaos_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     pub resets: Arc<AtomicU64>,
-    /// The cause of each recovery so far (the first [`MAX_CAUSES`]), and how many there were.
-    recoveries: Arc<Mutex<(u64, Vec<&'static str>)>>,
+    /// The recovery episodes so far, for the summary fio's log gets at the end.
+    recoveries: Arc<Mutex<RecoveryLog>>,
 }
 
-const MAX_CAUSES: usize = 16;
-
-/// Record the cause of every recovery of `c`, for the summary fio's log gets at the end.
-fn watch_recoveries(c: &Controller) -> Arc<Mutex<(u64, Vec<&'static str>)>> {
-    let log = Arc::new(Mutex::new((0u64, Vec::new())));
+/// Keep the recovery episodes of `c`, for the summary fio's log gets at the end.
+fn watch_recoveries(c: &Controller) -> Arc<Mutex<RecoveryLog>> {
+    let log = Arc::new(Mutex::new(RecoveryLog::default()));
     let mut rx = c.watch_status();
     let l = log.clone();
     tokio::spawn(async move {
-        let mut in_episode = false;
         while rx.changed().await.is_ok() {
-            let cause = rx.borrow_and_update().machine.cause;
-            match cause {
-                Some(cause) if !in_episode => {
-                    in_episode = true;
-                    let mut g = l.lock().unwrap_or_else(|e| e.into_inner());
-                    g.0 += 1;
-                    if g.1.len() < MAX_CAUSES {
-                        g.1.push(cause.name());
-                    }
-                }
-                None => in_episode = false,
-                _ => {}
-            }
+            let st = rx.borrow_and_update().machine;
+            l.lock().unwrap_or_else(|e| e.into_inner()).observe(&st);
         }
     });
     log
@@ -186,11 +173,6 @@ impl Engine {
                         c.key.subnqn, c.key.target
                     );
                 }
-                let (episodes, causes) = c
-                    .recoveries
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone();
                 // Host payload copies per completed I/O (0 with registered fio buffers).
                 let (ios, copies) = c.ctrl.queue_stats()[1..]
                     .iter()
@@ -202,19 +184,17 @@ impl Engine {
                     copies as f64 / ios.max(1) as f64
                 );
                 let st = c.ctrl.status().machine;
-                let lost = episodes.saturating_sub(st.recoveries);
+                let mut log = c
+                    .recoveries
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                log.observe(&st);
                 eprintln!(
-                    "nvmf-rdma: {} at {}: {} recoveries{}{}{}",
+                    "nvmf-rdma: {} at {}: {}",
                     c.key.subnqn,
                     c.key.target,
-                    st.recoveries,
-                    if episodes > 0 { ", causes: " } else { "" },
-                    causes.join(", "),
-                    match (lost, st.fail_reason) {
-                        (0, _) => String::new(),
-                        (n, Some(r)) => format!("; {n} not recovered ({})", r.name()),
-                        (n, None) => format!("; {n} not recovered"),
-                    }
+                    log.summary(&st)
                 );
                 let Ok(c) = Arc::try_unwrap(c) else { continue };
                 if let Ok(ctrl) = Arc::try_unwrap(c.ctrl) {

@@ -364,7 +364,7 @@ impl Health {
         }
         let mut r = format!("recoveries {}", self.recoveries);
         if let Some(d) = self.last_recovery {
-            r += &format!(" (last {})", human_duration(d));
+            r += &format!(" (the last took {})", human_duration(d));
         }
         parts.push(r);
         let mut d = String::from(if self.device_present {
@@ -504,6 +504,7 @@ mod tests {
                 foreign_device: true,
                 failfast: false,
                 recoveries: 2,
+                episodes: 3,
                 fail_reason: None,
             },
             cntlid: 1,
@@ -548,7 +549,7 @@ mod tests {
         assert_eq!(
             h.describe(&state),
             "cause device-fatal, attempt 3 of 60, next attempt in 40.0 ms, \
-             ctrl_loss_tmo in 571 s; recoveries 2 (last 48.2 ms); device absent, \
+             ctrl_loss_tmo in 571 s; recoveries 2 (the last took 48.2 ms); device absent, \
              foreign device seen"
         );
         assert!(j.contains(r#""next_attempt_in_ms":40.000"#), "{j}");
@@ -563,7 +564,7 @@ mod tests {
         assert_eq!(h.loss_in, None, "no countdown while live");
         assert_eq!(
             h.describe(&state),
-            "last failure device-fatal; recoveries 2 (last 48.2 ms); device present"
+            "last failure device-fatal; recoveries 2 (the last took 48.2 ms); device present"
         );
         let mut st = status(CtrlState::Connecting);
         st.machine.max_attempts = None;

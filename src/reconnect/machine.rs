@@ -254,6 +254,9 @@ pub struct Status {
     pub failfast: bool,
     /// Completed recoveries.
     pub recoveries: u64,
+    /// Recovery episodes started: each failure that took the controller out of LIVE. Less
+    /// `recoveries`, the episodes in progress or not recovered.
+    pub episodes: u64,
     pub fail_reason: Option<FailReason>,
 }
 
@@ -280,6 +283,7 @@ pub struct Machine {
     ka_next: Option<Instant>,
     ka_deadline: Option<Instant>,
     recoveries: u64,
+    episodes: u64,
     fail_reason: Option<FailReason>,
     /// The last transition taken, for tests and logs.
     pub last: Option<(CtrlState, &'static str, CtrlState)>,
@@ -311,6 +315,7 @@ impl Machine {
             ka_next: None,
             ka_deadline: None,
             recoveries: 0,
+            episodes: 0,
             fail_reason: None,
             last: None,
         }
@@ -345,6 +350,7 @@ impl Machine {
             foreign_device: self.foreign,
             failfast: self.failfast,
             recoveries: self.recoveries,
+            episodes: self.episodes,
             fail_reason: self.fail_reason,
         }
     }
@@ -501,6 +507,7 @@ impl Machine {
     fn enter_resetting(&mut self, now: Instant, c: Cause, a: &mut Actions) {
         self.goto(CtrlState::Resetting, trigger::FAILED);
         self.cause = Some(c);
+        self.episodes += 1;
         self.attempts = 0;
         self.charged = 0;
         self.streak = 0;

@@ -2,9 +2,11 @@
 //! (states, timers, attempts); [`policy`] holds nvme-cli's knobs. The controller in
 //! `transport::controller` runs the machine's actions against the HCA.
 
+pub mod episodes;
 pub mod machine;
 pub mod policy;
 
+pub use episodes::RecoveryLog;
 pub use machine::{
     Action, Actions, Cause, CtrlState, Event, FailReason, Machine, Status, TRANSITIONS,
 };

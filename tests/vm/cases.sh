@@ -326,18 +326,18 @@ case_hw_fio() {
   check "hw fio: verify=crc32c through the plugin on rxe0 across the delete/re-add: fio exit 0, 0 I/O and verify errors" \
     eval "grep -q 'fio rc=0' '$OUT/hw-fio.txt' && grep -qE 'err= *0' '$OUT/hw-fio.txt' && ! grep -qE 'err= *[1-9]|verify: bad|crc32c: verify failed' '$OUT/hw-fio.txt'"
   check "hw fio: the controller reports one recovery, cause device-removed" \
-    grep -q '1 recoveries, causes: device-removed$' "$OUT/hw-fio.txt"
+    grep -q '1 recovery episode (device-removed): 1 recovered$' "$OUT/hw-fio.txt"
 
   log "hw fio: rxe0 deleted, and what comes back is another card (rxe0 on a macvlan, another GUID), --identity both"
   GX_TIMEOUT=300 gx "hw_fio_other $HOST_IP $ONQN both" > "$OUT/hw-fio-other.txt"
   cut -c1-220 "$OUT/hw-fio-other.txt"
   check "hw fio: another card with identity both: no reconnect through it, held I/O fails with a host path error" \
-    eval "grep -q 'rdma link add on mv0 rc=0' '$OUT/hw-fio-other.txt' && grep -qE 'host path error: (ctrl_loss_tmo expired|device not back within replug_window)' '$OUT/hw-fio-other.txt' && grep -q '0 recoveries, causes: device-removed; 1 not recovered' '$OUT/hw-fio-other.txt' && ! grep -q 'verify failed\|bad magic\|crc32c: verify' '$OUT/hw-fio-other.txt'"
+    eval "grep -q 'rdma link add on mv0 rc=0' '$OUT/hw-fio-other.txt' && grep -qE 'host path error: (ctrl_loss_tmo expired|device not back within replug_window)' '$OUT/hw-fio-other.txt' && grep -q '1 recovery episode (device-removed): 0 recovered, 1 not recovered' '$OUT/hw-fio-other.txt' && ! grep -q 'verify failed\|bad magic\|crc32c: verify' '$OUT/hw-fio-other.txt'"
   log "hw fio: the same with --identity any"
   GX_TIMEOUT=300 gx "hw_fio_other $HOST_IP $ONQN any" > "$OUT/hw-fio-any.txt"
   cut -c1-220 "$OUT/hw-fio-any.txt"
   check "hw fio: another card with identity any: ours reconnects through it, fio exit 0, 0 errors" \
-    eval "grep -q 'fio rc=0' '$OUT/hw-fio-any.txt' && grep -qE 'err= *0' '$OUT/hw-fio-any.txt' && grep -q '1 recoveries, causes: device-removed$' '$OUT/hw-fio-any.txt'"
+    eval "grep -q 'fio rc=0' '$OUT/hw-fio-any.txt' && grep -qE 'err= *0' '$OUT/hw-fio-any.txt' && grep -q '1 recovery episode (device-removed): 1 recovered$' '$OUT/hw-fio-any.txt'"
   kill -INT "$tpid"; wait "$tpid" 2>/dev/null
   gx 'port_cycle' >/dev/null
 }
