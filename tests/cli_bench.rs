@@ -1,5 +1,5 @@
-//! `nvmf-rdma bench` streams a row per interval while each job runs (issue 16: it was silent
-//! for seconds), then the summary; `-o json` makes every line one JSON object.
+//! `nvmf-rdma bench` streams a row per interval while each job runs (never silent for
+//! seconds), then the summary; `-o json` makes every line one JSON object.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

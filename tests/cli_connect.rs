@@ -1,4 +1,4 @@
-//! `nvmf-rdma connect` as a process, against a target process that is killed (issue 18):
+//! `nvmf-rdma connect` as a process, against a target process that is killed:
 //! `disconnect` ends a `connect` whose controller retries forever, a controller that gives
 //! up ends `connect` with an error exit, and SIGTERM / SIGHUP stop it cleanly, at any time.
 

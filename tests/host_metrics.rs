@@ -1,5 +1,5 @@
-//! The host's data-path counters reach the metrics recorder (issue 17: copies per I/O are
-//! shown in the bench output and exported): completed I/O, payload copies and their bytes,
+//! The host's data-path counters reach the metrics recorder (copies per I/O are shown in
+//! the bench output and exported): completed I/O, payload copies and their bytes,
 //! published at each controller event (keep-alives included), never counted per I/O.
 
 use std::time::Duration;

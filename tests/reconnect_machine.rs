@@ -320,10 +320,9 @@ fn failed_attempts_are_spaced_by_reconnect_delay_and_bounded() {
     );
 }
 
-/// Issue 18.2: with reconnect_delay 0, ctrl_loss_tmo is a time, not an attempt count.
-/// Failed attempts are paced (10 ms, doubling, at most 1 s) and only the loss timeout ends
-/// the controller. Before the fix the budget was ctrl_loss_tmo "attempts" and the
-/// controller died after three instant refusals, 3 ms in.
+/// With reconnect_delay 0, ctrl_loss_tmo is a time, not an attempt count. Failed attempts
+/// are paced (10 ms, doubling, at most 1 s) and only the loss timeout ends the controller,
+/// not three instant refusals.
 #[test]
 fn zero_delay_paces_failed_attempts_and_only_time_ends_the_controller() {
     let p = Policy {
@@ -375,7 +374,7 @@ fn zero_delay_paces_failed_attempts_and_only_time_ends_the_controller() {
     assert!(at.len() >= 9 && at.len() <= 12, "{} attempts", at.len());
 }
 
-/// Issue 18.2: a target that refuses us for 3 s and then comes back is reconnected within
+/// A target that refuses us for 3 s and then comes back is reconnected within
 /// a pacing gap of its return, with reconnect_delay 0 and ctrl_loss_tmo 10 s.
 #[test]
 fn zero_delay_waits_out_a_target_that_refuses_for_a_while() {
@@ -412,7 +411,7 @@ fn zero_delay_waits_out_a_target_that_refuses_for_a_while() {
     assert_eq!(d.when(|a| *a == Action::Resubmit).len(), 1);
 }
 
-/// Issue 18.2: attempts cut short by the device going away count against nothing but
+/// Attempts cut short by the device going away count against nothing but
 /// time: with delay 1 s and ctrl_loss_tmo 3 s (max_reconnects 3), a hundred cut attempts
 /// do not end the controller, and real failures still do.
 #[test]

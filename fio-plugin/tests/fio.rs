@@ -255,10 +255,9 @@ fn chaos_reset_every_2s_for_20s() {
     chaos_run(&f, "chaos", "2s", 600, 20);
 }
 
-/// Issue 18: a reset every 25 ms with reconnect_delay 0 and ctrl_loss_tmo 10 s. Attempts
-/// that the next reset cuts short count against nothing but time, so fio sees no I/O error
-/// (before the fix: EIO after 0.9-2.5 s, "max_reconnects used up"). The issue's 30 s run is
-/// `fio fio-plugin/examples/storm.fio`; here 10 s.
+/// A reset every 25 ms with reconnect_delay 0 and ctrl_loss_tmo 10 s. Attempts that the
+/// next reset cuts short count against nothing but time, so fio sees no I/O error (not
+/// "max_reconnects used up"). A 30 s run is `fio fio-plugin/examples/storm.fio`; here 10 s.
 #[test]
 fn chaos_reset_every_25ms_with_zero_delay_for_10s() {
     let Some(f) = fio() else { return };

@@ -1,4 +1,4 @@
-//! Registered I/O buffers (issue 17): a write leaves from the caller's registered memory and a
+//! Registered I/O buffers: a write leaves from the caller's registered memory and a
 //! read lands in it, with no host copy, and the buffer survives a device reset (its memory is
 //! ours and is registered again on the new device context).
 

@@ -308,7 +308,7 @@ case_hw_extra() {
     eval "grep -q 'rdma link delete rc=0' '$OUT/hw-devremove.txt' && grep -qE 'hw run rc=([1-9]|1[0-9]|12[0-3]) ' '$OUT/hw-devremove.txt'"
 }
 
-# Issue 19's must-show: our initiator on the hw backend on the guest's rxe0 runs fio through
+# Our initiator on the hw backend on the guest's rxe0 runs fio through
 # our plugin (device=rxe0) with verify=crc32c against our target on the host side of the tap
 # (so removing the guest's device does not kill the target). Mid-run the guest deletes rxe0,
 # waits 2 s and adds it again on the same netdev (same GUID): fio must end with 0 verify and
@@ -342,7 +342,7 @@ case_hw_fio() {
   gx 'port_cycle' >/dev/null
 }
 
-# Issue 19: OUR target on the hw backend, in the guest on rxe0 (rdma_cm listen on the guest's
+# OUR target on the hw backend, in the guest on rxe0 (rdma_cm listen on the guest's
 # IP, port 4421 beside nvmet-rdma's 4420). (a) our soft-HCA initiator in the host netns runs
 # verify against it over the tap, plus a 512-byte inline and a 4.5 KiB keyed write/read;
 # (b) the kernel nvme-rdma host in the guest connects to it over rxe loopback and runs fio
