@@ -88,8 +88,8 @@ impl Drop for Rig {
     }
 }
 
-/// Before the fix `disconnect` printed "disconnected 1 controller(s)" while `connect` kept
-/// running (and ignored SIGINT) once its controller was recovering against a dead target.
+/// `disconnect` ends a `connect` whose controller is recovering against a dead target: it
+/// does not say "disconnected 1 controller(s)" while `connect` keeps running.
 #[test]
 fn disconnect_ends_connect_while_it_retries_forever() {
     let mut rig = Rig::new("forever");

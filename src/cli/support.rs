@@ -224,6 +224,24 @@ pub fn mlock_error(e: &std::io::Error, limit: Option<u64>) -> String {
 }
 
 /// Where running controllers keep their control sockets.
+/// An error and its causes on one line, outermost first, each cause once: a cause whose text
+/// the line already holds (a message that quotes its source) is not written again.
+pub fn error_line(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = String::new();
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        let text = err.to_string();
+        if !text.is_empty() && !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+        cur = err.source();
+    }
+    line
+}
+
 pub fn run_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("NVMF_RDMA_RUN_DIR") {
         return PathBuf::from(d);
@@ -489,6 +507,25 @@ impl CtrlInfo {
 mod tests {
     use super::*;
     use crate::reconnect::{Cause, FailReason, Status};
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("fuse mount at /mnt/x: {0}")]
+    struct Quoting(#[source] std::io::Error);
+
+    #[test]
+    fn an_error_line_names_each_cause_once() {
+        let io = || std::io::Error::from_raw_os_error(libc::EACCES);
+        let e = anyhow::Error::new(Quoting(io())).context("connect nvmf0");
+        assert_eq!(
+            error_line(e.as_ref()),
+            "connect nvmf0: fuse mount at /mnt/x: Permission denied (os error 13)"
+        );
+        let e = anyhow::Error::new(io()).context("open /dev/fuse");
+        assert_eq!(
+            error_line(e.as_ref()),
+            "open /dev/fuse: Permission denied (os error 13)"
+        );
+    }
 
     fn status(state: CtrlState) -> CtrlStatus {
         CtrlStatus {

@@ -145,7 +145,12 @@ impl CmService {
             CmEvent::Established(e) => Ok(e),
             CmEvent::Rejected(r) => Err(CmError::Refused(match r.nvme_status {
                 Some(s) => format!("rejected by {peer}: {}", s.message()),
-                None => format!("rejected by {peer}: {:?}", r.reason),
+                None if r.reason == RejectReason::INVALID_SERVICE_ID => format!(
+                    "rejected by {peer}: nothing listens there on port {} (check -s: NVMe-oF \
+                     targets listen on 4420 unless started with another port)",
+                    params.service_port
+                ),
+                None => format!("rejected by {peer}: {}", r.reason.describe()),
             })),
             CmEvent::Unreachable { .. } => Err(CmError::Refused(format!(
                 "{peer} is unreachable (no CM answer)"

@@ -521,6 +521,11 @@ pub(crate) fn check_chaos_args(a: &ChaosArgs) -> Result<()> {
     if a.down_max > Duration::from_secs(600) {
         bail!("--down-max must be at most 600s");
     }
+    if a.ext.traddr.is_some() && a.ext.nqn.is_none() {
+        bail!(
+            "-a needs -n NQN: the subsystem to test on that target (`discover -a ADDR` lists them)"
+        );
+    }
     if a.ext.traddr.is_some() && faults.contains(&FaultKind::TargetRestart) {
         bail!("--faults target-restart needs the built-in target (no --traddr)");
     }

@@ -364,7 +364,11 @@ pub(crate) async fn run_disconnect(
     }
     n += disconnect_foreground(nqn.as_deref(), device.as_deref()).await?;
     if n == 0 {
-        bail!("no controller matches {label} (`nvmf-rdma list` shows them)");
+        let given = match (&nqn, &device) {
+            (Some(q), _) => format!("-n {q}"),
+            (None, d) => format!("-d {}", d.as_deref().unwrap_or_default()),
+        };
+        bail!("no controller matches {given} (`nvmf-rdma list` shows them)");
     }
     println!("{label} disconnected {n} controller(s)");
     Ok(())

@@ -33,7 +33,7 @@ use crate::args::{DaemonArgs, ExportArgs, Subsys};
 use crate::config::{config_dir, parse_connect, read_config, ConfigLine};
 use crate::connect::{report_state_changes, start_exports, Exports};
 use crate::control::{make_run_dir, same_user};
-use crate::host::{ctrl_info, device_config, discover_on, options, HOST_HCA};
+use crate::host::{connect_hint, ctrl_info, device_config, discover_on, options, HOST_HCA};
 use crate::proto::{
     err_line, ok_line, parse_request, ConnectParams, ErrorCode, ProtoError, Request, MAX_LINE,
     PROTOCOL_VERSION, SOCKET_NAME,
@@ -571,18 +571,6 @@ async fn watch_discovery(
 }
 
 /// What to try after a failed connect, from its message.
-fn connect_hint(e: &str) -> String {
-    if e.contains("invalid host") {
-        "the target does not allow this host NQN: pass -q with one it allows".into()
-    } else if e.contains("invalid parameters") {
-        "check the subsystem NQN with `nvmf-rdma discover`".into()
-    } else if e.contains("nobody listens") || e.contains("invalid service") {
-        "nothing on that service port: `nvmf-rdma discover` lists the ports (-s)".into()
-    } else {
-        "check -a, -s and -n with `nvmf-rdma discover`".into()
-    }
-}
-
 /// A controller that gave up (ctrl_loss_tmo) leaves the daemon as Linux deletes it, unless
 /// an export is in use: then it stays listed as dead until `disconnect`.
 async fn reap_when_dead(

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use crate::args::*;
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::device::{self, DeviceChoice};
-use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, CtrlInfo, Health};
+use nvmf_rdma::cli::support::{error_line, host_bind_addr, roce_peer, CtrlInfo, Health};
 use nvmf_rdma::driver::{CmService, DeviceManager, SoftHca};
 use nvmf_rdma::nvme::discovery::DiscoveryLogEntry;
 use nvmf_rdma::nvme::Nqn;
@@ -151,7 +151,28 @@ pub(crate) async fn connect_on(s: &Subsys) -> Result<(Controller, Option<DeviceM
         }
         DeviceChoice::Kernel(sel) => device::connect_kernel(sel, o).await.map(|c| (c, None)),
     };
-    c.with_context(|| format!("connect to {} at {}", s.nqn, s.fabric.traddr))
+    c.map_err(|e| {
+        anyhow::anyhow!(
+            "connect to {} at {}: {}; {}",
+            s.nqn,
+            s.fabric.traddr,
+            error_line(&e),
+            connect_hint(&e.to_string())
+        )
+    })
+}
+
+/// What to check when a connect failed, from its error text.
+pub(crate) fn connect_hint(e: &str) -> String {
+    if e.contains("invalid host") {
+        "the target does not allow this host NQN: pass -q with one it allows".into()
+    } else if e.contains("invalid parameters") {
+        "check the subsystem NQN (-n) with `nvmf-rdma discover`".into()
+    } else if e.contains("nobody listens") || e.contains("invalid service") {
+        "nothing on that service port: `nvmf-rdma discover` lists the ports (-s)".into()
+    } else {
+        "check -a, -s and -n with `nvmf-rdma discover`".into()
+    }
 }
 
 /// What `list` shows of controller `c`, connected to `s` under `name`: one builder for the

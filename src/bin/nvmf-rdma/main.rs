@@ -31,7 +31,7 @@ use anyhow::Context;
 use anyhow::{bail, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use nvmf_rdma::cli::metrics_http;
-use nvmf_rdma::cli::support::{lock_all_memory, parse_duration};
+use nvmf_rdma::cli::support::{error_line, lock_all_memory, parse_duration};
 use nvmf_rdma::harness::hca_perf;
 
 #[derive(Parser)]
@@ -282,15 +282,15 @@ enum TargetNsCmd {
     Add(TargetNsAdd),
 }
 
-/// Errors end the process with one line: what failed and why, outermost first (anyhow's
-/// `{:#}`), never Debug text or a backtrace.
+/// Errors end the process with one line: what failed and why, outermost first, each cause
+/// once, never Debug text or a backtrace.
 fn main() -> std::process::ExitCode {
     quiet_on_closed_stdout();
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) if reader_went_away(&e) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("nvmf-rdma: {e:#}");
+            eprintln!("nvmf-rdma: {}", error_line(e.as_ref()));
             std::process::ExitCode::FAILURE
         }
     }

@@ -339,8 +339,17 @@ fn chaos_flags_and_defaults() {
     let ext = chaos_args(&["-a", "192.168.100.2", "-n", "nqn.x"]).unwrap();
     assert_eq!(chosen_faults(&ext), [FaultKind::Reset, FaultKind::Replug]);
     assert!(check_chaos_args(&ext).is_ok());
-    let e =
-        check_chaos_args(&chaos_args(&["-a", "10.0.0.1", "--faults", "target-restart"]).unwrap());
+    let e = check_chaos_args(
+        &chaos_args(&[
+            "-a",
+            "10.0.0.1",
+            "-n",
+            "nqn.x",
+            "--faults",
+            "target-restart",
+        ])
+        .unwrap(),
+    );
     assert!(e
         .unwrap_err()
         .to_string()
@@ -398,17 +407,32 @@ fn chaos_on_a_kernel_device_takes_the_faults_it_can_inflict() {
         "rxe0",
         "-a",
         "192.168.100.2",
+        "-n",
+        "nqn.x",
         "--faults",
         "reset,user-reset",
     ];
     assert_eq!(err(&ok), None);
-    let dflt = chaos_args(&["--device", "rxe0", "-a", "192.168.100.2"]).unwrap();
+    let dflt = chaos_args(&["--device", "rxe0", "-a", "192.168.100.2", "-n", "nqn.x"]).unwrap();
     assert_eq!(chosen_faults(&dflt), KERNEL_FAULTS);
+    // Another target's subsystem has to be named.
+    let e = err(&["-a", "192.168.100.2"]).unwrap();
+    assert!(e.starts_with("-a needs -n NQN"), "{e}");
     // No built-in target on a kernel device: --device needs --traddr.
     assert!(chaos_args(&["--device", "rxe0", "--faults", "reset"]).is_err());
     // Unplugging a kernel device is done from outside.
     for f in ["replug", "replug-other", "reset,replug"] {
-        let e = err(&["--device", "rxe0", "-a", "192.168.100.2", "--faults", f]).unwrap();
+        let e = err(&[
+            "--device",
+            "rxe0",
+            "-a",
+            "192.168.100.2",
+            "-n",
+            "nqn.x",
+            "--faults",
+            f,
+        ])
+        .unwrap();
         assert!(e.contains("rdma link delete rxe0"), "{e}");
     }
 }
