@@ -604,7 +604,7 @@ async fn reap_when_dead(
     let n: Option<u32> = name.strip_prefix("nvmf").and_then(|n| n.parse().ok());
     let Some(n) = n else { return };
     let mut said = false;
-    let e = loop {
+    let mut e = loop {
         let probe = match lock(&st.inner).ctrls.get(&n) {
             Some(e) => e.exports.probe(),
             None => return,
@@ -625,7 +625,6 @@ async fn reap_when_dead(
         tokio::time::sleep(PENDING_POLL).await;
     };
     println!("{name}: dead; removed");
-    let mut e = e;
     // This task is one of the entry's: do not abort ourselves.
     e.tasks.clear();
     e.stop().await;

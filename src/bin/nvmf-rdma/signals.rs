@@ -6,8 +6,9 @@ use anyhow::{Context, Result};
 
 /// A second stop signal within this time of a refused one stops anyway.
 pub(crate) const FORCE_WINDOW: Duration = Duration::from_secs(10);
-/// How often a pending stop looks whether the exports were released (a look at counters;
-/// the full scan of holders runs only once they read zero).
+/// How often a pending stop (or a dead controller kept for its export) looks whether the
+/// exports were released: a look at counters; the full scan of holders runs only once they
+/// read zero.
 pub(crate) const PENDING_POLL: Duration = Duration::from_millis(250);
 /// How often a pending stop says who still holds the exports.
 pub(crate) const PENDING_REPORT: Duration = Duration::from_secs(10);
