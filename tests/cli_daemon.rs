@@ -183,9 +183,11 @@ fn one_line_error(o: &Output) -> String {
     e
 }
 
-/// Issue 16's script: connect --fuse, then losetup / mkfs.ext4 / mount straight away (no
-/// sleep), disconnect refused while mounted (naming the loop device and how to release it),
-/// released, disconnected, SIGTERM: exit 0, STOPPING=1 sent, nothing left behind.
+/// connect --fuse, then losetup / mkfs.ext4 / mount straight away (no sleep), disconnect
+/// refused while mounted (naming the loop device and how to release it), SIGTERM refused
+/// the same way and pending (who holds the export said again every 10 s, in the log and as
+/// STATUS=); released: the pending stop completes, exit 0, STOPPING=1 sent, nothing left
+/// behind.
 #[test]
 fn fuse_export_under_a_mounted_fs_is_refused_and_sigterm_leaves_nothing() {
     let mut rig = Rig::new("fuse");
@@ -258,7 +260,11 @@ fn fuse_export_under_a_mounted_fs_is_refused_and_sigterm_leaves_nothing() {
     assert_eq!(controllers(&v).len(), 1);
     assert_eq!(v["controllers"][0]["state"], "live");
 
-    // Released: now it goes.
+    // The refused stop stays pending and says who still holds the export, periodically.
+    let l = d.expect("stop pending", Duration::from_secs(30));
+    assert!(l.contains(&lo) && l.contains("losetup -d"), "{l}");
+
+    // Released: the pending stop completes by itself (exit 0, and it leaves nothing).
     assert!(Command::new("umount")
         .arg(&data)
         .status()
@@ -271,21 +277,9 @@ fn fuse_export_under_a_mounted_fs_is_refused_and_sigterm_leaves_nothing() {
         .unwrap()
         .success());
     rig.loops.clear();
-    let out = rig.ok(&["disconnect", "-d", "nvmf0"]);
-    assert!(
-        out.contains("Device:nvmf0 disconnected 1 controller(s)"),
-        "{out}"
-    );
-    assert!(
-        !mounted(&fuse),
-        "the FUSE mount is gone with the controller"
-    );
-
-    // Nothing is in use now: the stop goes through (and leaves nothing).
-    d.signal(libc::SIGTERM);
     let s = d.exits(Duration::from_secs(30));
     assert_eq!(s.code(), Some(0), "{s}");
-    // The refusal was told as a STATUS=; then the stop.
+    // The refusal and the pending stop were told as STATUS=; then the stop.
     let mut seen = Vec::new();
     loop {
         let n = notified(&notify);
@@ -297,6 +291,11 @@ fn fuse_export_under_a_mounted_fs_is_refused_and_sigterm_leaves_nothing() {
     }
     assert!(
         seen.iter().any(|s| s.contains("refusing to stop")),
+        "{seen:?}"
+    );
+    assert!(
+        seen.iter()
+            .any(|s| s.contains("stop pending") && s.contains(&lo)),
         "{seen:?}"
     );
     let left: Vec<_> = std::fs::read_dir(&rig.run)
@@ -1172,4 +1171,158 @@ fn a_forced_stop_reports_who_loses_the_export_and_the_unit_never_sigkills() {
     assert!(!rig.run.join("daemon.sock").exists());
     drop(held);
     assert!(!mounted(&fuse), "the FUSE mount was detached");
+}
+
+/// The arguments of `connect -a ADDR -n NQN -i 1 EXTRA --fuse MOUNTPOINT`.
+fn fuse_connect<'a>(addr: &'a str, mountpoint: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["connect", "-a", addr, "-n", NQN, "-i", "1"];
+    v.extend_from_slice(extra);
+    v.extend_from_slice(&["--fuse", mountpoint.to_str().unwrap()]);
+    v
+}
+
+/// RIG/fuse, made (the rig's cleanup detaches a mount left there).
+fn fuse_dir(rig: &Rig) -> PathBuf {
+    let fuse = rig.dir.join("fuse");
+    std::fs::create_dir_all(&fuse).unwrap();
+    fuse
+}
+
+/// `disconnect --force` under a busy FUSE writer: the export is fenced (the writer's next
+/// write fails, none is acknowledged after `disconnect` returns) and the controller is
+/// deleted on the wire (the target logs the host's controller torn down) although the
+/// lazily detached mount still holds it.
+#[test]
+fn a_forced_disconnect_fences_a_busy_fuse_writer_and_the_target_sees_the_controller_go() {
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let rig = Rig::new("fence");
+    let (t, addr) = start_target(NQN, &rig.dir);
+    let (_d, _n) = rig.daemon(&[]);
+    let fuse = fuse_dir(&rig);
+    rig.ok(&fuse_connect(&addr, &fuse, &[]));
+    t.expect("host connected", Duration::from_secs(30));
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(fuse.join("ns1"))
+        .unwrap();
+    let acked = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (acked, stop) = (acked.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let buf = [0x5au8; 4096];
+            let mut off = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                if let Err(e) = f.write_at(&buf, off) {
+                    return Some(e);
+                }
+                acked.fetch_add(1, Ordering::SeqCst);
+                off = (off + 4096) % (64 << 20);
+            }
+            None
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while acked.load(Ordering::SeqCst) < 50 {
+        assert!(Instant::now() < deadline, "the writer does not get going");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = rig.ok(&["disconnect", "-d", "nvmf0", "--force"]);
+    let at_return = acked.load(Ordering::SeqCst);
+    assert!(out.contains("disconnected 1"), "{out}");
+    // The writer ends with an error of its own accord, or is stopped for the verdict.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !writer.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let err = writer.join().unwrap();
+    let after = acked.load(Ordering::SeqCst) - at_return;
+    // One write may have been answered before `disconnect` returned and counted after.
+    assert!(
+        after <= 1,
+        "{after} writes acknowledged after the forced disconnect returned"
+    );
+    let err = err.expect("the writer's writes still succeed");
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    let l = t.expect("host disconnected", Duration::from_secs(10));
+    assert!(l.contains("controller torn down"), "{l}");
+    assert!(controllers(&rig.list_json()).is_empty());
+}
+
+/// `connect --foreground --fuse` follows the daemon's rule: `disconnect` is refused while
+/// the export is in use (the error names the holder and `--force`), and so is each stop
+/// signal; the refused stop stays pending and completes (exit 0, unmounted) once the
+/// holder lets go.
+#[test]
+fn connect_foreground_refuses_disconnect_and_each_stop_signal_while_in_use() {
+    let target = Rig::new("fg-inuse");
+    let (_t, addr) = start_target(NQN, &target.dir);
+    for (sig, name) in [
+        (libc::SIGINT, "SIGINT"),
+        (libc::SIGTERM, "SIGTERM"),
+        (libc::SIGHUP, "SIGHUP"),
+    ] {
+        // A rig each: its cleanup detaches a mount a failed round leaves.
+        let rig = Rig::new(&format!("fg-inuse-{name}"));
+        let fuse = fuse_dir(&rig);
+        let mut c = Proc::spawn(rig.cmd(&fuse_connect(&addr, &fuse, &["--foreground"])));
+        c.expect("connected to", Duration::from_secs(30));
+        let held = std::fs::File::open(fuse.join("ns1")).unwrap();
+        let o = rig.run(&["disconnect", "-d", "nvmf0"]);
+        assert!(!o.status.success(), "disconnect went through under a user");
+        let e = one_line_error(&o);
+        assert!(
+            e.contains("nvmf0 is in use") && e.contains("--force"),
+            "{e}"
+        );
+        c.signal(sig);
+        let l = c.expect("not stopping", Duration::from_secs(30));
+        assert!(l.contains(name) && l.contains("in use"), "{l}");
+        assert!(
+            c.child.try_wait().unwrap().is_none(),
+            "{name} stopped connect under an open export"
+        );
+        assert!(mounted(&fuse));
+        drop(held);
+        let s = c.exits(Duration::from_secs(30));
+        assert_eq!(s.code(), Some(0), "{name}: {s}: {}", c.rest());
+        assert!(!mounted(&fuse), "{name}: still mounted");
+    }
+}
+
+/// A controller that gave up (ctrl_loss_tmo) while its export was in use stays, listed
+/// dead; a connect to the same subsystem is refused saying it is dead and how to clear it;
+/// once the export is released the dead controller goes (and its mount with it).
+#[test]
+fn a_dead_controller_kept_for_its_export_goes_once_released() {
+    let rig = Rig::new("dead-held");
+    let (mut t, addr) = start_target(NQN, &rig.dir);
+    let (_d, _n) = rig.daemon(&[]);
+    let fuse = fuse_dir(&rig);
+    rig.ok(&fuse_connect(&addr, &fuse, &["-l", "1", "-c", "1"]));
+    let held = std::fs::File::open(fuse.join("ns1")).unwrap();
+    t.kill();
+    rig.wait_list("the controller dead", |v| {
+        controllers(v).first().is_some_and(|c| c["state"] == "dead")
+    });
+    let o = rig.run(&["connect", "-a", &addr, "-n", NQN, "-i", "1"]);
+    assert!(!o.status.success());
+    let e = one_line_error(&o);
+    assert!(
+        e.contains("nvmf0") && e.contains("dead") && e.contains("disconnect -d nvmf0 --force"),
+        "{e}"
+    );
+    drop(held);
+    rig.wait_list("the dead controller reaped", |v| controllers(v).is_empty());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while mounted(&fuse) {
+        assert!(
+            Instant::now() < deadline,
+            "the dead controller's mount stays"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

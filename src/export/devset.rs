@@ -1,7 +1,11 @@
 //! The namespaces an export serves, by name (`ns1`, `ns2`, ...): shared by a controller's
 //! FUSE mount (a file each) and its NBD listener (an export name each), and grown or updated
-//! while they run when the controller reports namespaces added or resized.
+//! while they run when the controller reports namespaces added or resized. A forced
+//! disconnect fences the set ([`DevSet::close`], [`DevSet::fence`]): every request after it
+//! fails at once, whoever still holds the set (a lazily detached FUSE mount keeps it until
+//! its last user lets go).
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::{BlockDev, ExportError};
@@ -14,24 +18,92 @@ type List = Vec<(String, Arc<BlockDev>)>;
 pub const MAX_DEVS: usize = 1024;
 
 #[derive(Clone)]
-pub struct DevSet(Arc<std::sync::RwLock<List>>);
+pub struct DevSet(Arc<Shared>);
+
+struct Shared {
+    list: std::sync::RwLock<List>,
+    /// Set once the exports are fenced: no request may start.
+    closed: AtomicBool,
+    /// Requests between [`DevSet::enter`] and the end of their answer.
+    busy: AtomicUsize,
+    /// Woken when the last of `busy` ends after `closed` was set.
+    idle: tokio::sync::Notify,
+}
+
+/// A request of an export under way: the set is not fenced until it is dropped (after the
+/// answer went out, so no answer follows a fence).
+pub struct Entered(Arc<Shared>);
+
+impl Drop for Entered {
+    fn drop(&mut self) {
+        if self.0.busy.fetch_sub(1, Ordering::SeqCst) == 1 && self.0.closed.load(Ordering::SeqCst) {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
 
 impl DevSet {
     /// A set of one device; `name` must be a plain file name.
     pub fn one(name: &str, dev: Arc<BlockDev>) -> Result<DevSet, ExportError> {
         check_name(name)?;
-        Ok(DevSet(Arc::new(std::sync::RwLock::new(vec![(
-            name.to_string(),
-            dev,
-        )]))))
+        Ok(DevSet(Arc::new(Shared {
+            list: std::sync::RwLock::new(vec![(name.to_string(), dev)]),
+            closed: AtomicBool::new(false),
+            busy: AtomicUsize::new(0),
+            idle: tokio::sync::Notify::new(),
+        })))
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, List> {
-        self.0.read().unwrap_or_else(|e| e.into_inner())
+        self.0.list.read().unwrap_or_else(|e| e.into_inner())
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, List> {
-        self.0.write().unwrap_or_else(|e| e.into_inner())
+        self.0.list.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Start a request; held until its answer is sent. Fails (EIO) once the set is fenced.
+    pub fn enter(&self) -> Result<Entered, ExportError> {
+        // Counted before the look at `closed`: a fence either sees this request or this
+        // request sees the fence (both SeqCst).
+        self.0.busy.fetch_add(1, Ordering::SeqCst);
+        let e = Entered(self.0.clone());
+        if self.0.closed.load(Ordering::SeqCst) {
+            return Err(ExportError::io(
+                "export",
+                std::io::Error::new(
+                    std::io::ErrorKind::NotConnected,
+                    "the controller was disconnected (forced)",
+                ),
+            ));
+        }
+        Ok(e)
+    }
+
+    /// Refuse every request from now on (they fail with EIO at once); requests under way
+    /// go on until [`fence`](Self::fence) has waited for them.
+    pub fn close(&self) {
+        self.0.closed.store(true, Ordering::SeqCst);
+    }
+
+    /// Has the set been closed?
+    pub fn is_closed(&self) -> bool {
+        self.0.closed.load(Ordering::SeqCst)
+    }
+
+    /// [`close`](Self::close), then wait until every request under way has been answered.
+    /// Whatever was not answered by then fails: nothing is acknowledged after this returns.
+    pub async fn fence(&self) {
+        self.close();
+        loop {
+            let n = self.0.idle.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.0.busy.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            n.await;
+        }
     }
 
     pub fn get(&self, i: usize) -> Option<Arc<BlockDev>> {

@@ -85,6 +85,12 @@ impl NsFile {
         self.files.get(usize::try_from(i).ok()?)
     }
 
+    /// A data request starts: refused (EIO) once a forced disconnect fenced the export. The
+    /// guard lives until the handler has answered.
+    fn enter(&self) -> Option<super::devset::Entered> {
+        self.files.enter().ok()
+    }
+
     fn wait<T>(
         &self,
         f: impl std::future::Future<Output = Result<T, ExportError>>,
@@ -197,6 +203,9 @@ impl Filesystem for NsFile {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        let Some(_io) = self.enter() else {
+            return reply.error(Errno::EIO);
+        };
         let Some(dev) = self.dev_of(ino) else {
             return reply.error(Errno::EISDIR);
         };
@@ -220,6 +229,9 @@ impl Filesystem for NsFile {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        let Some(_io) = self.enter() else {
+            return reply.error(Errno::EIO);
+        };
         let Some(dev) = self.dev_of(ino) else {
             return reply.error(Errno::EISDIR);
         };
@@ -244,6 +256,9 @@ impl Filesystem for NsFile {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        let Some(_io) = self.enter() else {
+            return reply.error(Errno::EIO);
+        };
         let Some(dev) = self.dev_of(ino) else {
             return reply.ok();
         };
@@ -261,6 +276,9 @@ impl Filesystem for NsFile {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        let Some(_io) = self.enter() else {
+            return reply.error(Errno::EIO);
+        };
         let Some(dev) = self.dev_of(ino) else {
             return reply.ok();
         };
@@ -280,6 +298,9 @@ impl Filesystem for NsFile {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        let Some(_io) = self.enter() else {
+            return reply.error(Errno::EIO);
+        };
         let Some(dev) = self.dev_of(ino) else {
             return reply.error(Errno::EISDIR);
         };

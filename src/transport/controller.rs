@@ -1656,6 +1656,15 @@ impl Controller {
         self.pick().submit(sqe, Some(buf), 0).await.map(|_| ())
     }
 
+    /// [`disconnect`](Self::disconnect) whoever else still holds the controller (an export
+    /// a user keeps open): shut down, queues torn down, pending I/O failed, and every request
+    /// after it fails at once. Returns once the controller is DEAD.
+    pub async fn delete(&self) {
+        self.shared.request_delete();
+        let mut rx = self.watch_status();
+        let _ = rx.wait_for(|s| s.state() == CtrlState::Dead).await;
+    }
+
     /// Orderly disconnect: shut the controller down (CC.SHN), tear the queues down, release
     /// every resource. Pending I/O fails with "controller deleted".
     pub async fn disconnect(mut self) {

@@ -6,13 +6,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::cli::support::{run_dir, Health};
+use nvmf_rdma::cli::support::{json_field, run_dir, Health};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 use crate::args::{ConnectMode, DaemonArgs, ExportArgs, ListFormat, Subsys};
 use crate::config::params_of;
-use crate::control::{ask, disconnect_foreground, foreground_controllers};
+use crate::control::{disconnect_foreground, foreground_controllers};
 use crate::daemon::start_background;
 use crate::proto::{PROTOCOL_VERSION, SOCKET_NAME};
 
@@ -362,7 +362,14 @@ pub(crate) async fn run_disconnect(
                 .is_some_and(|r| r.code == "not-found") => {}
         Err(e) => return Err(e),
     }
-    n += disconnect_foreground(nqn.as_deref(), device.as_deref()).await?;
+    let pick = |j: &str| {
+        nqn.as_deref()
+            .is_some_and(|q| json_field(j, "subnqn") == Some(q))
+            || device
+                .as_deref()
+                .is_some_and(|d| json_field(j, "name") == Some(d))
+    };
+    n += disconnect_foreground(pick, force).await?;
     if n == 0 {
         let given = match (&nqn, &device) {
             (Some(q), _) => format!("-n {q}"),
@@ -380,11 +387,7 @@ pub(crate) async fn run_disconnect_all(force: bool) -> Result<()> {
     if let Some(v) = try_call(json!({"op": "disconnect-all", "force": force})).await? {
         n += v["disconnected"].as_array().map_or(0, |a| a.len());
     }
-    for (p, _) in foreground_controllers().await {
-        if ask(&p, "disconnect").await.as_deref() == Some("ok") {
-            n += 1;
-        }
-    }
+    n += disconnect_foreground(|_| true, force).await?;
     println!("disconnected {n} controller(s)");
     Ok(())
 }

@@ -2,7 +2,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::client::daemon_controller_names;
 use crate::{args::*, control::*, host::*, signals::*, units::*};
@@ -11,7 +11,9 @@ use nvmf_rdma::cli::support::{run_dir, Health};
 use nvmf_rdma::export;
 use nvmf_rdma::harness::hca_perf;
 use nvmf_rdma::reconnect::CtrlState;
-use nvmf_rdma::transport::{ConnectOptions, Controller};
+use nvmf_rdma::transport::{ConnectOptions, Controller, CtrlStatus};
+
+use crate::usage::{holders, in_use_message, Probe};
 
 pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
     let mut signals = StopSignals::new()?;
@@ -71,18 +73,75 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
     }
     let info = || ctrl_info(&name, &s, &c);
     let watcher = tokio::spawn(report_state_changes(name.clone(), c.watch_status()));
-    let stop = Arc::new(tokio::sync::Notify::new());
+    let (stop_tx, mut stop_rx) = tokio::sync::mpsc::channel(4);
     let mut clients = tokio::task::JoinSet::new();
     let mut status = c.watch_status();
-    let dead = loop {
+    let probe = exports.probe();
+    let mut pending = PendingStop::default();
+    // The controller gave up (ctrl_loss_tmo): kept while its export is in use.
+    let mut dead: Option<Option<CtrlStatus>> = None;
+    // The same rule as the daemon's: a stop (signal or `disconnect`) is refused while an
+    // export is in use, unless forced; a refused stop signal stays pending.
+    let forced = loop {
         tokio::select! {
             sig = signals.recv() => {
-                println!("{name}: {sig}: disconnecting");
-                break None;
+                let now = Instant::now();
+                let force = pending.forces(now);
+                match in_use(&name, &probe).await {
+                    Some((m, _)) if force => {
+                        println!("{name}: {sig}: forced while in use: {m}; its users get I/O errors from now on");
+                        break true;
+                    }
+                    Some((m, h)) => {
+                        pending.refused(now);
+                        println!("{name}: {sig}: not stopping: {m}; {h}; the stop completes once it is released; another stop signal within {} s forces it", FORCE_WINDOW.as_secs());
+                    }
+                    None => {
+                        println!("{name}: {sig}: disconnecting");
+                        break false;
+                    }
+                }
             }
-            _ = stop.notified() => break None,
-            st = status.wait_for(|s| s.state() == CtrlState::Dead) => {
-                break Some(st.map(|s| *s).ok());
+            Some((force, reply)) = stop_rx.recv() => {
+                let reply: tokio::sync::oneshot::Sender<Result<(), String>> = reply;
+                match in_use(&name, &probe).await {
+                    Some((m, _)) if force => {
+                        println!("{name}: disconnect forced while in use: {m}; its users get I/O errors from now on");
+                        let _ = reply.send(Ok(()));
+                        break true;
+                    }
+                    Some((m, h)) => {
+                        let _ = reply.send(Err(format!("{m} ({h}; or disconnect --force)")));
+                    }
+                    None => {
+                        let _ = reply.send(Ok(()));
+                        break false;
+                    }
+                }
+            }
+            _ = pending.tick() => {
+                // The counters first; the scan of holders runs once they read zero, or
+                // when it is time to say again who holds the exports.
+                let due = pending.report_due(Instant::now());
+                if probe.busy_now() && !due {
+                    continue;
+                }
+                match in_use(&name, &probe).await {
+                    None => {
+                        println!("{name}: exports released; disconnecting");
+                        break false;
+                    }
+                    Some((m, h)) if due => println!("{name}: stop pending: {m}; {h}"),
+                    Some(_) => {}
+                }
+            }
+            st = status.wait_for(|s| s.state() == CtrlState::Dead), if dead.is_none() => {
+                dead = Some(st.map(|s| *s).ok());
+                if !probe.busy_now() {
+                    break false;
+                }
+                pending.hold(Instant::now());
+                println!("{name}: dead; kept while its export is in use (its users get I/O errors), until it is released or `disconnect --force`");
             }
             conn = listener.accept() => {
                 let Ok((stream, _)) = conn else {
@@ -94,22 +153,19 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
                 if !same_user(&stream) {
                     continue;
                 }
-                clients.spawn(serve_control_client(stream, info().to_json(), stop.clone()));
+                clients.spawn(serve_control_client(stream, info().to_json(), stop_tx.clone()));
             }
             Some(_) = clients.join_next(), if !clients.is_empty() => {}
         }
     };
     clients.abort_all();
     watcher.abort();
-    exports.stop().await;
-    if let Ok(c) = Arc::try_unwrap(c) {
-        // Deleting ends at once whatever recovery is doing; a second signal still wins.
-        tokio::select! {
-            _ = c.disconnect() => {}
-            sig = signals.recv() => {
-                let _ = std::fs::remove_file(&path);
-                bail!("{sig}: stopped before {name} finished disconnecting")
-            }
+    // Deleting ends at once whatever recovery is doing; a second signal still wins.
+    tokio::select! {
+        _ = exports.release(&c, forced) => {}
+        sig = signals.recv() => {
+            let _ = std::fs::remove_file(&path);
+            bail!("{sig}: stopped before {name} finished disconnecting")
         }
     }
     // Last: `nvmf-rdma disconnect` waits for the socket to go as the sign that it is done.
@@ -128,6 +184,13 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
             bail!("{name}: the controller is dead ({why}); its pending I/O failed. Connect again once the target is reachable")
         }
     }
+}
+
+/// Who holds the exports `p` looks at, as one line naming them and one saying how to
+/// release them; `None` when nothing does.
+async fn in_use(name: &str, p: &Probe) -> Option<(String, String)> {
+    let h = holders(p).await;
+    (!h.is_empty()).then(|| in_use_message(name, &h))
 }
 
 /// Print the controller's state changes as `connect` holds it: failures, attempts, LIVE
@@ -208,14 +271,26 @@ impl Exports {
         v
     }
 
-    pub(crate) async fn stop(self) {
-        self.stop_with(false).await
+    /// Take the exports down and delete the controller, whoever still holds it (a lazily
+    /// detached FUSE mount keeps its files until its last user lets go). The exports are
+    /// fenced first: every request from then on fails with EIO at once, and nothing is
+    /// acknowledged after this returns. With `force`, a FUSE mount still in use is detached
+    /// lazily (MNT_DETACH): it leaves the mount table now instead of lingering dead.
+    pub(crate) async fn release(self, c: &Controller, force: bool) {
+        let set = self.set.clone();
+        if let Some(s) = &set {
+            s.close();
+        }
+        self.stop_with(force).await;
+        c.delete().await;
+        if let Some(s) = set {
+            s.fence().await;
+        }
     }
 
-    /// Stop the NBD server and unmount the FUSE file system. With `detach_busy`, a mount
-    /// that is still in use (a forced disconnect) is detached lazily (MNT_DETACH): it leaves
-    /// the mount table now and goes when its last user lets go, instead of lingering dead.
-    pub(crate) async fn stop_with(self, detach_busy: bool) {
+    /// Stop the NBD server and unmount the FUSE file system (detached lazily when busy and
+    /// `detach_busy`).
+    async fn stop_with(self, detach_busy: bool) {
         if let Some(t) = self.nbd {
             t.abort();
             let _ = t.await;

@@ -3,7 +3,6 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -14,32 +13,49 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 pub(crate) const CONTROL_LINE_MAX: u64 = 1024;
 pub(crate) const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// A `disconnect` asked of `connect` on its control socket: forced or not, and where the
+/// answer goes (`Err` names what holds the exports).
+pub(crate) type StopAsk = (bool, tokio::sync::oneshot::Sender<Result<(), String>>);
+
+/// The request line that disconnects a `connect --foreground` controller.
+fn disconnect_line(force: bool) -> &'static str {
+    if force {
+        "disconnect force"
+    } else {
+        "disconnect"
+    }
+}
+
 /// One control-socket client: one request line, one answer. Runs in its own task, so a
 /// client that sends nothing (or too much) never holds up the controller or a signal.
 pub(crate) async fn serve_control_client(
     stream: tokio::net::UnixStream,
     info: String,
-    stop: Arc<tokio::sync::Notify>,
+    stop: tokio::sync::mpsc::Sender<StopAsk>,
 ) {
     let (r, mut w) = stream.into_split();
     let mut line = String::new();
     let mut r = BufReader::new(r.take(CONTROL_LINE_MAX));
     let read = r.read_line(&mut line);
-    let answer: &[u8] = match tokio::time::timeout(CONTROL_TIMEOUT, read).await {
+    let answer = match tokio::time::timeout(CONTROL_TIMEOUT, read).await {
         Ok(Ok(_)) => match line.trim() {
-            "info" => {
-                let _ = w.write_all(format!("{info}\n").as_bytes()).await;
-                return;
+            "info" => info,
+            l if l == disconnect_line(false) || l == disconnect_line(true) => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let force = l == disconnect_line(true);
+                match stop.send((force, tx)).await {
+                    Err(_) => "ok".into(),
+                    Ok(()) => match rx.await {
+                        Ok(Err(e)) => format!("error: {}", crate::proto::one_line(&e)),
+                        _ => "ok".into(),
+                    },
+                }
             }
-            "disconnect" => {
-                stop.notify_one();
-                b"ok\n"
-            }
-            _ => b"error: unknown request\n",
+            _ => "error: unknown request".into(),
         },
-        _ => b"error: no request line within 2 s\n",
+        _ => "error: no request line within 2 s".into(),
     };
-    let _ = w.write_all(answer).await;
+    let _ = w.write_all(format!("{answer}\n").as_bytes()).await;
 }
 
 /// The run directory, created 0700 whatever the umask; an existing one of ours is made 0700.
@@ -75,6 +91,11 @@ pub(crate) fn same_user(s: &tokio::net::UnixStream) -> bool {
 }
 
 pub(crate) async fn ask(path: &std::path::Path, req: &str) -> Option<String> {
+    ask_within(path, req, Duration::from_secs(2)).await
+}
+
+/// [`ask`], waiting up to `answer_within` for the answer.
+async fn ask_within(path: &std::path::Path, req: &str, answer_within: Duration) -> Option<String> {
     let mut s = tokio::time::timeout(
         Duration::from_secs(2),
         tokio::net::UnixStream::connect(path),
@@ -84,13 +105,10 @@ pub(crate) async fn ask(path: &std::path::Path, req: &str) -> Option<String> {
     .ok()?;
     s.write_all(format!("{req}\n").as_bytes()).await.ok()?;
     let mut line = String::new();
-    tokio::time::timeout(
-        Duration::from_secs(2),
-        BufReader::new(s).read_line(&mut line),
-    )
-    .await
-    .ok()?
-    .ok()?;
+    tokio::time::timeout(answer_within, BufReader::new(s).read_line(&mut line))
+        .await
+        .ok()?
+        .ok()?;
     Some(line.trim().to_string())
 }
 
@@ -120,31 +138,43 @@ pub(crate) async fn foreground_controllers() -> Vec<(PathBuf, String)> {
 /// How long `disconnect` waits for a controller's `connect` to finish.
 pub(crate) const DISCONNECT_WAIT: Duration = Duration::from_secs(10);
 
-/// Disconnect the `connect --foreground` controllers that match; how many.
+/// Disconnect the `connect --foreground` controllers whose `info` `pick` selects; how many.
+/// One whose export is in use refuses (unless `force`): its error is returned.
 pub(crate) async fn disconnect_foreground(
-    nqn: Option<&str>,
-    device: Option<&str>,
+    pick: impl Fn(&str) -> bool,
+    force: bool,
 ) -> Result<usize> {
     let mut n = 0;
     for (p, j) in foreground_controllers().await {
-        let hit = nqn.is_some_and(|q| json_field(&j, "subnqn") == Some(q))
-            || device.is_some_and(|d| json_field(&j, "name") == Some(d));
-        if hit && ask(&p, "disconnect").await.as_deref() == Some("ok") {
-            // Done when its `connect` has let the controller go and removed its socket.
-            let deadline = Instant::now() + DISCONNECT_WAIT;
-            while p.exists() {
-                if Instant::now() > deadline {
-                    bail!(
-                        "{} was asked to disconnect but is still there after {} s; \
-                         its `connect` process may be stuck: stop it with a signal",
-                        json_field(&j, "name").unwrap_or("the controller"),
-                        DISCONNECT_WAIT.as_secs()
-                    );
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            n += 1;
+        if !pick(&j) {
+            continue;
         }
+        // The answer waits for the look at the exports' holders (up to RELEASE_GRACE).
+        match ask_within(&p, disconnect_line(force), DISCONNECT_WAIT)
+            .await
+            .as_deref()
+        {
+            Some("ok") => {}
+            Some(e) => match e.strip_prefix("error: ") {
+                Some(e) => bail!("{e}"),
+                None => continue,
+            },
+            None => continue,
+        }
+        // Done when its `connect` has let the controller go and removed its socket.
+        let deadline = Instant::now() + DISCONNECT_WAIT;
+        while p.exists() {
+            if Instant::now() > deadline {
+                bail!(
+                    "{} was asked to disconnect but is still there after {} s; \
+                     its `connect` process may be stuck: stop it with a signal",
+                    json_field(&j, "name").unwrap_or("the controller"),
+                    DISCONNECT_WAIT.as_secs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        n += 1;
     }
     Ok(n)
 }

@@ -6,8 +6,10 @@
 //! export in use, every export is stopped, every controller disconnected, the socket removed
 //! and the process exits 0. With an export in use (a loop device on a FUSE file, an open
 //! file, NBD clients) the daemon refuses, logs what holds each export and how to let it go,
-//! and keeps serving; a second stop signal within [`FORCE_WINDOW`] (or `stop` with `force`)
-//! stops anyway.
+//! and keeps serving; a refused stop signal stays pending and completes once nothing holds
+//! the exports (saying who still does every
+//! [`PENDING_REPORT`](crate::signals::PENDING_REPORT)). A second stop signal within
+//! [`FORCE_WINDOW`] (or `stop` with `force`) stops anyway.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -39,7 +41,7 @@ use crate::proto::{
     PROTOCOL_VERSION, SOCKET_NAME,
 };
 use crate::sdnotify;
-use crate::signals::StopSignals;
+use crate::signals::{PendingStop, StopSignals, FORCE_WINDOW, PENDING_POLL};
 use crate::usage::{holders, in_use_message, Probe};
 use nvmf_rdma::cli::device::{self, DeviceChoice};
 
@@ -47,8 +49,6 @@ use nvmf_rdma::cli::device::{self, DeviceChoice};
 const MAX_CLIENTS: usize = 64;
 /// Time a client has to send each complete request line.
 pub(crate) const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
-/// A second stop signal within this time of a refused one stops the daemon anyway.
-pub(crate) const FORCE_WINDOW: Duration = Duration::from_secs(10);
 /// How long `daemon --background` waits for the daemon it started to be ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -84,14 +84,11 @@ impl Entry {
             t.abort();
             let _ = t.await;
         }
-        // Only a forced disconnect (or an unexpected busy mount) gets here with a user left.
-        self.exports.stop_with(true).await;
         // `read`/`write`/`verify` requests in flight end first (each holds the gate).
         let _gate = self.io_gate.write().await;
-        match Arc::try_unwrap(self.ctrl) {
-            Ok(c) => c.disconnect().await,
-            Err(_) => tracing::warn!("{}: controller still shared at disconnect", self.name),
-        }
+        // Only a forced disconnect (or an unexpected busy mount) gets here with a user left:
+        // the export is fenced and the controller deleted, whoever still holds them.
+        self.exports.release(&self.ctrl, true).await;
     }
 }
 
@@ -166,22 +163,32 @@ impl State {
             let foreign = {
                 let inner = lock(&self.inner);
                 if !dup {
-                    let held = inner
-                        .ctrls
-                        .values()
-                        .find(|e| &e.key == key)
-                        .map(|e| e.name.clone());
+                    let held = inner.ctrls.values().find(|e| &e.key == key);
                     let pending = inner.reserved.values().any(|(k, _)| k == key);
-                    if held.is_some() || pending {
-                        let who = held.unwrap_or_else(|| "a controller being connected".into());
+                    let already = |who: &str| {
+                        format!(
+                            "already connected to {} at {} (trsvcid {}) as {who}",
+                            key.0, key.1, key.2
+                        )
+                    };
+                    if let Some(e) = held.filter(|e| e.ctrl.state() == CtrlState::Dead) {
+                        // Gave up (ctrl_loss_tmo) and kept while its export is in use.
                         return Err(ProtoError::new(
                             ErrorCode::Duplicate,
                             format!(
-                                "already connected to {} at {} (trsvcid {}) as {who}",
-                                key.0, key.1, key.2
+                                "{}, which is dead (it gave up reconnecting) and kept while its export is in use",
+                                already(&e.name)
                             ),
                         )
-                        .hint("pass -D (--duplicate-connect) for another controller"));
+                        .hint(format!(
+                            "release its export (it goes then) or `nvmf-rdma disconnect -d {} --force`, then connect again",
+                            e.name
+                        )));
+                    }
+                    if held.is_some() || pending {
+                        let who = held.map_or("a controller being connected", |e| &e.name);
+                        return Err(ProtoError::new(ErrorCode::Duplicate, already(who))
+                            .hint("pass -D (--duplicate-connect) for another controller"));
                     }
                 }
                 let used: Vec<String> = inner
@@ -570,9 +577,9 @@ async fn watch_discovery(
     }
 }
 
-/// What to try after a failed connect, from its message.
-/// A controller that gave up (ctrl_loss_tmo) leaves the daemon as Linux deletes it, unless
-/// an export is in use: then it stays listed as dead until `disconnect`.
+/// A controller that gave up (ctrl_loss_tmo) leaves the daemon as Linux deletes it. While an
+/// export is in use it stays, listed as dead (its users get I/O errors), and goes once the
+/// export is released.
 async fn reap_when_dead(
     st: Arc<State>,
     name: String,
@@ -583,24 +590,31 @@ async fn reap_when_dead(
     }
     let n: Option<u32> = name.strip_prefix("nvmf").and_then(|n| n.parse().ok());
     let Some(n) = n else { return };
-    let e = {
-        let mut inner = lock(&st.inner);
-        let busy = inner
-            .ctrls
-            .get(&n)
-            .is_some_and(|e| e.exports.probe().busy_now());
-        if busy {
-            println!("{name}: dead; kept (an export is in use) until `disconnect`");
-            return;
+    let mut said = false;
+    let mut e = loop {
+        let probe = match lock(&st.inner).ctrls.get(&n) {
+            Some(e) => e.exports.probe(),
+            None => return,
+        };
+        // The counters first; the scan of holders runs once they read zero.
+        if !probe.busy_now() && holders(&probe).await.is_empty() {
+            // A `disconnect` meanwhile aborts this task with the entry; nothing else
+            // takes it out.
+            match lock(&st.inner).ctrls.remove(&n) {
+                Some(e) => break e,
+                None => return,
+            }
         }
-        inner.ctrls.remove(&n)
+        if !said {
+            println!("{name}: dead; kept while an export is in use (its users get I/O errors), until it is released or `disconnect --force`");
+            said = true;
+        }
+        tokio::time::sleep(PENDING_POLL).await;
     };
-    if let Some(mut e) = e {
-        println!("{name}: dead; removed");
-        // This task is one of the entry's: do not abort ourselves.
-        e.tasks.clear();
-        e.stop().await;
-    }
+    println!("{name}: dead; removed");
+    // This task is one of the entry's: do not abort ourselves.
+    e.tasks.clear();
+    e.stop().await;
 }
 
 /// Stop and disconnect the controllers `pick` selects, unless an export is in use and not
@@ -1093,7 +1107,7 @@ async fn serve_until_stopped(
     // Serve clients while the configured controllers connect (list shows them as they come).
     tokio::pin!(startup);
     let mut started = false;
-    let mut refused_at: Option<Instant> = None;
+    let mut pending = PendingStop::default();
     println!(
         "nvmf-rdma daemon {} (protocol {PROTOCOL_VERSION}) on {}",
         env!("CARGO_PKG_VERSION"),
@@ -1107,19 +1121,36 @@ async fn serve_until_stopped(
                 println!("ready");
             }
             sig = signals.recv() => {
-                let force = refused_at.is_some_and(|t| t.elapsed() < FORCE_WINDOW);
-                match try_stop(st, force).await {
+                let now = Instant::now();
+                match try_stop(st, pending.forces(now), true).await {
                     Ok(()) => { println!("{sig}: stopped"); break; }
                     Err(e) => {
-                        refused_at = Some(Instant::now());
-                        println!("{sig}: not stopping: {}; {}; another stop signal within {} s forces it",
+                        pending.refused(now);
+                        println!("{sig}: not stopping: {}; {}; the stop completes once they are released; another stop signal within {} s forces it",
                             e.message, e.hint.as_deref().unwrap_or(""), FORCE_WINDOW.as_secs());
                         let _ = sdnotify::notify(&format!("STATUS=refusing to stop: {}", e.message));
                     }
                 }
             }
+            _ = pending.tick() => {
+                // The counters first; the full look runs once they read zero, or when it is
+                // time to say again who holds the exports.
+                let due = pending.report_due(Instant::now());
+                let busy = lock(&st.inner).ctrls.values().any(|e| e.exports.probe().busy_now());
+                if busy && !due {
+                    continue;
+                }
+                match try_stop(st, false, true).await {
+                    Ok(()) => { println!("exports released: stopped"); break; }
+                    Err(e) if due => {
+                        println!("stop pending: {}; {}", e.message, e.hint.as_deref().unwrap_or(""));
+                        let _ = sdnotify::notify(&format!("STATUS=stop pending: {}", e.message));
+                    }
+                    Err(_) => {}
+                }
+            }
             Some((force, reply)) = stop_rx.recv() => {
-                let r = try_stop(st, force).await;
+                let r = try_stop(st, force, pending.is_pending()).await;
                 let done = r.is_ok();
                 let _ = reply.send(r);
                 if done { println!("stop request: stopped"); break; }
@@ -1157,9 +1188,10 @@ async fn serve_until_stopped(
     Ok(())
 }
 
-/// Stop everything unless an export is in use (and not `force`).
-async fn try_stop(st: &Arc<State>, force: bool) -> Result<(), ProtoError> {
-    // No new controller from here on; taken back if the stop is refused.
+/// Stop everything unless an export is in use (and not `force`). A refused stop that stays
+/// `pending` keeps taking no new controller.
+async fn try_stop(st: &Arc<State>, force: bool, pending: bool) -> Result<(), ProtoError> {
+    // No new controller from here on; taken back if the stop is refused and not pending.
     st.stopping.store(true, Ordering::SeqCst);
     match op_disconnect(st, |_| true, force, "").await {
         Ok(_) => {
@@ -1167,7 +1199,7 @@ async fn try_stop(st: &Arc<State>, force: bool) -> Result<(), ProtoError> {
             Ok(())
         }
         Err(e) => {
-            st.stopping.store(false, Ordering::SeqCst);
+            st.stopping.store(pending, Ordering::SeqCst);
             Err(e)
         }
     }
