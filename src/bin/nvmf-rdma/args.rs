@@ -337,9 +337,8 @@ pub(crate) struct TargetArgs {
     pub(crate) control: Option<PathBuf>,
     /// Threads serving the soft-HCA and the hosts' queues. One (the default, like SPDK's
     /// one-core reactor mask) keeps every hand-off between the device and the queues on one
-    /// thread: against two it cost 10-14% less CPU per 4 KiB QD32 I/O at 13-18% more IOPS,
-    /// and answered QD1 I/O 1.6x as fast (docs/performance.md). More spread many hosts'
-    /// queues over cores.
+    /// thread, which costs the least CPU per I/O and answers QD1 I/O fastest; more spread
+    /// many hosts' queues over cores.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub(crate) threads: u16,
 }

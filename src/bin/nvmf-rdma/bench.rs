@@ -29,9 +29,8 @@ pub(crate) struct BenchArgs {
     /// I/O queues for the NVMe-oF table.
     #[arg(long, default_value_t = 1)]
     queues: usize,
-    /// Run only this row of the NVMe-oF table (repeatable), named as fio-plugin/bench.sh
-    /// names its fio jobs: randread-4k-qd1, randread-4k-qd32, randwrite-4k-qd1,
-    /// randwrite-4k-qd32, read-128k-qd8, write-128k-qd8.
+    /// Run only this row of the NVMe-oF table (repeatable): randread-4k-qd1,
+    /// randread-4k-qd32, randwrite-4k-qd1, randwrite-4k-qd32, read-128k-qd8, write-128k-qd8.
     #[arg(long = "job", value_name = "NAME")]
     pub(crate) jobs: Vec<String>,
     #[command(flatten)]

@@ -12,6 +12,7 @@ mod daemon_io;
 mod demo;
 mod host;
 mod io;
+mod manpage;
 mod proto;
 mod sdnotify;
 mod signals;
@@ -125,8 +126,7 @@ enum Cmd {
     },
     /// Benchmark tables over loopback: NVMe-oF (default) or the raw soft-HCA (--hca). With
     /// --traddr: 4 KiB random reads at QD1 and QD32 and 128 KiB sequential reads at QD16 on
-    /// namespace 1 of that target, the jobs `tests/vm/run.sh bench` gives fio through the
-    /// Linux host.
+    /// namespace 1 of that target.
     Bench(BenchArgs),
     /// Run the built-in NVMe-oF target until interrupted.
     Target(TargetArgs),
@@ -459,6 +459,8 @@ fn write_man_pages(dir: &std::path::Path) -> Result<()> {
         let path = dir.join(format!("{name}.1"));
         let mut out = Vec::new();
         clap_mangen::Man::new(c).render(&mut out)?;
+        let command = name.strip_prefix("nvmf-rdma-").unwrap_or(&name);
+        out.extend_from_slice(manpage::extra_sections(command).as_bytes());
         std::fs::write(&path, out).with_context(|| format!("write {}", path.display()))?;
         n += 1;
         Ok(())

@@ -528,3 +528,38 @@ fn metrics_addr_on_a_daemon_connect_is_refused_with_a_hint() {
         "{e}"
     );
 }
+
+#[test]
+fn every_man_page_has_examples_exit_status_environment_and_files() {
+    use clap::CommandFactory;
+    let cmd = Cli::command();
+    let names = std::iter::once("nvmf-rdma".to_string()).chain(
+        cmd.get_subcommands()
+            .map(|s| s.get_name().to_string())
+            .filter(|n| n != "help"),
+    );
+    for name in names {
+        let extra = crate::manpage::extra_sections(&name);
+        for section in [
+            ".SH EXAMPLES",
+            ".SH \"EXIT STATUS\"",
+            ".SH ENVIRONMENT",
+            ".SH FILES",
+        ] {
+            assert!(extra.contains(section), "{name}: no {section}");
+        }
+        let examples = crate::manpage::examples(&name);
+        assert!(!examples.is_empty(), "{name} has no example");
+        // Each example is a command line this binary parses.
+        for (_, line) in examples {
+            let Some(rest) = line.strip_prefix("nvmf-rdma ") else {
+                continue;
+            };
+            let words: Vec<&str> = rest.split_whitespace().take_while(|w| *w != "|").collect();
+            let argv = std::iter::once("nvmf-rdma").chain(words.iter().copied());
+            if let Err(e) = Cli::try_parse_from(argv) {
+                panic!("{name}: example `{line}` does not parse: {e}");
+            }
+        }
+    }
+}
