@@ -161,23 +161,56 @@ pub(crate) async fn holders(p: &Probe) -> Vec<Holder> {
     out
 }
 
+/// How long a loop device that `losetup -d` already let go may take to detach: the kernel
+/// clears it at its last close (autoclear), and udev's probe after `umount` can hold it open
+/// for seconds.
+const DETACH_GRACE: Duration = Duration::from_secs(5);
+
+/// `dev` (`/dev/loopN`) is detaching: autoclear is set (`losetup -d` on a device still open)
+/// and nothing mounts it. (`mount -o loop` sets autoclear too, but mounts it.)
+pub(crate) fn detaching(sys_block: &Path, dev: &str, mountinfo: &str) -> bool {
+    let name = dev.trim_start_matches("/dev/");
+    std::fs::read_to_string(sys_block.join(name).join("loop/autoclear"))
+        .is_ok_and(|s| s.trim() == "1")
+        && mounts_of(mountinfo, dev).is_empty()
+}
+
 /// Holders of a FUSE export's files.
 async fn fuse_holders(files: &[PathBuf], opens: &AtomicUsize) -> Vec<Holder> {
-    let loops: Vec<(PathBuf, String)> = files
-        .iter()
-        .flat_map(|f| {
-            loop_devices_on(Path::new("/sys/block"), f)
-                .into_iter()
-                .map(move |d| (f.clone(), d))
-        })
-        .collect();
-    if !loops.is_empty() {
+    let sys_block = Path::new("/sys/block");
+    let deadline = Instant::now() + DETACH_GRACE;
+    let (loops, info) = loop {
+        let loops: Vec<(PathBuf, String)> = files
+            .iter()
+            .flat_map(|f| {
+                loop_devices_on(sys_block, f)
+                    .into_iter()
+                    .map(move |d| (f.clone(), d))
+            })
+            .collect();
         let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        // Only devices on their way out: give the kernel a moment rather than refuse.
+        let all_detaching = loops.iter().all(|(_, d)| detaching(sys_block, d, &info));
+        if loops.is_empty() || !all_detaching || Instant::now() >= deadline {
+            break (loops, info);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    if !loops.is_empty() {
         return loops
             .into_iter()
             .map(|(file, dev)| {
                 let mounts = mounts_of(&info, &dev);
-                let (what, release) = if mounts.is_empty() {
+                let (what, release) = if detaching(sys_block, &dev, &info) {
+                    (
+                        format!(
+                            "{} backs {dev}, which is detaching (the kernel lets it go at its \
+                             last close)",
+                            file.display()
+                        ),
+                        format!("close what still has {dev} open, or retry in a moment"),
+                    )
+                } else if mounts.is_empty() {
                     (
                         format!("{} backs {dev}", file.display()),
                         format!("losetup -d {dev}"),
@@ -252,6 +285,14 @@ mod tests {
             ["/dev/loop0", "/dev/loop7"]
         );
         assert!(loop_devices_on(&d, Path::new("/mnt/y/ns1")).is_empty());
+        // losetup -d on a device still open sets autoclear; a mount -o loop device has it too.
+        std::fs::write(d.join("loop0/loop/autoclear"), "1\n").unwrap();
+        std::fs::write(d.join("loop7/loop/autoclear"), "0\n").unwrap();
+        let mounted = "36 35 7:0 / /mnt/m rw - ext4 /dev/loop0 rw\n";
+        assert!(detaching(&d, "/dev/loop0", ""));
+        assert!(!detaching(&d, "/dev/loop0", mounted));
+        assert!(!detaching(&d, "/dev/loop7", ""));
+        assert!(!detaching(&d, "/dev/loop1", ""));
         std::fs::remove_dir_all(&d).unwrap();
         let info = "36 35 98:0 / /mnt/my\\040data rw,noatime master:1 - ext4 /dev/loop0 rw\n\
                     37 35 98:0 / /srv rw - ext4 /dev/loop1 rw\n";
