@@ -15,6 +15,7 @@ use crate::config::params_of;
 use crate::control::{disconnect_foreground, foreground_controllers};
 use crate::daemon::start_background;
 use crate::proto::{PROTOCOL_VERSION, SOCKET_NAME};
+use crate::units::human_bytes;
 
 /// Longest answer line read from the daemon (a `list` of many controllers fits).
 const MAX_ANSWER: u64 = 16 << 20;
@@ -236,8 +237,8 @@ pub(crate) async fn run_list(output: ListFormat) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<8} {:<40} {:<22} {:>6} {:<10} {:>3}",
-        "Name", "SubNQN", "Address", "CNTLID", "State", "IOQ"
+        "{:<8} {:<40} {:<22} {:>5} {:>6} {:<10} {:>3} {:>10}",
+        "Name", "SubNQN", "Address", "Svc", "CNTLID", "State", "IOQ", "Capacity"
     );
     for c in &ctrls {
         let st = |k: &str| match &c[k] {
@@ -246,18 +247,33 @@ pub(crate) async fn run_list(output: ListFormat) -> Result<()> {
             v => v.to_string(),
         };
         let state = st("state");
-        let addr = match c["address"].as_str() {
-            Some(a) => a.to_string(),
-            None => st("traddr"),
+        // The soft-HCA's UDP port only when it is not RoCEv2's 4791: the NVMe-oF port (what
+        // -s gave) is the Svc column.
+        let addr = match c["address"]
+            .as_str()
+            .map(str::parse::<std::net::SocketAddr>)
+        {
+            Some(Ok(a)) if a.port() != nvmf_rdma::hca::wire::ROCEV2_PORT => a.to_string(),
+            Some(Ok(a)) => a.ip().to_string(),
+            _ => st("traddr"),
         };
+        // What the namespaces hold together, as `nvme list` shows a device's size.
+        let capacity: u64 = c["namespaces"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|n| n["blocks"].as_u64().unwrap_or(0) * n["block_size"].as_u64().unwrap_or(0))
+            .sum();
         println!(
-            "{:<8} {:<40} {:<22} {:>6} {:<10} {:>3}",
+            "{:<8} {:<40} {:<22} {:>5} {:>6} {:<10} {:>3} {:>10}",
             st("name"),
             st("subnqn"),
             addr,
+            st("trsvcid"),
             st("cntlid"),
             state,
             st("io_queues"),
+            human_bytes(capacity),
         );
         println!(
             "{:<8} {}",

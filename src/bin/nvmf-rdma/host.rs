@@ -179,14 +179,16 @@ pub(crate) fn connect_hint(e: &str) -> String {
 /// foreground `connect` and the daemon. `traddr` is the address alone, as nvme-cli shows it;
 /// the port is `trsvcid`.
 pub(crate) fn ctrl_info(name: &str, s: &Subsys, c: &Controller) -> CtrlInfo {
-    let (state, health) = Health::from_status(&c.status());
+    let status = c.status();
+    let (state, health) = Health::from_status(&status);
     CtrlInfo {
         name: name.to_string(),
         subnqn: s.nqn.clone(),
         hostnqn: c.opts.hostnqn.clone(),
         traddr: s.fabric.traddr.ip().to_string(),
         trsvcid: s.fabric.trsvcid,
-        cntlid: c.cntlid,
+        // The target assigns a new one at each reconnect.
+        cntlid: status.cntlid,
         state,
         io_queues: c.io_queue_count(),
         namespaces: c
