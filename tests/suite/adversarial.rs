@@ -8,7 +8,9 @@
 //! - controller IDs come from the free set and never replace a live controller;
 //! - CM TimeWait is bounded whatever timeout the peer asks for;
 //! - discovery lists only subsystems the host may use, and refuses I/O queues;
-//! - one host's whole-device TRIMs do not stall another host's reads.
+//! - one host's whole-device TRIMs do not stall another host's reads;
+//! - one address, or forged REQs, take at most their share of the queue budget; a qid is
+//!   installed once per controller.
 //!
 //! Every await that depends on a peer sits under a timeout.
 
