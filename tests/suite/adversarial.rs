@@ -784,6 +784,13 @@ async fn one_address_holding_its_most_of_discovery_queues_leaves_room_for_anothe
         held.push(q);
     }
     let refused = refused.expect("one address took every queue of the target");
+    // Nor can it lift its keep-alive timeout past the cap afterwards.
+    let long = admin::set_features(0x30, feature::KEEP_ALIVE_TIMER, u32::MAX);
+    let st = held[0].cmd(&long.to_bytes(), 0x30).await.nvme_status();
+    assert_eq!((st.sct, st.sc), {
+        let w = Status::KEEP_ALIVE_INVALID;
+        (w.sct, w.sc)
+    });
     assert!(
         held.len() <= MAX_QUEUES / 4,
         "one address holds {} of {MAX_QUEUES} queues ({refused})",
