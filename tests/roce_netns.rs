@@ -10,6 +10,8 @@
 //!   (`NVMF_RDMA_ICRC=skip`) reaches the data: the kernel's UDP checksum does not stop it
 //!   (the datagram crossed the veth with its checksum left to offload), the ICRC does.
 //! - Without CAP_NET_RAW the host falls back to unchecked ICRCs and says how many.
+//! - CM REQs with valid ICRCs from invented source addresses (a peer that forges its
+//!   source never sees the REP, so never sends the RTU) do not keep a real host out.
 //!
 //! Needs root (netns, raw sockets) and `nft` for the corruption; skips with a message
 //! where there is no root or no netns (CI runs as root and installs nftables).
@@ -29,6 +31,8 @@ struct Pair {
     target_ns: String,
     host_ns: String,
     target: Option<Child>,
+    /// The target's stdout and stderr.
+    log: std::path::PathBuf,
 }
 
 fn ip(args: &[&str]) -> std::io::Result<Output> {
@@ -77,6 +81,7 @@ impl Pair {
             target_ns: t.clone(),
             host_ns: h.clone(),
             target: None,
+            log: std::path::PathBuf::new(),
         };
         ok(ip(&["netns", "add", &h]), "ip netns add");
         let (vt, vh) = (format!("ict{tag}"), format!("ich{tag}"));
@@ -107,6 +112,7 @@ impl Pair {
             .spawn()
             .expect("start the target");
         p.target = Some(child);
+        p.log = log.clone();
         let t0 = Instant::now();
         while !std::fs::read_to_string(&log)
             .unwrap_or_default()
@@ -146,6 +152,18 @@ impl Pair {
             String::from_utf8_lossy(&o.stderr)
         );
         (o.status.success(), text)
+    }
+}
+
+impl Pair {
+    /// Stop the target as Ctrl-C does and return what it said.
+    fn stop_target(&mut self) -> String {
+        if let Some(mut c) = self.target.take() {
+            // SAFETY: kill(2) on our child's pid (`ip netns exec` execs the target).
+            unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
+            let _ = c.wait();
+        }
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 }
 
@@ -253,5 +271,131 @@ fn a_byte_corrupted_in_flight_is_dropped_as_an_icrc_error_and_resent() {
     assert!(
         !ok && out.contains("MISMATCH"),
         "corruption not seen with ICRCs skipped: {out}"
+    );
+}
+
+/// CM REQs for I/O queues of the target's NVMe-oF port, `n` from each of `srcs`
+/// (addresses no interface has), sent from the host's namespace through a raw IP socket as a
+/// peer that forges its source address would, each with a valid ICRC over the IPv4 header
+/// it goes out with.
+fn forge_reqs(host_ns: &str, srcs: &[std::net::Ipv4Addr], n: u32) {
+    use nvmf_rdma::cm::{CmConfig, CmEndpoint, ConnectParams, NvmeCmRequest};
+    use nvmf_rdma::hca::device::ROCE_V2_PORT;
+    use nvmf_rdma::hca::wire::{emit_packet, BthRepr, DethRepr, IcrcContext, Opcode};
+    use nvmf_rdma::hca::wire::{PacketHeaders, GSI_QKEY};
+    use nvmf_rdma::hca::{Guid, Psn, Qpn};
+    use rand::SeedableRng;
+    use std::net::{Ipv4Addr, SocketAddr};
+    use std::os::fd::AsRawFd;
+
+    const IP_ID: u16 = 0x1234;
+    let ns = std::fs::File::open(format!("/var/run/netns/{host_ns}")).expect("netns file");
+    let srcs = srcs.to_vec();
+    std::thread::spawn(move || {
+        // SAFETY: a valid namespace fd; only this thread moves.
+        assert_eq!(
+            unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) },
+            0
+        );
+        // SAFETY: plain socket call.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+        assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+        let dst: Ipv4Addr = TARGET_IP.parse().unwrap();
+        let to = SocketAddr::from((dst, ROCE_V2_PORT));
+        let private = NvmeCmRequest {
+            qid: 1,
+            hrqsize: 32,
+            hsqsize: 31,
+            cntlid: 0,
+        }
+        .emit();
+        for (k, src) in srcs.iter().enumerate() {
+            let from = SocketAddr::from((*src, ROCE_V2_PORT));
+            let rng = rand::rngs::StdRng::seed_from_u64(k as u64);
+            let mut cm = CmEndpoint::new(CmConfig::new(from.ip(), Guid(0x100 + k as u64)), rng);
+            for i in 0..n {
+                let params = ConnectParams::new(Qpn::new(0x100 + i), 4420);
+                cm.connect(nvmf_rdma::hca::Instant(0), to, &params, &private)
+                    .unwrap();
+            }
+            let mut psn = 0;
+            while let Some((_, mad)) = cm.poll_transmit() {
+                let ctx = IcrcContext {
+                    src: from,
+                    dst: to,
+                    ip_id: IP_ID,
+                    dont_fragment: true,
+                };
+                let mut h =
+                    PacketHeaders::new(BthRepr::new(Opcode::UD_SEND_ONLY, Qpn::GSI, Psn::new(psn)));
+                psn += 1;
+                h.deth = Some(DethRepr {
+                    qkey: GSI_QKEY,
+                    src_qp: Qpn::GSI,
+                });
+                let mut roce = Vec::new();
+                emit_packet(&h, &mad, &ctx, &mut roce);
+                let udp_len = 8 + roce.len() as u16;
+                let mut pkt = vec![0x45, 0];
+                pkt.extend_from_slice(&(20 + udp_len).to_be_bytes());
+                pkt.extend_from_slice(&IP_ID.to_be_bytes());
+                pkt.extend_from_slice(&[0x40, 0, 64, 17, 0, 0]);
+                pkt.extend_from_slice(&src.octets());
+                pkt.extend_from_slice(&dst.octets());
+                pkt.extend_from_slice(&ROCE_V2_PORT.to_be_bytes());
+                pkt.extend_from_slice(&ROCE_V2_PORT.to_be_bytes());
+                pkt.extend_from_slice(&udp_len.to_be_bytes());
+                pkt.extend_from_slice(&[0, 0]);
+                pkt.extend_from_slice(&roce);
+                // SAFETY: a zeroed sockaddr_in with family and address set.
+                let mut sin: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+                sin.sin_family = libc::AF_INET as libc::sa_family_t;
+                sin.sin_addr.s_addr = u32::from(dst).to_be();
+                // SAFETY: pkt and sin outlive the call.
+                let r = unsafe {
+                    libc::sendto(
+                        fd,
+                        pkt.as_ptr().cast(),
+                        pkt.len(),
+                        0,
+                        (&sin as *const libc::sockaddr_in).cast(),
+                        std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                    )
+                };
+                assert!(r > 0, "sendto: {}", std::io::Error::last_os_error());
+            }
+        }
+        // SAFETY: our fd.
+        unsafe { libc::close(fd) };
+    })
+    .join()
+    .expect("forger thread");
+}
+
+#[test]
+fn forged_reqs_from_invented_addresses_do_not_lock_a_real_host_out() {
+    let Some(mut p) = Pair::new() else { return };
+    // Five invented addresses on the veth's network, 256 REQs each: more than the
+    // target's 1024 queues, as fast as a raw socket sends them.
+    let srcs: Vec<std::net::Ipv4Addr> = (0..5).map(|i| [10, 231, 7, 100 + i].into()).collect();
+    forge_reqs(&p.host_ns, &srcs, 256);
+    for _ in 0..3 {
+        let (ok, out) = p.verify(&[], &[], "1M");
+        assert!(ok && out.contains("every byte read back matches"), "{out}");
+    }
+    // Every forged REQ reached the target (ICRC and all) and was answered or refused.
+    let log = p.stop_target();
+    let count = |what: &str| -> u64 {
+        let at = log
+            .find(what)
+            .unwrap_or_else(|| panic!("no '{what}' in:\n{log}"));
+        let n = log[..at].trim_end().rsplit(' ').next().unwrap();
+        n.parse()
+            .unwrap_or_else(|_| panic!("'{n}' before '{what}' in:\n{log}"))
+    };
+    let (connected, refused) = (count("queues connected"), count("refused"));
+    assert!(
+        connected + refused >= 5 * 256,
+        "{connected} accepted, {refused} refused:\n{log}"
     );
 }

@@ -298,4 +298,8 @@ impl CmListen for CmService {
     fn reject(&self, id: ConnId, private: &[u8]) {
         CmService::reject(self, id, private)
     }
+
+    fn watch_established(&self, id: ConnId, tx: mpsc::UnboundedSender<ConnId>) {
+        CmService::watch_established(self, id, tx)
+    }
 }

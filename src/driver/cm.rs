@@ -25,6 +25,8 @@ struct Shared {
     listener: Mutex<Option<mpsc::Sender<Incoming>>>,
     /// Connections whose teardown someone wants to hear about.
     watchers: Mutex<BTreeMap<ConnId, mpsc::UnboundedSender<ConnId>>>,
+    /// Accepted requests whose RTU someone wants to hear about.
+    rtu: Mutex<BTreeMap<ConnId, mpsc::UnboundedSender<ConnId>>>,
     kick: Notify,
 }
 
@@ -79,6 +81,7 @@ impl CmService {
             waiters: Mutex::new(BTreeMap::new()),
             listener: Mutex::new(None),
             watchers: Mutex::new(BTreeMap::new()),
+            rtu: Mutex::new(BTreeMap::new()),
             kick: Notify::new(),
         });
         crate::harness::alloc_audit::spawn(pump(sh.clone()));
@@ -170,6 +173,17 @@ impl CmService {
         })
     }
 
+    /// Passive side: be told (once) when accepted request `id` gets its RTU.
+    pub fn watch_established(&self, id: ConnId, tx: mpsc::UnboundedSender<ConnId>) {
+        crate::harness::alloc_audit::platform(|| {
+            self.sh
+                .rtu
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, tx);
+        })
+    }
+
     /// Passive side: connection requests for `port` arrive on the returned channel (at
     /// most [`INCOMING_BACKLOG`] waiting; more are refused "no resources").
     pub fn listen(&self, port: u16) -> mpsc::Receiver<Incoming> {
@@ -220,6 +234,11 @@ impl CmService {
                 .remove(&id);
             self.sh
                 .watchers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+            self.sh
+                .rtu
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&id);
@@ -334,9 +353,22 @@ fn dispatch(sh: &Shared, ev: CmEvent) {
                 .remove(&id)
             {
                 let _ = tx.send(ev);
-            } else if let CmEvent::Established(e) = &ev {
-                // Passive side: the RTU arrived; nothing waits on it.
-                let _ = e;
+                return;
+            }
+            // Passive side: the RTU arrived, or the request ended without one (our REP
+            // went unanswered, or the peer rejected it): the listener's watchers hear.
+            let rtu = sh.rtu.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            let to = match ev {
+                CmEvent::Established(_) => rtu,
+                CmEvent::Unreachable { .. } | CmEvent::Rejected(_) => sh
+                    .watchers
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&id),
+                _ => None,
+            };
+            if let Some(tx) = to {
+                let _ = tx.send(id);
             }
         }
     }

@@ -760,6 +760,8 @@ struct Conn {
     id: CmId,
     /// Whom to tell (once) when the connection breaks.
     watcher: Mutex<Option<mpsc::UnboundedSender<ConnId>>>,
+    /// Passive side: whom to tell (once) when the request becomes a connection.
+    on_established: Mutex<Option<mpsc::UnboundedSender<ConnId>>>,
     broken: std::sync::atomic::AtomicBool,
     conn_id: ConnId,
     /// Passive side: the request's path, until [`CmListen::attach`] hands it to our QP.
@@ -774,6 +776,7 @@ impl Conn {
         Conn {
             id,
             watcher: Mutex::new(None),
+            on_established: Mutex::new(None),
             broken: std::sync::atomic::AtomicBool::new(false),
             conn_id: ConnId(n),
             request: Mutex::new(request),
@@ -828,6 +831,16 @@ async fn watch_conn(conn: Arc<Conn>, ctx: Weak<Ctx>) {
             }
             Ok(e) => {
                 tracing::debug!(device = %c.info.name, "rdma_cm event {}", e.name());
+                if e.kind == ev::ESTABLISHED {
+                    let tx = conn
+                        .on_established
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .take();
+                    if let Some(tx) = tx {
+                        let _ = tx.send(conn.conn_id);
+                    }
+                }
                 false
             }
             Err(HwError::CmTimeout(_)) => false,
@@ -1254,6 +1267,14 @@ impl CmListen for HwCm {
                 if let Err(e) = c.id.reject(private) {
                     tracing::debug!("rdma_reject: {e}");
                 }
+            }
+        })
+    }
+
+    fn watch_established(&self, id: ConnId, tx: mpsc::UnboundedSender<ConnId>) {
+        alloc_audit::platform(|| {
+            if let Some(c) = self.conn(id) {
+                *c.on_established.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
             }
         })
     }

@@ -26,6 +26,7 @@ use crate::verbs::{
 };
 
 use super::backend::{Finished, Job, Op, Pool};
+use super::budget::{Holder, Ledger, Shares, Usage};
 use super::{Namespace, Subsystem, TargetConfig};
 use crate::published::{Published, Publisher};
 
@@ -47,8 +48,12 @@ const AEN_DISCOVERY_CHANGED: u32 = 0x2 | (0xF0 << 8) | (0x70 << 16);
 /// Staging of a queue before Fabrics Connect: room for the Connect data only.
 const CONNECT_DATA: usize = 1024;
 /// Keep-alive of a discovery controller whose host asked for none (nvmet
-/// `NVMET_DISC_KATO_MS`): one left open must not live for ever.
+/// `NVMET_DISC_KATO_MS`), and the most one may ask for: one left open must not live for
+/// ever.
 const DISCOVERY_KATO_MS: u32 = 120_000;
+/// The largest admin (and discovery) queue a host may ask for: Linux nvmet refuses more
+/// (`NVME_AQ_DEPTH`), and a host needs no more for admin commands.
+const MAX_ADMIN_QUEUE: usize = 32;
 
 const WR_RECV: u64 = 1;
 const WR_RDMA_READ: u64 = 2;
@@ -227,8 +232,16 @@ struct TQueue<M> {
     /// Before Connect: the one receive buffer holds a capsule not yet answered, so it is
     /// not posted.
     boot_held: bool,
-    /// Counted against `max_unconnected_per_ip` until Fabrics Connect succeeds.
+    /// Counted against `max_unconnected_per_ip` from its RTU until Fabrics Connect
+    /// succeeds, and against `max_pre_rtu_per_ip` before its RTU.
     peer_ip: IpAddr,
+    /// Its RTU arrived (or its first capsule, which proves the same): before that it sits
+    /// in the pre-RTU table and counts against no budget.
+    established: bool,
+    /// What it holds of the budgets ([`Ledger`]), and the host NQN that was charged for it
+    /// (once Fabrics Connect named one): given back when it goes.
+    charged: Usage,
+    host: Option<Box<str>>,
     recv: Ring<M>,
     rsp: Ring<M>,
     data: Ring<M>,
@@ -304,9 +317,16 @@ struct Engine<D: DeviceContext> {
     queues: FxHashMap<Qpn, TQueue<D::Mem>>,
     ctrls: FxHashMap<u16, Ctrl>,
     next_cntlid: u16,
-    /// Queues without a controller (no Fabrics Connect yet) per peer IP address, for
-    /// `max_unconnected_per_ip`.
+    /// Established queues without a controller (no Fabrics Connect yet) per peer IP
+    /// address, for `max_unconnected_per_ip`.
     per_ip: FxHashMap<IpAddr, usize>,
+    /// Queues waiting for their RTU, per peer IP address and in all.
+    pre_rtu_per_ip: FxHashMap<IpAddr, usize>,
+    pre_rtu: usize,
+    /// The most queues that may wait for their RTU (`max_pre_rtu`, less on a small CQ).
+    pre_rtu_cap: usize,
+    /// Who holds how much of the queue and CQ budgets.
+    ledger: Ledger,
     stats: TargetStats,
     /// A hung controller: commands are taken off the wire and never answered.
     frozen: bool,
@@ -394,6 +414,19 @@ impl<D: DeviceContext> Target<D> {
         };
         let pool = Pool::new(IO_WORKERS);
         let metrics = Publisher::new(COUNTERS, "port", &cfg.port.to_string());
+        // Queues waiting for their RTU have their CQ entries set aside, so that however
+        // many REQs come in, established queues can fill the rest.
+        let pre_rtu_cap = cfg.max_pre_rtu.min(depth / (4 * CQES_PER_SLOT));
+        let whole = Usage {
+            queues: cfg.max_queues,
+            cqes: depth - pre_rtu_cap * CQES_PER_SLOT,
+        };
+        let shares = Shares {
+            address: cfg.address_share,
+            network: cfg.network_share,
+            host: cfg.host_share,
+            reserved: cfg.reserved_share,
+        };
         let e = Engine {
             cfg: Arc::new(cfg),
             pd,
@@ -404,6 +437,10 @@ impl<D: DeviceContext> Target<D> {
             ctrls: FxHashMap::default(),
             next_cntlid: 1,
             per_ip: FxHashMap::default(),
+            pre_rtu_per_ip: FxHashMap::default(),
+            pre_rtu: 0,
+            pre_rtu_cap,
+            ledger: Ledger::new(whole, shares),
             stats: TargetStats::default(),
             frozen: false,
             stall_io: false,
@@ -465,6 +502,14 @@ impl<D: DeviceContext> Target<D> {
         let Locked { e, d } = &mut *g;
         e.now = now;
         e.add_queue(d, p, bind)
+    }
+
+    /// The peer of `qpn` sent its CM RTU: the queue leaves the pre-RTU table and counts
+    /// against its address's budgets (it goes if that is past them).
+    pub fn established(&self, qpn: Qpn) {
+        let mut g = self.lock();
+        let Locked { e, d } = &mut *g;
+        e.establish(d, qpn);
     }
 
     /// The host went away (CM disconnect, transport error): drop the queue and, for an
@@ -680,6 +725,39 @@ const DIRECT_WRITE_MIN: usize = 64 << 10;
 /// A queue without a controller this long after it was accepted is dropped.
 const ORPHAN_QUEUE_NS: u64 = 10_000_000_000;
 
+/// What an established queue holds before its Fabrics Connect: one slot.
+const ONE_SLOT: Usage = Usage {
+    queues: 1,
+    cqes: CQES_PER_SLOT,
+};
+
+/// A queue's source address before its Connect names a host.
+fn unnamed(ip: IpAddr) -> Holder<'static> {
+    Holder {
+        ip,
+        host: None,
+        listed: false,
+    }
+}
+
+/// The keep-alive timeout a controller gets for the one its host `asked` for (ms), or
+/// `None` past the most it may have: `max_kato_ms`, and for a discovery controller at most
+/// [`DISCOVERY_KATO_MS`]. None asked for (0) gets that most: nvmet gives a discovery
+/// controller one for the same reason, a controller whose host left must not live for
+/// ever.
+fn kato(asked: u32, discovery: bool, max_kato_ms: u32) -> Option<u32> {
+    let most = if discovery {
+        max_kato_ms.min(DISCOVERY_KATO_MS)
+    } else {
+        max_kato_ms
+    };
+    match asked {
+        0 => Some(most),
+        k if k <= most => Some(k),
+        _ => None,
+    }
+}
+
 /// How often controllers are checked for keep-alive expiry.
 const KATO_CHECK: std::time::Duration = std::time::Duration::from_millis(250);
 
@@ -818,7 +896,8 @@ impl<D: DeviceContext> Engine<D> {
         bind: impl FnOnce(Qpn) -> bool,
     ) -> Result<(Qpn, u16), ConnReject> {
         let size = p.hsqsize as usize + 1;
-        if p.qid == 0 && !(fabrics::MIN_ADMIN_SQ_ENTRIES as usize..=4096).contains(&size) {
+        if p.qid == 0 && !(fabrics::MIN_ADMIN_SQ_ENTRIES as usize..=MAX_ADMIN_QUEUE).contains(&size)
+        {
             return Err(ConnReject::InvalidHsqsize);
         }
         if size < 2 || size > self.cfg.max_queue_size as usize {
@@ -827,12 +906,24 @@ impl<D: DeviceContext> Engine<D> {
         if (p.hrqsize as usize) < size {
             return Err(ConnReject::InvalidHrqsize);
         }
+        // A REQ costs a queue of one slot in the pre-RTU table, never a share of the
+        // budgets: its source address may be forged. A peer already holding its share of
+        // established queues is refused here rather than after its RTU.
         let ip = p.peer.addr.ip();
         let of_ip = self.per_ip.get(&ip).copied().unwrap_or(0);
-        if self.queues.len() >= self.cfg.max_queues
-            || of_ip >= self.cfg.max_unconnected_per_ip
-            || self.cqes_used + CQES_PER_SLOT > self.cqes
+        let waiting = self.pre_rtu_per_ip.get(&ip).copied().unwrap_or(0);
+        if of_ip >= self.cfg.max_unconnected_per_ip
+            || waiting >= self.cfg.max_pre_rtu_per_ip
+            || self.pre_rtu_cap == 0
+            || self.ledger.admits(unnamed(ip), ONE_SLOT).is_err()
         {
+            self.stats.refused_queues += 1;
+            return Err(ConnReject::NoResources);
+        }
+        if self.pre_rtu >= self.pre_rtu_cap {
+            self.evict_oldest_pre_rtu(d);
+        }
+        if self.cqes_used + CQES_PER_SLOT > self.cqes {
             self.stats.refused_queues += 1;
             return Err(ConnReject::NoResources);
         }
@@ -901,6 +992,9 @@ impl<D: DeviceContext> Engine<D> {
                 grown: false,
                 boot_held: false,
                 peer_ip: ip,
+                established: false,
+                charged: Usage::default(),
+                host: None,
                 recv,
                 rsp,
                 data,
@@ -913,23 +1007,100 @@ impl<D: DeviceContext> Engine<D> {
             },
         );
         self.next_token += 1;
-        *self.per_ip.entry(ip).or_insert(0) += 1;
+        *self.pre_rtu_per_ip.entry(ip).or_insert(0) += 1;
+        self.pre_rtu += 1;
         self.cqes_used += CQES_PER_SLOT;
         self.stats.queues_connected += 1;
         Ok((qpn, size as u16))
     }
 
-    /// Fabrics Connect is about to succeed on `qpn`: give the queue its full rings and post
-    /// every receive buffer, before the Connect response tells the host it may send. The
-    /// one pre-Connect slot is carried over (it holds the Connect). Out of memory is a
-    /// Connect failure, not an abort.
-    fn grow(&mut self, d: &mut Io<D>, qpn: Qpn) -> Result<(), Status> {
+    /// The oldest queue still waiting for its RTU goes, to make room in the pre-RTU table:
+    /// a real host's RTU comes back within a round trip, so the oldest is the likeliest to
+    /// be a forged REQ's.
+    fn evict_oldest_pre_rtu(&mut self, d: &mut Io<D>) {
+        let oldest = self
+            .queues
+            .iter()
+            .filter(|(_, q)| !q.established)
+            .min_by_key(|(_, q)| q.token)
+            .map(|(qpn, _)| *qpn);
+        if let Some(qpn) = oldest {
+            self.remove_queue(d, qpn);
+        }
+    }
+
+    /// The peer of `qpn` answered our REP (its RTU, or a first capsule, which it could
+    /// send only after reading the REP): the queue leaves the pre-RTU table and counts
+    /// against its address's share and `max_unconnected_per_ip`. Past them it goes, and
+    /// `false` says so.
+    fn establish(&mut self, d: &mut Io<D>, qpn: Qpn) -> bool {
+        let Some(q) = self.queues.get(&qpn) else {
+            return false;
+        };
+        if q.established {
+            return true;
+        }
+        let ip = q.peer_ip;
+        let unconnected = self.per_ip.get(&ip).copied().unwrap_or(0);
+        let verdict = self.ledger.admits(unnamed(ip), ONE_SLOT);
+        if unconnected >= self.cfg.max_unconnected_per_ip || verdict.is_err() {
+            tracing::debug!(peer = %ip, "established queue dropped: over its address's share");
+            self.stats.refused_queues += 1;
+            self.remove_queue(d, qpn);
+            return false;
+        }
+        self.leave_pre_rtu(ip);
+        self.ledger.charge(unnamed(ip), ONE_SLOT);
+        *self.per_ip.entry(ip).or_insert(0) += 1;
+        if let Some(q) = self.queues.get_mut(&qpn) {
+            q.established = true;
+            q.charged = ONE_SLOT;
+        }
+        true
+    }
+
+    fn leave_pre_rtu(&mut self, ip: IpAddr) {
+        self.pre_rtu = self.pre_rtu.saturating_sub(1);
+        if let Some(n) = self.pre_rtu_per_ip.get_mut(&ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.pre_rtu_per_ip.remove(&ip);
+            }
+        }
+    }
+
+    /// Fabrics Connect is about to succeed on `qpn` for `host` (`listed`: named in its
+    /// subsystem's allow-list): charge the queue's full size to its address, network and
+    /// host, give it its full rings and post every receive buffer, before the Connect
+    /// response tells the host it may send. The one pre-Connect slot is carried over (it
+    /// holds the Connect). Past a share, or out of memory, is a Connect failure, not an
+    /// abort.
+    fn grow(&mut self, d: &mut Io<D>, qpn: Qpn, host: &str, listed: bool) -> Result<(), Status> {
         let no_mem = Status::INTERNAL_ERROR;
         let pd = self.pd;
-        let q = self.queues.get_mut(&qpn).ok_or(no_mem)?;
+        let q = self.queues.get(&qpn).ok_or(no_mem)?;
         if q.grown {
             return Ok(());
         }
+        let (ip, had) = (q.peer_ip, q.charged);
+        let full = Usage {
+            queues: 1,
+            cqes: q.size * CQES_PER_SLOT,
+        };
+        let named = Holder {
+            ip,
+            host: Some(host),
+            listed,
+        };
+        self.ledger.refund(unnamed(ip), had);
+        let verdict = self.ledger.admits(named, full);
+        self.ledger.charge(unnamed(ip), had);
+        if let Err(over) = verdict {
+            tracing::info!(peer = %ip, host, "Fabrics Connect refused: {over}");
+            self.stats.refused_queues += 1;
+            return Err(Status::CONNECT_CONTROLLER_BUSY);
+        }
+        let q = self.queues.get_mut(&qpn).ok_or(no_mem)?;
         let (size, old) = (q.size, q.cmds.len());
         // The CQ is shared by every queue: one that could overrun it is not grown.
         let more = (size - q.slots) * CQES_PER_SLOT;
@@ -962,6 +1133,10 @@ impl<D: DeviceContext> Engine<D> {
         self.cqes_used += more;
         q.staging_len = q.io_staging_len;
         q.grown = true;
+        q.charged = full;
+        q.host = Some(host.into());
+        self.ledger.refund(unnamed(ip), had);
+        self.ledger.charge(named, full);
         for r in 0..size {
             if !repost(d, qpn, q, r) {
                 return Err(no_mem);
@@ -991,8 +1166,18 @@ impl<D: DeviceContext> Engine<D> {
             d.dev.dereg_mr(&mr);
         }
         self.cqes_used = self.cqes_used.saturating_sub(q.slots * CQES_PER_SLOT);
-        if q.cntlid.is_none() {
-            self.connected_or_gone(q.peer_ip);
+        if !q.established {
+            self.leave_pre_rtu(q.peer_ip);
+        } else {
+            let who = Holder {
+                ip: q.peer_ip,
+                host: q.host.as_deref(),
+                listed: false,
+            };
+            self.ledger.refund(who, q.charged);
+            if q.cntlid.is_none() {
+                self.connected_or_gone(q.peer_ip);
+            }
         }
         self.stats.queues_dropped += 1;
         if let Some(tx) = &self.dropped {
@@ -1056,6 +1241,13 @@ impl<D: DeviceContext> Engine<D> {
         let Some(q) = self.queues.get_mut(&qpn) else {
             return;
         };
+        if !q.established {
+            // The capsule may overtake the CM's word of the RTU (IB CM COMM_EST).
+            if self.establish(d, qpn) {
+                self.on_capsule(d, qpn, r, len);
+            }
+            return;
+        }
         if r >= q.slots {
             return;
         }
@@ -1579,18 +1771,22 @@ impl<D: DeviceContext> Engine<D> {
         if subsys != usize::MAX && !self.cfg.subsystems[subsys].allows(cd.hostnqn.as_str()) {
             return Err(Status::new(1, 0x84).with_dnr()); // Connect Invalid Host
         }
+        let discovery = subsys == usize::MAX;
+        let listed = !discovery && self.cfg.subsystems[subsys].allowed_hosts.is_some();
+        let host = cd.hostnqn.as_str();
         // Every check first, then the queue's full rings, then the controller: a Connect that
         // fails leaves no controller behind and the queue as small as it was.
         let cntlid = if qid == 0 {
             if cd.cntlid != CNTLID_DYNAMIC {
                 return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
             }
+            let kato_ms = kato(kato_ms, discovery, self.cfg.max_kato_ms)
+                .ok_or(Status::CONNECT_INVALID_PARAMETERS.with_dnr())?;
             let Some(id) = self.alloc_cntlid() else {
                 self.stats.cntlid_exhausted += 1;
                 return Err(Status::CONNECT_CONTROLLER_BUSY);
             };
-            self.grow(d, qpn)?;
-            let discovery = subsys == usize::MAX;
+            self.grow(d, qpn, host, listed)?;
             tracing::info!(
                 cntlid = id,
                 host = %cd.hostnqn.as_str(),
@@ -1607,11 +1803,7 @@ impl<D: DeviceContext> Engine<D> {
                     hostid: cd.hostid,
                     cc: Cc(0),
                     csts: Csts(0),
-                    kato_ms: if discovery && kato_ms == 0 {
-                        DISCOVERY_KATO_MS
-                    } else {
-                        kato_ms
-                    },
+                    kato_ms,
                     io_queues: 0,
                     queues: vec![qpn],
                     aers: 0,
@@ -1643,7 +1835,15 @@ impl<D: DeviceContext> Engine<D> {
             if qid > ctrl.io_queues.max(1) {
                 return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
             }
-            self.grow(d, qpn)?;
+            // nvmet_install_queue: a qid the controller has is not installed twice.
+            let taken = ctrl
+                .queues
+                .iter()
+                .any(|x| self.queues.get(x).is_some_and(|q| q.qid == qid));
+            if taken {
+                return Err(Status::COMMAND_SEQUENCE_ERROR.with_dnr());
+            }
+            self.grow(d, qpn, host, listed)?;
             if let Some(ctrl) = self.ctrls.get_mut(&cd.cntlid) {
                 ctrl.queues.push(qpn);
             }
@@ -1758,13 +1958,9 @@ impl<D: DeviceContext> Engine<D> {
                         })
                     }
                     feature::KEEP_ALIVE_TIMER => {
-                        // A discovery controller keeps a keep-alive (see exec_connect).
                         let discovery = ctrl.subsys == usize::MAX;
-                        ctrl.kato_ms = if discovery && sqe.cdw11 == 0 {
-                            DISCOVERY_KATO_MS
-                        } else {
-                            sqe.cdw11
-                        };
+                        ctrl.kato_ms = kato(sqe.cdw11, discovery, self.cfg.max_kato_ms)
+                            .ok_or(Status::KEEP_ALIVE_INVALID.with_dnr())?;
                         Ok(Done::Respond {
                             result: 0,
                             data_out: 0,

@@ -29,12 +29,21 @@ where
     tokio::spawn(async move {
         let (gone_tx, mut gone_rx) = mpsc::unbounded_channel::<ConnId>();
         let (drop_tx, mut drop_rx) = mpsc::unbounded_channel::<Qpn>();
+        let (rtu_tx, mut rtu_rx) = mpsc::unbounded_channel::<ConnId>();
         target.on_drop(drop_tx);
         let mut by_conn: BTreeMap<ConnId, Qpn> = BTreeMap::new();
         loop {
             // Biased so that a simulated run replays (tokio's unbiased choice is random).
             tokio::select! {
                 biased;
+                // First: a queue's RTU counts it against its address's share before that
+                // address's next REQ (the CM reports them in the order they came) is
+                // weighed.
+                id = rtu_rx.recv() => {
+                    if let Some(qpn) = id.and_then(|id| by_conn.get(&id)) {
+                        target.established(*qpn);
+                    }
+                }
                 req = requests.recv() => {
                     let Some(req) = req else { return };
                     let nvme = match req.nvme {
@@ -56,6 +65,7 @@ where
                         Ok((qpn, crqsize)) => {
                             let ap = AcceptParams::new(qpn);
                             let private = NvmeCmAccept { crqsize }.emit();
+                            cm.watch_established(req.id, rtu_tx.clone());
                             if cm.accept(req.id, ap, &private).is_ok() {
                                 cm.watch(req.id, gone_tx.clone());
                                 by_conn.insert(req.id, qpn);

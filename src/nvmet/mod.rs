@@ -9,6 +9,7 @@
 //! data if any → execute → push data if any → SEND the response.
 
 mod backend;
+mod budget;
 pub mod engine;
 pub mod listen;
 pub mod namespace;
@@ -67,14 +68,37 @@ pub struct TargetConfig {
     pub max_io_queues: u16,
     /// The address hosts reach us at, reported in the discovery log.
     pub advertise: Option<SocketAddr>,
-    /// Most queues (admin and I/O, connected or not) on the target. A CM REQ beyond it is
-    /// refused with an NVMe-oF CM reject "no resources".
+    /// Most queues (admin and I/O) on the target once their connection is established (the
+    /// CM RTU arrived). A CM REQ beyond it is refused with an NVMe-oF CM reject "no
+    /// resources". Queues and their completion-queue entries are also shared out: see
+    /// `address_share`, `network_share`, `host_share` and `reserved_share`.
     pub max_queues: usize,
-    /// Most queues one peer IP address may hold before their Fabrics Connect succeeds
-    /// (what a peer that is no host of ours can make us keep); REQs beyond get the same
-    /// reject. Connected queues count only against `max_queues`: a host that resets fast
-    /// leaves connected queues behind until its keep-alive expires here.
+    /// Most queues one peer IP address may hold established but before their Fabrics
+    /// Connect succeeds (what a peer that is no host of ours can make us keep); REQs beyond
+    /// get the same reject.
     pub max_unconnected_per_ip: usize,
+    /// Most queues whose CM REP is out but whose RTU has not come back, in all: a REQ
+    /// with a forged source address costs one of these, never a share of `max_queues`.
+    /// When the table is full the oldest waiting queue goes (a real host's RTU comes back
+    /// within a round trip), and one that never gets its RTU goes at the CM's REP timeout.
+    pub max_pre_rtu: usize,
+    /// Most of those waiting queues per source address; REQs beyond are refused "no
+    /// resources".
+    pub max_pre_rtu_per_ip: usize,
+    /// Percentages of the queue budget (`max_queues`, and the completion-queue entries the
+    /// queues' slots can fill) that one source address, one /24 (IPv4) or /64 (IPv6)
+    /// network, and one host NQN may hold. A queue past one of them is refused: a CM REQ
+    /// with "no resources", a Fabrics Connect with Connect Controller Busy.
+    pub address_share: u8,
+    pub network_share: u8,
+    pub host_share: u8,
+    /// Percentage of the queue budget only hosts named in the allow-list of the subsystem
+    /// they connect to may use: discovery and open subsystems get the rest.
+    pub reserved_share: u8,
+    /// Largest keep-alive timeout a host may ask for, ms (Connect, Set Features). A
+    /// subsystem controller that asks for none (0) gets this one, a discovery controller
+    /// 120 s at most: a controller whose host left must not be kept for ever.
+    pub max_kato_ms: u32,
     /// Controller IDs are handed out from `cntlid_min..=cntlid_max` (nvmet's `cntlid_min`
     /// and `cntlid_max`), never one that is in use. Clamped to 1..=0xFFEF.
     pub cntlid_min: u16,
@@ -93,6 +117,13 @@ impl Default for TargetConfig {
             advertise: None,
             max_queues: 1024,
             max_unconnected_per_ip: 256,
+            max_pre_rtu: 256,
+            max_pre_rtu_per_ip: 16,
+            address_share: 25,
+            network_share: 50,
+            host_share: 25,
+            reserved_share: 25,
+            max_kato_ms: 120_000,
             cntlid_min: 1,
             cntlid_max: 0xFFEF,
         }

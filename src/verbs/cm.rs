@@ -82,4 +82,9 @@ pub trait CmListen: CmPort {
     fn accept(&self, id: ConnId, params: AcceptParams, private: &[u8]) -> Result<(), CmError>;
     /// Refuse request `id` with `private` (a consumer-defined REJ) and forget it.
     fn reject(&self, id: ConnId, private: &[u8]);
+    /// Be told (once) on `tx` when request `id`, to be accepted, becomes a connection: the
+    /// peer's RTU arrived (rdma_cm `ESTABLISHED`), so its source address is real. Call it
+    /// before [`CmListen::accept`]. One that never gets there is torn down, and
+    /// [`CmPort::watch`] tells.
+    fn watch_established(&self, id: ConnId, tx: mpsc::UnboundedSender<ConnId>);
 }

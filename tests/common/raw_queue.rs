@@ -48,6 +48,19 @@ impl Raw {
         qid: u16,
         size: usize,
     ) -> Raw {
+        Raw::try_open(hca, cm, target, qid, size)
+            .await
+            .expect("raw queue CM connect")
+    }
+
+    /// As [`Raw::open`], with the target's refusal of the REQ as an error.
+    pub async fn try_open(
+        hca: &SoftHca,
+        cm: &CmService,
+        target: SocketAddr,
+        qid: u16,
+        size: usize,
+    ) -> Result<Raw, String> {
         let (pd, cq, qpn, tx, rx, data) = hca.with(|d, _| {
             let pd = d.alloc_pd().unwrap();
             let cq = d.create_cq(1024).unwrap();
@@ -80,7 +93,7 @@ impl Raw {
         )
         .await
         .expect("raw CM connect: no answer within 20 s")
-        .expect("raw queue CM connect");
+        .map_err(|e| e.to_string())?;
         let peer = PeerInfo {
             addr: est.peer,
             qpn: est.remote_qpn,
@@ -111,7 +124,7 @@ impl Raw {
         for r in 0..size * 2 {
             raw.post_recv(r);
         }
-        raw
+        Ok(raw)
     }
 
     pub fn post_recv(&self, r: usize) {

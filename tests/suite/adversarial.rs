@@ -8,7 +8,9 @@
 //! - controller IDs come from the free set and never replace a live controller;
 //! - CM TimeWait is bounded whatever timeout the peer asks for;
 //! - discovery lists only subsystems the host may use, and refuses I/O queues;
-//! - one host's whole-device TRIMs do not stall another host's reads.
+//! - one host's whole-device TRIMs do not stall another host's reads;
+//! - one address, or forged REQs, take at most their share of the queue budget; a qid is
+//!   installed once per controller.
 //!
 //! Every await that depends on a peer sits under a timeout.
 
@@ -184,6 +186,11 @@ async fn reqs_over_the_per_ip_and_total_queue_caps_are_rejected_no_resources() {
         subsystems: vec![subsystem(NQN)],
         max_queues: 8,
         max_unconnected_per_ip: 4,
+        // The shares are another test's: here one address may take the whole budget.
+        address_share: 100,
+        network_share: 100,
+        host_share: 100,
+        reserved_share: 0,
         ..TargetConfig::default()
     };
     let (t, thca) = target(4, tc).await;
@@ -712,4 +719,199 @@ mod cm_timers {
         assert_eq!(b.state(idb), None, "REP retries ran out within 16 tries");
         assert_eq!(b.connections(), 0);
     }
+}
+
+// ---- 11. budgets: one peer cannot lock every host out ---------------------------------------
+
+/// A Fabrics Connect capsule of `raw` for `qid` that asks for keep-alive timeout `kato_ms`.
+fn connect_with_kato(raw: &Raw, cid: u16, qid: u16, kato_ms: u32, nqns: (&str, &str)) -> [u8; 64] {
+    let mut cap = raw.connect_capsule(cid, qid, CNTLID_DYNAMIC, *b"raw-queue-host\0\0", nqns);
+    // Connect's KATO field (Dword 12).
+    cap[48..52].copy_from_slice(&kato_ms.to_le_bytes());
+    cap
+}
+
+/// One address connects to the discovery subsystem (open to anyone) and takes all it can:
+/// an admin queue of 1024 entries is refused (nvmet's 32 at most), a keep-alive timeout of
+/// 49 days is refused, and admin queues of 32 entries stop at its address's share. A host
+/// on another network still connects and moves data while the first holds its maximum.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_holding_its_most_of_discovery_queues_leaves_room_for_another_host() {
+    const MAX_QUEUES: usize = 16;
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        max_queues: MAX_QUEUES,
+        ..TargetConfig::default()
+    };
+    let (t, thca) = target(50, tc).await;
+    let (hca, cm) = host_dev_on(51, [127, 0, 0, 5]).await;
+    let params = ConnectParams::new(Qpn::new(0x600), 4420);
+    let big = within(
+        20,
+        "REQ",
+        cm.connect(thca.addr(), params, &queue_req(0, 1024), CONNECT_TIMEOUT),
+    )
+    .await;
+    let e = big.expect_err("an admin queue of 1024 entries was accepted");
+    assert!(e.to_string().contains("send queue size"), "{e}");
+
+    let mut aq = Raw::open(&hca, &cm, thca.addr(), 0, 32).await;
+    let nqns = (fabrics::DISCOVERY_NQN, HOST);
+    let cap = connect_with_kato(&aq, 0x20, 0, u32::MAX, nqns);
+    let st = aq.cmd(&cap, 0x20).await.nvme_status();
+    assert_eq!((st.sct, st.sc), {
+        let w = Status::CONNECT_INVALID_PARAMETERS;
+        (w.sct, w.sc)
+    });
+    aq.close();
+
+    // As many discovery controllers as it can get.
+    let mut held = Vec::new();
+    let mut refused = None;
+    for _ in 0..MAX_QUEUES {
+        let mut q = match Raw::try_open(&hca, &cm, thca.addr(), 0, 32).await {
+            Ok(q) => q,
+            Err(e) => {
+                refused = Some(e);
+                break;
+            }
+        };
+        let st = q.connect(0, CNTLID_DYNAMIC, nqns).await.nvme_status();
+        if !st.is_success() {
+            refused = Some(format!("{st:?}"));
+            break;
+        }
+        held.push(q);
+    }
+    let refused = refused.expect("one address took every queue of the target");
+    // Nor can it lift its keep-alive timeout past the cap afterwards.
+    let long = admin::set_features(0x30, feature::KEEP_ALIVE_TIMER, u32::MAX);
+    let st = held[0].cmd(&long.to_bytes(), 0x30).await.nvme_status();
+    assert_eq!((st.sct, st.sc), {
+        let w = Status::KEEP_ALIVE_INVALID;
+        (w.sct, w.sc)
+    });
+    assert!(
+        held.len() <= MAX_QUEUES / 4,
+        "one address holds {} of {MAX_QUEUES} queues ({refused})",
+        held.len()
+    );
+    // Another host, on another network, still gets in.
+    let (hca2, cm2) = host_dev_on(52, [127, 0, 1, 7]).await;
+    let c = within(
+        30,
+        "connect",
+        Controller::connect(
+            hca2,
+            cm2,
+            opts(&thca, NQN, "nqn.2026-11.io.nvmf-rdma:second"),
+        ),
+    )
+    .await
+    .expect("a second host connects while the first holds its most");
+    write_read(&c, 0, 11).await;
+    assert!(t.stats().refused_queues >= 1);
+    c.disconnect().await;
+    for q in held {
+        q.close();
+    }
+}
+
+/// REQs for I/O queues of 32 entries from `ip`, as a peer that forged its source address
+/// sends them: out of a UDP socket on `ip` that never reads, so the target's REPs go
+/// unanswered and no RTU ever comes. The ICRC is valid (made by a device on `ip`).
+fn forge_reqs(target: SocketAddr, ip: [u8; 4], n: u32, seed: u64) -> std::net::UdpSocket {
+    use nvmf_rdma::cm::{CmConfig, CmEndpoint};
+    use nvmf_rdma::hca::device::Device;
+    use nvmf_rdma::hca::Instant;
+    let sock = std::net::UdpSocket::bind(SocketAddr::from((ip, 0))).unwrap();
+    let from = sock.local_addr().unwrap();
+    let mut dc = cfg_on("spoof", 60 + seed as u8, ip);
+    dc.addr = from;
+    let mut dev = Device::new(dc);
+    let guid = dev.identity().guid;
+    let mut cm = CmEndpoint::new(
+        CmConfig::new(from.ip(), guid),
+        SmallRng::seed_from_u64(seed),
+    );
+    for i in 0..n {
+        let params = ConnectParams::new(Qpn::new(0x900 + i), 4420);
+        cm.connect(Instant(0), target, &params, &queue_req(1, 32))
+            .unwrap();
+    }
+    let mut buf = Vec::new();
+    while let Some((to, mad)) = cm.poll_transmit() {
+        dev.post_gsi(to, &mad).unwrap();
+        while let Some(dst) = dev.poll_transmit(Instant(0), &mut buf) {
+            sock.send_to(&buf, dst).unwrap();
+            buf.clear();
+        }
+    }
+    sock
+}
+
+/// REQs with forged source addresses (five invented ones, more REQs than the target has
+/// queues) are answered but never completed: they wait in the pre-RTU table, which drops
+/// its oldest when full, and count against no budget, so real hosts still connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_reqs_from_invented_addresses_do_not_lock_hosts_out() {
+    const SOURCES: u8 = 5;
+    const PER_SOURCE: u32 = 8;
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        max_queues: 16,
+        max_pre_rtu: 8,
+        max_pre_rtu_per_ip: 4,
+        ..TargetConfig::default()
+    };
+    let (t, thca) = target(53, tc).await;
+    let mut socks = Vec::new();
+    for s in 0..SOURCES {
+        socks.push(forge_reqs(
+            thca.addr(),
+            [127, 0, 3, 10 + s],
+            PER_SOURCE,
+            s as u64,
+        ));
+    }
+    let sent = (SOURCES as u32 * PER_SOURCE) as u64;
+    until("every forged REQ is answered", || {
+        let s = t.stats();
+        s.queues_connected + s.refused_queues >= sent
+    })
+    .await;
+    for i in 0..3 {
+        let c = connect(54 + i, &thca, NQN, HOST).await;
+        write_read(&c, 0, 20 + i as u64).await;
+        c.disconnect().await;
+    }
+    drop(socks);
+}
+
+/// An I/O-queue Connect for a qid its controller already has is refused with Command
+/// Sequence Error (nvmet_install_queue), whoever sends it: the live queue keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_io_queue_connect_for_a_qid_the_controller_has_is_refused() {
+    let tc = TargetConfig {
+        subsystems: vec![subsystem(NQN)],
+        ..TargetConfig::default()
+    };
+    let (t, thca) = target(56, tc).await;
+    let (hca, cm) = host_dev(57).await;
+    let mut o = opts(&thca, NQN, HOST);
+    o.hostid = *b"raw-queue-host\0\0";
+    let c = within(30, "connect", Controller::connect(hca, cm, o))
+        .await
+        .expect("connect");
+    let (hca2, cm2) = host_dev_on(58, [127, 0, 0, 9]).await;
+    let mut iq = Raw::open(&hca2, &cm2, thca.addr(), 1, 32).await;
+    let st = iq.connect(1, c.cntlid, (NQN, HOST)).await.nvme_status();
+    assert_eq!((st.sct, st.sc, st.dnr), {
+        let w = Status::COMMAND_SEQUENCE_ERROR.with_dnr();
+        (w.sct, w.sc, w.dnr)
+    });
+    write_read(&c, 0, 30).await;
+    iq.close();
+    assert_eq!(t.stats().queues_connected, 3);
+    c.disconnect().await;
 }
