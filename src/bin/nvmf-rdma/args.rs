@@ -341,6 +341,12 @@ pub(crate) struct TargetArgs {
     /// many hosts' queues over cores.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub(crate) threads: u16,
+    /// Largest keep-alive timeout a host may ask for, in seconds; a host that asks for none
+    /// gets this one, so a controller whose host left goes within it (discovery controllers:
+    /// at most 120 s whatever this says).
+    #[arg(long = "max-kato", value_name = "SECS", default_value_t = 120,
+          value_parser = clap::value_parser!(u32).range(1..=3600))]
+    pub(crate) max_kato: u32,
 }
 
 /// A namespace of the built-in target: `target`'s first, `target-ns add`'s.

@@ -20,6 +20,7 @@ pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
     let cfg = TargetConfig {
         subsystems: vec![sub],
         port: a.trsvcid,
+        max_kato_ms: a.max_kato * 1000,
         ..TargetConfig::default()
     };
     match a.device.clone() {
