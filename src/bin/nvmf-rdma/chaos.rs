@@ -140,7 +140,7 @@ impl Sample {
 /// interval, so that a sliver of time does not read as a rate). `print`: each to stderr.
 async fn sample(
     counters: Arc<IoCounters>,
-    t0: Instant,
+    t0: tokio::time::Instant,
     every: Duration,
     print: bool,
     mut end: tokio::sync::oneshot::Receiver<()>,
@@ -150,7 +150,7 @@ async fn sample(
     let mut k = 1u32;
     loop {
         let ended = tokio::select! {
-            _ = tokio::time::sleep_until((t0 + every * k).into()) => false,
+            _ = tokio::time::sleep_until(t0 + every * k) => false,
             _ = &mut end => true,
         };
         // The time read, not the one asked for: a sampler kept off the CPU divides by the
@@ -882,7 +882,13 @@ pub(crate) async fn run_chaos(mut a: ChaosArgs) -> Result<()> {
         (seed ^ (w + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15), None)
     });
     let (end_sampler, ended) = tokio::sync::oneshot::channel();
-    let sampler = tokio::spawn(sample(counters, t0, interval, a.interval.is_some(), ended));
+    let sampler = tokio::spawn(sample(
+        counters,
+        t0.into(),
+        interval,
+        a.interval.is_some(),
+        ended,
+    ));
 
     let run_for = Duration::from_secs_f64(a.seconds);
     let mut faults = Vec::new();
@@ -1033,4 +1039,47 @@ pub(crate) async fn run_chaos(mut a: ChaosArgs) -> Result<()> {
         bail!("chaos: {}", s.problems.join("; "));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sample per interval on the grid from the start, each with the I/Os completed in
+    /// it; the last, partial one folded into the one before when under half an interval,
+    /// kept when longer.
+    #[tokio::test(start_paused = true)]
+    async fn the_sampler_takes_one_sample_per_interval_and_folds_a_sliver_at_the_end() {
+        for (end_ms, want_ends) in [
+            (1100, vec![250, 500, 750, 1100]),
+            (1200, vec![250, 500, 750, 1000, 1200]),
+        ] {
+            let c = Arc::new(IoCounters::default());
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let every = Duration::from_millis(250);
+            let t0 = tokio::time::Instant::now();
+            let h = tokio::spawn(sample(c.clone(), t0, every, false, rx));
+            // One I/O every 10 ms of 1 ms latency, and one slow one at 600 ms.
+            let mut t = Duration::ZERO;
+            while t < Duration::from_millis(end_ms) {
+                t += Duration::from_millis(10);
+                tokio::time::sleep_until(t0 + t).await;
+                let lat = if t == Duration::from_millis(600) {
+                    40
+                } else {
+                    1
+                };
+                c.record(4096, Duration::from_millis(lat));
+            }
+            tx.send(()).unwrap();
+            let v = h.await.unwrap();
+            let ends: Vec<u64> = v.iter().map(|s| s.at.as_millis() as u64).collect();
+            assert_eq!(ends, want_ends);
+            assert_eq!(v.iter().map(|s| s.io.ios).sum::<u64>(), end_ms / 10);
+            assert!((v[0].iops() - 100.0).abs() < 5.0, "{:?}", v[0]);
+            assert_eq!(v[2].lat_max(), Some(Duration::from_millis(40)));
+            assert_eq!(v[1].lat_max(), Some(Duration::from_millis(1)));
+            assert!(v.iter().all(|s| s.len >= every / 2));
+        }
+    }
 }
