@@ -489,8 +489,11 @@ impl ChaosSummary {
             ),
         );
         row(
-            "live again after",
-            format!("{} (from the fault)", spread_text(self.to_live())),
+            "recovery time",
+            format!(
+                "{} (from the fault until live again)",
+                spread_text(self.to_live())
+            ),
         );
         if a.faults.contains(&FaultKind::ReplugOther) {
             let n = self.count(FaultKind::ReplugOther);

@@ -19,7 +19,7 @@ const RATE: RGBColor = RGBColor(0x1F, 0x77, 0xB4);
 const LAT_MEAN: RGBColor = RGBColor(0x2C, 0xA0, 0x2C);
 const LAT_MAX: RGBColor = RGBColor(0xFF, 0x7F, 0x0E);
 /// Labels closer than this (pixels) to the one before are left out: they would overprint.
-const LABEL_GAP: i32 = 14;
+const LABEL_GAP: i32 = 16;
 
 /// The SVG text of the plot of a run that lasted `elapsed`.
 pub(crate) fn svg(
@@ -102,28 +102,25 @@ fn draw(
     let full = SVGBackend::with_string(out, (WIDTH, HEIGHT)).into_drawing_area();
     full.fill(&WHITE)?;
     let body = full.titled(title, ("sans-serif", 20))?;
-    let (top, bottom) = body.split_vertically(HEIGHT as i32 * 46 / 100);
+    let (top, bottom) = body.split_vertically(HEIGHT as i32 * 44 / 100);
 
+    // One time axis, under the bottom panel: the markers cross from one panel to the other
+    // through nothing but a margin.
     let mut rate = ChartBuilder::on(&top)
         .caption(
-            "I/O rate; shaded: from each fault until the controller was live again",
+            "I/Os completed per interval; shaded: from each fault until the controller was live again",
             ("sans-serif", 14),
         )
         .margin(12)
-        .x_label_area_size(30)
+        .x_label_area_size(0)
         .y_label_area_size(80)
         .build_cartesian_2d(0f64..end, 0f64..rate_max)?;
     rate.configure_mesh()
-        .y_desc("completed I/O per s")
-        .x_label_formatter(&|x| format!("{x:.1} s"))
+        .y_desc("I/O per s")
         .y_label_formatter(&|y| format!("{y:.0}"))
         .light_line_style(WHITE.mix(0.0))
         .draw()?;
     let mut lat = ChartBuilder::on(&bottom)
-        .caption(
-            "latency of the I/Os completed in each interval",
-            ("sans-serif", 14),
-        )
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(80)
@@ -147,8 +144,8 @@ fn draw(
     }
     type Line = (&'static str, RGBColor, fn(&Sample) -> Option<Duration>);
     let lines: [Line; 2] = [
-        ("max", LAT_MAX, Sample::lat_max),
-        ("mean", LAT_MEAN, Sample::lat_mean),
+        ("max latency", LAT_MAX, Sample::lat_max),
+        ("mean latency", LAT_MEAN, Sample::lat_mean),
     ];
     for (name, colour, f) in lines {
         for (i, run) in steps(series, |s| f(s).map(ms)).into_iter().enumerate() {
