@@ -254,24 +254,38 @@ fn a_chaos_run_plots_each_fault_and_reports_its_io_series() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A `--plot` path that cannot take the picture is refused before the run, in one line.
+/// A `--plot` path that cannot take the picture, and a series that would not be bounded,
+/// are refused before the run, in one line.
 #[test]
-fn a_plot_path_that_is_not_a_regular_file_is_refused_at_once() {
+fn a_plot_or_series_that_cannot_be_had_is_refused_at_once() {
     let dir = temp_dir("plot-dir");
-    for (path, says) in [
-        (dir.clone(), "not a regular file"),
-        (dir.join("missing/run.svg"), "create it first"),
+    let (d, missing) = (dir.to_str().unwrap(), dir.join("missing/run.svg"));
+    for (args, says) in [
+        (vec!["--seconds", "3", "--plot", d], "not a regular file"),
+        (
+            vec!["--seconds", "3", "--plot", missing.to_str().unwrap()],
+            "create it first",
+        ),
+        (
+            vec!["--seconds", "3", "--interval", "50ms"],
+            "at least 100ms",
+        ),
+        (
+            vec!["--seconds", "86400", "--interval", "100ms"],
+            "at most 100000 samples",
+        ),
     ] {
         let t0 = Instant::now();
         let out = Command::new(env!("CARGO_BIN_EXE_nvmf-rdma"))
-            .args(["chaos", "--seconds", "3", "--plot", path.to_str().unwrap()])
+            .arg("chaos")
+            .args(&args)
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{stderr}");
+        assert!(!out.status.success(), "{args:?}: {stderr}");
         assert!(t0.elapsed() < Duration::from_secs(2), "ran before refusing");
         assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
-        assert!(stderr.contains(says), "{stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
     assert!(dir.is_dir());
     let _ = std::fs::remove_dir_all(&dir);

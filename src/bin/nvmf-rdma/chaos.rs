@@ -705,7 +705,7 @@ pub(crate) fn check_chaos_args(a: &ChaosArgs) -> Result<()> {
     if a.seconds / interval.as_secs_f64() > MAX_SAMPLES {
         bail!(
             "--interval too short for --seconds: at most {MAX_SAMPLES} samples \
-             (--interval {} s or longer)",
+             (--interval {}s or longer)",
             (a.seconds / MAX_SAMPLES).ceil()
         );
     }
