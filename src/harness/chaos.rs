@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -321,6 +321,48 @@ impl WorkerReport {
     }
 }
 
+/// I/Os completed since the last [`IoCounters::take`], shared by the workers that update
+/// them and the sampler that reads them: a run's I/O rate and latency over time.
+#[derive(Debug, Default)]
+pub struct IoCounters {
+    ios: AtomicU64,
+    bytes: AtomicU64,
+    lat_sum_ns: AtomicU64,
+    lat_max_ns: AtomicU64,
+}
+
+/// What [`IoCounters::take`] read: the I/Os completed in one interval.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IoSample {
+    pub ios: u64,
+    pub bytes: u64,
+    pub lat_sum_ns: u64,
+    pub lat_max_ns: u64,
+}
+
+impl IoCounters {
+    /// One I/O of `bytes` completed after `lat`.
+    pub fn record(&self, bytes: u64, lat: Duration) {
+        let ns = lat.as_nanos().min(u64::MAX as u128) as u64;
+        self.ios.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.lat_sum_ns.fetch_add(ns, Ordering::Relaxed);
+        self.lat_max_ns.fetch_max(ns, Ordering::Relaxed);
+    }
+
+    /// The counts since the last take, and zero them. The fields are read one by one: an
+    /// I/O recorded meanwhile may land half in this interval and half in the next, which
+    /// moves one I/O between neighbouring samples and loses none.
+    pub fn take(&self) -> IoSample {
+        IoSample {
+            ios: self.ios.swap(0, Ordering::Relaxed),
+            bytes: self.bytes.swap(0, Ordering::Relaxed),
+            lat_sum_ns: self.lat_sum_ns.swap(0, Ordering::Relaxed),
+            lat_max_ns: self.lat_max_ns.swap(0, Ordering::Relaxed),
+        }
+    }
+}
+
 /// A worker's range: `blocks` blocks from `first`.
 #[derive(Debug, Clone, Copy)]
 pub struct Region {
@@ -346,6 +388,18 @@ impl Verifiers {
         &self,
         ctrl: &Arc<Controller>,
         stop: &Arc<AtomicBool>,
+        seed_ops: impl FnMut(u64) -> (u64, Option<u64>),
+    ) -> Vec<tokio::task::JoinHandle<WorkerReport>> {
+        self.spawn_counted(ctrl, stop, None, seed_ops)
+    }
+
+    /// [`Verifiers::spawn`], each completed I/O also recorded in `counters` (the same I/Os
+    /// in the same order: counting draws nothing from the workers' seeds).
+    pub fn spawn_counted(
+        &self,
+        ctrl: &Arc<Controller>,
+        stop: &Arc<AtomicBool>,
+        counters: Option<&Arc<IoCounters>>,
         mut seed_ops: impl FnMut(u64) -> (u64, Option<u64>),
     ) -> Vec<tokio::task::JoinHandle<WorkerReport>> {
         (0..self.workers)
@@ -362,6 +416,7 @@ impl Verifiers {
                     ops,
                     stop.clone(),
                     self.hang_after,
+                    counters.cloned(),
                 ))
             })
             .collect()
@@ -392,6 +447,8 @@ impl Verifiers {
 
 /// Verified random I/O on `region` until `stop`, or `ops` operations if given. Each I/O
 /// must finish within `hang_after` (ctrl_loss_tmo plus a margin), or it counts as a hang.
+/// Each I/O that completes is recorded in `counters`, if given.
+#[allow(clippy::too_many_arguments)]
 pub async fn verify_worker(
     ctrl: Arc<Controller>,
     region: Region,
@@ -400,6 +457,7 @@ pub async fn verify_worker(
     ops: Option<u64>,
     stop: Arc<AtomicBool>,
     hang_after: Duration,
+    counters: Option<Arc<IoCounters>>,
 ) -> WorkerReport {
     let mut rng = SmallRng::seed_from_u64(seed);
     let bs = ctrl.namespaces()[0].block_size as usize;
@@ -427,6 +485,7 @@ pub async fn verify_worker(
         let range = off as usize * bs..(off + nb) as usize * bs;
         // Tokio's clock: virtual time on a simulated network.
         let t0 = tokio::time::Instant::now();
+        let mut done = false;
         if rng.random_bool(0.5) {
             let mut data = vec![0u8; range.len()];
             rng.fill(&mut data[..]);
@@ -435,6 +494,7 @@ pub async fn verify_worker(
                     model[range.clone()].copy_from_slice(&data);
                     known[off as usize..(off + nb) as usize].fill(true);
                     r.writes += 1;
+                    done = true;
                 }
                 Ok(Err(e)) => {
                     known[off as usize..(off + nb) as usize].fill(false);
@@ -449,6 +509,7 @@ pub async fn verify_worker(
             match tokio::time::timeout(hang_after, ctrl.read(1, lba, range.len())).await {
                 Ok(Ok(got)) => {
                     r.reads += 1;
+                    done = true;
                     for b in 0..nb as usize {
                         if !known[off as usize + b] {
                             continue;
@@ -465,7 +526,11 @@ pub async fn verify_worker(
                 Err(_) => r.hangs += 1,
             }
         }
-        r.lat_ns.push(t0.elapsed().as_nanos() as u64);
+        let lat = t0.elapsed();
+        r.lat_ns.push(lat.as_nanos() as u64);
+        if let (true, Some(c)) = (done, &counters) {
+            c.record(range.len() as u64, lat);
+        }
         if ctrl.state() == CtrlState::Dead {
             // Given up for good: every further I/O would fail at once, and spinning on
             // them only burns the CPU the rest of the run needs.

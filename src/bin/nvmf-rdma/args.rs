@@ -266,6 +266,15 @@ pub(crate) struct ChaosArgs {
     pub(crate) max_io: usize,
     #[command(flatten)]
     pub(crate) policy: PolicyArgs,
+    /// Sample the I/O rate and latency this often (at least 100ms) for the JSON summary's
+    /// "series" and --plot [default: a quarter of --every, 100ms..=1s]. Given, each sample
+    /// is also printed to stderr as it is taken.
+    #[arg(long, value_parser = parse_duration)]
+    pub(crate) interval: Option<Duration>,
+    /// Draw the run into this SVG file: I/O rate and latency over time, each fault a marker
+    /// labelled with its kind, the time until the controller was live again shaded.
+    #[arg(long, value_name = "FILE.svg")]
+    pub(crate) plot: Option<PathBuf>,
     /// Output format: normal or json (the summary; progress goes to stderr).
     #[arg(
         short = 'o',

@@ -9,11 +9,15 @@ use nvmf_rdma::cli::device::{connect_kernel, DeviceChoice};
 use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, Health};
 use nvmf_rdma::cli::wire_json::JsonObj;
 use nvmf_rdma::driver::DeviceManager;
-use nvmf_rdma::harness::chaos::{self, TargetRig, WorkerReport};
+use nvmf_rdma::harness::chaos::{self, IoCounters, IoSample, TargetRig, WorkerReport};
 use nvmf_rdma::reconnect::{CtrlState, IdentityMatch, Policy};
 use nvmf_rdma::transport::Controller;
 
+mod plot;
+
 pub(crate) const CHAOS_IP: [u8; 4] = [127, 0, 0, 1];
+/// The most samples a run keeps (a day at one a second fits).
+const MAX_SAMPLES: f64 = 100_000.0;
 
 /// What one fault did.
 #[derive(Debug, Clone)]
@@ -53,12 +57,7 @@ impl FaultOutcome {
             return s + &format!("  FAILED TO INFLICT: {e}");
         }
         match self.to_live {
-            Some(d) => {
-                s += &format!("  live again in {:>9}", ms(d));
-                if let Some(c) = self.ctrl_recovery {
-                    s += &format!(" (controller: {})", ms(c));
-                }
-            }
+            Some(d) => s += &format!("  live again after {:>9}", ms(d)),
             None => s += "  NOT RECOVERED",
         }
         if self.kind == FaultKind::ReplugOther {
@@ -76,6 +75,174 @@ impl FaultOutcome {
         }
         s
     }
+}
+
+/// One `--interval` of the run: the I/Os that completed in it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sample {
+    /// The end of the interval, since the start of the run.
+    pub(crate) at: Duration,
+    /// Its length: `--interval`; longer after a sampler that was kept off the CPU, and
+    /// the next one then at least half as long; the last one up to half as long again.
+    pub(crate) len: Duration,
+    pub(crate) io: IoSample,
+}
+
+impl Sample {
+    pub(crate) fn start(&self) -> Duration {
+        self.at.saturating_sub(self.len)
+    }
+    pub(crate) fn iops(&self) -> f64 {
+        self.io.ios as f64 / self.len.as_secs_f64().max(1e-9)
+    }
+    pub(crate) fn mb_s(&self) -> f64 {
+        self.io.bytes as f64 / self.len.as_secs_f64().max(1e-9) / 1e6
+    }
+    /// Mean latency of the I/Os completed in the interval; `None`: none completed.
+    pub(crate) fn lat_mean(&self) -> Option<Duration> {
+        (self.io.ios > 0).then(|| Duration::from_nanos(self.io.lat_sum_ns / self.io.ios))
+    }
+    pub(crate) fn lat_max(&self) -> Option<Duration> {
+        (self.io.ios > 0).then(|| Duration::from_nanos(self.io.lat_max_ns))
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        let lat = match (self.lat_mean(), self.lat_max()) {
+            (Some(m), Some(x)) => format!("latency mean {}, max {}", ms(m), ms(x)),
+            _ => "no I/O completed".into(),
+        };
+        format!(
+            "[{:>7.2} s] {:>9.0} IO/s {:>8.1} MB/s  {lat}",
+            self.at.as_secs_f64(),
+            self.iops(),
+            self.mb_s()
+        )
+    }
+
+    fn json(&self) -> String {
+        let opt_ms = |d: Option<Duration>| {
+            d.map_or("null".into(), |d| format!("{:.3}", d.as_secs_f64() * 1e3))
+        };
+        let mut o = JsonObj::new();
+        o.raw("t_s", &format!("{:.3}", self.at.as_secs_f64()))
+            .raw("len_s", &format!("{:.3}", self.len.as_secs_f64()))
+            .num("ios", self.io.ios)
+            .raw("iops", &format!("{:.1}", self.iops()))
+            .raw("mb_s", &format!("{:.3}", self.mb_s()))
+            .raw("lat_mean_ms", &opt_ms(self.lat_mean()))
+            .raw("lat_max_ms", &opt_ms(self.lat_max()));
+        o.finish()
+    }
+}
+
+/// Take a [`Sample`] from `counters` at the end of every `every` from `t0` until `end`
+/// fires; then the last, partial one (folded into the one before when shorter than half an
+/// interval, so that a sliver of time does not read as a rate). `print`: each to stderr.
+async fn sample(
+    counters: Arc<IoCounters>,
+    t0: tokio::time::Instant,
+    every: Duration,
+    print: bool,
+    mut end: tokio::sync::oneshot::Receiver<()>,
+) -> Vec<Sample> {
+    let mut v: Vec<Sample> = Vec::new();
+    let mut last = Duration::ZERO;
+    let mut k = 1u32;
+    loop {
+        let ended = tokio::select! {
+            _ = tokio::time::sleep_until(t0 + every * k) => false,
+            _ = &mut end => true,
+        };
+        // The time read, not the one asked for: a sampler kept off the CPU divides by the
+        // time that passed, and the next sample is on the grid again, half an interval
+        // away or more.
+        let at = t0.elapsed();
+        while every * k < at + every / 2 {
+            k += 1;
+        }
+        let s = Sample {
+            at,
+            len: at.saturating_sub(last),
+            io: counters.take(),
+        };
+        last = at;
+        match v.last_mut() {
+            Some(p) if ended && s.len < every / 2 => {
+                p.at = s.at;
+                p.len += s.len;
+                p.io.ios += s.io.ios;
+                p.io.bytes += s.io.bytes;
+                p.io.lat_sum_ns += s.io.lat_sum_ns;
+                p.io.lat_max_ns = p.io.lat_max_ns.max(s.io.lat_max_ns);
+            }
+            _ if s.len.is_zero() => {}
+            _ => {
+                if print {
+                    eprintln!("{}", s.describe());
+                }
+                v.push(s);
+            }
+        }
+        if ended {
+            return v;
+        }
+    }
+}
+
+/// `--interval`, else a quarter of `--every` within 100ms..=1s (a stall between two faults
+/// shows in the rate), longer only if the run would take more than [`MAX_SAMPLES`].
+fn interval(a: &ChaosArgs) -> Duration {
+    a.interval.unwrap_or_else(|| {
+        (a.every / 4)
+            .clamp(Duration::from_millis(100), Duration::from_secs(1))
+            .max(Duration::from_secs_f64(a.seconds / MAX_SAMPLES))
+    })
+}
+
+/// Refuse a `--plot` path that the run could not write at its end, before the run.
+fn check_plot_path(path: &std::path::Path) -> Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if !m.file_type().is_file() => bail!(
+            "--plot {}: not a regular file; give the path of a new or regular file",
+            path.display()
+        ),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            bail!("--plot {}: {e}", path.display())
+        }
+        _ => {}
+    }
+    let dir = plot_dir(path);
+    if !dir.is_dir() {
+        bail!(
+            "--plot {}: no directory {}; create it first",
+            path.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+fn plot_dir(path: &std::path::Path) -> &std::path::Path {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    }
+}
+
+/// Write `data` to `path` through a temporary file beside it and a rename: a reader sees
+/// the old file or the whole new one, never half.
+fn write_atomic(path: &std::path::Path, data: &[u8]) -> Result<()> {
+    check_plot_path(path)?;
+    let name = path
+        .file_name()
+        .map_or("plot".into(), |n| n.to_string_lossy());
+    let tmp = plot_dir(path).join(format!(".{name}.{}.tmp", std::process::id()));
+    let r = std::fs::write(&tmp, data).and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = r {
+        let _ = std::fs::remove_file(&tmp);
+        bail!("cannot write {}: {e}", path.display());
+    }
+    Ok(())
 }
 
 /// nvme-cli's seconds-or-off for the summary.
@@ -241,6 +408,8 @@ pub(crate) struct ChaosSummary {
     pub(crate) failed_by_reason: std::collections::BTreeMap<String, u64>,
     pub(crate) unexpected_failures: u64,
     pub(crate) problems: Vec<String>,
+    pub(crate) interval: Duration,
+    pub(crate) series: Vec<Sample>,
 }
 
 impl ChaosSummary {
@@ -286,6 +455,18 @@ impl ChaosSummary {
             ),
         );
         row("I/O latency", spread_text(self.lat));
+        let mut rates: Vec<f64> = self.series.iter().map(Sample::iops).collect();
+        rates.sort_by(f64::total_cmp);
+        if let (Some(lo), Some(hi)) = (rates.first(), rates.last()) {
+            row(
+                "I/O rate",
+                format!(
+                    "per {}: lowest {lo:.0}/s, median {:.0}/s, highest {hi:.0}/s",
+                    human_dur(self.interval),
+                    rates[(rates.len() - 1) / 2]
+                ),
+            );
+        }
         let kinds: Vec<String> = FaultKind::ALL
             .iter()
             .filter(|k| a.faults.contains(k))
@@ -309,13 +490,9 @@ impl ChaosSummary {
         );
         row(
             "recovery time",
-            format!("fault -> live:     {}", spread_text(self.to_live())),
-        );
-        row(
-            "",
             format!(
-                "failure -> live:   {} (controller)",
-                spread_text(self.ctrl())
+                "{} (from the fault until live again)",
+                spread_text(self.to_live())
             ),
         );
         if a.faults.contains(&FaultKind::ReplugOther) {
@@ -410,6 +587,7 @@ impl ChaosSummary {
                 o.finish()
             })
             .collect();
+        let series: Vec<String> = self.series.iter().map(Sample::json).collect();
         let mut by_reason = JsonObj::new();
         for (k, n) in &self.failed_by_reason {
             by_reason.num(k, *n);
@@ -476,7 +654,9 @@ impl ChaosSummary {
                 },
             )
             .raw("problems", &format!("[{}]", problems.join(",")))
-            .raw("fault_log", &format!("[{}]", log.join(",")));
+            .raw("fault_log", &format!("[{}]", log.join(",")))
+            .raw("interval_s", &format!("{:.3}", self.interval.as_secs_f64()))
+            .raw("series", &format!("[{}]", series.join(",")));
         o.finish()
     }
 }
@@ -518,6 +698,17 @@ pub(crate) fn check_chaos_args(a: &ChaosArgs) -> Result<()> {
     if a.every < Duration::from_millis(10) {
         bail!("--every must be at least 10ms");
     }
+    let interval = interval(a);
+    if interval < Duration::from_millis(100) {
+        bail!("--interval must be at least 100ms");
+    }
+    if a.seconds / interval.as_secs_f64() > MAX_SAMPLES {
+        bail!(
+            "--interval too short for --seconds: at most {MAX_SAMPLES} samples \
+             (--interval {}s or longer)",
+            (a.seconds / MAX_SAMPLES).ceil()
+        );
+    }
     if a.down_max > Duration::from_secs(600) {
         bail!("--down-max must be at most 600s");
     }
@@ -558,6 +749,10 @@ pub(crate) async fn run_chaos(mut a: ChaosArgs) -> Result<()> {
     use rand::{Rng, SeedableRng};
     a.faults = chosen_faults(&a);
     check_chaos_args(&a)?;
+    if let Some(p) = &a.plot {
+        check_plot_path(p)?;
+    }
+    let interval = interval(&a);
     let r = a
         .policy
         .resolve(Duration::ZERO, Some(Duration::from_secs(60)));
@@ -683,6 +878,7 @@ pub(crate) async fn run_chaos(mut a: ChaosArgs) -> Result<()> {
     );
 
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let counters = Arc::new(IoCounters::default());
     let t0 = Instant::now();
     let workers = chaos::Verifiers {
         workers: a.workers,
@@ -690,9 +886,17 @@ pub(crate) async fn run_chaos(mut a: ChaosArgs) -> Result<()> {
         max_blocks,
         hang_after,
     }
-    .spawn(&c, &stop, |w| {
+    .spawn_counted(&c, &stop, Some(&counters), |w| {
         (seed ^ (w + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15), None)
     });
+    let (end_sampler, ended) = tokio::sync::oneshot::channel();
+    let sampler = tokio::spawn(sample(
+        counters,
+        t0.into(),
+        interval,
+        a.interval.is_some(),
+        ended,
+    ));
 
     let run_for = Duration::from_secs_f64(a.seconds);
     let mut faults = Vec::new();
@@ -743,6 +947,8 @@ pub(crate) async fn run_chaos(mut a: ChaosArgs) -> Result<()> {
     for w in workers {
         io.absorb(w.await.context("a worker panicked")?);
     }
+    let _ = end_sampler.send(());
+    let series = sampler.await.context("the I/O sampler panicked")?;
     let lat: Vec<Duration> = io.lat_ns.iter().map(|&n| Duration::from_nanos(n)).collect();
     let elapsed = t0.elapsed();
     let st = c.status();
@@ -768,6 +974,8 @@ pub(crate) async fn run_chaos(mut a: ChaosArgs) -> Result<()> {
         unexpected_failures,
         problems: Vec::new(),
         io,
+        interval,
+        series,
     };
     if s.io.mismatches > 0 {
         s.problems.push(format!(
@@ -814,6 +1022,22 @@ pub(crate) async fn run_chaos(mut a: ChaosArgs) -> Result<()> {
     } else {
         s.print(&a);
     }
+    if let Some(path) = &a.plot {
+        let title = format!(
+            "nvmf-rdma chaos, seed {seed}: {} faults, {}",
+            s.faults.len(),
+            if s.problems.is_empty() {
+                "PASS"
+            } else {
+                "FAIL"
+            }
+        );
+        write_atomic(
+            path,
+            plot::svg(&title, &s.faults, &s.series, s.elapsed)?.as_bytes(),
+        )?;
+        eprintln!("plot: {}", path.display());
+    }
     if let Ok(c) = Arc::try_unwrap(c) {
         // Best effort; a controller already dead returns at once.
         let _ = tokio::time::timeout(Duration::from_secs(5), c.disconnect()).await;
@@ -823,4 +1047,49 @@ pub(crate) async fn run_chaos(mut a: ChaosArgs) -> Result<()> {
         bail!("chaos: {}", s.problems.join("; "));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sample per interval on the grid from the start, each with the I/Os completed in
+    /// it; the last, partial one folded into the one before when under half an interval,
+    /// kept when longer.
+    #[tokio::test(start_paused = true)]
+    async fn the_sampler_takes_one_sample_per_interval_and_folds_a_sliver_at_the_end() {
+        for (end_ms, want_ends) in [
+            (1100, vec![250, 500, 750, 1100]),
+            (1200, vec![250, 500, 750, 1000, 1200]),
+        ] {
+            let c = Arc::new(IoCounters::default());
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let every = Duration::from_millis(250);
+            let t0 = tokio::time::Instant::now();
+            let h = tokio::spawn(sample(c.clone(), t0, every, false, rx));
+            // One I/O every 10 ms of 1 ms latency, and one slow one at 600 ms.
+            let mut t = Duration::ZERO;
+            while t < Duration::from_millis(end_ms) {
+                t += Duration::from_millis(10);
+                tokio::time::sleep_until(t0 + t).await;
+                let lat = if t == Duration::from_millis(600) {
+                    40
+                } else {
+                    1
+                };
+                c.record(4096, Duration::from_millis(lat));
+            }
+            tx.send(()).unwrap();
+            let v = h.await.unwrap();
+            let ends: Vec<u64> = v.iter().map(|s| s.at.as_millis() as u64).collect();
+            assert_eq!(ends, want_ends);
+            assert_eq!(v.iter().map(|s| s.io.ios).sum::<u64>(), end_ms / 10);
+            assert!((v[0].iops() - 100.0).abs() < 5.0, "{:?}", v[0]);
+            assert_eq!(v[2].lat_max(), Some(Duration::from_millis(40)));
+            // The max is the interval's own: zeroed by each sample.
+            assert_eq!(v[1].lat_max(), Some(Duration::from_millis(1)));
+            assert_eq!(v[3].lat_max(), Some(Duration::from_millis(1)));
+            assert!(v.iter().all(|s| s.len >= every / 2));
+        }
+    }
 }
