@@ -113,11 +113,15 @@ impl Entry {
         // `read`/`write`/`verify` requests in flight end first (each holds the gate).
         let _gate = self.io_gate.write().await;
         match Arc::try_unwrap(self.ctrl) {
-            Ok(c) => c.disconnect().await,
+            Ok(c) => {
+                c.disconnect().await;
+                if let Some(d) = self.device {
+                    d.release().await;
+                }
+            }
+            // Its holders keep the device too: pulled from under them, their I/O would wait
+            // for it to come back instead of ending.
             Err(_) => tracing::warn!("{}: controller still shared at disconnect", self.name),
-        }
-        if let Some(d) = self.device {
-            d.release().await;
         }
     }
 }
