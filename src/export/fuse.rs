@@ -32,6 +32,10 @@ const TTL: Duration = Duration::from_secs(1);
 const MAX_IO: u32 = 1 << 20;
 /// fuser worker threads, each waiting on one request at a time.
 const THREADS: usize = 8;
+/// How a mount of ours shows in /proc/self/mountinfo: its source, and its type (`fuse`, or
+/// `fuse.` and the subtype when the mount helper passes it on).
+const FS_NAME: &str = "nvmf-rdma";
+const SUBTYPE: &str = "nvmf";
 
 struct NsFile {
     /// The files, each a namespace: inode 2 + index. Namespaces the controller reports
@@ -454,8 +458,8 @@ pub fn mount_fuse_set(
     };
     let mut cfg = Config::default();
     cfg.mount_options = vec![
-        MountOption::FSName("nvmf-rdma".into()),
-        MountOption::Subtype("nvmf".into()),
+        MountOption::FSName(FS_NAME.into()),
+        MountOption::Subtype(SUBTYPE.into()),
         MountOption::NoSuid,
         MountOption::NoDev,
         MountOption::NoExec,
@@ -463,6 +467,7 @@ pub fn mount_fuse_set(
     cfg.acl = SessionACL::Owner;
     cfg.n_threads = Some(THREADS);
     cfg.clone_fd = true;
+    detach_stale(mountpoint)?;
     let session = fuser::spawn_mount(fs, mountpoint, &cfg)
         .map_err(|e| ExportError::io(format!("fuse mount at {}", mountpoint.display()), e))?;
     Ok(FuseMount {
@@ -472,4 +477,113 @@ pub fn mount_fuse_set(
         mountpoint: mountpoint.to_path_buf(),
         file: mountpoint.join(&name),
     })
+}
+
+/// A mount of ours left at `mountpoint` by a process that died (its FUSE connection is gone,
+/// so the mount point answers ENOTCONN) is detached, so that a restarted daemon can mount
+/// there again. Anything else there is left for the mount to report.
+fn detach_stale(mountpoint: &Path) -> Result<(), ExportError> {
+    match std::fs::metadata(mountpoint) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {}
+        _ => return Ok(()),
+    }
+    // The mount table has the resolved path; the mount point itself cannot be resolved.
+    let resolved = match (mountpoint.parent(), mountpoint.file_name()) {
+        (Some(dir), Some(name)) => std::fs::canonicalize(if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        })
+        .map(|d| d.join(name)),
+        _ => std::path::absolute(mountpoint),
+    }
+    .map_err(|e| ExportError::io(format!("resolve {}", mountpoint.display()), e))?;
+    let table = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| ExportError::io("read /proc/self/mountinfo", e))?;
+    if !ours_mounted_at(&table, &resolved) {
+        return Ok(());
+    }
+    let what = format!(
+        "detach the stale mount at {} (fusermount3 -u -z does it by hand)",
+        mountpoint.display()
+    );
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(resolved.as_os_str().as_bytes()).map_err(|_| {
+        ExportError::io(
+            what.clone(),
+            std::io::Error::from(std::io::ErrorKind::InvalidInput),
+        )
+    })?;
+    // SAFETY: a valid NUL-terminated path; umount2 touches no memory of ours.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+        return Err(ExportError::io(what, std::io::Error::last_os_error()));
+    }
+    tracing::info!("{}: detached a stale mount of ours", mountpoint.display());
+    Ok(())
+}
+
+/// Is the top mount at `mp` in `mountinfo` (proc(5) format) a FUSE mount of ours?
+fn ours_mounted_at(mountinfo: &str, mp: &Path) -> bool {
+    let top = mountinfo
+        .lines()
+        .rev()
+        .filter_map(|l| {
+            let (head, tail) = l.split_once(" - ")?;
+            let point = unescape(head.split(' ').nth(4)?);
+            let mut t = tail.split(' ');
+            Some((point, t.next()?, t.next()?))
+        })
+        .find(|(point, ..)| Path::new(point) == mp);
+    top.is_some_and(|(_, fs_type, source)| {
+        source == FS_NAME && (fs_type == "fuse" || fs_type.strip_prefix("fuse.") == Some(SUBTYPE))
+    })
+}
+
+/// A mountinfo field with its octal escapes (`\040` for a space) undone.
+fn unescape(field: &str) -> String {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let oct = b
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match (b[i], oct) {
+            (b'\\', Some(d)) => {
+                out.push(d.iter().fold(0u8, |v, c| v.wrapping_mul(8) + (c - b'0')));
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod mount_table_tests {
+    use super::*;
+
+    const TABLE: &str = "\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+40 22 0:40 / /mnt/a\\040b rw,nosuid,nodev,noexec shared:2 - fuse.nvmf nvmf-rdma rw,user_id=0
+41 22 0:41 / /mnt/other rw shared:3 - fuse.sshfs host:/ rw
+42 22 0:42 / /mnt/over rw shared:4 - fuse.nvmf nvmf-rdma rw
+43 42 0:43 / /mnt/over rw shared:5 - tmpfs tmpfs rw
+44 22 0:44 / /mnt/plain rw,relatime - fuse nvmf-rdma rw,user_id=0,group_id=0
+";
+
+    #[test]
+    fn only_the_top_mount_of_ours_counts() {
+        assert!(ours_mounted_at(TABLE, Path::new("/mnt/a b")));
+        assert!(!ours_mounted_at(TABLE, Path::new("/mnt/other")));
+        assert!(
+            !ours_mounted_at(TABLE, Path::new("/mnt/over")),
+            "covered by tmpfs"
+        );
+        assert!(!ours_mounted_at(TABLE, Path::new("/mnt")));
+        assert!(ours_mounted_at(TABLE, Path::new("/mnt/plain")));
+    }
 }

@@ -12,6 +12,7 @@ pub mod devset;
 pub mod fuse;
 pub mod nbd;
 pub mod nbd_server;
+pub mod socket_file;
 
 use std::sync::Arc;
 
@@ -22,6 +23,7 @@ use crate::transport::{Controller, HostError};
 pub use devset::DevSet;
 pub use fuse::{mount_fuse, mount_fuse_set, FuseFiles, FuseMount};
 pub use nbd_server::{ExportAddr, NbdLimits, NbdListener, NbdStats};
+pub use socket_file::{bind_listener, bind_socket, SocketFile};
 
 /// NVMe Write Zeroes carries a 16-bit 0-based block count.
 const MAX_ZERO_BLOCKS: u64 = 1 << 16;

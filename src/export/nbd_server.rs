@@ -12,7 +12,6 @@
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -28,6 +27,7 @@ use super::nbd::{
     self, errno, read_reply_header, status_reply, tflag, Command, Decoded, ExportInfo, Negotiation,
     Outcome, Request, RequestDecoder,
 };
+use super::socket_file::{bind_listener, SocketFile};
 use super::{BlockDev, ExportError};
 
 /// Largest READ or WRITE accepted (advertised as the maximum block size); the NBD reference
@@ -161,6 +161,8 @@ pub struct NbdListener {
     addr: ExportAddr,
     limits: NbdLimits,
     stats: Arc<NbdStats>,
+    /// The unix socket file, removed with the listener.
+    _socket: Option<SocketFile>,
 }
 
 impl NbdListener {
@@ -169,8 +171,9 @@ impl NbdListener {
         Self::bind_with(addr, NbdLimits::default(), false).await
     }
 
-    /// Bind `addr`. A leftover unix socket nobody answers on is replaced; a live one is an
-    /// error. The socket is made 0600 whatever the umask. TCP on an address other than
+    /// Bind `addr`. A leftover unix socket of ours nobody answers on is replaced; anything
+    /// else at the path is an error that leaves it alone ([`bind_listener`]). The socket is made
+    /// 0600 whatever the umask. TCP on an address other than
     /// loopback needs `allow_remote` (the user's explicit consent).
     pub async fn bind_with(
         addr: &ExportAddr,
@@ -182,24 +185,12 @@ impl NbdListener {
                 return Err(ExportError::RemoteRefused(*a));
             }
         }
+        let mut socket = None;
         let listener = match addr {
             ExportAddr::Unix(p) => {
-                if p.exists() {
-                    if tokio::net::UnixStream::connect(p).await.is_ok() {
-                        return Err(ExportError::io(
-                            format!("bind {}", p.display()),
-                            std::io::Error::new(
-                                std::io::ErrorKind::AddrInUse,
-                                "another server answers on this socket",
-                            ),
-                        ));
-                    }
-                    let _ = std::fs::remove_file(p);
-                }
-                let l = tokio::net::UnixListener::bind(p)
+                let (l, file) = bind_listener(p)
                     .map_err(|e| ExportError::io(format!("bind {}", p.display()), e))?;
-                std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600))
-                    .map_err(|e| ExportError::io(format!("chmod 0600 {}", p.display()), e))?;
+                socket = Some(file);
                 Listener::Unix(l)
             }
             ExportAddr::Tcp(a) => {
@@ -221,6 +212,7 @@ impl NbdListener {
             addr,
             limits,
             stats: Arc::new(NbdStats::default()),
+            _socket: socket,
         })
     }
 
@@ -294,14 +286,6 @@ impl NbdListener {
 enum Stream {
     Unix(tokio::net::UnixStream),
     Tcp(tokio::net::TcpStream),
-}
-
-impl Drop for NbdListener {
-    fn drop(&mut self) {
-        if let ExportAddr::Unix(p) = &self.addr {
-            let _ = std::fs::remove_file(p);
-        }
-    }
 }
 
 /// What the export advertises: every write-side command, multi-connection safety, any

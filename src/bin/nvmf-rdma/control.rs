@@ -59,6 +59,7 @@ pub(crate) async fn serve_control_client(
 }
 
 /// The run directory, created 0700 whatever the umask; an existing one of ours is made 0700.
+/// One of another user, or a symlink, is refused.
 pub(crate) fn make_run_dir(dir: &std::path::Path) -> Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     std::fs::DirBuilder::new()
@@ -66,7 +67,14 @@ pub(crate) fn make_run_dir(dir: &std::path::Path) -> Result<()> {
         .mode(0o700)
         .create(dir)
         .with_context(|| format!("create {}", dir.display()))?;
-    let meta = std::fs::metadata(dir).with_context(|| format!("stat {}", dir.display()))?;
+    let meta = std::fs::symlink_metadata(dir).with_context(|| format!("stat {}", dir.display()))?;
+    // Whoever can change where the link points could move our sockets and pid file.
+    if !meta.is_dir() {
+        bail!(
+            "{} is not a directory (a symlink?); set NVMF_RDMA_RUN_DIR to a directory of yours",
+            dir.display()
+        );
+    }
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
     if meta.uid() != euid {

@@ -13,7 +13,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,7 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, run_dir};
 use nvmf_rdma::driver::DeviceManager;
-use nvmf_rdma::export::{BlockDev, DevSet};
+use nvmf_rdma::export::{bind_listener, BlockDev, DevSet};
 use nvmf_rdma::nvme::fabrics::DISCOVERY_NQN;
 use nvmf_rdma::reconnect::CtrlState;
 use nvmf_rdma::transport::Controller;
@@ -51,9 +50,16 @@ const MAX_CLIENTS: usize = 64;
 pub(crate) const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long `daemon --background` waits for the daemon it started to be ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// A configured line that failed is tried again after this, doubling each time up to
+/// [`RETRY_MAX`], until it connects.
+const RETRY_FIRST: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(60);
 
 /// Identity of a connection for duplicate checks: subsystem, target, service, host NQN.
 type Key = (String, String, u16, String);
+
+/// Tasks by line key, one each.
+type KeyedTasks = Mutex<HashMap<Key, tokio::task::JoinHandle<()>>>;
 
 /// One controller the daemon owns.
 struct Entry {
@@ -65,6 +71,24 @@ struct Entry {
     tasks: Vec<tokio::task::JoinHandle<()>>,
     /// Held (read) by each I/O request on the controller; a disconnect takes it (write).
     io_gate: Arc<tokio::sync::RwLock<()>>,
+    /// The soft-HCA it runs on (none on a kernel device).
+    device: Option<HostDevice>,
+}
+
+/// The soft-HCA a controller runs on: one of its own (loopback, on a free port) goes with
+/// the controller; a shared one (a fixed port, towards RoCEv2 peers) stays for the others.
+struct HostDevice {
+    mgr: DeviceManager,
+    own: bool,
+}
+
+impl HostDevice {
+    /// Let the device go: one of our own stops and frees its UDP socket and memory.
+    async fn release(self) {
+        if self.own {
+            let _ = self.mgr.unplug(HOST_HCA).await;
+        }
+    }
 }
 
 impl Entry {
@@ -87,8 +111,12 @@ impl Entry {
         // `read`/`write`/`verify` requests in flight end first (each holds the gate).
         let _gate = self.io_gate.write().await;
         // Only a forced disconnect (or an unexpected busy mount) gets here with a user left:
-        // the export is fenced and the controller deleted, whoever still holds them.
+        // the export is fenced and the controller deleted, whoever still holds them, so the
+        // controller's own soft-HCA can go with it: nothing waits on it any more.
         self.exports.release(&self.ctrl, true).await;
+        if let Some(d) = self.device {
+            d.release().await;
+        }
     }
 }
 
@@ -133,9 +161,11 @@ struct State {
     stopping: AtomicBool,
     client_timeout: Duration,
     /// Discovery controllers watched for log changes, by address, service and host NQN.
-    watchers: Mutex<HashMap<Key, tokio::task::JoinHandle<()>>>,
+    watchers: KeyedTasks,
     /// Where a watcher sends a discovery line whose log changed (connect-all runs it).
     rescan: tokio::sync::mpsc::Sender<ConnectParams>,
+    /// Configured lines that failed, each tried again until it connects; by line key.
+    retries: KeyedTasks,
     stop_req:
         tokio::sync::mpsc::Sender<(bool, tokio::sync::oneshot::Sender<Result<(), ProtoError>>)>,
 }
@@ -225,24 +255,48 @@ impl State {
 
     /// The device a controller towards `target` runs on: a shared one on a fixed port, or a
     /// new one on a free port (loopback).
-    async fn device(&self, s: &Subsys) -> anyhow::Result<DeviceManager> {
+    async fn device(&self, s: &Subsys) -> anyhow::Result<HostDevice> {
         let target = s.fabric.traddr;
         let addr = host_bind_addr(target, s.fabric.host_traddr)
             .context("no route to the target address")?;
         let mut mgrs = self.managers.lock().await;
-        if addr.port() != 0 {
-            if let Some(m) = mgrs.get(&addr) {
-                return Ok(m.clone());
-            }
+        let own = addr.port() == 0;
+        if let Some(m) = mgrs.get(&addr).filter(|_| !own) {
+            return Ok(HostDevice {
+                mgr: m.clone(),
+                own,
+            });
         }
         let mgr = DeviceManager::new(!roce_peer(target.ip()));
         mgr.plug(device_config(HOST_HCA, addr, 1))
             .await
             .with_context(|| format!("cannot start the host soft-HCA on {addr}"))?;
-        if addr.port() != 0 {
+        if !own {
             mgrs.insert(addr, mgr.clone());
         }
-        Ok(mgr)
+        Ok(HostDevice { mgr, own })
+    }
+
+    /// A controller as `sub` asks, on its soft-HCA (handed back with it) or a kernel
+    /// device. A failed connect lets its device go.
+    async fn connect_on_device(
+        &self,
+        sub: &Subsys,
+        o: nvmf_rdma::transport::ConnectOptions,
+    ) -> anyhow::Result<(Controller, Option<HostDevice>)> {
+        match &sub.fabric.device {
+            DeviceChoice::Soft => {
+                let d = self.device(sub).await?;
+                match Controller::connect_managed(d.mgr.clone(), HOST_HCA, o).await {
+                    Ok(c) => Ok((c, Some(d))),
+                    Err(e) => {
+                        d.release().await;
+                        Err(e.into())
+                    }
+                }
+            }
+            DeviceChoice::Kernel(sel) => Ok((device::connect_kernel(sel, o).await?, None)),
+        }
     }
 }
 
@@ -287,38 +341,115 @@ impl State {
 
     /// Keep a discovery controller for `p` (a discovery line) watched, once.
     fn watch(self: &Arc<Self>, p: &ConnectParams) {
-        let key: Key = (
-            p.nqn.clone(),
-            p.traddr.clone(),
-            p.trsvcid.unwrap_or(4420),
-            p.hostnqn.clone().unwrap_or_default(),
-        );
-        let mut w = self.watchers.lock().unwrap_or_else(|e| e.into_inner());
-        if w.get(&key).is_some_and(|t| !t.is_finished()) || self.stopping.load(Ordering::SeqCst) {
-            return;
-        }
-        let task = tokio::spawn(watch_discovery(
-            self.clone(),
-            p.clone(),
-            self.rescan.clone(),
-        ));
-        w.insert(key, task);
+        let task = watch_discovery(self.clone(), p.clone(), self.rescan.clone());
+        self.spawn_once(&self.watchers, line_key(p), task);
     }
 
-    /// Stop every discovery watcher (and its controller).
-    async fn unwatch_all(&self) {
-        let tasks: Vec<_> = self
-            .watchers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-            .map(|(_, t)| t)
-            .collect();
-        for t in tasks {
-            t.abort();
-            let _ = t.await;
+    /// Try the configured line `l` again until it connects, unless that already goes on.
+    fn retry(self: &Arc<Self>, l: &ConfigLine) {
+        let (st, line) = (self.clone(), l.clone());
+        let task = async move { retry_until_ok(|n| retry_line(&st, &line, n)).await };
+        self.spawn_once(&self.retries, line_key(&l.params), task);
+    }
+
+    /// Run `task` as the one task of `key` in `tasks`, unless one runs or the daemon stops.
+    fn spawn_once(
+        &self,
+        tasks: &KeyedTasks,
+        key: Key,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        let mut t = tasks.lock().unwrap_or_else(|e| e.into_inner());
+        if t.get(&key).is_some_and(|t| !t.is_finished()) || self.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        t.insert(key, tokio::spawn(task));
+    }
+}
+
+/// Abort every task of `tasks` and wait for each to end.
+async fn abort_all(tasks: &KeyedTasks) {
+    let tasks: Vec<_> = tasks
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .drain()
+        .map(|(_, t)| t)
+        .collect();
+    for t in tasks {
+        t.abort();
+        let _ = t.await;
+    }
+}
+
+/// A configured line's identity: subsystem, address, service, host NQN as it gives them.
+fn line_key(p: &ConnectParams) -> Key {
+    (
+        p.nqn.clone(),
+        p.traddr.clone(),
+        p.trsvcid.unwrap_or(4420),
+        p.hostnqn.clone().unwrap_or_default(),
+    )
+}
+
+/// The wait before try `n` (from 0) of a configured line that failed.
+fn retry_delay(n: u32) -> Duration {
+    RETRY_FIRST.saturating_mul(1u32 << n.min(16)).min(RETRY_MAX)
+}
+
+/// Call `attempt(n)` after [`retry_delay`]`(n)`, for n = 0, 1, ..., until it says done.
+async fn retry_until_ok<F, Fut>(mut attempt: F)
+where
+    F: FnMut(u32) -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let mut n = 0u32;
+    loop {
+        tokio::time::sleep(retry_delay(n)).await;
+        if attempt(n).await {
+            return;
+        }
+        n = n.saturating_add(1);
+    }
+}
+
+/// Try configured line `l` again (try `n`): done when everything it names is connected (or
+/// the daemon stops). Each failure is one log line saying when the next try is.
+async fn retry_line(st: &Arc<State>, l: &ConfigLine, n: u32) -> bool {
+    if st.stopping.load(Ordering::SeqCst) {
+        return true;
+    }
+    let r = op_connect_all(st, Some(l.params.clone())).await;
+    let errors: Vec<String> = match &r {
+        Ok(v) => v["results"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|r| r["status"] == "failed")
+            .map(|r| {
+                format!(
+                    "{}: {}",
+                    r["nqn"].as_str().unwrap_or(""),
+                    r["error"].as_str().unwrap_or("")
+                )
+            })
+            .collect(),
+        Err(e) => vec![e.message.clone()],
+    };
+    let next = retry_delay(n + 1).as_secs();
+    if let Ok(v) = &r {
+        for r in v["results"].as_array().into_iter().flatten() {
+            if r["status"] == "connected" {
+                println!("connect-all: line {}: {r}", l.line);
+            }
         }
     }
+    for e in &errors {
+        println!(
+            "connect-all: line {}: {e}; trying again in {next} s",
+            l.line
+        );
+    }
+    errors.is_empty()
 }
 
 impl Exports {
@@ -400,23 +531,19 @@ async fn connect_entry(
     o: nvmf_rdma::transport::ConnectOptions,
 ) -> Result<Entry, ProtoError> {
     let what = format!("connect to {} at {}", sub.nqn, sub.fabric.traddr);
-    let c = match &sub.fabric.device {
-        DeviceChoice::Soft => {
-            let mgr = st
-                .device(&sub)
-                .await
-                .map_err(|e| failed(format!("{e:#}")))?;
-            Controller::connect_managed(mgr, HOST_HCA, o).await
-        }
-        DeviceChoice::Kernel(sel) => device::connect_kernel(sel, o).await,
-    }
-    .map_err(|e| failed(format!("{what}: {e:#}")).hint(connect_hint(&e.to_string())))?;
+    let (c, device) = st
+        .connect_on_device(&sub, o)
+        .await
+        .map_err(|e| failed(format!("{what}: {e:#}")).hint(connect_hint(&format!("{e:#}"))))?;
     let c = Arc::new(c);
     let exports = match start_exports(&c, &sub, &x).await {
         Ok(x) => x,
         Err(e) => {
             if let Ok(c) = Arc::try_unwrap(c) {
                 c.disconnect().await;
+            }
+            if let Some(d) = device {
+                d.release().await;
             }
             return Err(failed(format!("{name}: exports: {e:#}")));
         }
@@ -441,6 +568,7 @@ async fn connect_entry(
         exports,
         tasks,
         io_gate: Arc::new(tokio::sync::RwLock::new(())),
+        device,
     })
 }
 
@@ -541,16 +669,10 @@ async fn watch_discovery(
             if o.keep_alive_tmo.is_zero() {
                 o.keep_alive_tmo = Duration::from_secs(5);
             }
-            anyhow::Ok(match &sub.fabric.device {
-                DeviceChoice::Soft => {
-                    let mgr = st.device(&sub).await?;
-                    Controller::connect_managed(mgr, HOST_HCA, o).await?
-                }
-                DeviceChoice::Kernel(sel) => device::connect_kernel(sel, o).await?,
-            })
+            st.connect_on_device(&sub, o).await
         }
         .await;
-        let c = match c {
+        let (c, device) = match c {
             Ok(c) => c,
             Err(e) => {
                 println!("{what}: {e:#}; trying again in 10 s");
@@ -570,6 +692,9 @@ async fn watch_discovery(
             }
         }
         c.disconnect().await;
+        if let Some(d) = device {
+            d.release().await;
+        }
         if st.stopping.load(Ordering::SeqCst) {
             return;
         }
@@ -702,6 +827,7 @@ async fn op_connect_all(
     st: &Arc<State>,
     given: Option<ConnectParams>,
 ) -> Result<Value, ProtoError> {
+    let configured = given.is_none();
     let lines: Vec<ConfigLine> = match given {
         Some(p) => vec![ConfigLine {
             line: 0,
@@ -716,12 +842,16 @@ async fn op_connect_all(
         if l.discovery {
             st.watch(&l.params);
         }
+        let first = results.len();
         let targets = if l.discovery {
             match discover_params(&l.params).await {
                 Ok(v) => v,
                 Err(e) => {
                     results.push(json!({"line": l.line, "traddr": l.params.traddr,
                         "nqn": l.params.nqn, "status": "failed", "error": format!("discovery: {e:#}")}));
+                    if configured {
+                        st.retry(&l);
+                    }
                     continue;
                 }
             }
@@ -745,6 +875,9 @@ async fn op_connect_all(
                 }
             }
             results.push(r);
+        }
+        if configured && results[first..].iter().any(|r| r["status"] == "failed") {
+            st.retry(&l);
         }
     }
     let mut m = Map::new();
@@ -960,6 +1093,8 @@ impl PidLock {
             .create(true)
             .truncate(false)
             .mode(0o600)
+            // A link in our directory is not ours to truncate.
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .with_context(|| format!("open {}", path.display()))?;
         // SAFETY: flock on a descriptor we own.
@@ -1037,11 +1172,9 @@ async fn serve(a: DaemonArgs) -> Result<()> {
     make_run_dir(&dir)?;
     let _pid = PidLock::take(&dir)?;
     let sock = dir.join(SOCKET_NAME);
-    let _ = std::fs::remove_file(&sock);
-    let listener = tokio::net::UnixListener::bind(&sock)
-        .with_context(|| format!("bind {}", sock.display()))?;
-    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("chmod 0600 {}", sock.display()))?;
+    // A crashed daemon's socket is taken over; the file goes when `_sock_file` drops.
+    let (listener, _sock_file) =
+        bind_listener(&sock).with_context(|| format!("bind {}", sock.display()))?;
     let mut signals = StopSignals::new()?;
     let (stop_tx, mut stop_rx) = tokio::sync::mpsc::channel(4);
     // Bounded: a watcher that finds it full drops its request; one queued covers it.
@@ -1055,6 +1188,7 @@ async fn serve(a: DaemonArgs) -> Result<()> {
         client_timeout: a.client_timeout.map_or(CLIENT_TIMEOUT, Duration::from_secs),
         watchers: Mutex::new(HashMap::new()),
         rescan: rescan_tx,
+        retries: Mutex::new(HashMap::new()),
         stop_req: stop_tx,
     });
     let rescans = {
@@ -1074,9 +1208,10 @@ async fn serve(a: DaemonArgs) -> Result<()> {
     let r = serve_until_stopped(&st, &listener, &mut signals, &mut stop_rx, a.connect_all).await;
     rescans.abort();
     let _ = rescans.await;
-    st.unwatch_all().await;
+    // Retries first: one may start a watcher.
+    abort_all(&st.retries).await;
+    abort_all(&st.watchers).await;
     drop(listener);
-    let _ = std::fs::remove_file(&sock);
     r
 }
 
@@ -1285,5 +1420,23 @@ pub(crate) fn start_background(a: &DaemonArgs, global: &[String]) -> Result<u32>
                 log_path.display()
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod retry_tests {
+    use super::*;
+
+    /// A line that keeps failing is tried after 1, 2, 4, ... s, then every 60 s.
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_line_is_retried_at_1_s_doubling_to_60_s() {
+        let start = tokio::time::Instant::now();
+        let mut at = Vec::new();
+        retry_until_ok(|n| {
+            at.push((tokio::time::Instant::now() - start).as_secs());
+            std::future::ready(n == 9)
+        })
+        .await;
+        assert_eq!(at, [1, 3, 7, 15, 31, 63, 123, 183, 243, 303]);
     }
 }

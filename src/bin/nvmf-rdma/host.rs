@@ -37,7 +37,11 @@ pub(crate) async fn discover_on(
     let entries = match &f.device {
         DeviceChoice::Soft => {
             let (hca, cm) = host_stack(f.traddr, f.host_traddr).await?;
-            discover(hca, cm, o).await
+            let r = discover(hca.clone(), cm, o).await;
+            // Its UDP socket and memory go now, not with the process (the daemon lives on).
+            hca.remove();
+            hca.stopped().await;
+            r
         }
         DeviceChoice::Kernel(sel) => device::discover_kernel(sel, o).await,
     };

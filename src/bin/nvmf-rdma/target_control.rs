@@ -7,7 +7,6 @@
 //! Connected hosts get a Namespace Attribute Changed event (the daemon rescans and exports
 //! it). `nvmf-rdma target-ns add` is the CLI client.
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -105,23 +104,8 @@ pub(crate) fn serve<D: DeviceContext>(
     path: &Path,
     t: Target<D>,
 ) -> Result<tokio::task::JoinHandle<()>> {
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            bail!("{}: another target answers there", path.display());
-        }
-        let _ = std::fs::remove_file(path);
-    }
-    let l =
-        tokio::net::UnixListener::bind(path).with_context(|| format!("bind {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("chmod 0600 {}", path.display()))?;
-    struct Rm(PathBuf);
-    impl Drop for Rm {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    let rm = Rm(path.to_path_buf());
+    let (l, rm) = nvmf_rdma::export::bind_listener(path)
+        .with_context(|| format!("bind {}", path.display()))?;
     let t = Arc::new(t);
     Ok(tokio::spawn(async move {
         let _rm = rm;
