@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use tokio::task::JoinSet;
 
-use crate::transport::{Controller, HostError};
+use crate::transport::{Controller, HostError, NsInfo};
 
 pub use devset::DevSet;
 pub use fuse::{mount_fuse, mount_fuse_set, FuseFiles, FuseMount};
@@ -84,6 +84,8 @@ impl ExportError {
 pub struct BlockDev {
     ctrl: Arc<Controller>,
     nsid: u32,
+    /// The namespace as opened: requests fail once another one is behind `nsid`.
+    ns: NsInfo,
     block: u64,
     size: u64,
     chunk: usize,
@@ -98,6 +100,7 @@ impl BlockDev {
         Ok(BlockDev {
             ctrl,
             nsid,
+            ns,
             block,
             size: ns.bytes(),
             chunk,
@@ -121,7 +124,13 @@ impl BlockDev {
         &self.ctrl
     }
 
+    /// The namespace this device serves, as it was when the device was made.
+    pub fn namespace(&self) -> NsInfo {
+        self.ns
+    }
+
     fn check(&self, offset: u64, len: u64) -> Result<(), ExportError> {
+        self.ctrl.same_namespace(&self.ns)?;
         match offset.checked_add(len) {
             Some(end) if end <= self.size => Ok(()),
             _ => Err(ExportError::OutOfRange {
@@ -267,6 +276,7 @@ impl BlockDev {
     }
 
     pub async fn flush(&self) -> Result<(), ExportError> {
+        self.ctrl.same_namespace(&self.ns)?;
         Ok(self.ctrl.flush(self.nsid).await?)
     }
 

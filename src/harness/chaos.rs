@@ -534,6 +534,7 @@ pub fn error_kind(e: &HostError) -> String {
         HostError::Protocol(_) => "protocol error".into(),
         HostError::Invalid(_) => "invalid request".into(),
         HostError::Gone(_) => "controller gone".into(),
+        HostError::NamespaceGone(_) => "namespace gone".into(),
         HostError::Timeout(_) => "timeout".into(),
         HostError::Step(_) => "reconnect step".into(),
     }
