@@ -1273,12 +1273,14 @@ impl Controller {
         c.cntlid = sup.cntlid;
         sup.publish();
         if !discovery {
-            c.rescans = Some(tokio::spawn(rescan_after_reconnects(
-                c.admin.clone(),
-                c.opts.connect_timeout,
-                c.namespaces.clone(),
-                c.watch_status(),
-                c.opts.subnqn.clone(),
+            c.rescans = Some(tokio::spawn(crate::harness::alloc_audit::after_recovery(
+                rescan_after_reconnects(
+                    c.admin.clone(),
+                    c.opts.connect_timeout,
+                    c.namespaces.clone(),
+                    c.watch_status(),
+                    c.opts.subnqn.clone(),
+                ),
             )));
         }
         c.sup = Some(tokio::spawn(sup.run()));
