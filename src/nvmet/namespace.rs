@@ -309,7 +309,7 @@ fn file_identity(path: &Path) -> std::io::Result<NsIdentity> {
             ),
         )
     };
-    match std::fs::read_to_string(&at) {
+    match read_small(&at) {
         Ok(text) => return parse_identity(&text).map_err(bad),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(bad(e.to_string())),
@@ -323,7 +323,7 @@ fn file_identity(path: &Path) -> std::io::Result<NsIdentity> {
         Ok(f) => f,
         // Made meanwhile by another target serving the same file: its identity is ours.
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            let text = std::fs::read_to_string(&at)?;
+            let text = read_small(&at)?;
             return parse_identity(&text).map_err(bad);
         }
         Err(e) => {
@@ -340,6 +340,17 @@ fn file_identity(path: &Path) -> std::io::Result<NsIdentity> {
     f.write_all(format_identity(&id).as_bytes())?;
     f.sync_all()?;
     Ok(id)
+}
+
+/// An identity file's text: its first 4 KiB at most (it is about 100 bytes; anything much
+/// longer is not one, and is refused by its content rather than read whole).
+fn read_small(at: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(at)?
+        .take(4096)
+        .read_to_string(&mut text)?;
+    Ok(text)
 }
 
 /// The text of an identity file.
