@@ -1529,3 +1529,88 @@ fn a_configured_line_connects_once_its_target_comes_up() {
             .any(|c| c["subnqn"] == NQN && c["state"] == "live")
     });
 }
+
+/// A file target with its namespace `file` of `size` on `listen`, run directory under `dir`.
+fn start_file_target(dir: &Path, listen: &str, file: &Path, size: &str) -> (Proc, String) {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["target", "--listen", listen, "-n", NQN, "--file"])
+        .arg(file)
+        .args(["--file-size", size])
+        .env("NVMF_RDMA_RUN_DIR", dir.join("target-run"));
+    let t = Proc::spawn(cmd);
+    let line = t.expect("listening on", Duration::from_secs(30));
+    let addr = line
+        .split_whitespace()
+        .skip_while(|w| *w != "on")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    (t, addr)
+}
+
+/// A namespace grown while its target was down (killed, restarted on the same address with
+/// the file grown from 4 to 8 MiB) is served at its new size by the daemon's FUSE export
+/// after the reconnect, with no event from the target: the controller rescans when it is
+/// live again and the daemon's watcher follows. The file keeps its identity (beside it in
+/// `.nvmf-id`), so the export goes on serving it and its data.
+#[test]
+fn a_namespace_grown_while_the_target_was_down_is_served_at_its_new_size() {
+    let rig = Rig::new("ns-grow");
+    let disk = rig.dir.join("ns1.img");
+    let (mut t, addr) = start_file_target(&rig.dir, "127.0.0.1:0", &disk, "4M");
+    assert!(
+        rig.dir.join("ns1.img.nvmf-id").exists(),
+        "identity kept beside the file"
+    );
+    let (_d, _n) = rig.daemon(&[]);
+    let fuse = rig.dir.join("fuse");
+    std::fs::create_dir_all(&fuse).unwrap();
+    rig.ok(&[
+        "connect",
+        "-a",
+        &addr,
+        "-n",
+        NQN,
+        "-i",
+        "1",
+        "-k",
+        "1",
+        "-c",
+        "1",
+        "--fuse",
+        fuse.to_str().unwrap(),
+    ]);
+    let file = fuse.join("ns1");
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 4 << 20);
+    let data = vec![0x5Au8; 4096];
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .write_all(&data)
+        .unwrap();
+
+    t.kill();
+    rig.wait_list("the controller lost its target", |v| {
+        v["controllers"][0]["state"] != "live"
+    });
+    let (_t2, _) = start_file_target(&rig.dir, &addr, &disk, "8M");
+    rig.wait_list("namespace 1 at 8 MiB after the reconnect", |v| {
+        let c = &v["controllers"][0];
+        c["state"] == "live" && namespaces_of(c).contains(&(1, 16384))
+    });
+    // FUSE caches attributes for a second.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::metadata(&file).unwrap().len() != 8 << 20 {
+        assert!(Instant::now() < deadline, "the FUSE file kept its old size");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let back = std::fs::read(&file).unwrap();
+    assert_eq!(back.len(), 8 << 20);
+    assert!(back[..4096] == data[..], "the same namespace, its data");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !rig.run(&["disconnect", "-d", "nvmf0"]).status.success() {
+        assert!(Instant::now() < deadline, "disconnect still refused");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

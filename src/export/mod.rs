@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use tokio::task::JoinSet;
 
-use crate::transport::{Controller, HostError};
+use crate::transport::{Controller, HostError, NsInfo};
 
 pub use devset::DevSet;
 pub use fuse::{mount_fuse, mount_fuse_set, FuseFiles, FuseMount};
@@ -86,6 +86,8 @@ impl ExportError {
 pub struct BlockDev {
     ctrl: Arc<Controller>,
     nsid: u32,
+    /// The namespace as opened: requests fail once another one is behind `nsid`.
+    ns: NsInfo,
     block: u64,
     size: u64,
     chunk: usize,
@@ -100,6 +102,7 @@ impl BlockDev {
         Ok(BlockDev {
             ctrl,
             nsid,
+            ns,
             block,
             size: ns.bytes(),
             chunk,
@@ -123,7 +126,13 @@ impl BlockDev {
         &self.ctrl
     }
 
+    /// The namespace this device serves, as it was when the device was made.
+    pub fn namespace(&self) -> NsInfo {
+        self.ns
+    }
+
     fn check(&self, offset: u64, len: u64) -> Result<(), ExportError> {
+        self.ctrl.same_namespace(&self.ns)?;
         match offset.checked_add(len) {
             Some(end) if end <= self.size => Ok(()),
             _ => Err(ExportError::OutOfRange {
@@ -269,6 +278,7 @@ impl BlockDev {
     }
 
     pub async fn flush(&self) -> Result<(), ExportError> {
+        self.ctrl.same_namespace(&self.ns)?;
         Ok(self.ctrl.flush(self.nsid).await?)
     }
 

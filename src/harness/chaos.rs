@@ -570,19 +570,29 @@ pub async fn judge_storm(
     if !all.errors.is_empty() {
         return Err(format!("I/O failed within ctrl_loss_tmo: {:?}", all.errors));
     }
-    for s in ctrl.queue_stats() {
-        if s.duplicate_completion != 0 || s.unknown_cid != 0 {
-            return Err(format!("stray or double completion: {s:?}"));
-        }
-        if s.submitted != s.completed + s.failed {
-            return Err(format!("submitted != completed + failed: {s:?}"));
-        }
-    }
     // A storm may have just ended: recovery gets its time, bounded well below "forever".
     let st = ctrl
         .wait_status(Duration::from_secs(10), |s| s.state() == CtrlState::Live)
         .await
         .map_err(|e| format!("controller not live at the end: {e}"))?;
+    // The controller's own commands after a reconnect (its namespace rescan) may still be
+    // in flight on the admin queue: they get a bounded time to end.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let stats = ctrl.queue_stats();
+        for s in &stats {
+            if s.duplicate_completion != 0 || s.unknown_cid != 0 {
+                return Err(format!("stray or double completion: {s:?}"));
+            }
+        }
+        match stats.iter().find(|s| s.submitted != s.completed + s.failed) {
+            None => break,
+            Some(s) if tokio::time::Instant::now() >= deadline => {
+                return Err(format!("submitted != completed + failed: {s:?}"));
+            }
+            Some(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
     if st.machine.fail_reason.is_some() {
         return Err(format!("the controller gave up: {st:?}"));
     }
@@ -599,6 +609,7 @@ pub fn error_kind(e: &HostError) -> String {
         HostError::Protocol(_) => "protocol error".into(),
         HostError::Invalid(_) => "invalid request".into(),
         HostError::Gone(_) => "controller gone".into(),
+        HostError::NamespaceGone(_) => "namespace gone".into(),
         HostError::Timeout(_) => "timeout".into(),
         HostError::Step(_) => "reconnect step".into(),
     }

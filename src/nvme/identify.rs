@@ -1,12 +1,13 @@
 //! Identify data: the controller (CNS 0x01) and namespace (CNS 0x00) structures, 4096 bytes
-//! each, reduced to the fields an initiator and the built-in target use, and the active
-//! namespace ID list (CNS 0x02).
+//! each, reduced to the fields an initiator and the built-in target use, the active
+//! namespace ID list (CNS 0x02) and the namespace identification descriptors (CNS 0x03).
 //!
 //! Offsets verified against Linux `include/linux/nvme.h` `struct nvme_id_ctrl` (v6.x layout:
 //! the struct was transcribed and its `offsetof`s printed by a C compiler, 4096 bytes in
 //! total) and SPDK `struct spdk_nvme_ctrlr_data` / `spdk_nvme_cdata_nvmf_specific`
 //! (ioccsz, iorcsz, icdoff, ctrattr, msdbd at 1792). Namespace: `struct nvme_id_ns`
-//! (nsze 0, ncap 8, nuse 16, nsfeat 24, nlbaf 25, flbas 26, lbaf[] 128) and
+//! (nsze 0, ncap 8, nuse 16, nsfeat 24, nlbaf 25, flbas 26, nguid 104, eui64 120,
+//! lbaf[] 128) and
 //! `struct nvme_lbaf` {ms le16, ds u8, rp u8}.
 
 use super::fabrics::{FixedStr, Nqn};
@@ -244,6 +245,8 @@ mod ns_field {
     pub const NSFEAT: usize = 24;
     pub const NLBAF: usize = 25;
     pub const FLBAS: usize = 26;
+    pub const NGUID: usize = 104;
+    pub const EUI64: usize = 120;
     pub const LBAF: usize = 128;
     pub const SIZE: usize = 4096;
 }
@@ -298,6 +301,10 @@ pub struct IdentifyNamespace {
     /// Formatted LBA size: format index bits 3:0 (+ bits 6:5 as index bits 5:4), extended
     /// metadata bit 4.
     pub flbas: u8,
+    /// Namespace Globally Unique Identifier; zero when the controller has none.
+    pub nguid: [u8; 16],
+    /// IEEE Extended Unique Identifier; zero when the controller has none.
+    pub eui64: [u8; 8],
     pub lbaf: [LbaFormat; LBAF_ENTRIES],
 }
 
@@ -310,6 +317,8 @@ impl Default for IdentifyNamespace {
             nsfeat: 0,
             nlbaf: 0,
             flbas: 0,
+            nguid: [0; 16],
+            eui64: [0; 8],
             lbaf: [LbaFormat::default(); LBAF_ENTRIES],
         }
     }
@@ -349,6 +358,8 @@ impl IdentifyNamespace {
             nsfeat: b[f::NSFEAT],
             nlbaf: b[f::NLBAF],
             flbas: b[f::FLBAS],
+            nguid: array(b, f::NGUID),
+            eui64: array(b, f::EUI64),
             lbaf,
         })
     }
@@ -362,6 +373,8 @@ impl IdentifyNamespace {
         out[f::NSFEAT] = self.nsfeat;
         out[f::NLBAF] = self.nlbaf;
         out[f::FLBAS] = self.flbas;
+        out[f::NGUID..f::NGUID + 16].copy_from_slice(&self.nguid);
+        out[f::EUI64..f::EUI64 + 8].copy_from_slice(&self.eui64);
         for (i, l) in self.lbaf.iter().enumerate() {
             let at = f::LBAF + i * LbaFormat::LEN;
             out[at..at + LbaFormat::LEN].copy_from_slice(&l.to_bytes());
@@ -422,16 +435,92 @@ pub fn emit_active_namespace_ids(ids: &[u32], out: &mut [u8; 4096]) -> usize {
     n
 }
 
-/// Namespace identifier type UUID (NIDT 3) in a descriptor list.
+/// Namespace identifier types (NIDT) of a descriptor list: IEEE EUI-64, NGUID, UUID.
+pub const NIDT_EUI64: u8 = 1;
+pub const NIDT_NGUID: u8 = 2;
 pub const NIDT_UUID: u8 = 3;
 
-/// Write a Namespace Identification Descriptor list (CNS 0x03) holding one UUID descriptor:
-/// NIDT, NIDL (16), two reserved bytes, the UUID; a zero NIDT ends the list.
-pub fn emit_ns_id_descriptors(uuid: [u8; 16], out: &mut [u8; 4096]) {
+/// What names a namespace apart from its NSID: the identifiers a controller reports for it
+/// (zero where it reports none). Two namespaces behind the same NSID with different
+/// identities are different namespaces (Linux `nvme_ns_ids_equal`), whatever their sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct NsIdentity {
+    pub nguid: [u8; 16],
+    pub eui64: [u8; 8],
+    pub uuid: [u8; 16],
+}
+
+impl NsIdentity {
+    /// No identifier at all: such a namespace can only be told apart by its NSID.
+    pub fn is_empty(&self) -> bool {
+        *self == NsIdentity::default()
+    }
+
+    /// The identity from Identify Namespace (`ns`) and a descriptor list (CNS 0x03, `descs`;
+    /// `None` when the controller has none). A descriptor of a known type and length wins
+    /// over the Identify Namespace field of the same kind.
+    pub fn from_identify(ns: &IdentifyNamespace, descs: Option<&[u8]>) -> NsIdentity {
+        let mut id = NsIdentity {
+            nguid: ns.nguid,
+            eui64: ns.eui64,
+            uuid: [0; 16],
+        };
+        for (nidt, v) in descs.map(ns_id_descriptors).unwrap_or_default() {
+            match nidt {
+                NIDT_EUI64 => {
+                    if let Ok(v) = v.try_into() {
+                        id.eui64 = v;
+                    }
+                }
+                NIDT_NGUID => {
+                    if let Ok(v) = v.try_into() {
+                        id.nguid = v;
+                    }
+                }
+                NIDT_UUID => {
+                    if let Ok(v) = v.try_into() {
+                        id.uuid = v;
+                    }
+                }
+                _ => {}
+            }
+        }
+        id
+    }
+
+    /// The UUID in its text form (8-4-4-4-12 lowercase hex).
+    pub fn uuid_text(&self) -> String {
+        let h: String = self.uuid.iter().map(|b| format!("{b:02x}")).collect();
+        format!(
+            "{}-{}-{}-{}-{}",
+            &h[..8],
+            &h[8..12],
+            &h[12..16],
+            &h[16..20],
+            &h[20..]
+        )
+    }
+}
+
+/// Write a Namespace Identification Descriptor list (CNS 0x03): a descriptor (NIDT, NIDL,
+/// two reserved bytes, the identifier) for each identifier of `id` that is not zero, then a
+/// zero NIDT.
+pub fn emit_ns_id_descriptors(id: &NsIdentity, out: &mut [u8; 4096]) {
     *out = [0; 4096];
-    out[0] = NIDT_UUID;
-    out[1] = 16;
-    out[4..20].copy_from_slice(&uuid);
+    let mut at = 0;
+    for (nidt, v) in [
+        (NIDT_EUI64, &id.eui64[..]),
+        (NIDT_NGUID, &id.nguid[..]),
+        (NIDT_UUID, &id.uuid[..]),
+    ] {
+        if v.iter().all(|&b| b == 0) {
+            continue;
+        }
+        out[at] = nidt;
+        out[at + 1] = v.len() as u8;
+        out[at + 4..at + 4 + v.len()].copy_from_slice(v);
+        at += 4 + v.len();
+    }
 }
 
 /// The (NIDT, identifier) pairs of a descriptor list, up to the first zero NIDT or the end.
@@ -449,42 +538,44 @@ pub fn ns_id_descriptors(b: &[u8]) -> Vec<(u8, &[u8])> {
     v
 }
 
-/// A stable RFC 4122 (version 4 layout) UUID for namespace `nsid` of subsystem `nqn`: the
-/// same target gives the same namespace the same identity across restarts, which is what
-/// Linux multipath matches paths by.
-pub fn namespace_uuid(nqn: &str, nsid: u32) -> [u8; 16] {
-    let fnv = |seed: u64| {
-        let mut h = seed;
-        for b in nqn.bytes().chain(nsid.to_le_bytes()) {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        h
-    };
-    let mut u = [0u8; 16];
-    u[..8].copy_from_slice(&fnv(0xcbf2_9ce4_8422_2325).to_be_bytes());
-    u[8..].copy_from_slice(&fnv(0x6c62_272e_07bb_0142).to_be_bytes());
-    u[6] = (u[6] & 0x0F) | 0x40;
-    u[8] = (u[8] & 0x3F) | 0x80;
-    u
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn ns_id_descriptor_list_round_trips() {
-        let uuid = namespace_uuid("nqn.2026-11.io.nvmf-rdma:ours", 1);
-        assert_eq!(uuid, namespace_uuid("nqn.2026-11.io.nvmf-rdma:ours", 1));
-        assert_ne!(uuid, namespace_uuid("nqn.2026-11.io.nvmf-rdma:ours", 2));
-        assert_eq!(uuid[6] >> 4, 4);
+        let id = NsIdentity {
+            nguid: [0x11; 16],
+            eui64: [0; 8],
+            uuid: [0x22; 16],
+        };
         let mut page = [0u8; 4096];
-        emit_ns_id_descriptors(uuid, &mut page);
-        assert_eq!(&page[..4], &[3, 16, 0, 0]);
-        assert_eq!(ns_id_descriptors(&page), vec![(NIDT_UUID, &uuid[..])]);
+        emit_ns_id_descriptors(&id, &mut page);
+        assert_eq!(&page[..4], &[NIDT_NGUID, 16, 0, 0]);
+        assert_eq!(&page[20..24], &[NIDT_UUID, 16, 0, 0]);
+        assert_eq!(page[40], 0, "list ends");
+        assert_eq!(
+            ns_id_descriptors(&page),
+            vec![(NIDT_NGUID, &id.nguid[..]), (NIDT_UUID, &id.uuid[..])]
+        );
+        let ns = IdentifyNamespace::simple(8, 9);
+        assert_eq!(NsIdentity::from_identify(&ns, Some(&page)), id);
         assert!(ns_id_descriptors(&[0u8; 8]).is_empty());
         assert!(ns_id_descriptors(&[3, 16, 0, 0, 1]).is_empty());
+        assert_eq!(id.uuid_text(), "22222222-2222-2222-2222-222222222222");
+    }
+
+    #[test]
+    fn identity_from_identify_namespace_alone_and_odd_descriptors() {
+        let mut ns = IdentifyNamespace::simple(8, 9);
+        ns.nguid = [7; 16];
+        ns.eui64 = [8; 8];
+        let id = NsIdentity::from_identify(&ns, None);
+        assert_eq!((id.nguid, id.eui64, id.uuid), ([7; 16], [8; 8], [0; 16]));
+        // A UUID descriptor of the wrong length and an unknown type are ignored.
+        let list = [3, 4, 0, 0, 1, 2, 3, 4, 9, 2, 0, 0, 5, 5, 0, 0];
+        assert_eq!(NsIdentity::from_identify(&ns, Some(&list)), id);
+        assert!(NsIdentity::default().is_empty() && !id.is_empty());
     }
 
     fn ctrl() -> IdentifyController {
@@ -592,6 +683,8 @@ mod tests {
         ns.nuse = 0x100;
         ns.nlbaf = 1;
         ns.flbas = 1;
+        ns.nguid = [0xA5; 16];
+        ns.eui64 = [1, 2, 3, 4, 5, 6, 7, 8];
         ns.lbaf[1] = LbaFormat {
             ms: 8,
             lbads: 12,
@@ -607,6 +700,8 @@ mod tests {
         b[16..24].copy_from_slice(&0x100u64.to_le_bytes());
         b[25] = 1;
         b[26] = 1;
+        b[104..120].copy_from_slice(&[0xA5; 16]);
+        b[120..128].copy_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]);
         b[128..132].copy_from_slice(&[0, 0, 9, 0]);
         b[132..136].copy_from_slice(&[8, 0, 12, 2]);
         b

@@ -42,7 +42,7 @@ pub use admin::{opcode, DsmRange};
 pub use cqe::Cqe;
 pub use discovery::{DiscoveryLogEntry, DiscoveryLogHeader, RdmaTsas};
 pub use fabrics::{Cap, Cc, ConnectData, Csts, FabricsCmd, FixedStr, Nqn, Vs};
-pub use identify::{IdentifyController, IdentifyNamespace, LbaFormat};
+pub use identify::{IdentifyController, IdentifyNamespace, LbaFormat, NsIdentity};
 pub use sgl::SglDescriptor;
 pub use sqe::{Fuse, Sqe};
 pub use status::{NvmeError, Status, StatusType};

@@ -1900,16 +1900,17 @@ impl<D: DeviceContext> Engine<D> {
                             .subsystem(ctrl)
                             .and_then(|s| s.namespaces.iter().find(|n| n.nsid == sqe.nsid))
                             .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())?;
-                        IdentifyNamespace::simple(ns.blocks, ns.lbads).emit(&mut page);
+                        let mut id = IdentifyNamespace::simple(ns.blocks, ns.lbads);
+                        id.nguid = ns.ident.nguid;
+                        id.eui64 = ns.ident.eui64;
+                        id.emit(&mut page);
                     }
                     cns::NS_ID_DESCRIPTORS => {
-                        let sub = self
+                        let ns = self
                             .subsystem(ctrl)
-                            .filter(|s| s.namespaces.iter().any(|n| n.nsid == sqe.nsid))
+                            .and_then(|s| s.namespaces.iter().find(|n| n.nsid == sqe.nsid))
                             .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())?;
-                        let uuid =
-                            crate::nvme::identify::namespace_uuid(sub.nqn.as_str(), sqe.nsid);
-                        crate::nvme::identify::emit_ns_id_descriptors(uuid, &mut page);
+                        crate::nvme::identify::emit_ns_id_descriptors(&ns.ident, &mut page);
                     }
                     cns::ACTIVE_NAMESPACE_LIST => {
                         let ids: Vec<u32> = self

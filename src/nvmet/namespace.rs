@@ -1,4 +1,12 @@
-//! Namespace backends for the built-in target: RAM or a file.
+//! Namespace backends for the built-in target: RAM or a file, and each namespace's own
+//! identity (NGUID and UUID), which hosts tell namespaces apart by.
+//!
+//! A RAM namespace gets a new random identity each time it is made: its data does not
+//! outlive it either. A file namespace keeps its identity in a small text file beside it,
+//! `<file>.nvmf-id`, written when the file is first served: a restarted target reports the
+//! same identity, so hosts keep using it across the restart. Copying the file elsewhere
+//! without its `.nvmf-id` makes a different namespace; removing the `.nvmf-id` gives the
+//! file a new identity (hosts then treat it as another disk).
 
 use std::any::Any;
 use std::fs::File;
@@ -6,7 +14,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use crate::hca::HostMem;
-use crate::nvme::Status;
+use crate::nvme::{NsIdentity, Status};
 use crate::verbs::HostBuffer;
 
 /// Back a RAM namespace with memory taken now, as SPDK's malloc bdev does: left to the
@@ -73,6 +81,9 @@ pub enum Backend {
 
 pub struct Namespace {
     pub nsid: u32,
+    /// What hosts tell this namespace apart by (Identify Namespace NGUID, the UUID
+    /// descriptor): random at creation, kept beside a file namespace's file.
+    pub ident: NsIdentity,
     /// log2 of the block size (9 = 512 B, 12 = 4 KiB).
     pub lbads: u8,
     pub blocks: u64,
@@ -103,6 +114,7 @@ impl Namespace {
         mem.stream_writes();
         Namespace {
             nsid,
+            ident: random_identity(),
             lbads,
             blocks,
             backend: Backend::Ram(Box::new(mem)),
@@ -110,7 +122,8 @@ impl Namespace {
     }
 
     /// A file namespace. The file is created and sized if `size` is given; O_DIRECT is used
-    /// when the file system accepts it (otherwise the page cache, and flush does fsync).
+    /// when the file system accepts it (otherwise the page cache, and flush does fsync). Its
+    /// identity is read from `<path>.nvmf-id`, which is made when there is none.
     pub fn file(
         nsid: u32,
         path: &Path,
@@ -135,8 +148,10 @@ impl Namespace {
             }
         }
         let len = file.metadata()?.len();
+        let ident = file_identity(path)?;
         Ok(Namespace {
             nsid,
+            ident,
             lbads,
             blocks: len >> lbads,
             backend: Backend::File { file, direct },
@@ -250,5 +265,184 @@ impl Namespace {
                 }
             }
         }
+    }
+}
+
+/// A new identity from the OS CSPRNG: an NGUID, and a UUID with the RFC 4122 version 4
+/// layout (what a host's `nvme id-ns` and multipath see).
+pub fn random_identity() -> NsIdentity {
+    use rand::TryRngCore;
+    let mut b = [0u8; 32];
+    if rand::rngs::OsRng.try_fill_bytes(&mut b).is_err() {
+        // The OS refused entropy: a generator it keyed earlier.
+        rand::RngCore::fill_bytes(&mut rand::rng(), &mut b);
+    }
+    let mut id = NsIdentity::default();
+    id.nguid.copy_from_slice(&b[..16]);
+    id.uuid.copy_from_slice(&b[16..]);
+    id.uuid[6] = (id.uuid[6] & 0x0F) | 0x40;
+    id.uuid[8] = (id.uuid[8] & 0x3F) | 0x80;
+    id
+}
+
+/// Where the identity of the file namespace at `path` is kept.
+pub fn identity_path(path: &Path) -> std::path::PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".nvmf-id");
+    p.into()
+}
+
+/// The identity kept beside `path`; a new one is made and written there when there is none.
+/// A file that is there but is not an identity is an error, and is left as it is.
+fn file_identity(path: &Path) -> std::io::Result<NsIdentity> {
+    use std::io::Write;
+    let at = identity_path(path);
+    let bad = |why: String| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "{}: {why}; it should hold the namespace's identity (lines `nguid <32 hex \
+                 digits>` and `uuid <UUID>`): restore it, or remove it to give {} a new \
+                 identity",
+                at.display(),
+                path.display()
+            ),
+        )
+    };
+    match read_small(&at) {
+        Ok(text) => return parse_identity(&text).map_err(bad),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(bad(e.to_string())),
+    }
+    let id = random_identity();
+    let mut f = match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&at)
+    {
+        Ok(f) => f,
+        // Made meanwhile by another target serving the same file: its identity is ours.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let text = read_small(&at)?;
+            return parse_identity(&text).map_err(bad);
+        }
+        Err(e) => {
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot make {} to keep the namespace's identity ({e}): make its \
+                     directory writable, or serve the file from a directory that is",
+                    at.display()
+                ),
+            ))
+        }
+    };
+    f.write_all(format_identity(&id).as_bytes())?;
+    f.sync_all()?;
+    Ok(id)
+}
+
+/// An identity file's text: its first 4 KiB at most (it is about 100 bytes; anything much
+/// longer is not one, and is refused by its content rather than read whole).
+fn read_small(at: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(at)?
+        .take(4096)
+        .read_to_string(&mut text)?;
+    Ok(text)
+}
+
+/// The text of an identity file.
+fn format_identity(id: &NsIdentity) -> String {
+    let hex: String = id.nguid.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "# nvmf-rdma namespace identity: keep with the file it names\nnguid {hex}\nuuid {}\n",
+        id.uuid_text()
+    )
+}
+
+/// An identity file's text: `nguid` and `uuid` lines, `#` comments, blank lines.
+fn parse_identity(text: &str) -> Result<NsIdentity, String> {
+    fn hex(s: &str, out: &mut [u8]) -> bool {
+        let s: Vec<u8> = s.bytes().filter(|&b| b != b'-').collect();
+        s.len() == out.len() * 2
+            && s.chunks(2).zip(out.iter_mut()).all(|(c, o)| {
+                std::str::from_utf8(c)
+                    .ok()
+                    .and_then(|c| u8::from_str_radix(c, 16).ok())
+                    .map(|v| *o = v)
+                    .is_some()
+            })
+    }
+    let mut id = NsIdentity::default();
+    let (mut nguid, mut uuid) = (false, false);
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        match line.split_once(char::is_whitespace) {
+            Some(("nguid", v)) if !nguid && hex(v.trim(), &mut id.nguid) => nguid = true,
+            Some(("uuid", v)) if !uuid && hex(v.trim(), &mut id.uuid) => uuid = true,
+            _ => return Err(format!("line {line:?} is not understood")),
+        }
+    }
+    if !(nguid && uuid) || id.is_empty() {
+        return Err("an nguid or uuid line is missing".into());
+    }
+    Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_identities_differ_and_have_the_uuid_layout() {
+        let (a, b) = (random_identity(), random_identity());
+        assert_ne!(a.nguid, b.nguid);
+        assert_ne!(a.uuid, b.uuid);
+        assert_eq!(a.uuid[6] >> 4, 4);
+        assert_eq!(a.uuid[8] >> 6, 2);
+    }
+
+    #[test]
+    fn identity_text_round_trips_and_bad_text_is_refused() {
+        let id = random_identity();
+        assert_eq!(parse_identity(&format_identity(&id)), Ok(id));
+        for bad in [
+            "",
+            "nguid 00\nuuid 00",
+            "nguid 0123456789abcdef0123456789abcdef\n",
+            "nguid 0123456789abcdef0123456789abcdeg\nuuid 01234567-89ab-4def-8123-456789abcdef",
+            "hello",
+        ] {
+            assert!(parse_identity(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_file_namespace_keeps_its_identity_beside_the_file() {
+        let dir = std::env::temp_dir().join(format!("nvmf-id-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let disk = dir.join("disk.img");
+        let a = Namespace::file(1, &disk, Some(1 << 20), 9).unwrap();
+        let b = Namespace::file(1, &disk, None, 9).unwrap();
+        assert_eq!(a.ident, b.ident, "the same file is the same namespace");
+        assert!(!a.ident.is_empty());
+        let other = Namespace::file(1, &dir.join("other.img"), Some(1 << 20), 9).unwrap();
+        assert_ne!(a.ident, other.ident);
+        // Something else where the identity belongs is left alone and named.
+        std::fs::write(identity_path(&disk), "precious\n").unwrap();
+        let e = Namespace::file(1, &disk, None, 9).unwrap_err().to_string();
+        assert!(
+            e.contains("disk.img.nvmf-id") && e.contains("remove it"),
+            "{e}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(identity_path(&disk)).unwrap(),
+            "precious\n"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -9,6 +9,12 @@
 //! policy), register the same buffers under a new PD, reconnect admin then I/O queues,
 //! resubmit, LIVE. From the failure to the resubmission the host allocates nothing: every
 //! buffer, slot and table was sized at the first connect (`tests/recovery_alloc.rs`).
+//!
+//! Namespaces: read at connect, and read again after every reconnect (once LIVE, outside
+//! the recovery path; Linux scans on every reconnect too) and whenever the caller asks
+//! (after a Namespace Attribute Changed event). Each carries its identity (NGUID, EUI-64,
+//! UUID): a namespace whose identity changed behind the same NSID is a different one, and
+//! [`Controller::same_namespace`] fails for users of the old one.
 
 use std::any::Any;
 use std::future::Future;
@@ -25,7 +31,7 @@ use crate::nvme::admin;
 use crate::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use crate::nvme::{
     Cap, Cc, ConnectData, Csts, DiscoveryLogEntry, DiscoveryLogHeader, DsmRange, FabricsCmd,
-    IdentifyController, IdentifyNamespace, Nqn, Sqe,
+    IdentifyController, IdentifyNamespace, Nqn, NsIdentity, Sqe,
 };
 use crate::reconnect::{Action, Cause, CtrlState, Event, Identity, Machine, Policy, Status};
 use crate::verbs::{
@@ -157,12 +163,95 @@ pub struct NsInfo {
     pub nsid: u32,
     pub block_size: u32,
     pub blocks: u64,
+    /// What tells it apart from another namespace the controller may later show under the
+    /// same NSID.
+    pub ident: NsIdentity,
 }
 
 impl NsInfo {
     pub fn bytes(&self) -> u64 {
         self.blocks * self.block_size as u64
     }
+
+    /// Is `other` this namespace (the same NSID and identity; its size may differ)?
+    pub fn same_as(&self, other: &NsInfo) -> bool {
+        self.nsid == other.nsid && self.ident == other.ident
+    }
+}
+
+/// The active namespaces as last read, shared by the controller and its rescans.
+struct NsTable {
+    list: std::sync::RwLock<Vec<NsInfo>>,
+    /// Counts the rescans that changed `list`.
+    version: watch::Sender<u64>,
+    /// One rescan at a time, so that a slow one cannot put back a list older than the last.
+    scanning: tokio::sync::Mutex<()>,
+}
+
+impl NsTable {
+    fn new() -> NsTable {
+        NsTable {
+            list: std::sync::RwLock::new(Vec::new()),
+            version: watch::channel(0).0,
+            scanning: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn get(&self) -> std::sync::RwLockReadGuard<'_, Vec<NsInfo>> {
+        self.list.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Read the namespaces from the controller behind `admin` and keep them; say what
+    /// changed (logged, and by `version`).
+    async fn rescan(
+        &self,
+        admin: &QueueHandle,
+        timeout: Duration,
+        subnqn: &str,
+    ) -> Result<Vec<NsInfo>, HostError> {
+        let _one = self.scanning.lock().await;
+        let new = identify_namespaces(admin, timeout).await?;
+        let old = std::mem::replace(
+            &mut *self.list.write().unwrap_or_else(|e| e.into_inner()),
+            new.clone(),
+        );
+        if old != new {
+            for l in ns_changes(&old, &new) {
+                tracing::info!(subnqn, "{l}");
+            }
+            self.version.send_modify(|v| *v += 1);
+        }
+        Ok(new)
+    }
+}
+
+/// What differs between two namespace lists, a line each.
+fn ns_changes(old: &[NsInfo], new: &[NsInfo]) -> Vec<String> {
+    let mut out = Vec::new();
+    for n in new {
+        match old.iter().find(|o| o.nsid == n.nsid) {
+            None => out.push(format!("namespace {} added ({} bytes)", n.nsid, n.bytes())),
+            Some(o) if !o.same_as(n) => out.push(format!(
+                "namespace {} is a different namespace now (its identity changed): users of \
+                 the old one get errors",
+                n.nsid
+            )),
+            Some(o) if o.bytes() != n.bytes() => out.push(format!(
+                "namespace {} resized from {} to {} bytes",
+                n.nsid,
+                o.bytes(),
+                n.bytes()
+            )),
+            Some(_) => {}
+        }
+    }
+    for o in old.iter().filter(|o| !new.iter().any(|n| n.nsid == o.nsid)) {
+        out.push(format!(
+            "namespace {} removed: its users get errors",
+            o.nsid
+        ));
+    }
+    out
 }
 
 /// An Asynchronous Event the controller reported (NVMe base spec, Asynchronous Event
@@ -299,8 +388,10 @@ pub struct Controller {
     pub ident: IdentifyController,
     admin: QueueHandle,
     io: Vec<QueueHandle>,
-    /// Read at connect, and again when the target announces a change (Async Events).
-    namespaces: std::sync::RwLock<Vec<NsInfo>>,
+    /// Read at connect, after each reconnect, and when the caller asks (Async Events).
+    namespaces: Arc<NsTable>,
+    /// Rescans the namespaces each time the controller is LIVE again after a reconnect.
+    rescans: Option<tokio::task::JoinHandle<()>>,
     next: AtomicUsize,
     max_io: usize,
     shared: Arc<CtrlShared>,
@@ -1145,7 +1236,8 @@ impl Controller {
             ident: IdentifyController::default(),
             admin: admin_h,
             io: Vec::new(),
-            namespaces: std::sync::RwLock::new(Vec::new()),
+            namespaces: Arc::new(NsTable::new()),
+            rescans: None,
             next: AtomicUsize::new(0),
             max_io: 0,
             shared,
@@ -1180,6 +1272,17 @@ impl Controller {
         sup.sm.handle(now, Event::Connected);
         c.cntlid = sup.cntlid;
         sup.publish();
+        if !discovery {
+            c.rescans = Some(tokio::spawn(crate::harness::alloc_audit::after_recovery(
+                rescan_after_reconnects(
+                    c.admin.clone(),
+                    c.opts.connect_timeout,
+                    c.namespaces.clone(),
+                    c.watch_status(),
+                    c.opts.subnqn.clone(),
+                ),
+            )));
+        }
         c.sup = Some(tokio::spawn(sup.run()));
         Ok(c)
     }
@@ -1239,43 +1342,27 @@ impl Controller {
             sup.connect_queue(qid as usize).await?;
             sup.io[qid as usize - 1].lock().resume(sup.now());
         }
-        // Namespaces.
-        let ns = self.identify_namespaces().await?;
-        *self.namespaces.get_mut().unwrap_or_else(|e| e.into_inner()) = ns;
+        let ns = identify_namespaces(&self.admin, self.opts.connect_timeout).await?;
+        *self
+            .namespaces
+            .list
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = ns;
         Ok(())
     }
 
-    /// The active namespaces and their sizes, as the controller reports them now.
-    async fn identify_namespaces(&self) -> Result<Vec<NsInfo>, HostError> {
-        let r = self
-            .bring_up_cmd(admin::identify_active_namespaces(0, 0), 4096)
-            .await?;
-        let ids: Vec<u32> = crate::nvme::identify::active_namespace_ids(&r.data).collect();
-        let mut out = Vec::with_capacity(ids.len());
-        for nsid in ids {
-            let r = self
-                .bring_up_cmd(admin::identify_namespace(0, nsid), 4096)
-                .await?;
-            let ns = IdentifyNamespace::parse(&r.data)
-                .map_err(|e| HostError::Protocol(e.to_string()))?;
-            let bs = ns.block_size().ok_or_else(|| {
-                HostError::Protocol(format!("namespace {nsid} has no valid LBA format"))
-            })?;
-            out.push(NsInfo {
-                nsid,
-                block_size: bs,
-                blocks: ns.nsze,
-            });
-        }
-        Ok(out)
+    /// Read the namespaces again (after a Namespace Attribute Changed event; the controller
+    /// does it itself after each reconnect): added ones appear in
+    /// [`namespaces`](Self::namespaces), removed ones go, sizes and identities are updated.
+    pub async fn rescan_namespaces(&self) -> Result<Vec<NsInfo>, HostError> {
+        self.namespaces
+            .rescan(&self.admin, self.opts.connect_timeout, &self.opts.subnqn)
+            .await
     }
 
-    /// Read the namespaces again (after a Namespace Attribute Changed event): added ones
-    /// appear in [`namespaces`](Self::namespaces), removed ones go, sizes are updated.
-    pub async fn rescan_namespaces(&self) -> Result<Vec<NsInfo>, HostError> {
-        let ns = self.identify_namespaces().await?;
-        *self.namespaces.write().unwrap_or_else(|e| e.into_inner()) = ns.clone();
-        Ok(ns)
+    /// A receiver that sees each rescan that changed the namespaces (a count of them).
+    pub fn watch_namespaces(&self) -> watch::Receiver<u64> {
+        self.namespaces.version.subscribe()
     }
 
     /// Wait for the controller's next Asynchronous Event: one Async Event Request stays
@@ -1307,21 +1394,7 @@ impl Controller {
 
     /// An admin command of bring-up, bounded by `connect_timeout`.
     async fn bring_up_cmd(&self, sqe: Sqe, data_in: usize) -> Result<queue::Response, HostError> {
-        let what = match sqe.opcode {
-            admin::opcode::admin::IDENTIFY => "Identify",
-            _ => "an admin command",
-        };
-        tokio::time::timeout(
-            self.opts.connect_timeout,
-            self.admin.submit(sqe, None, data_in),
-        )
-        .await
-        .map_err(|_| {
-            HostError::Timeout(format!(
-                "{what} got no answer within the connect timeout ({} ms) while connecting",
-                self.opts.connect_timeout.as_millis()
-            ))
-        })?
+        bounded_admin(&self.admin, self.opts.connect_timeout, sqe, data_in).await
     }
 
     /// The device context this controller currently runs on, if it is a `D`.
@@ -1400,20 +1473,34 @@ impl Controller {
 
     /// The active namespaces (a copy: a rescan may change them).
     pub fn namespaces(&self) -> Vec<NsInfo> {
-        self.namespaces
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.namespaces.get().clone()
     }
 
     pub fn namespace(&self, nsid: u32) -> Result<NsInfo, HostError> {
         self.namespaces
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .get()
             .iter()
             .find(|n| n.nsid == nsid)
             .copied()
             .ok_or_else(|| HostError::Invalid(format!("no namespace {nsid}")))
+    }
+
+    /// The namespace `ns` as it is now (its size may have changed), if it is still behind
+    /// its NSID: a user that opened `ns` checks here before each request, so that after a
+    /// rescan found it removed or replaced by a different namespace (another identity) the
+    /// user gets errors, never the other namespace's blocks.
+    pub fn same_namespace(&self, ns: &NsInfo) -> Result<NsInfo, HostError> {
+        let nsid = ns.nsid;
+        match self.namespace(nsid) {
+            Ok(now) if now.same_as(ns) => Ok(now),
+            Ok(_) => Err(HostError::NamespaceGone(format!(
+                "namespace {nsid} was replaced by a different namespace (its identity \
+                 changed): open it again to use the new one"
+            ))),
+            Err(_) => Err(HostError::NamespaceGone(format!(
+                "namespace {nsid} was removed from the controller"
+            ))),
+        }
     }
 
     pub fn io_queue_count(&self) -> usize {
@@ -1668,6 +1755,9 @@ impl Controller {
     /// Orderly disconnect: shut the controller down (CC.SHN), tear the queues down, release
     /// every resource. Pending I/O fails with "controller deleted".
     pub async fn disconnect(mut self) {
+        if let Some(t) = self.rescans.take() {
+            t.abort();
+        }
         self.shared.request_delete();
         if let Some(t) = self.sup.take() {
             let _ = t.await;
@@ -1677,9 +1767,115 @@ impl Controller {
 
 impl Drop for Controller {
     fn drop(&mut self) {
+        if let Some(t) = self.rescans.take() {
+            t.abort();
+        }
         if self.sup.is_some() {
             // The supervisor tears everything down in the background.
             self.shared.request_delete();
+        }
+    }
+}
+
+/// An admin command bounded by `timeout` (a bring-up step, or a rescan).
+async fn bounded_admin(
+    admin: &QueueHandle,
+    timeout: Duration,
+    sqe: Sqe,
+    data_in: usize,
+) -> Result<queue::Response, HostError> {
+    let what = match sqe.opcode {
+        admin::opcode::admin::IDENTIFY => "Identify",
+        _ => "an admin command",
+    };
+    tokio::time::timeout(timeout, admin.submit(sqe, None, data_in))
+        .await
+        .map_err(|_| {
+            HostError::Timeout(format!(
+                "{what} got no answer within the connect timeout ({} ms)",
+                timeout.as_millis()
+            ))
+        })?
+}
+
+/// The active namespaces, their sizes and identities, as the controller reports them now.
+async fn identify_namespaces(
+    admin: &QueueHandle,
+    timeout: Duration,
+) -> Result<Vec<NsInfo>, HostError> {
+    let r = bounded_admin(
+        admin,
+        timeout,
+        admin::identify_active_namespaces(0, 0),
+        4096,
+    )
+    .await?;
+    let ids: Vec<u32> = crate::nvme::identify::active_namespace_ids(&r.data).collect();
+    let mut out = Vec::with_capacity(ids.len());
+    for nsid in ids {
+        let r = bounded_admin(admin, timeout, admin::identify_namespace(0, nsid), 4096).await?;
+        let ns =
+            IdentifyNamespace::parse(&r.data).map_err(|e| HostError::Protocol(e.to_string()))?;
+        let bs = ns.block_size().ok_or_else(|| {
+            HostError::Protocol(format!("namespace {nsid} has no valid LBA format"))
+        })?;
+        // A controller without descriptor lists (before NVMe 1.3) answers with an error
+        // status: its namespaces are told apart by the Identify Namespace fields alone.
+        let descs = match bounded_admin(
+            admin,
+            timeout,
+            admin::identify(0, admin::cns::NS_ID_DESCRIPTORS, nsid, 0),
+            4096,
+        )
+        .await
+        {
+            Ok(r) => Some(r.data),
+            Err(HostError::Nvme(_)) => None,
+            Err(e) => return Err(e),
+        };
+        out.push(NsInfo {
+            nsid,
+            block_size: bs,
+            blocks: ns.nsze,
+            ident: NsIdentity::from_identify(&ns, descs.as_deref()),
+        });
+    }
+    Ok(out)
+}
+
+/// Rescan the namespaces each time the controller is LIVE again after a reconnect: a
+/// namespace added, resized, removed or replaced while the association was down is seen at
+/// once, not at the next unrelated event. Runs beside the recovery path, after it, so that
+/// path stays free of allocations. Ends when the controller does.
+async fn rescan_after_reconnects(
+    admin: QueueHandle,
+    timeout: Duration,
+    table: Arc<NsTable>,
+    mut status: watch::Receiver<CtrlStatus>,
+    subnqn: String,
+) {
+    let mut seen = status.borrow().machine.recoveries;
+    loop {
+        let s = status
+            .wait_for(|s| {
+                s.state() == CtrlState::Dead
+                    || (s.state() == CtrlState::Live && s.machine.recoveries > seen)
+            })
+            .await
+            .map(|s| *s);
+        let s = match s {
+            Ok(s) if s.state() == CtrlState::Live => s,
+            _ => return,
+        };
+        seen = s.machine.recoveries;
+        if let Err(e) = table.rescan(&admin, timeout, &subnqn).await {
+            // The association failed again (the next reconnect rescans) or the target did
+            // not answer: the list stays as it was until the next event.
+            tracing::warn!(
+                subnqn,
+                error = %e,
+                "reading the namespaces after a reconnect failed; kept the previous list"
+            );
         }
     }
 }

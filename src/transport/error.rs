@@ -27,6 +27,11 @@ pub enum HostError {
     /// The controller was disconnected or deleted. Permanent for this handle.
     #[error("controller is gone: {0}")]
     Gone(String),
+    /// The namespace a user opened is no longer behind its NSID: removed, or replaced by a
+    /// different namespace (another NGUID, EUI-64 or UUID). Permanent for that user: the
+    /// new namespace, if any, is used by opening it again.
+    #[error("{0}")]
+    NamespaceGone(String),
     /// The path to the controller is down and the policy gave up on this request:
     /// fast_io_fail_tmo passed (the controller keeps reconnecting), or ctrl_loss_tmo,
     /// max_reconnects or the replug window ended it (the controller is deleted).

@@ -20,6 +20,7 @@ mod rig;
 mod adversarial;
 mod export_fuse;
 mod export_nbd;
+mod ns_rescan;
 mod nvme_props;
 mod nvmf_bad_input;
 mod nvmf_e2e;

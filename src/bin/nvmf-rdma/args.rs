@@ -364,7 +364,9 @@ pub(crate) struct NsArgs {
     /// RAM namespace size (e.g. 1G); default when no --file is given.
     #[arg(long, value_parser = parse_size)]
     pub(crate) ram: Option<usize>,
-    /// File-backed namespace.
+    /// File-backed namespace. Its identity (NGUID, UUID), which hosts tell it from other
+    /// disks by, is kept beside it in FILE.nvmf-id (made on first use): keep the two together;
+    /// without it the file is served as a new disk.
     #[arg(long)]
     pub(crate) file: Option<PathBuf>,
     /// Create or grow the file to this size.

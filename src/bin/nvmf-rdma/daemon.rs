@@ -572,58 +572,110 @@ async fn connect_entry(
     })
 }
 
-/// Asynchronous events of a controller: a Namespace Attribute Changed notice rescans its
-/// namespaces (`list` shows an added one, a new size), and its exports follow
+/// A controller's namespaces, followed: a Namespace Attribute Changed notice rescans them,
+/// and the controller rescans them itself after each reconnect; after every rescan that
+/// changed them, `list` shows the new ones and sizes and the exports follow
 /// ([`follow_namespaces`]). Ends when the controller is deleted.
 async fn watch_namespaces(name: String, c: Arc<Controller>, set: Option<DevSet>) {
+    let mut changed = c.watch_namespaces();
+    // Kept across turns: an Async Event Request stays outstanding until it completes.
+    let events = next_namespace_event(&name, &c);
+    tokio::pin!(events);
     loop {
-        match c.next_async_event().await {
-            Ok(ev) if ev.namespaces_changed() => match c.rescan_namespaces().await {
-                Ok(ns) => {
-                    let ids: Vec<String> = ns
-                        .iter()
-                        .map(|n| format!("{} ({} blocks)", n.nsid, n.blocks))
-                        .collect();
-                    println!("{name}: namespaces changed: {}", ids.join(", "));
-                    if let Some(set) = &set {
-                        for l in follow_namespaces(&c, set) {
-                            println!("{name}: {l}");
-                        }
+        tokio::select! {
+            go_on = &mut events => {
+                if !go_on {
+                    return;
+                }
+                events.set(next_namespace_event(&name, &c));
+            }
+            r = changed.changed() => {
+                if r.is_err() {
+                    return;
+                }
+                let ids: Vec<String> = c
+                    .namespaces()
+                    .iter()
+                    .map(|n| format!("{} ({} blocks)", n.nsid, n.blocks))
+                    .collect();
+                println!("{name}: namespaces changed: {}", ids.join(", "));
+                if let Some(set) = &set {
+                    for l in follow_namespaces(&c, set) {
+                        println!("{name}: {l}");
                     }
                 }
-                Err(e) => println!("{name}: namespaces changed, rescan failed: {e}"),
-            },
-            Ok(ev) => println!(
-                "{name}: async event type {} info {:#x} (log page {:#x})",
-                ev.kind, ev.info, ev.log_page
-            ),
-            // Failed with the I/O of a recovery (fast_io_fail_tmo): ask again once the
-            // controller is live; a deleted one ends the watch.
-            Err(_) => {
-                let mut st = c.watch_status();
-                match st
-                    .wait_for(|s| matches!(s.state(), CtrlState::Live | CtrlState::Dead))
-                    .await
-                {
-                    Ok(s) if s.state() == CtrlState::Live => {}
-                    _ => return,
-                }
-                // A request that failed at once on a live controller is not retried in a
-                // loop.
-                tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
     }
 }
 
+/// Wait for the controller's next Asynchronous Event and rescan on a Namespace Attribute
+/// Changed notice. False once the controller is deleted.
+async fn next_namespace_event(name: &str, c: &Arc<Controller>) -> bool {
+    match c.next_async_event().await {
+        Ok(ev) if ev.namespaces_changed() => {
+            if let Err(e) = c.rescan_namespaces().await {
+                println!("{name}: namespaces changed, rescan failed: {e}");
+            }
+        }
+        Ok(ev) => println!(
+            "{name}: async event type {} info {:#x} (log page {:#x})",
+            ev.kind, ev.info, ev.log_page
+        ),
+        // Failed with the I/O of a recovery (fast_io_fail_tmo): ask again once the
+        // controller is live; a deleted one ends the watch.
+        Err(_) => {
+            let mut st = c.watch_status();
+            match st
+                .wait_for(|s| matches!(s.state(), CtrlState::Live | CtrlState::Dead))
+                .await
+            {
+                Ok(s) if s.state() == CtrlState::Live => {}
+                _ => return false,
+            }
+            // A request that failed at once on a live controller is not retried in a
+            // loop.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+    true
+}
+
 /// Bring the exports' namespaces in line with the controller's after a rescan: an added
 /// namespace becomes `ns<NSID>` (a FUSE file, an NBD export name), a resized one is served
 /// at its new size (FUSE at once; NBD to clients that connect from now on: the protocol has
-/// no way to tell a connected client). Returns what changed, a line each.
+/// no way to tell a connected client). A removed namespace, or one replaced by a different
+/// namespace (its identity changed), keeps its name and fails every request: its users
+/// (an open FUSE file, a loop device, a connected NBD client) must not be handed another
+/// disk's blocks; the new one is served after the controller is connected again. Returns
+/// what changed, a line each.
 fn follow_namespaces(c: &Arc<Controller>, set: &DevSet) -> Vec<String> {
     let mut said = Vec::new();
-    for n in c.namespaces() {
+    let now = c.namespaces();
+    for (file, old) in set.named() {
+        let ns = old.namespace();
+        match now.iter().find(|n| n.nsid == ns.nsid) {
+            None => said.push(format!(
+                "exports: namespace {} was removed; {file} fails every request",
+                ns.nsid
+            )),
+            Some(n) if !n.same_as(&ns) => said.push(format!(
+                "exports: namespace {} is a different namespace now (its identity changed); \
+                 {file} fails every request; disconnect and connect again to serve the new one",
+                ns.nsid
+            )),
+            Some(_) => {}
+        }
+    }
+    for n in now {
         let file = format!("ns{}", n.nsid);
+        let have = set.index_of(file.as_bytes()).and_then(|i| set.get(i));
+        if have
+            .as_ref()
+            .is_some_and(|old| !old.namespace().same_as(&n) || old.size() == n.bytes())
+        {
+            continue;
+        }
         let dev = match BlockDev::new(c.clone(), n.nsid) {
             Ok(d) => Arc::new(d),
             Err(e) => {
@@ -632,13 +684,12 @@ fn follow_namespaces(c: &Arc<Controller>, set: &DevSet) -> Vec<String> {
             }
         };
         let size = dev.size();
-        let have = set.index_of(file.as_bytes()).and_then(|i| set.get(i));
         match have {
             None => said.push(match set.add(&file, dev) {
                 Ok(()) => format!("exports: namespace {} is {file}", n.nsid),
                 Err(e) => format!("exports: {file}: {e}"),
             }),
-            Some(old) if old.size() != size => {
+            Some(old) => {
                 set.replace(&file, dev);
                 said.push(format!(
                     "exports: namespace {} resized from {} to {size} bytes ({file}; NBD clients connected before keep the old size until they reconnect)",
@@ -646,7 +697,6 @@ fn follow_namespaces(c: &Arc<Controller>, set: &DevSet) -> Vec<String> {
                     old.size()
                 ));
             }
-            Some(_) => {}
         }
     }
     said
