@@ -514,13 +514,20 @@ impl Device {
         Ok(())
     }
 
-    /// Give the region registered under `key` a fresh key, valid from now on (fast
-    /// registration); the old key is refused at once.
-    pub fn rekey_mr(&mut self, key: MemKey) -> Result<MrInfo, VerbsError> {
+    /// Give the region registered under `key` a fresh key, valid from now on over its
+    /// first `len` bytes with `access` (fast registration); the old key is refused at once.
+    pub fn rekey_mr(
+        &mut self,
+        key: MemKey,
+        len: u64,
+        access: Access,
+    ) -> Result<MrInfo, VerbsError> {
         self.live()?;
         self.mrs
-            .rekey(&mut self.rng, key)
-            .ok_or(VerbsError::InvalidHandle("memory region"))
+            .rekey(&mut self.rng, key, len, access)
+            .ok_or(VerbsError::InvalidHandle(
+                "memory region of that length and access",
+            ))
     }
 
     /// Local invalidate: the region under `key` refuses every access until rekeyed. On a dead
