@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 #[path = "common/proc.rs"]
 mod proc;
-use proc::{Proc, BIN};
+use proc::{one_line_error, Proc, BIN};
 
 const NQN: &str = "nqn.2026-11.io.nvmf-rdma:daemon-a";
 const NQN_B: &str = "nqn.2026-11.io.nvmf-rdma:daemon-b";
@@ -174,13 +174,6 @@ fn mounted(p: &Path) -> bool {
         .unwrap()
         .lines()
         .any(|l| l.split(' ').nth(4) == Some(&p.display().to_string()))
-}
-
-fn one_line_error(o: &Output) -> String {
-    let e = String::from_utf8_lossy(&o.stderr).trim().to_string();
-    assert_eq!(e.lines().count(), 1, "not one line: {e}");
-    assert!(!e.contains("backtrace") && !e.contains("Caused by"), "{e}");
-    e
 }
 
 /// Issue 16's script: connect --fuse, then losetup / mkfs.ext4 / mount straight away (no
