@@ -68,21 +68,7 @@ impl Rig {
 
     /// Run a CLI command to its end (bounded).
     fn run(&self, args: &[&str]) -> Output {
-        let mut p = self
-            .cmd(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while p.try_wait().unwrap().is_none() {
-            assert!(
-                Instant::now() < deadline,
-                "{args:?} still running after 60 s"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        p.wait_with_output().unwrap()
+        proc::run(self.cmd(args))
     }
 
     fn ok(&self, args: &[&str]) -> String {

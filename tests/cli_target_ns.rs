@@ -8,7 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[path = "common/proc.rs"]
 mod proc;
@@ -36,21 +36,12 @@ impl Drop for Dir {
 
 /// `nvmf-rdma target-ns add` to the end (bounded).
 fn add(ctl: &Path, nsid: u32, ram: &str) -> Output {
-    let mut p = Command::new(BIN)
-        .args(["target-ns", "add", "--control"])
+    let mut c = Command::new(BIN);
+    c.args(["target-ns", "add", "--control"])
         .arg(ctl)
         .args(["-n", NQN, "--nsid", &nsid.to_string(), "--ram", ram])
-        .env("RUST_BACKTRACE", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while p.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "target-ns add still running");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    p.wait_with_output().unwrap()
+        .env("RUST_BACKTRACE", "1");
+    proc::run(c)
 }
 
 /// The target's address space is held to 3 GiB (RLIMIT_AS): more than that is not

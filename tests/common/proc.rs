@@ -128,3 +128,21 @@ pub fn one_line_error(o: &Output) -> String {
     assert!(!e.contains("backtrace") && !e.contains("Caused by"), "{e}");
     e
 }
+
+/// Run `cmd` to its end, its output collected (60 s at most).
+pub fn run(mut cmd: Command) -> Output {
+    let mut p = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while p.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "{cmd:?} still running after 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    p.wait_with_output().unwrap()
+}
