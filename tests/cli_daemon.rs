@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 #[path = "common/proc.rs"]
 mod proc;
-use proc::{Proc, BIN};
+use proc::{one_line_error, Proc, BIN};
 
 const NQN: &str = "nqn.2026-11.io.nvmf-rdma:daemon-a";
 const NQN_B: &str = "nqn.2026-11.io.nvmf-rdma:daemon-b";
@@ -68,21 +68,7 @@ impl Rig {
 
     /// Run a CLI command to its end (bounded).
     fn run(&self, args: &[&str]) -> Output {
-        let mut p = self
-            .cmd(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while p.try_wait().unwrap().is_none() {
-            assert!(
-                Instant::now() < deadline,
-                "{args:?} still running after 60 s"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        p.wait_with_output().unwrap()
+        proc::run(self.cmd(args))
     }
 
     fn ok(&self, args: &[&str]) -> String {
@@ -174,13 +160,6 @@ fn mounted(p: &Path) -> bool {
         .unwrap()
         .lines()
         .any(|l| l.split(' ').nth(4) == Some(&p.display().to_string()))
-}
-
-fn one_line_error(o: &Output) -> String {
-    let e = String::from_utf8_lossy(&o.stderr).trim().to_string();
-    assert_eq!(e.lines().count(), 1, "not one line: {e}");
-    assert!(!e.contains("backtrace") && !e.contains("Caused by"), "{e}");
-    e
 }
 
 /// connect --fuse, then losetup / mkfs.ext4 / mount straight away (no sleep), disconnect

@@ -128,8 +128,8 @@ impl DeviceContext for SoftHca {
         true
     }
 
-    fn rekey_mr(&self, mr: &mut MrInfo) -> Result<(), VerbsError> {
-        *mr = self.with_quiet(|d, _| d.rekey_mr(mr.lkey))?;
+    fn rekey_mr(&self, mr: &mut MrInfo, len: usize, access: Access) -> Result<(), VerbsError> {
+        *mr = self.with_quiet(|d, _| d.rekey_mr(mr.lkey, len as u64, access))?;
         Ok(())
     }
 

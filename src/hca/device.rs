@@ -160,6 +160,10 @@ pub enum VerbsError {
 /// Capacity bounds of one context.
 pub const MAX_CQE: usize = 1 << 16;
 pub const MAX_QP_WR: u32 = 1 << 14;
+/// The lowest QPN a regular QP gets, and how many random draws may hit a QPN in use
+/// before creating a QP fails.
+const FIRST_QPN: u32 = 17;
+const QPN_DRAWS: usize = 64;
 
 pub struct Device {
     config: DeviceConfig,
@@ -170,8 +174,7 @@ pub struct Device {
     cqs: FxHashMap<CqId, Cq>,
     next_cq: u32,
     qps: FxHashMap<Qpn, Qp>,
-    next_qpn: u32,
-    /// Memory keys and the first QPN. A CSPRNG (ChaCha12), keyed by the OS for a real
+    /// Memory keys and QPNs. A CSPRNG (ChaCha12), keyed by the OS for a real
     /// device: a peer that learns some keys must not be able to work out the others.
     rng: StdRng,
     stats: Stats,
@@ -208,13 +211,7 @@ impl Device {
         Device::build(config, rng)
     }
 
-    fn build(config: DeviceConfig, mut rng: StdRng) -> Device {
-        // QP0 and QP1 are special; rxe starts regular QPs at 17. A context starts at a
-        // random point of the whole 24-bit space so a reset device does not hand out the
-        // QPNs its previous lives used: a peer still holding those connections (until its
-        // keep-alive expires) would refuse ours as stale. Over a 4096-wide start range a
-        // reset storm hit that one attempt in four.
-        let first_qpn = rng.random_range(17..=Qpn::MASK);
+    fn build(config: DeviceConfig, rng: StdRng) -> Device {
         let mut d = Device {
             config,
             lifecycle: Lifecycle::Live,
@@ -224,7 +221,6 @@ impl Device {
             cqs: FxHashMap::default(),
             next_cq: 1,
             qps: FxHashMap::default(),
-            next_qpn: first_qpn,
             rng,
             stats: Stats::default(),
             events: VecDeque::new(),
@@ -422,17 +418,16 @@ impl Device {
         if caps.max_send_wr == 0 || caps.max_send_wr > MAX_QP_WR || caps.max_recv_wr > MAX_QP_WR {
             return Err(VerbsError::InvalidArgument("QP queue size out of range"));
         }
-        let qpn = loop {
-            let q = Qpn::new(self.next_qpn);
-            self.next_qpn = if self.next_qpn >= Qpn::MASK {
-                17
-            } else {
-                self.next_qpn + 1
-            };
-            if !self.qps.contains_key(&q) {
-                break q;
-            }
-        };
+        // Each QPN drawn at random from the whole 24-bit space: counted up, they would tell
+        // a peer how many connections were made between two of its own and which QPNs its
+        // neighbours have; and a reset device would hand out the QPNs its previous lives
+        // used, which a peer still holding those connections refuses as stale. QP0 and
+        // QP1 are special; rxe starts regular QPs at 17. A table full enough to miss this
+        // often is far past any real device's QP count.
+        let qpn = (0..QPN_DRAWS)
+            .map(|_| Qpn::new(self.rng.random_range(FIRST_QPN..=Qpn::MASK)))
+            .find(|q| !self.qps.contains_key(q))
+            .ok_or(VerbsError::QueueFull("queue pair number"))?;
         self.qps
             .insert(qpn, Qp::new(qpn, pd, send_cq, recv_cq, caps));
         Ok(qpn)
@@ -519,13 +514,20 @@ impl Device {
         Ok(())
     }
 
-    /// Give the region registered under `key` a fresh key, valid from now on (fast
-    /// registration); the old key is refused at once.
-    pub fn rekey_mr(&mut self, key: MemKey) -> Result<MrInfo, VerbsError> {
+    /// Give the region registered under `key` a fresh key, valid from now on over its
+    /// first `len` bytes with `access` (fast registration); the old key is refused at once.
+    pub fn rekey_mr(
+        &mut self,
+        key: MemKey,
+        len: u64,
+        access: Access,
+    ) -> Result<MrInfo, VerbsError> {
         self.live()?;
         self.mrs
-            .rekey(&mut self.rng, key)
-            .ok_or(VerbsError::InvalidHandle("memory region"))
+            .rekey(&mut self.rng, key, len, access)
+            .ok_or(VerbsError::InvalidHandle(
+                "memory region of that length and access",
+            ))
     }
 
     /// Local invalidate: the region under `key` refuses every access until rekeyed. On a dead
@@ -893,5 +895,50 @@ impl Device {
         let e = self.events.pop_front();
         self.popped += e.is_some() as u64;
         e
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 64 QPs of one context: unique, regular (past QP0, QP1 and rxe's reserved ones), and
+    /// not counted up: a random draw follows its predecessor with a chance of 1 in 16 M.
+    #[test]
+    fn qpns_are_drawn_at_random_and_unique() {
+        let mut d = Device::new(DeviceConfig {
+            identity: DeviceIdentity::from_mac(
+                "soft0",
+                [2, 0, 0, 0, 0, 1],
+                PciAddr::new(0, 0, 1, 0),
+            ),
+            addr: "127.0.0.1:4791".parse().unwrap(),
+            icrc: IcrcCheck::Verify,
+            peer_port: None,
+            seed: 0,
+        });
+        let pd = d.alloc_pd().unwrap();
+        let cq = d.create_cq(16).unwrap();
+        let caps = QpCaps {
+            max_send_wr: 4,
+            max_recv_wr: 4,
+        };
+        let qpns: Vec<u32> = (0..64)
+            .map(|_| d.create_qp(pd, cq, cq, caps).unwrap().get())
+            .collect();
+        let unique: std::collections::BTreeSet<u32> = qpns.iter().copied().collect();
+        assert_eq!(unique.len(), qpns.len(), "{qpns:?}");
+        assert!(
+            qpns.iter().all(|q| (FIRST_QPN..=Qpn::MASK).contains(q)),
+            "{qpns:?}"
+        );
+        let successors = qpns
+            .windows(2)
+            .filter(|w| w[1] == w[0].wrapping_add(1))
+            .count();
+        assert!(
+            successors < 8,
+            "{successors} of 63 QPNs follow the one before: {qpns:?}"
+        );
     }
 }

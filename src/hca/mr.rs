@@ -234,6 +234,9 @@ pub(crate) struct Mr {
     /// Offset of the region's first byte within `mem`.
     pub offset: usize,
     pub info: MrInfo,
+    /// The length and access it was registered with: the most a new key may cover
+    /// ([`MrTable::rekey`]); `info` says what the current key covers.
+    pub registered: (u64, Access),
     /// Cleared by a SEND with Invalidate naming the rkey.
     pub valid: bool,
 }
@@ -294,6 +297,7 @@ impl MrTable {
                 mem,
                 offset,
                 info,
+                registered: (info.len, access),
                 valid: true,
             },
         );
@@ -351,9 +355,22 @@ impl MrTable {
     }
 
     /// Fast registration (the effect of IB_WR_REG_MR with a new key): the region under `key`
-    /// answers from now on to a fresh key only, lkey and rkey alike, and is valid again.
-    /// The old key is refused at once. Returns the region's new description.
-    pub fn rekey(&mut self, rng: &mut impl Rng, key: MemKey) -> Option<MrInfo> {
+    /// answers from now on to a fresh key only, lkey and rkey alike, and is valid again,
+    /// over its first `len` bytes with `access` (both at most what it was registered
+    /// with). The old key is refused at once. Returns the region's new description, or
+    /// `None` when `key` names no region or `len` or `access` exceed its registration.
+    pub fn rekey(
+        &mut self,
+        rng: &mut impl Rng,
+        key: MemKey,
+        len: u64,
+        access: Access,
+    ) -> Option<MrInfo> {
+        let mr = self.by_key.get(&key.0)?;
+        let (most, allowed) = mr.registered;
+        if len > most || !allowed.contains(access) {
+            return None;
+        }
         let mut mr = self.by_key.remove(&key.0)?;
         let new = loop {
             let k: u32 = rng.random();
@@ -365,6 +382,8 @@ impl MrTable {
         if mr.info.rkey.0 != 0 {
             mr.info.rkey = MemKey(new);
         }
+        mr.info.len = len;
+        mr.info.access = access;
         mr.valid = true;
         let info = mr.info;
         self.by_key.insert(new, mr);
@@ -424,7 +443,7 @@ mod tests {
         let mem = HostMem::new(4096);
         let rw = Access::REMOTE_WRITE | Access::LOCAL_WRITE;
         let old = t.insert(&mut rng, PdId(1), mem.clone(), 0, 4096, rw);
-        let new = t.rekey(&mut rng, old.lkey).unwrap();
+        let new = t.rekey(&mut rng, old.lkey, 4096, rw).unwrap();
         assert_ne!(new.rkey, old.rkey);
         assert_eq!(new.lkey, new.rkey);
         assert_eq!((new.addr, new.len), (old.addr, old.len));
@@ -438,14 +457,62 @@ mod tests {
         assert_eq!(at(&t, new.rkey), Err(AccessError::BadKey));
         // A second invalidation is harmless; a rekey makes the region usable again.
         t.invalidate_local(new.lkey).unwrap();
-        let again = t.rekey(&mut rng, new.lkey).unwrap();
+        let again = t.rekey(&mut rng, new.lkey, 4096, rw).unwrap();
         assert_eq!(at(&t, again.rkey), Ok(true));
         assert_eq!(t.len(), 1);
         assert!(
-            t.rekey(&mut rng, new.lkey).is_none(),
+            t.rekey(&mut rng, new.lkey, 4096, rw).is_none(),
             "the old key names nothing"
         );
         assert!(t.remove(again.lkey));
+    }
+
+    /// A new key covers what it was asked to and no more; the registration bounds it.
+    #[test]
+    fn a_rekeyed_region_covers_the_length_and_access_of_its_use() {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(3);
+        let mut t = MrTable::default();
+        let mem = HostMem::new(64 << 10);
+        let rw = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+        let reg = t.insert(&mut rng, PdId(1), mem, 0, 64 << 10, rw);
+        let at = |t: &MrTable, k: MemKey, len: u64, need: Access| {
+            t.resolve(PdId(1), k, reg.addr, len, need, true)
+                .map(|r| r.is_some())
+        };
+        let read = t
+            .rekey(&mut rng, reg.lkey, 1024, Access::REMOTE_READ)
+            .unwrap();
+        assert_eq!((read.len, read.access), (1024, Access::REMOTE_READ));
+        assert_eq!(at(&t, read.rkey, 1024, Access::REMOTE_READ), Ok(true));
+        assert_eq!(
+            at(&t, read.rkey, 1025, Access::REMOTE_READ),
+            Err(AccessError::OutOfBounds)
+        );
+        assert_eq!(
+            at(&t, read.rkey, 8, Access::REMOTE_WRITE),
+            Err(AccessError::NotPermitted)
+        );
+        let write = Access::REMOTE_WRITE | Access::LOCAL_WRITE;
+        let w = t.rekey(&mut rng, read.lkey, 64 << 10, write).unwrap();
+        assert_eq!(at(&t, w.rkey, 64 << 10, Access::REMOTE_WRITE), Ok(true));
+        assert_eq!(
+            at(&t, w.rkey, 8, Access::REMOTE_READ),
+            Err(AccessError::NotPermitted)
+        );
+        assert!(
+            t.rekey(&mut rng, w.lkey, (64 << 10) + 1, write).is_none(),
+            "longer than registered"
+        );
+        assert!(
+            t.rekey(&mut rng, w.lkey, 8, Access::REMOTE_ATOMIC)
+                .is_none(),
+            "an access it was not registered with"
+        );
+        assert_eq!(
+            at(&t, w.rkey, 8, Access::REMOTE_WRITE),
+            Ok(true),
+            "refusals keep the key"
+        );
     }
 
     #[test]

@@ -511,7 +511,7 @@ impl DeviceContext for HwContext {
         false
     }
 
-    fn rekey_mr(&self, _mr: &mut MrInfo) -> Result<(), VerbsError> {
+    fn rekey_mr(&self, _mr: &mut MrInfo, _len: usize, _access: Access) -> Result<(), VerbsError> {
         Ok(())
     }
 

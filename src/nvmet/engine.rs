@@ -27,7 +27,7 @@ use crate::verbs::{
 
 use super::backend::{Finished, Job, Op, Pool};
 use super::budget::{Holder, Ledger, Shares, Usage};
-use super::{Namespace, Subsystem, TargetConfig};
+use super::{Namespace, Subsystem, TargetConfig, MAX_NAMESPACES};
 use crate::published::{Published, Publisher};
 
 const SQE_LEN: usize = 64;
@@ -538,6 +538,11 @@ impl<D: DeviceContext> Target<D> {
             .any(|n| n.nsid == nsid)
         {
             return Err(format!("namespace {nsid} exists in {subnqn}"));
+        }
+        if e.cfg.subsystems[idx].namespaces.len() >= MAX_NAMESPACES {
+            return Err(format!(
+                "{subnqn} has {MAX_NAMESPACES} namespaces, all a host can list"
+            ));
         }
         Arc::make_mut(&mut e.cfg).subsystems[idx]
             .namespaces

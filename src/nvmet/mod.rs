@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 pub use engine::{ConnParams, ConnReject, Target, TargetStats};
 pub use listen::serve_cm;
-pub use namespace::Namespace;
+pub use namespace::{Namespace, NoMemory, MAX_NAMESPACES};
 
 use crate::nvme::Nqn;
 

@@ -23,21 +23,32 @@ use crate::verbs::HostBuffer;
 /// until the namespace was full). Transparent huge pages are asked for first, so taking
 /// 1 GiB is 512 faults (about a second here). Best effort: where the kernel lacks
 /// MADV_POPULATE_WRITE (before 5.14) or THP, pages come on first write as before.
+///
+/// Pages are taken a few MiB per call: populating holds the process's memory-map lock, and
+/// one call over a whole namespace kept another thread's mmap or munmap (a large buffer
+/// allocated or freed while serving a host) waiting until it was done.
 fn take_ram(mem: &[u8]) {
     const HUGE: usize = 2 << 20;
     const PAGE: usize = 4096;
+    const STEP: usize = 2 * HUGE;
     /// MADV_POPULATE_WRITE, Linux 5.14 (not in every libc crate version).
     const POPULATE_WRITE: libc::c_int = 23;
     let (base, len) = (mem.as_ptr() as usize, mem.len());
-    for (align, advice) in [(HUGE, libc::MADV_HUGEPAGE), (PAGE, POPULATE_WRITE)] {
+    for (align, advice, step) in [
+        (HUGE, libc::MADV_HUGEPAGE, len),
+        (PAGE, POPULATE_WRITE, STEP),
+    ] {
         let start = base.next_multiple_of(align);
         let end = (base + len) & !(align - 1);
-        if end > start {
+        let mut at = start;
+        while at < end {
+            let n = (end - at).min(step.max(align));
             // SAFETY: advice on whole pages inside an allocation we own. Neither changes
             // its contents: populating write-faults pages in without writing to them.
             unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, advice);
+                libc::madvise(at as *mut libc::c_void, n, advice);
             }
+            at += n;
         }
     }
 }
@@ -73,6 +84,15 @@ impl<M: HostBuffer> RamStore for M {
     }
 }
 
+/// The most namespaces a subsystem has: all a host sees in one Identify Active Namespace
+/// ID list (1024 IDs), which is as far as our host and Linux look.
+pub const MAX_NAMESPACES: usize = 1024;
+
+/// A RAM namespace's memory could not be had (the process's or the system's limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("no memory for a RAM namespace of {0} bytes: ask for less, or use a file namespace")]
+pub struct NoMemory(pub u64);
+
 /// Where a namespace keeps its blocks.
 pub enum Backend {
     Ram(Box<dyn RamStore>),
@@ -98,27 +118,39 @@ impl std::fmt::Debug for Namespace {
 
 impl Namespace {
     /// A RAM namespace of `bytes` (rounded down to whole blocks), in the soft-HCA's memory.
+    /// Panics when the memory cannot be had: for tests and benches, which pick their own
+    /// sizes. A size an operator or a peer asks for goes through [`Namespace::try_ram`].
     pub fn ram(nsid: u32, bytes: u64, lbads: u8) -> Namespace {
-        Namespace::ram_in::<HostMem>(nsid, bytes, lbads)
+        Namespace::try_ram(nsid, bytes, lbads).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Namespace::ram`], or an error when the memory cannot be had.
+    pub fn try_ram(nsid: u32, bytes: u64, lbads: u8) -> Result<Namespace, NoMemory> {
+        Namespace::try_ram_in::<HostMem>(nsid, bytes, lbads)
     }
 
     /// A RAM namespace in device memory of type `M`: a target on a device whose
     /// [`crate::verbs::DeviceContext::Mem`] is `M` reads it out to hosts without a copy.
-    pub fn ram_in<M: HostBuffer>(nsid: u32, bytes: u64, lbads: u8) -> Namespace {
+    /// The pages are taken before it returns (seconds per GiB on a busy machine): call it
+    /// where blocking is fine, not on a thread that serves queues.
+    pub fn try_ram_in<M: HostBuffer>(
+        nsid: u32,
+        bytes: u64,
+        lbads: u8,
+    ) -> Result<Namespace, NoMemory> {
         let blocks = bytes >> lbads;
-        let len = (blocks << lbads) as usize;
-        // Mapped lazily, then taken at once with huge pages (`take_ram`). As `vec!` did, an
-        // allocation that cannot be had ends the process: the operator asked for it.
-        let mem = M::try_alloc_lazy(len).unwrap_or_else(|| M::alloc(len));
+        let len = usize::try_from(blocks << lbads).map_err(|_| NoMemory(bytes))?;
+        // Mapped lazily, then taken at once with huge pages (`take_ram`).
+        let mem = M::try_alloc_lazy(len).ok_or(NoMemory(bytes))?;
         mem.with_range(0, len, |g| take_ram(g));
         mem.stream_writes();
-        Namespace {
+        Ok(Namespace {
             nsid,
             ident: random_identity(),
             lbads,
             blocks,
             backend: Backend::Ram(Box::new(mem)),
-        }
+        })
     }
 
     /// A file namespace. The file is created and sized if `size` is given; O_DIRECT is used
@@ -444,5 +476,16 @@ mod tests {
             "precious\n"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// More than any address space holds (1 PiB): an error, not an abort.
+    #[test]
+    fn a_ram_namespace_that_cannot_be_had_is_an_error() {
+        assert_eq!(
+            Namespace::try_ram(1, 1 << 50, 9).map(|n| n.blocks),
+            Err(NoMemory(1 << 50))
+        );
+        let ns = Namespace::try_ram(1, 64 << 10, 12).unwrap();
+        assert_eq!((ns.blocks, ns.bytes()), (16, 64 << 10));
     }
 }

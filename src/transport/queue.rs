@@ -12,8 +12,10 @@
 //! Command IDs index the slot table (low bits) and carry a generation (high bits), so a
 //! late or duplicate completion from a confused target can never complete the request that
 //! reused the slot. A request completes only when both its SEND completion and its response
-//! capsule are in (Linux `nvme_end_request`). Every data buffer has its own MR: a target can
-//! only touch the buffer of the command it was handed.
+//! capsule are in (Linux `nvme_end_request`). Every data buffer has its own MR, keyed afresh
+//! for each command over the transfer's length with only the access its direction needs: a
+//! target can only read what a command sends and write what it reads, in the buffer of the
+//! command it was handed.
 //!
 //! The last slot is reserved for the controller's own commands (Fabrics Connect, Property
 //! Get/Set, keep-alive), like Linux's reserved tags; it can be used while user I/O is held.
@@ -811,14 +813,23 @@ impl<D: DeviceContext> QueueCore<D> {
         let keyed = (out > 0 && !in_capsule) || (out == 0 && inn > 0);
         let invalidate = keyed && v.per_use_keys;
         if invalidate {
-            // A key of its own for this command; the previous one is refused from now on.
+            // A key of its own for this command, the previous one refused from now on: it
+            // reaches the transfer's bytes only, and only the way the data goes (a target
+            // reads what the host sends and writes what it reads).
+            let mut access = Access::empty();
+            if out > 0 {
+                access |= Access::REMOTE_READ;
+            }
+            if inn > 0 {
+                access |= Access::REMOTE_WRITE | Access::LOCAL_WRITE;
+            }
             let mr = slot_mr(
                 &mut self.data_mrs,
                 &mut self.regions,
                 i,
                 self.slots[i].region,
             );
-            if v.dev.rekey_mr(mr).is_err() {
+            if v.dev.rekey_mr(mr, out.max(inn), access).is_err() {
                 let s = &mut self.slots[i];
                 s.state = SlotState::Held;
                 s.cqe = None;

@@ -114,9 +114,11 @@ pub trait DeviceContext: Clone + Send + Sync + 'static {
     /// [`SendOp::SendWithInv`]: super::SendOp::SendWithInv
     fn send_with_invalidate(&self) -> bool;
     /// Fast registration (what IB_WR_REG_MR with a new key does): from now on the region
-    /// answers to a fresh key only, lkey and rkey alike, and is valid; `mr` is updated. The
-    /// old key is refused at once. A no-op where [`DeviceContext::per_use_keys`] is false.
-    fn rekey_mr(&self, mr: &mut MrInfo) -> Result<(), VerbsError>;
+    /// answers to a fresh key only, lkey and rkey alike, and is valid over its first `len`
+    /// bytes with `access` (each at most what it was registered with, else an error); `mr`
+    /// is updated. The old key is refused at once. Allocates nothing: it runs per I/O. A
+    /// no-op where [`DeviceContext::per_use_keys`] is false.
+    fn rekey_mr(&self, mr: &mut MrInfo, len: usize, access: Access) -> Result<(), VerbsError>;
     /// Local invalidate (IB_WR_LOCAL_INV): the region refuses every access until the next
     /// [`DeviceContext::rekey_mr`]. A no-op where [`DeviceContext::per_use_keys`] is false.
     fn invalidate_mr(&self, mr: &MrInfo);

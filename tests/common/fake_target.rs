@@ -66,9 +66,18 @@ pub enum Lie {
     /// RDMA WRITE garbage to this command's buffer under the key this command named: a
     /// late write, after the host completed the command.
     LateWrite,
+    /// For a write: first RDMA READ [`OVERSIZED_READ`] bytes from the buffer the command
+    /// named, whatever the command's length; then answer honestly.
+    ReadPastTransfer,
+    /// For a write: first RDMA WRITE garbage into the buffer the command named (data the
+    /// host gave to be read, not written); then answer honestly.
+    WriteIntoWriteData,
     /// Never answer.
     Silence,
 }
+
+/// How much [`Lie::ReadPastTransfer`] reads.
+pub const OVERSIZED_READ: usize = 64 << 10;
 
 /// Chooses the lie for each I/O command (admin commands are always answered honestly).
 pub type Script = Arc<dyn Fn(&Sqe) -> Lie + Send + Sync>;
@@ -465,7 +474,7 @@ impl FakeQueue {
             self.admin(sh, &sqe)
         } else {
             lie = (sh.script)(&sqe);
-            self.io(hca, sh, &sqe, sgl).await?
+            self.io(hca, sh, &sqe, sgl, lie).await?
         };
         let answer = Answer {
             sqe,
@@ -680,7 +689,26 @@ impl FakeQueue {
         sh: &Shared,
         sqe: &Sqe,
         sgl: SglDescriptor,
+        lie: Lie,
     ) -> Result<(Status, u64, Vec<u8>), ()> {
+        if let (opcode::io::WRITE, SglDescriptor::Keyed { addr, key, .. }) = (sqe.opcode, sgl) {
+            match lie {
+                Lie::ReadPastTransfer => {
+                    let local = Sgl::one(self.data.1.addr, OVERSIZED_READ as u32, self.data.1.lkey);
+                    let op = SendOp::Read {
+                        remote_addr: addr,
+                        rkey: MemKey(key),
+                    };
+                    self.post(hca, op, local).await?;
+                }
+                Lie::WriteIntoWriteData => {
+                    let mut junk = vec![0u8; 512];
+                    self.rng.fill(&mut junk[..]);
+                    self.rdma_write(hca, &junk, addr, key).await?;
+                }
+                _ => {}
+            }
+        }
         let slba = sqe.cdw10 as u64 | (sqe.cdw11 as u64) << 32;
         let len = ((sqe.cdw12 & 0xFFFF) as usize + 1) * 512;
         let range = (slba as usize)

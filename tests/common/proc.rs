@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -96,10 +96,20 @@ impl Drop for Proc {
 /// A built-in target with a `ram` RAM namespace under `nqn` on a free loopback port, its
 /// run directory `run_dir`, more `target` flags `extra`; and the address it listens on.
 pub fn start_target(nqn: &str, ram: &str, run_dir: &Path, extra: &[&str]) -> (Proc, String) {
+    start_target_cmd(target_cmd(nqn, ram, run_dir, extra))
+}
+
+/// The command [`start_target`] runs, for a test that sets more on it.
+pub fn target_cmd(nqn: &str, ram: &str, run_dir: &Path, extra: &[&str]) -> Command {
     let mut cmd = Command::new(BIN);
     cmd.args(["target", "--listen", "127.0.0.1:0", "--ram", ram, "-n", nqn])
         .args(extra)
         .env("NVMF_RDMA_RUN_DIR", run_dir);
+    cmd
+}
+
+/// Start a [`target_cmd`]; returns once it listens, with its address.
+pub fn start_target_cmd(cmd: Command) -> (Proc, String) {
     let t = Proc::spawn(cmd);
     let line = t.expect("listening on", Duration::from_secs(30));
     let addr = line
@@ -109,4 +119,30 @@ pub fn start_target(nqn: &str, ram: &str, run_dir: &Path, extra: &[&str]) -> (Pr
         .unwrap_or_else(|| panic!("no address in {line:?}"))
         .to_string();
     (t, addr)
+}
+
+/// The error a command printed: one line, no backtrace or cause chain.
+pub fn one_line_error(o: &Output) -> String {
+    let e = String::from_utf8_lossy(&o.stderr).trim().to_string();
+    assert_eq!(e.lines().count(), 1, "not one line: {e}");
+    assert!(!e.contains("backtrace") && !e.contains("Caused by"), "{e}");
+    e
+}
+
+/// Run `cmd` to its end, its output collected (60 s at most).
+pub fn run(mut cmd: Command) -> Output {
+    let mut p = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while p.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "{cmd:?} still running after 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    p.wait_with_output().unwrap()
 }

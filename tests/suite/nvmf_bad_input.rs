@@ -8,7 +8,8 @@
 //!     same target keeps doing verified I/O the whole time.
 //! (b) A fake target (`tests/common/fake_target.rs`) answers Connect correctly and then lies: completions
 //!     for command IDs not in flight, duplicates, 8-byte responses, garbage, success
-//!     without data, RDMA WRITEs outside the buffer a command named. The host fails only
+//!     without data, RDMA WRITEs outside the buffer a command named, RDMA READs past a
+//!     write's length and RDMA WRITEs into a write's data. The host fails only
 //!     what is affected with a typed error or counts and ignores the bogus completion,
 //!     completes nothing twice, mixes no request's data into another's, and never panics.
 //!
@@ -708,7 +709,9 @@ async fn writes_outside_the_named_buffer_fail_only_their_queue() {
         within(10, "disconnect", c.disconnect()).await;
     }
 
-    // A small read with its data aimed just past its length still lands in its own slot.
+    // A small read with its data aimed just past its length: past its key's reach, so
+    // refused too. The reads beside it get their own data, or, where they were out on the
+    // broken connection every time, a transport error: never the lie's bytes.
     let (_f, fhca) = fake(
         24,
         fake_cfg(),
@@ -730,19 +733,64 @@ async fn writes_outside_the_named_buffer_fail_only_their_queue() {
         ));
     }
     for t in tasks {
-        let (lba, got) = within(5, "read", t).await.unwrap();
-        let got = got.unwrap();
+        let (lba, got) = within(10, "read", t).await.unwrap();
         if lba == 1000 {
-            assert!(
-                got.iter().all(|&b| b == 0),
-                "nothing was written where it was asked"
-            );
-        } else {
+            let e = got.expect_err("the HCA refused the write past the transfer");
+            assert!(matches!(e, HostError::Transport(_)), "{e:?}");
+        } else if let Ok(got) = got {
             assert!(got == truth(lba, 4096), "lba {lba} got foreign data");
+        } else if let Err(e) = got {
+            assert!(matches!(e, HostError::Transport(_)), "lba {lba}: {e:?}");
         }
     }
     let c = Arc::into_inner(c).unwrap();
     within(10, "disconnect", c.disconnect()).await;
+}
+
+/// A command's key reaches its transfer's bytes only, and only the way its data goes: an
+/// RDMA READ of 64 KiB on a 1 KiB write (the rest of the slot may hold an earlier command's
+/// data) and an RDMA WRITE into a write's data are NAKed by the host's HCA. Each refusal
+/// breaks the connection; the lying command fails with a transport error once its retries
+/// are used up, nothing of it is stored, and the controller serves the next I/O.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_read_and_a_write_into_a_writes_data_are_refused() {
+    for (i, lie) in [(40u8, Lie::ReadPastTransfer), (42, Lie::WriteIntoWriteData)] {
+        let (f, fhca) = fake(
+            i,
+            fake_cfg(),
+            script(move |lba| if lba == 1000 { lie } else { Lie::Honest }),
+        )
+        .await;
+        let c = host_of(i + 1, &fhca, 1).await;
+        assert!(c.max_transfer() >= fake_target::OVERSIZED_READ);
+        // An earlier command's data in the slot the lying write will use.
+        let secret = vec![0xA5u8; fake_target::OVERSIZED_READ];
+        within(5, "large write", c.write(1, 0, &secret))
+            .await
+            .unwrap();
+        let data: Vec<u8> = (0..1024u32).map(|i| (i * 13 + 5) as u8).collect();
+        let e = within(10, "lying write", c.write(1, 1000, &data))
+            .await
+            .expect_err("the HCA refused the target's access: the write cannot succeed");
+        assert!(matches!(e, HostError::Transport(_)), "{lie:?}: {e:?}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while f.stats().transport_errors == 0 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(f.stats().transport_errors >= 1, "{lie:?}: {:?}", f.stats());
+        c.wait_status(Duration::from_secs(10), |s| s.state() == CtrlState::Live)
+            .await
+            .expect("the controller is live again");
+        let back = within(5, "read back", c.read(1, 1000, 1024)).await.unwrap();
+        assert!(
+            back == truth(1000, 1024),
+            "{lie:?}: the lying write was stored"
+        );
+        within(5, "write after", c.write(1, 2000, &data))
+            .await
+            .expect("the next write goes through");
+        within(10, "disconnect", c.disconnect()).await;
+    }
 }
 
 /// A target that never answers one command: the caller gives up on it with its own

@@ -386,6 +386,7 @@ impl NsArgs {
             self.file.as_deref(),
             self.file_size.map(|s| s as u64),
             self.block_size,
+            0,
         )
     }
 }

@@ -4,6 +4,11 @@
 //! `{"op":"add-namespace","nqn":NQN,"nsid":N,"ram":BYTES}` or with `"file":PATH` (and
 //! `"file_size":BYTES` to create or grow it), `"block_size"` 512 (default) or 4096. The
 //! answer is `{"ok":true,"nsid":N,"blocks":B}` or `{"ok":false,"error":...,"hint":...}`.
+//! A RAM namespace must fit in the memory available now (MemAvailable, or less under a
+//! cgroup memory.max or RLIMIT_AS) and, with the target's other RAM namespaces, in the
+//! machine, each less 256 MiB kept back; a subsystem has at most 1024 namespaces (all a
+//! host can list). Its pages are taken before the answer, off the threads that serve the
+//! hosts' queues; adds run one at a time.
 //! Connected hosts get a Namespace Attribute Changed event (the daemon rescans and exports
 //! it). `nvmf-rdma target-ns add` is the CLI client.
 
@@ -12,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::nvmet::{Namespace, Target};
+use nvmf_rdma::nvmet::{Namespace, Target, MAX_NAMESPACES};
 use nvmf_rdma::verbs::DeviceContext;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -54,13 +59,16 @@ pub(crate) fn lbads(block_size: u32) -> Result<u8> {
 }
 
 /// The namespace `target` and `add-namespace` describe: RAM of `ram` bytes (256 MiB when
-/// neither is given) or the file `file` (created or grown to `file_size`).
+/// neither is given) or the file `file` (created or grown to `file_size`). `ram_held` is
+/// what the target's RAM namespaces hold already. Blocks while a RAM namespace's pages are
+/// taken: a running target calls it off the threads that serve its queues.
 pub(crate) fn namespace_of(
     nsid: u32,
     ram: Option<u64>,
     file: Option<&Path>,
     file_size: Option<u64>,
     block_size: u32,
+    ram_held: u64,
 ) -> Result<Namespace> {
     let lbads = lbads(block_size)?;
     if nsid == 0 || nsid == u32::MAX {
@@ -72,20 +80,45 @@ pub(crate) fn namespace_of(
             .with_context(|| format!("open {}", p.display()))?,
         (None, r) => {
             let bytes = r.unwrap_or(256 << 20);
-            // A size past the machine's memory would abort the target when allocated.
-            let phys = physical_memory();
-            if bytes > phys {
-                bail!(
-                    "a RAM namespace of {bytes} bytes is more than this machine's memory ({phys} bytes); use --file"
-                );
-            }
-            Namespace::ram(nsid, bytes, lbads)
+            ram_fits(bytes, ram_held, available_memory(), physical_memory())?;
+            Namespace::try_ram(nsid, bytes, lbads)?
         }
     };
     if ns.blocks == 0 {
         bail!("the namespace would have no blocks");
     }
     Ok(ns)
+}
+
+/// Memory RAM namespaces leave to the target's own queues and to the rest of the system.
+const RAM_KEPT_BACK: u64 = 256 << 20;
+
+/// May a RAM namespace of `bytes` join RAM namespaces holding `held`? Each takes its pages
+/// at once, so it must fit in what the system can give now (`available`); and all of them
+/// together in the machine (`physical`), for a kernel that hands pages out only as they are
+/// first used. Both less [`RAM_KEPT_BACK`].
+fn ram_fits(bytes: u64, held: u64, available: u64, physical: u64) -> Result<()> {
+    let mib = |b: u64| b >> 20;
+    let room = available.saturating_sub(RAM_KEPT_BACK);
+    if bytes > room {
+        bail!(
+            "a RAM namespace of {} MiB is more than the {} MiB of memory available now (less {} MiB kept back); ask for less or use --file",
+            mib(bytes),
+            mib(room),
+            mib(RAM_KEPT_BACK)
+        );
+    }
+    let total = held.saturating_add(bytes);
+    let most = physical.saturating_sub(RAM_KEPT_BACK);
+    if total > most {
+        bail!(
+            "RAM namespaces would hold {} MiB, more than this machine's {} MiB (less {} MiB kept back); ask for less or use --file",
+            mib(total),
+            mib(most),
+            mib(RAM_KEPT_BACK)
+        );
+    }
+    Ok(())
 }
 
 fn physical_memory() -> u64 {
@@ -99,6 +132,64 @@ fn physical_memory() -> u64 {
     (pages.max(0) as u64).saturating_mul(size.max(0) as u64)
 }
 
+/// What this process can take now: the kernel's MemAvailable, or less where the process's
+/// cgroup (memory.max, systemd's MemoryMax) or its address-space limit (RLIMIT_AS) leaves
+/// less. Unknown parts do not limit.
+fn available_memory() -> u64 {
+    let kib = |text: &str, key: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|k| k.saturating_mul(1024))
+    };
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let mut avail = kib(&read("/proc/meminfo"), "MemAvailable:").unwrap_or(u64::MAX);
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } == 0
+        && lim.rlim_cur != libc::RLIM_INFINITY
+    {
+        let used = kib(&read("/proc/self/status"), "VmSize:").unwrap_or(0);
+        avail = avail.min(lim.rlim_cur.saturating_sub(used));
+    }
+    // cgroup v2: "0::/path"; each level up to the root may limit.
+    if let Some(path) = read("/proc/self/cgroup")
+        .lines()
+        .find_map(|l| l.strip_prefix("0::").map(str::to_string))
+    {
+        let mut dir = PathBuf::from("/sys/fs/cgroup").join(path.trim_start_matches('/'));
+        loop {
+            let num = |f: &str| {
+                read(&dir.join(f).to_string_lossy())
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            };
+            if let (Some(max), Some(cur)) = (num("memory.max"), num("memory.current")) {
+                avail = avail.min(max.saturating_sub(cur));
+            }
+            if !dir.pop() || !dir.starts_with("/sys/fs/cgroup") {
+                break;
+            }
+        }
+    }
+    avail
+}
+
+/// Bytes held by the RAM namespaces of `t`.
+fn ram_held<D: DeviceContext>(t: &Target<D>) -> u64 {
+    t.config()
+        .subsystems
+        .iter()
+        .flat_map(|s| &s.namespaces)
+        .filter(|n| n.is_ram())
+        .map(|n| n.bytes())
+        .sum()
+}
+
 /// Serve the control socket at `path` until the task is dropped (it removes the socket).
 pub(crate) fn serve<D: DeviceContext>(
     path: &Path,
@@ -107,6 +198,9 @@ pub(crate) fn serve<D: DeviceContext>(
     let (l, rm) = nvmf_rdma::export::bind_listener(path)
         .with_context(|| format!("bind {}", path.display()))?;
     let t = Arc::new(t);
+    // One add at a time: a namespace's memory is checked against what the others hold,
+    // which counts it only once it is in the target.
+    let adding = Arc::new(tokio::sync::Mutex::new(()));
     Ok(tokio::spawn(async move {
         let _rm = rm;
         let mut clients = tokio::task::JoinSet::new();
@@ -121,7 +215,7 @@ pub(crate) fn serve<D: DeviceContext>(
                     if !same_user(&s) || clients.len() >= 16 {
                         continue;
                     }
-                    clients.spawn(serve_client(s, t.clone()));
+                    clients.spawn(serve_client(s, t.clone(), adding.clone()));
                 }
                 Some(_) = clients.join_next(), if !clients.is_empty() => {}
             }
@@ -129,7 +223,11 @@ pub(crate) fn serve<D: DeviceContext>(
     }))
 }
 
-async fn serve_client<D: DeviceContext>(s: tokio::net::UnixStream, t: Arc<Target<D>>) {
+async fn serve_client<D: DeviceContext>(
+    s: tokio::net::UnixStream,
+    t: Arc<Target<D>>,
+    adding: Arc<tokio::sync::Mutex<()>>,
+) {
     let (r, mut w) = s.into_split();
     let mut r = BufReader::new(r.take(LINE_MAX));
     loop {
@@ -146,7 +244,7 @@ async fn serve_client<D: DeviceContext>(s: tokio::net::UnixStream, t: Arc<Target
                     .await;
                 return;
             }
-            Ok(Ok(_)) => handle(&t, line.trim()),
+            Ok(Ok(_)) => handle(&t, &adding, line.trim()).await,
         };
         if w.write_all(format!("{answer}\n").as_bytes()).await.is_err() {
             return;
@@ -160,7 +258,11 @@ async fn serve_client<D: DeviceContext>(s: tokio::net::UnixStream, t: Arc<Target
     }
 }
 
-fn handle<D: DeviceContext>(t: &Target<D>, line: &str) -> Value {
+async fn handle<D: DeviceContext>(
+    t: &Arc<Target<D>>,
+    adding: &tokio::sync::Mutex<()>,
+    line: &str,
+) -> Value {
     let fail = |e: String, hint: &str| json!({"ok": false, "error": crate::proto::one_line(&e), "hint": hint});
     let mut v: Value = match serde_json::from_str(line) {
         Ok(v) => v,
@@ -182,9 +284,45 @@ fn handle<D: DeviceContext>(t: &Target<D>, line: &str) -> Value {
             )
         }
     };
-    let ns = match namespace_of(a.nsid, a.ram, a.file.as_deref(), a.file_size, a.block_size) {
-        Ok(ns) => ns,
-        Err(e) => return fail(format!("{e:#}"), "check the size, file and block size"),
+    let _one = adding.lock().await;
+    // What the target would refuse anyway, before any memory is taken for it.
+    let cfg = t.config();
+    if let Some(s) = cfg.subsystems.iter().find(|s| s.nqn.as_str() == a.nqn) {
+        if s.namespaces.iter().any(|n| n.nsid == a.nsid) {
+            return fail(
+                format!("namespace {} exists in {}", a.nsid, a.nqn),
+                "a namespace ID is used once",
+            );
+        }
+        if s.namespaces.len() >= MAX_NAMESPACES {
+            return fail(
+                format!(
+                    "{} has {MAX_NAMESPACES} namespaces, all a host can list",
+                    a.nqn
+                ),
+                "serve more namespaces from another subsystem (another target -n)",
+            );
+        }
+    }
+    // Taking a RAM namespace's pages takes seconds per GiB: not on the threads that serve
+    // the hosts' queues.
+    let held = ram_held(t);
+    let b = a.clone();
+    let made = tokio::task::spawn_blocking(move || {
+        namespace_of(
+            b.nsid,
+            b.ram,
+            b.file.as_deref(),
+            b.file_size,
+            b.block_size,
+            held,
+        )
+    })
+    .await;
+    let ns = match made {
+        Ok(Ok(ns)) => ns,
+        Ok(Err(e)) => return fail(format!("{e:#}"), "check the size, file and block size"),
+        Err(e) => return fail(format!("adding the namespace failed: {e}"), "try again"),
     };
     let blocks = ns.blocks;
     match t.add_namespace(&a.nqn, ns) {
@@ -232,4 +370,36 @@ pub(crate) async fn run_add(control: &Path, a: AddNamespace) -> Result<()> {
         a.nsid, a.nqn, v["blocks"]
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A RAM namespace fits what is available now and, with the others, the machine; each
+    /// less what is kept back.
+    #[test]
+    fn a_ram_namespace_fits_available_memory_and_the_machine_with_the_others() {
+        const G: u64 = 1 << 30;
+        let k = RAM_KEPT_BACK;
+        assert!(ram_fits(4 * G - k, 0, 4 * G, 64 * G).is_ok());
+        let e = ram_fits(4 * G - k + 1, 0, 4 * G, 64 * G)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("available now") && e.contains("--file"), "{e}");
+        assert!(ram_fits(G, 62 * G, 8 * G, 64 * G).is_ok());
+        let e = ram_fits(2 * G, 62 * G, 8 * G, 64 * G)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("this machine's") && e.contains("--file"), "{e}");
+        assert!(ram_fits(u64::MAX, u64::MAX, u64::MAX, u64::MAX).is_err());
+    }
+
+    /// Whatever the limits, what is available is a number a RAM namespace can be held to,
+    /// and no more than the machine has.
+    #[test]
+    fn available_memory_is_at_most_the_machines() {
+        let a = available_memory();
+        assert!(a > 0 && a <= physical_memory(), "{a}");
+    }
 }
