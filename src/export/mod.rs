@@ -105,6 +105,7 @@ pub struct BlockDev {
 }
 
 /// The blocks a byte range touches, and which of them it only partly covers.
+#[derive(Clone, Copy)]
 struct Span {
     first: u64,
     /// One past the last block.
@@ -224,13 +225,31 @@ impl BlockDev {
 
     /// Write `data` at `offset`, any alignment; `fua` returns only once it is durable.
     pub async fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
-        self.check(offset, data.len() as u64)?;
-        if data.is_empty() {
+        self.modify(offset, data.len() as u64, fua, |span| async move {
+            self.write_locked(offset, data, &span).await
+        })
+        .await
+    }
+
+    /// Run `op` over `offset..offset+len` holding the locks of its blocks; then, with `fua`,
+    /// flush.
+    async fn modify<F>(
+        &self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        op: impl FnOnce(Span) -> F,
+    ) -> Result<(), ExportError>
+    where
+        F: Future<Output = Result<(), ExportError>>,
+    {
+        self.check(offset, len)?;
+        if len == 0 {
             return Ok(());
         }
-        let span = self.span(offset, data.len() as u64);
+        let span = self.span(offset, len);
         let locks = self.lock(&span).await;
-        let r = self.write_locked(offset, data, &span).await;
+        let r = op(span).await;
         drop(locks);
         r?;
         if fua {
@@ -335,19 +354,10 @@ impl BlockDev {
         len: u64,
         fua: bool,
     ) -> Result<(), ExportError> {
-        self.check(offset, len)?;
-        if len == 0 {
-            return Ok(());
-        }
-        let span = self.span(offset, len);
-        let locks = self.lock(&span).await;
-        let r = self.write_zeroes_locked(offset, len, &span).await;
-        drop(locks);
-        r?;
-        if fua {
-            self.flush().await?;
-        }
-        Ok(())
+        self.modify(offset, len, fua, |span| async move {
+            self.write_zeroes_locked(offset, len, &span).await
+        })
+        .await
     }
 
     async fn write_zeroes_locked(

@@ -32,6 +32,20 @@ pub struct Op {
     pub acked: u64,
 }
 
+impl Op {
+    /// Request `id`, sent at `sent`, not acknowledged yet.
+    pub fn sent(id: u32, kind: Kind, offset: u64, len: u64, sent: u64) -> Op {
+        Op {
+            id,
+            kind,
+            offset,
+            len,
+            sent,
+            acked: u64::MAX,
+        }
+    }
+}
+
 /// The clock every client of one run shares.
 #[derive(Default)]
 pub struct Ticks(AtomicU64);

@@ -53,14 +53,7 @@ fn nbd_round(sv: &Served, mix: Mix, seed: u64) -> (Vec<Op>, Vec<u8>, Vec<u8>) {
                             Kind::Trim => c.send(Command::Trim, 0, offset, len as u32, &[]),
                         };
                         cookies.push(cookie);
-                        ops.push(Op {
-                            id,
-                            kind,
-                            offset,
-                            len,
-                            sent,
-                            acked: u64::MAX,
-                        });
+                        ops.push(Op::sent(id, kind, offset, len, sent));
                     }
                     let first = ops.len() - batch.len();
                     for _ in 0..batch.len() {
@@ -177,14 +170,9 @@ fn fuse_round(file: &Path, mix: Mix, seed: u64) -> (Vec<Op>, Vec<u8>, Vec<u8>) {
                             Kind::Zeroes
                         }
                     };
-                    ops.push(Op {
-                        id,
-                        kind,
-                        offset,
-                        len,
-                        sent,
-                        acked: ticks.tick(),
-                    });
+                    let mut op = Op::sent(id, kind, offset, len, sent);
+                    op.acked = ticks.tick();
+                    ops.push(op);
                 }
                 ops
             })

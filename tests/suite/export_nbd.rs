@@ -737,6 +737,15 @@ fn a_client_that_never_reads_its_replies_costs_a_bounded_amount() {
     }
 }
 
+/// `s` (with a read timeout set) is closed by the server without a greeting.
+fn closed_before_greeting(mut s: impl Read, what: &str) {
+    let mut b = [0u8; 18];
+    assert!(
+        matches!(s.read(&mut b), Ok(0) | Err(_)),
+        "{what} is closed, not greeted"
+    );
+}
+
 /// Security review #12: clients beyond the cap are closed at accept and counted; those being
 /// served are unaffected, and a place that frees up is taken by the next client.
 #[test]
@@ -749,15 +758,11 @@ fn connections_beyond_the_cap_are_closed_and_the_listener_goes_on() {
         },
     );
     let mut held: Vec<Client> = (0..3).map(|_| Client::connect(&srv.sock, false)).collect();
-    let mut extra = UnixStream::connect(&srv.sock).unwrap();
+    let extra = UnixStream::connect(&srv.sock).unwrap();
     extra
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let mut b = [0u8; 18];
-    assert!(
-        matches!(extra.read(&mut b), Ok(0) | Err(_)),
-        "a fourth client is closed, not greeted"
-    );
+    closed_before_greeting(extra, "a fourth client");
     assert_eq!(srv.stats.refused.load(Ordering::Relaxed), 1);
     for c in held.iter_mut() {
         c.write(0, &[7u8; 4096], 0);
@@ -943,15 +948,11 @@ fn a_peer_at_its_connection_cap_does_not_keep_another_peer_out() {
         None,
     );
     let held: Vec<_> = (0..3).map(|_| tcp_client("127.0.0.1", &srv.addr)).collect();
-    let mut extra = tcp_from("127.0.0.1", &srv.addr);
+    let extra = tcp_from("127.0.0.1", &srv.addr);
     extra
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let mut b = [0u8; 18];
-    assert!(
-        matches!(extra.read(&mut b), Ok(0) | Err(_)),
-        "a fourth connection of the same peer is closed, not greeted"
-    );
+    closed_before_greeting(extra, "a fourth connection of the same peer");
     assert_eq!(srv.stats.refused_per_peer.load(Ordering::Relaxed), 1);
     let mut other = tcp_client("127.0.0.2", &srv.addr);
     other.write(4096, &[9u8; 4096], 0);
