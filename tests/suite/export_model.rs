@@ -111,7 +111,7 @@ fn nbd_rounds(lbads: u8, zeroes_and_trims: bool, rounds: u64, default_seed: u64,
 #[test]
 fn nbd_aligned_and_unaligned_writes_to_the_same_blocks_keep_every_acknowledged_write() {
     for lbads in [12u8, 9] {
-        nbd_rounds(lbads, false, 8, 0x5EED_0001, "NBD writes");
+        nbd_rounds(lbads, false, 12, 0x5EED_0001, "NBD writes");
     }
 }
 
@@ -120,7 +120,7 @@ fn nbd_aligned_and_unaligned_writes_to_the_same_blocks_keep_every_acknowledged_w
 #[test]
 fn nbd_requests_of_every_kind_match_the_model_of_acknowledged_requests() {
     for lbads in [9u8, 12] {
-        nbd_rounds(lbads, true, 8, 0x5EED_0002, "NBD writes, zeroes and trims");
+        nbd_rounds(lbads, true, 12, 0x5EED_0002, "NBD writes, zeroes and trims");
     }
 }
 
@@ -209,7 +209,7 @@ fn fuse_aligned_and_unaligned_writes_to_the_same_blocks_keep_every_acknowledged_
             fuse.file().exists()
         });
         let bs = 1u64 << lbads;
-        let rounds = 6;
+        let rounds = 16;
         for r in 0..rounds {
             let mix = Mix {
                 base: r * BLOCKS * bs + 2 * bs,
