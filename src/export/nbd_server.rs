@@ -475,7 +475,8 @@ impl NbdListener {
                     Stream::Tcp(s) => run_logged(s, exports, c).await,
                 }
                 stats.connections.fetch_sub(1, Ordering::Relaxed);
-                let _ = tokio::task::spawn_blocking(return_freed_memory).await;
+                // Not awaited: the connection's place is free now, the trim follows.
+                drop(tokio::task::spawn_blocking(return_freed_memory));
             });
         }
     }
