@@ -14,24 +14,26 @@ pub mod nbd;
 pub mod nbd_server;
 pub mod socket_file;
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 
-use tokio::task::JoinSet;
+use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::transport::{Controller, HostError, NsInfo};
 
 pub use devset::DevSet;
 pub use fuse::{mount_fuse, mount_fuse_set, FuseFiles, FuseMount};
-pub use nbd_server::{ExportAddr, NbdLimits, NbdListener, NbdStats};
+pub use nbd_server::{ExportAddr, MemoryBudget, NbdLimits, NbdListener, NbdStats};
 pub use socket_file::{bind_listener, bind_socket, SocketFile};
 
 /// NVMe Write Zeroes carries a 16-bit 0-based block count.
 const MAX_ZERO_BLOCKS: u64 = 1 << 16;
 /// A Dataset Management range carries a 32-bit block count.
 const MAX_TRIM_BLOCKS: u64 = u32::MAX as u64;
-/// Read-modify-write locks: a partial write holds the stripe of each block it merges into, so
-/// two partial writes into the same block cannot lose one another's bytes.
-const RMW_STRIPES: usize = 64;
+/// Stripe locks of a device (block `lba` maps to stripe `lba % STRIPES`); see [`BlockDev`].
+const STRIPES: usize = 64;
 
 /// Errors of the export layer. `Host` errors are whatever the controller reported (transient
 /// ones are retried underneath by the recovery path, so what reaches here is final).
@@ -52,6 +54,10 @@ pub enum ExportError {
     /// The NBD client broke the protocol; its connection is closed.
     #[error("NBD protocol: {0}")]
     Nbd(#[from] nbd::NbdError),
+    /// A buffer for a request could not be allocated. Transient: the request fails, the
+    /// process and every other request go on.
+    #[error("no memory for a {bytes}-byte buffer; retry later or send smaller requests")]
+    NoMemory { bytes: usize },
     /// Socket or mount I/O.
     #[error("{what}: {source}")]
     Io {
@@ -73,6 +79,7 @@ impl ExportError {
     pub fn errno(&self) -> i32 {
         match self {
             ExportError::OutOfRange { .. } => libc::ENOSPC,
+            ExportError::NoMemory { .. } => libc::ENOMEM,
             ExportError::BadAddr(_) | ExportError::RemoteRefused(_) | ExportError::Nbd(_) => {
                 libc::EINVAL
             }
@@ -83,6 +90,13 @@ impl ExportError {
 }
 
 /// A namespace as a byte-addressed device.
+///
+/// Every request that changes blocks holds the stripe locks of the blocks it touches for as
+/// long as it runs: shared for blocks it writes whole (such writes may overlap in time, the
+/// device keeps one of them), exclusive for a block it read-modify-writes, because the bytes
+/// it does not write are put back from its read and would undo any write that landed in
+/// between. Locks are taken in ascending stripe order, so requests never wait on one another
+/// in a cycle. Reads take none: a read that overlaps a write sees either.
 pub struct BlockDev {
     ctrl: Arc<Controller>,
     nsid: u32,
@@ -91,7 +105,57 @@ pub struct BlockDev {
     block: u64,
     size: u64,
     chunk: usize,
-    stripes: Box<[tokio::sync::Mutex<()>]>,
+    stripes: Box<[RwLock<()>]>,
+}
+
+/// The blocks a byte range touches, and which of them it only partly covers.
+#[derive(Clone, Copy)]
+struct Span {
+    first: u64,
+    /// One past the last block.
+    end: u64,
+    /// The first block, when the range starts inside it.
+    head: Option<u64>,
+    /// The last block, when the range ends inside it (and it is not the partial head).
+    tail: Option<u64>,
+}
+
+/// The stripe locks a request holds until it is dropped.
+struct Locks<'a> {
+    _shared: Vec<RwLockReadGuard<'a, ()>>,
+    _exclusive: Vec<RwLockWriteGuard<'a, ()>>,
+}
+
+type Io<'a> = Pin<Box<dyn Future<Output = Result<(), HostError>> + Send + 'a>>;
+
+/// Run `ios` concurrently on the calling task (they borrow its buffers, so they cannot be
+/// spawned); the first error, after all have ended.
+async fn all_of(ios: Vec<Io<'_>>) -> Result<(), HostError> {
+    let mut ios: Vec<Option<Io<'_>>> = ios.into_iter().map(Some).collect();
+    let mut first_err = None;
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for slot in ios.iter_mut() {
+            if let Some(io) = slot {
+                match io.as_mut().poll(cx) {
+                    Poll::Ready(r) => {
+                        if let Err(e) = r {
+                            first_err.get_or_insert(e);
+                        }
+                        *slot = None;
+                    }
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    first_err.map_or(Ok(()), Err)
 }
 
 impl BlockDev {
@@ -106,9 +170,7 @@ impl BlockDev {
             block,
             size: ns.bytes(),
             chunk,
-            stripes: (0..RMW_STRIPES)
-                .map(|_| tokio::sync::Mutex::new(()))
-                .collect(),
+            stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
         })
     }
 
@@ -143,6 +205,17 @@ impl BlockDev {
         }
     }
 
+    /// The buffer [`BlockDev::read_at`] allocates for `len` bytes at `offset`: the whole
+    /// blocks they lie in.
+    pub fn read_buffer_len(&self, offset: u64, len: usize) -> usize {
+        if len == 0 {
+            return 0;
+        }
+        let first = offset / self.block;
+        let end = (offset.saturating_add(len as u64)).div_ceil(self.block);
+        (end.saturating_sub(first) * self.block) as usize
+    }
+
     /// Read `len` bytes at `offset`, any alignment.
     pub async fn read_at(&self, offset: u64, len: usize) -> Result<Vec<u8>, ExportError> {
         self.check(offset, len as u64)?;
@@ -150,10 +223,11 @@ impl BlockDev {
             return Ok(Vec::new());
         }
         let first = offset / self.block;
-        let end = (offset + len as u64).div_ceil(self.block);
-        let mut data = self.read_blocks(first, end - first).await?;
+        let mut data = zeroed(self.read_buffer_len(offset, len))?;
+        self.read_blocks(first, &mut data).await?;
         let skip = (offset - first * self.block) as usize;
         if skip != 0 || data.len() != len {
+            // In place: no second buffer.
             data.drain(..skip);
             data.truncate(len);
         }
@@ -162,62 +236,125 @@ impl BlockDev {
 
     /// Write `data` at `offset`, any alignment; `fua` returns only once it is durable.
     pub async fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
-        self.check(offset, data.len() as u64)?;
-        if data.is_empty() {
+        self.modify(offset, data.len() as u64, fua, |span| async move {
+            self.write_locked(offset, data, &span).await
+        })
+        .await
+    }
+
+    /// Run `op` over `offset..offset+len` holding the locks of its blocks; then, with `fua`,
+    /// flush.
+    async fn modify<F>(
+        &self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        op: impl FnOnce(Span) -> F,
+    ) -> Result<(), ExportError>
+    where
+        F: Future<Output = Result<(), ExportError>>,
+    {
+        self.check(offset, len)?;
+        if len == 0 {
             return Ok(());
         }
-        let end = offset + data.len() as u64;
-        if offset % self.block == 0 && end % self.block == 0 {
-            self.write_blocks(offset / self.block, data).await?;
-        } else {
-            self.write_unaligned(offset, data).await?;
-        }
+        let span = self.span(offset, len);
+        let locks = self.lock(&span).await;
+        let r = op(span).await;
+        drop(locks);
+        r?;
         if fua {
             self.flush().await?;
         }
         Ok(())
     }
 
-    /// Read-modify-write of the partial first and last blocks, under their stripe locks.
-    async fn write_unaligned(&self, offset: u64, data: &[u8]) -> Result<(), ExportError> {
+    fn span(&self, offset: u64, len: u64) -> Span {
         let bs = self.block;
-        let end = offset + data.len() as u64;
+        let end_byte = offset + len;
         let first = offset / bs;
-        let last = (end - 1) / bs;
-        let head_partial = offset % bs != 0;
-        let tail_partial = end % bs != 0;
-        let mut locks: Vec<usize> = Vec::with_capacity(2);
-        if head_partial {
-            locks.push(self.stripe(first));
+        let end = end_byte.div_ceil(bs);
+        let head = (offset % bs != 0).then_some(first);
+        let tail = (end_byte % bs != 0 && (end - 1 != first || head.is_none())).then_some(end - 1);
+        Span {
+            first,
+            end,
+            head,
+            tail,
         }
-        if tail_partial {
-            locks.push(self.stripe(last));
-        }
-        locks.sort_unstable();
-        locks.dedup();
-        let mut guards = Vec::with_capacity(locks.len());
-        for i in locks {
-            guards.push(self.stripes[i].lock().await);
-        }
-        let mut buf = vec![0u8; ((last + 1 - first) * bs) as usize];
-        if head_partial {
-            let b = self.ctrl.read(self.nsid, first, bs as usize).await?;
-            buf[..bs as usize].copy_from_slice(&b);
-        }
-        if tail_partial && (last != first || !head_partial) {
-            let b = self.ctrl.read(self.nsid, last, bs as usize).await?;
-            let at = buf.len() - bs as usize;
-            buf[at..].copy_from_slice(&b);
-        }
-        let at = (offset - first * bs) as usize;
-        buf[at..at + data.len()].copy_from_slice(data);
-        self.write_blocks(first, &buf).await?;
-        drop(guards);
-        Ok(())
     }
 
     fn stripe(&self, lba: u64) -> usize {
         (lba % self.stripes.len() as u64) as usize
+    }
+
+    /// The stripe locks of `span`'s blocks: exclusive for its partial blocks, shared for the
+    /// rest, in ascending stripe order.
+    async fn lock(&self, span: &Span) -> Locks<'_> {
+        #[derive(Clone, Copy, PartialEq)]
+        enum Mode {
+            Free,
+            Shared,
+            Exclusive,
+        }
+        let mut mode = [Mode::Free; STRIPES];
+        if span.end - span.first >= STRIPES as u64 {
+            mode = [Mode::Shared; STRIPES];
+        } else {
+            for lba in span.first..span.end {
+                mode[self.stripe(lba)] = Mode::Shared;
+            }
+        }
+        for lba in [span.head, span.tail].into_iter().flatten() {
+            mode[self.stripe(lba)] = Mode::Exclusive;
+        }
+        let (mut shared, mut exclusive) = (Vec::new(), Vec::new());
+        for (i, m) in mode.iter().enumerate() {
+            match m {
+                Mode::Free => {}
+                Mode::Shared => shared.push(self.stripes[i].read().await),
+                Mode::Exclusive => exclusive.push(self.stripes[i].write().await),
+            }
+        }
+        Locks {
+            _shared: shared,
+            _exclusive: exclusive,
+        }
+    }
+
+    /// [`BlockDev::write_at`] with `span`'s locks held: partial blocks merged with what they
+    /// hold, whole blocks written straight from `data`, all in flight together.
+    async fn write_locked(&self, offset: u64, data: &[u8], span: &Span) -> Result<(), ExportError> {
+        let bs = self.block;
+        let mut ios: Vec<Io<'_>> = Vec::with_capacity(3);
+        let mut whole = span.first..span.end;
+        let mut rest = data;
+        if let Some(lba) = span.head {
+            let at = (offset - lba * bs) as usize;
+            let n = rest.len().min(bs as usize - at);
+            ios.push(Box::pin(self.merge_block(lba, at, &rest[..n])));
+            rest = &rest[n..];
+            whole.start += 1;
+        }
+        if let Some(lba) = span.tail {
+            let n = ((offset + data.len() as u64) - lba * bs) as usize;
+            let (body, tail) = rest.split_at(rest.len() - n);
+            ios.push(Box::pin(self.merge_block(lba, 0, tail)));
+            rest = body;
+            whole.end -= 1;
+        }
+        if !whole.is_empty() {
+            ios.push(Box::pin(self.write_blocks(whole.start, rest)));
+        }
+        Ok(all_of(ios).await?)
+    }
+
+    /// Read block `lba`, put `bytes` at `at` in it, write it back. The caller holds its stripe
+    /// exclusively.
+    async fn merge_block(&self, lba: u64, at: usize, bytes: &[u8]) -> Result<(), HostError> {
+        let mut b = self.ctrl.read(self.nsid, lba, self.block as usize).await?;
+        b[at..at + bytes.len()].copy_from_slice(bytes);
+        self.ctrl.write(self.nsid, lba, &b).await
     }
 
     /// Zero `len` bytes at `offset`: Write Zeroes for the whole blocks, read-modify-write for
@@ -228,38 +365,51 @@ impl BlockDev {
         len: u64,
         fua: bool,
     ) -> Result<(), ExportError> {
-        self.check(offset, len)?;
-        if len == 0 {
-            return Ok(());
-        }
+        self.modify(offset, len, fua, |span| async move {
+            self.write_zeroes_locked(offset, len, &span).await
+        })
+        .await
+    }
+
+    async fn write_zeroes_locked(
+        &self,
+        offset: u64,
+        len: u64,
+        span: &Span,
+    ) -> Result<(), ExportError> {
         let bs = self.block;
         let end = offset + len;
         let first_full = offset.div_ceil(bs);
         let end_full = end / bs;
         if first_full >= end_full {
-            // Inside one block, or straddling two without covering either.
-            let zeros = vec![0u8; len as usize];
-            return self.write_at(offset, &zeros, fua).await;
+            // Inside one block, or straddling two without covering either: under two blocks.
+            return self
+                .write_locked(offset, &vec![0u8; len as usize], span)
+                .await;
         }
-        if offset % bs != 0 {
-            let n = first_full * bs - offset;
-            self.write_unaligned(offset, &vec![0u8; n as usize]).await?;
+        let zeros = vec![0u8; bs as usize];
+        let mut ios: Vec<Io<'_>> = Vec::with_capacity(3);
+        if let Some(lba) = span.head {
+            let at = (offset - lba * bs) as usize;
+            ios.push(Box::pin(self.merge_block(lba, at, &zeros[at..])));
         }
-        if end % bs != 0 {
-            let n = end - end_full * bs;
-            self.write_unaligned(end_full * bs, &vec![0u8; n as usize])
-                .await?;
+        if let Some(lba) = span.tail {
+            ios.push(Box::pin(self.merge_block(
+                lba,
+                0,
+                &zeros[..(end - lba * bs) as usize],
+            )));
         }
-        let mut lba = first_full;
-        while lba < end_full {
-            let n = (end_full - lba).min(MAX_ZERO_BLOCKS);
-            self.ctrl.write_zeroes(self.nsid, lba, n as u32).await?;
-            lba += n;
-        }
-        if fua {
-            self.flush().await?;
-        }
-        Ok(())
+        ios.push(Box::pin(async move {
+            let mut lba = first_full;
+            while lba < end_full {
+                let n = (end_full - lba).min(MAX_ZERO_BLOCKS);
+                self.ctrl.write_zeroes(self.nsid, lba, n as u32).await?;
+                lba += n;
+            }
+            Ok(())
+        }));
+        Ok(all_of(ios).await?)
     }
 
     /// Discard the whole blocks inside `offset..offset+len` (a hint: partial blocks are left
@@ -268,6 +418,16 @@ impl BlockDev {
         self.check(offset, len)?;
         let first = offset.div_ceil(self.block);
         let end = (offset + len) / self.block;
+        if first >= end {
+            return Ok(());
+        }
+        let span = Span {
+            first,
+            end,
+            head: None,
+            tail: None,
+        };
+        let _locks = self.lock(&span).await;
         let mut lba = first;
         while lba < end {
             let n = (end - lba).min(MAX_TRIM_BLOCKS);
@@ -282,55 +442,40 @@ impl BlockDev {
         Ok(self.ctrl.flush(self.nsid).await?)
     }
 
-    /// Whole blocks, split at the transfer limit, the pieces in flight together.
-    async fn read_blocks(&self, lba: u64, blocks: u64) -> Result<Vec<u8>, ExportError> {
-        let bytes = (blocks * self.block) as usize;
-        if bytes <= self.chunk {
-            return Ok(self.ctrl.read(self.nsid, lba, bytes).await?);
-        }
-        let per = (self.chunk as u64) / self.block;
-        let mut set = JoinSet::new();
-        let mut at = 0u64;
-        while at < blocks {
-            let n = (blocks - at).min(per);
-            let (c, nsid, bs) = (self.ctrl.clone(), self.nsid, self.block);
-            set.spawn(async move {
-                let r = c.read(nsid, lba + at, (n * bs) as usize).await;
-                (at, r)
-            });
-            at += n;
-        }
-        let mut out = vec![0u8; bytes];
-        while let Some(j) = set.join_next().await {
-            let (at, r) = j.map_err(|e| HostError::Transport(format!("read task: {e}")))?;
-            let part = r?;
-            let o = (at * self.block) as usize;
-            out[o..o + part.len()].copy_from_slice(&part);
-        }
-        Ok(out)
+    /// Whole blocks from `lba` into `out`, split at the transfer limit, the pieces in flight
+    /// together, each read straight into its part of `out`.
+    async fn read_blocks(&self, lba: u64, out: &mut [u8]) -> Result<(), ExportError> {
+        let per = self.chunk as u64 / self.block;
+        let ios = out
+            .chunks_mut(self.chunk)
+            .enumerate()
+            .map(|(i, part)| -> Io<'_> {
+                Box::pin(self.ctrl.read_into(self.nsid, lba + i as u64 * per, part))
+            })
+            .collect();
+        Ok(all_of(ios).await?)
     }
 
-    async fn write_blocks(&self, lba: u64, data: &[u8]) -> Result<(), ExportError> {
-        if data.len() <= self.chunk {
-            return Ok(self.ctrl.write(self.nsid, lba, data).await?);
-        }
-        let mut set = JoinSet::new();
-        for (i, part) in data.chunks(self.chunk).enumerate() {
-            let (c, nsid) = (self.ctrl.clone(), self.nsid);
-            let slba = lba + (i * self.chunk) as u64 / self.block;
-            let part = part.to_vec();
-            set.spawn(async move { c.write(nsid, slba, &part).await });
-        }
-        let mut first_err = None;
-        while let Some(j) = set.join_next().await {
-            let r = j.map_err(|e| HostError::Transport(format!("write task: {e}")));
-            if let Err(e) = r.and_then(|r| r) {
-                first_err.get_or_insert(e);
-            }
-        }
-        match first_err {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
-        }
+    /// Whole blocks from `data` at `lba`, split and in flight together as [`Self::read_blocks`].
+    async fn write_blocks(&self, lba: u64, data: &[u8]) -> Result<(), HostError> {
+        let per = self.chunk as u64 / self.block;
+        let ios = data
+            .chunks(self.chunk)
+            .enumerate()
+            .map(|(i, part)| -> Io<'_> {
+                Box::pin(self.ctrl.write(self.nsid, lba + i as u64 * per, part))
+            })
+            .collect();
+        all_of(ios).await
     }
+}
+
+/// A zero-filled buffer of `len` bytes, or [`ExportError::NoMemory`] when the allocator has
+/// none: a peer's request must not abort the process.
+pub(crate) fn zeroed(len: usize) -> Result<Vec<u8>, ExportError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|_| ExportError::NoMemory { bytes: len })?;
+    v.resize(len, 0);
+    Ok(v)
 }

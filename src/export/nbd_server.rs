@@ -5,17 +5,19 @@
 //! one cover writes completed on any (CAN_MULTI_CONN).
 //!
 //! NBD has no authentication, so what a client can make the server hold is bounded
-//! ([`NbdLimits`]): bytes per connection (taken before the next request is read), connections
-//! per listener, time to finish the handshake. TCP is served on loopback unless the user
-//! explicitly allows more; unix sockets are created 0600. The accept loop outlives errors
-//! such as running out of file descriptors.
+//! ([`NbdLimits`], [`MemoryBudget`]): bytes per connection and for all connections of the
+//! process together (taken before the next request is read), connections per listener and
+//! per peer, time to finish the handshake, time a connection may sit idle. TCP is served on
+//! loopback unless the user explicitly allows more; unix sockets are created 0600. The accept
+//! loop outlives errors such as running out of file descriptors.
 
+use std::collections::HashMap;
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -46,8 +48,15 @@ pub struct NbdLimits {
     pub conn_bytes: usize,
     /// Connections served at once; a client beyond is closed at accept.
     pub max_connections: usize,
+    /// Connections one peer may hold at once (a TCP source address, a unix socket's peer
+    /// uid); a client beyond is closed at accept, so one peer cannot take every place.
+    pub max_per_peer: usize,
     /// Time a client has to finish the handshake.
     pub handshake_timeout: Duration,
+    /// A connection that makes no progress for this long is closed: no request arrives while
+    /// none is executing, or a reply waits this long for the client to take it. A request
+    /// executing (the controller recovering under it, say) keeps it open.
+    pub idle_timeout: Duration,
 }
 
 impl Default for NbdLimits {
@@ -55,10 +64,70 @@ impl Default for NbdLimits {
         NbdLimits {
             conn_bytes: 64 << 20,
             max_connections: 64,
+            max_per_peer: 16,
             handshake_timeout: Duration::from_secs(10),
+            // Longer than any pause of a working client (qemu, nbdcopy and nbd-client send
+            // at least a flush every few seconds while in use); short enough that a peer
+            // holding connections it does not use gives them back within minutes.
+            idle_timeout: Duration::from_secs(300),
         }
     }
 }
+
+/// Bytes of write payload and read data every NBD connection of the process may hold
+/// together: each request takes its bytes from its connection's share
+/// ([`NbdLimits::conn_bytes`]) and from here, before it is read, and gives them back when its
+/// reply is written. Listeners bound without one of their own share [`MemoryBudget::process`].
+#[derive(Debug)]
+pub struct MemoryBudget {
+    sem: Arc<Semaphore>,
+    bytes: usize,
+    in_use: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+/// Bytes the process-wide budget holds: four connections' full shares.
+pub const PROCESS_BYTES: usize = 256 << 20;
+
+impl MemoryBudget {
+    /// A budget of `bytes` (at least one largest request).
+    pub fn new(bytes: usize) -> Arc<MemoryBudget> {
+        let bytes = bytes.max(MIN_BUDGET);
+        Arc::new(MemoryBudget {
+            sem: Arc::new(Semaphore::new(bytes)),
+            bytes,
+            in_use: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+        })
+    }
+
+    /// The budget of the process ([`PROCESS_BYTES`]).
+    pub fn process() -> Arc<MemoryBudget> {
+        static PROCESS: OnceLock<Arc<MemoryBudget>> = OnceLock::new();
+        PROCESS
+            .get_or_init(|| MemoryBudget::new(PROCESS_BYTES))
+            .clone()
+    }
+
+    /// Its size.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Bytes held now.
+    pub fn in_use(&self) -> usize {
+        self.in_use.load(Ordering::Relaxed)
+    }
+
+    /// The most bytes ever held at once.
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+}
+
+/// The smallest budget: one largest request, read into whole blocks (up to 1 MiB) at both
+/// ends.
+const MIN_BUDGET: usize = MAX_PAYLOAD as usize + (2 << 20);
 
 /// Counters of one listener, shared with its connections.
 #[derive(Debug, Default)]
@@ -67,6 +136,10 @@ pub struct NbdStats {
     pub connections: AtomicUsize,
     /// Clients closed at accept because `max_connections` were being served.
     pub refused: AtomicU64,
+    /// Clients closed at accept because their peer held `max_per_peer` connections.
+    pub refused_per_peer: AtomicU64,
+    /// Connections closed after `idle_timeout` without progress.
+    pub idle_closed: AtomicU64,
     /// Clients that did not finish the handshake in time.
     pub handshake_timeouts: AtomicU64,
     /// accept() failures (out of file descriptors, ...); the listener goes on.
@@ -76,26 +149,42 @@ pub struct NbdStats {
     pub peak_bytes_held: AtomicUsize,
 }
 
-/// Bytes of a connection's budget held by one request until its reply is written.
+/// Bytes of its connection's share and of the process budget held by one request until its
+/// reply is written.
 struct Held {
-    _permit: Option<OwnedSemaphorePermit>,
+    _conn: Option<OwnedSemaphorePermit>,
+    _process: Option<OwnedSemaphorePermit>,
     n: usize,
     stats: Arc<NbdStats>,
+    memory: Arc<MemoryBudget>,
 }
 
 impl Held {
-    async fn take(budget: &Arc<Semaphore>, n: usize, stats: &Arc<NbdStats>) -> Option<Held> {
-        let permit = if n == 0 {
-            None
+    /// The connection's share first, so a connection waiting for its own room holds nothing
+    /// of the process budget.
+    async fn take(
+        conn: &Arc<Semaphore>,
+        memory: &Arc<MemoryBudget>,
+        n: usize,
+        stats: &Arc<NbdStats>,
+    ) -> Option<Held> {
+        let (c, p) = if n == 0 {
+            (None, None)
         } else {
-            Some(budget.clone().acquire_many_owned(n as u32).await.ok()?)
+            let c = conn.clone().acquire_many_owned(n as u32).await.ok()?;
+            let p = memory.sem.clone().acquire_many_owned(n as u32).await.ok()?;
+            (Some(c), Some(p))
         };
         let now = stats.bytes_held.fetch_add(n, Ordering::Relaxed) + n;
         stats.peak_bytes_held.fetch_max(now, Ordering::Relaxed);
+        let now = memory.in_use.fetch_add(n, Ordering::Relaxed) + n;
+        memory.peak.fetch_max(now, Ordering::Relaxed);
         Some(Held {
-            _permit: permit,
+            _conn: c,
+            _process: p,
             n,
             stats: stats.clone(),
+            memory: memory.clone(),
         })
     }
 }
@@ -103,6 +192,73 @@ impl Held {
 impl Drop for Held {
     fn drop(&mut self) {
         self.stats.bytes_held.fetch_sub(self.n, Ordering::Relaxed);
+        self.memory.in_use.fetch_sub(self.n, Ordering::Relaxed);
+    }
+}
+
+/// Who a connection comes from, for [`NbdLimits::max_per_peer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Peer {
+    Ip(IpAddr),
+    Uid(u32),
+    /// A unix peer whose credentials could not be read: all such count as one.
+    Unknown,
+}
+
+impl fmt::Display for Peer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Peer::Ip(a) => write!(f, "{a}"),
+            Peer::Uid(u) => write!(f, "uid {u}"),
+            Peer::Unknown => write!(f, "an unknown unix peer"),
+        }
+    }
+}
+
+/// Connections per peer now; a connection's place is given back when its task ends, however.
+#[derive(Default)]
+struct Peers(Mutex<HashMap<Peer, usize>>);
+
+/// One connection's place in [`Peers`].
+struct PeerSlot {
+    peers: Arc<Peers>,
+    peer: Peer,
+}
+
+impl Peers {
+    fn take(self: &Arc<Self>, peer: Peer, max: usize) -> Option<PeerSlot> {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(peer).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(PeerSlot {
+            peers: self.clone(),
+            peer,
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut m = self.peers.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// Give freed heap back to the system: glibc keeps what a connection's large buffers used
+/// in its arenas otherwise, and the process stays at its peak after the clients left.
+fn return_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim has no preconditions; it only releases free memory.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 
@@ -163,6 +319,7 @@ pub struct NbdListener {
     stats: Arc<NbdStats>,
     /// The unix socket file, removed with the listener.
     _socket: Option<SocketFile>,
+    memory: Arc<MemoryBudget>,
 }
 
 impl NbdListener {
@@ -213,7 +370,19 @@ impl NbdListener {
             limits,
             stats: Arc::new(NbdStats::default()),
             _socket: socket,
+            memory: MemoryBudget::process(),
         })
+    }
+
+    /// Charge this listener's connections to `memory` instead of the process budget.
+    pub fn with_memory(mut self, memory: Arc<MemoryBudget>) -> NbdListener {
+        self.memory = memory;
+        self
+    }
+
+    /// The memory budget its connections are charged to.
+    pub fn memory(&self) -> Arc<MemoryBudget> {
+        self.memory.clone()
     }
 
     /// The listener's counters.
@@ -238,16 +407,20 @@ impl NbdListener {
     pub async fn serve_set(self, set: super::DevSet) -> Result<(), ExportError> {
         let mut conns = JoinSet::new();
         let (limits, stats) = (self.limits, self.stats.clone());
+        let peers = Arc::new(Peers::default());
         loop {
             let accepted = match &self.listener {
-                Listener::Unix(l) => l.accept().await.map(|(s, _)| Stream::Unix(s)),
+                Listener::Unix(l) => l.accept().await.map(|(s, _)| {
+                    let peer = s.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
+                    (Stream::Unix(s), peer)
+                }),
                 Listener::Tcp(l) => l.accept().await.map(|(s, peer)| {
                     let _ = s.set_nodelay(true);
                     tracing::debug!(%peer, "nbd connection");
-                    Stream::Tcp(s)
+                    (Stream::Tcp(s), Peer::Ip(peer.ip()))
                 }),
             };
-            let stream = match accepted {
+            let (stream, peer) = match accepted {
                 Ok(s) => s,
                 Err(e) => {
                     // Out of file descriptors, a client that reset before we took it: the
@@ -269,15 +442,33 @@ impl NbdListener {
                 drop(stream);
                 continue;
             }
+            let Some(slot) = peers.take(peer, limits.max_per_peer) else {
+                stats.refused_per_peer.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    %peer,
+                    max = limits.max_per_peer,
+                    "nbd: connection refused: this peer holds its maximum of connections"
+                );
+                drop(stream);
+                continue;
+            };
             let exports = offered(&set);
-            let stats = stats.clone();
+            let (stats, memory) = (stats.clone(), self.memory.clone());
             conns.spawn(async move {
+                let _slot = slot;
                 stats.connections.fetch_add(1, Ordering::Relaxed);
+                let c = Conn {
+                    limits,
+                    stats: stats.clone(),
+                    memory,
+                };
                 match stream {
-                    Stream::Unix(s) => run_logged(s, exports, limits, stats.clone()).await,
-                    Stream::Tcp(s) => run_logged(s, exports, limits, stats.clone()).await,
+                    Stream::Unix(s) => run_logged(s, exports, c).await,
+                    Stream::Tcp(s) => run_logged(s, exports, c).await,
                 }
                 stats.connections.fetch_sub(1, Ordering::Relaxed);
+                // Not awaited: the connection's place is free now, the trim follows.
+                drop(tokio::task::spawn_blocking(return_freed_memory));
             });
         }
     }
@@ -318,15 +509,18 @@ fn offered(set: &super::DevSet) -> Vec<(ExportInfo, Arc<BlockDev>)> {
         .collect()
 }
 
-async fn run_logged<S>(
-    stream: S,
-    exports: Vec<(ExportInfo, Arc<BlockDev>)>,
-    limits: NbdLimits,
-    stats: Arc<NbdStats>,
-) where
+/// What a connection is served under: its limits, its listener's counters, the memory budget.
+pub struct Conn {
+    pub limits: NbdLimits,
+    pub stats: Arc<NbdStats>,
+    pub memory: Arc<MemoryBudget>,
+}
+
+async fn run_logged<S>(stream: S, exports: Vec<(ExportInfo, Arc<BlockDev>)>, c: Conn)
+where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    if let Err(e) = serve_connection_with(stream, exports, limits, stats).await {
+    if let Err(e) = serve_connection_with(stream, exports, c).await {
         tracing::warn!("nbd connection closed: {e}");
     }
 }
@@ -349,21 +543,29 @@ pub async fn serve_connection<S>(
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let stats = Arc::new(NbdStats::default());
-    serve_connection_with(stream, vec![(info, dev)], NbdLimits::default(), stats).await
+    let c = Conn {
+        limits: NbdLimits::default(),
+        stats: Arc::new(NbdStats::default()),
+        memory: MemoryBudget::process(),
+    };
+    serve_connection_with(stream, vec![(info, dev)], c).await
 }
 
 /// [`serve_connection`] offering `exports` (the client picks one by name; the first is the
-/// default), under `limits`, counting into `stats`.
+/// default), under `c`.
 pub async fn serve_connection_with<S>(
     stream: S,
     exports: Vec<(ExportInfo, Arc<BlockDev>)>,
-    limits: NbdLimits,
-    stats: Arc<NbdStats>,
+    c: Conn,
 ) -> Result<(), ExportError>
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
+    let Conn {
+        limits,
+        stats,
+        memory,
+    } = c;
     let (mut rd, mut wr) = tokio::io::split(stream);
     let io = |what: &'static str| move |e| ExportError::io(what, e);
     let mut buf = BytesMut::with_capacity(256 << 10);
@@ -413,13 +615,27 @@ where
     };
 
     let (tx, mut rx) = mpsc::channel::<Reply>(MAX_INFLIGHT * 2);
+    let (idle, writer_stats) = (limits.idle_timeout, stats.clone());
+    // A reply the client does not take within the idle timeout ends the connection (and so
+    // frees what its requests hold).
     let writer = tokio::spawn(async move {
         let mut w = BufWriter::with_capacity(64 << 10, wr);
         while let Some(r) = rx.recv().await {
-            w.write_all(&r.head).await?;
-            w.write_all(&r.data).await?;
-            if rx.is_empty() {
-                w.flush().await?;
+            let flush = rx.is_empty();
+            let write = async {
+                w.write_all(&r.head).await?;
+                w.write_all(&r.data).await?;
+                if flush {
+                    w.flush().await?;
+                }
+                Ok::<_, std::io::Error>(())
+            };
+            if tokio::time::timeout(idle, write).await.is_err() {
+                writer_stats.idle_closed.fetch_add(1, Ordering::Relaxed);
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the client took no reply data within the idle timeout",
+                ));
             }
             drop(r.held);
         }
@@ -430,7 +646,7 @@ where
     let size = dev.size();
     let slots = Arc::new(Semaphore::new(MAX_INFLIGHT));
     // A request larger than the budget could never start: the budget is at least one.
-    let budget = Arc::new(Semaphore::new(limits.conn_bytes.max(MAX_PAYLOAD as usize)));
+    let budget = Arc::new(Semaphore::new(limits.conn_bytes.max(MIN_BUDGET)));
     let mut dec = RequestDecoder::new(MAX_PAYLOAD);
     let mut tasks = JoinSet::new();
     let result = loop {
@@ -441,10 +657,32 @@ where
                 if buf.capacity() - buf.len() < 64 << 10 {
                     buf.reserve(256 << 10);
                 }
-                match rd.read_buf(&mut buf).await {
-                    Ok(0) => break Ok(()),
-                    Ok(_) => continue,
-                    Err(e) => break Err(ExportError::io("nbd receive", e)),
+                let got = loop {
+                    // Idle: nothing executing, nothing arriving.
+                    if tasks.is_empty() {
+                        tokio::select! {
+                            r = tokio::time::timeout(idle, rd.read_buf(&mut buf)) => break r.ok(),
+                            _ = tx.closed() => break Some(Ok(0)),
+                        }
+                    }
+                    tokio::select! {
+                        r = rd.read_buf(&mut buf) => break Some(r),
+                        _ = tx.closed() => break Some(Ok(0)),
+                        Some(_) = tasks.join_next() => {}
+                    }
+                };
+                match got {
+                    None => {
+                        stats.idle_closed.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(
+                            secs = idle.as_secs(),
+                            "nbd: closing a connection idle for the idle timeout"
+                        );
+                        break Ok(());
+                    }
+                    Some(Ok(0)) => break Ok(()),
+                    Some(Ok(_)) => continue,
+                    Some(Err(e)) => break Err(ExportError::io("nbd receive", e)),
                 }
             }
             Ok(Some(Decoded::Refused(req, e))) => {
@@ -480,10 +718,15 @@ where
         // The write's payload is in hand, the read's data is about to be: both count until
         // the reply is written. Nothing more is read from the client until there is room.
         let bytes = match req.command {
-            Command::Read => req.length as usize,
+            Command::Read => dev.read_buffer_len(req.offset, req.length as usize),
             _ => payload.len(),
         };
-        let Some(held) = Held::take(&budget, bytes, &stats).await else {
+        // A connection whose writer is gone (the client went or stalled) takes nothing more.
+        let held = tokio::select! {
+            h = Held::take(&budget, &memory, bytes, &stats) => h,
+            _ = tx.closed() => None,
+        };
+        let Some(held) = held else {
             break Ok(());
         };
         let (dev, tx) = (dev.clone(), tx.clone());

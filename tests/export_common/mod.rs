@@ -3,6 +3,8 @@
 //! the soft-HCA reset hook.
 #![allow(dead_code)]
 
+pub mod model;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;

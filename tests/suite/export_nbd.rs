@@ -12,7 +12,7 @@ use std::process::Command as Cmd;
 use crate::export_common::*;
 use bytes::{Buf, BufMut, BytesMut};
 use nvmf_rdma::export::nbd::{self, *};
-use nvmf_rdma::export::{ExportAddr, NbdLimits, NbdListener, NbdStats};
+use nvmf_rdma::export::{ExportAddr, MemoryBudget, NbdLimits, NbdListener, NbdStats};
 use proptest::prelude::*;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -21,30 +21,47 @@ use std::time::{Duration, Instant};
 const NS_BYTES: u64 = 64 << 20;
 
 /// Our export served on a unix socket in a scratch directory.
-struct Served {
+pub(crate) struct Served {
     /// Keeps the target, host and runtime alive.
-    stack: Stack,
+    pub(crate) stack: Stack,
     addr: ExportAddr,
-    sock: std::path::PathBuf,
+    pub(crate) sock: std::path::PathBuf,
     _server: tokio::task::JoinHandle<()>,
     _tmp: TempDir,
-    stats: Arc<NbdStats>,
+    pub(crate) stats: Arc<NbdStats>,
+    memory: Arc<MemoryBudget>,
 }
 
-fn serve(lbads: u8) -> Served {
+pub(crate) fn serve(lbads: u8) -> Served {
     serve_limited(lbads, NbdLimits::default())
 }
 
 fn serve_limited(lbads: u8, limits: NbdLimits) -> Served {
+    serve_on(lbads, None, limits, None)
+}
+
+/// Served on `tcp` (else a unix socket), charged to `memory` (else the process budget).
+fn serve_on(
+    lbads: u8,
+    tcp: Option<&str>,
+    limits: NbdLimits,
+    memory: Option<Arc<MemoryBudget>>,
+) -> Served {
     let stack = Stack::start(NS_BYTES, lbads, 2);
     let tmp = TempDir::new("nbd");
     let sock = tmp.path().join("nbd.sock");
-    let addr: ExportAddr = format!("unix:{}", sock.display()).parse().unwrap();
-    let l = stack
+    let addr: ExportAddr = match tcp {
+        Some(a) => a.parse().unwrap(),
+        None => format!("unix:{}", sock.display()).parse().unwrap(),
+    };
+    let mut l = stack
         .rt
         .block_on(NbdListener::bind_with(&addr, limits, false))
         .unwrap();
-    let stats = l.stats();
+    if let Some(m) = memory {
+        l = l.with_memory(m);
+    }
+    let (stats, memory, addr) = (l.stats(), l.memory(), l.addr().clone());
     let dev = stack.dev.clone();
     let server = stack.rt.spawn(async move {
         l.serve(dev, "ns1".into()).await.unwrap();
@@ -56,43 +73,55 @@ fn serve_limited(lbads: u8, limits: NbdLimits) -> Served {
         _server: server,
         _tmp: tmp,
         stats,
+        memory,
     }
 }
 
 /// A minimal blocking NBD client built on the same codec.
-struct Client {
-    s: UnixStream,
+pub(crate) struct Client<S = UnixStream> {
+    s: S,
     size: u64,
     flags: u16,
     structured: bool,
     next: u64,
 }
 
-fn read_exact(s: &mut UnixStream, n: usize) -> Vec<u8> {
+fn read_exact(s: &mut impl Read, n: usize) -> Vec<u8> {
     let mut v = vec![0u8; n];
     s.read_exact(&mut v).unwrap();
     v
 }
 
-fn opt_reply(s: &mut UnixStream) -> (u32, u32, Vec<u8>) {
+fn opt_reply(s: &mut impl Read) -> (u32, u32, Vec<u8>) {
     let mut h = &read_exact(s, 20)[..];
     assert_eq!(h.get_u64(), OPT_REPLY_MAGIC);
     let (o, t, n) = (h.get_u32(), h.get_u32(), h.get_u32());
     (o, t, read_exact(s, n as usize))
 }
 
+/// Read the server's greeting and answer it.
+fn greet_on(s: &mut (impl Read + Write)) {
+    let g = read_exact(s, 18);
+    assert_eq!(&g[..16], b"NBDMAGICIHAVEOPT");
+    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
+        .unwrap();
+}
+
 impl Client {
     fn greet(sock: &Path) -> UnixStream {
         let mut s = UnixStream::connect(sock).unwrap();
-        let g = read_exact(&mut s, 18);
-        assert_eq!(&g[..16], b"NBDMAGICIHAVEOPT");
-        s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
-            .unwrap();
+        greet_on(&mut s);
         s
     }
 
-    fn connect(sock: &Path, structured: bool) -> Client {
-        let mut s = Client::greet(sock);
+    pub(crate) fn connect(sock: &Path, structured: bool) -> Client {
+        Client::handshake(Client::greet(sock), structured)
+    }
+}
+
+impl<S: Read + Write> Client<S> {
+    /// Options on a greeted stream, up to the transmission phase.
+    fn handshake(mut s: S, structured: bool) -> Client<S> {
         let mut out = Vec::new();
         if structured {
             emit_option(opt::STRUCTURED_REPLY, &[], &mut out);
@@ -131,7 +160,7 @@ impl Client {
         }
     }
 
-    fn send(
+    pub(crate) fn send(
         &mut self,
         command: Command,
         flags: u16,
@@ -157,7 +186,7 @@ impl Client {
 
     /// One simple reply: (cookie, error, data) where `data_len(cookie)` says how much READ
     /// data follows a successful reply.
-    fn reply(&mut self, data_len: impl Fn(u64) -> usize) -> (u64, u32, Vec<u8>) {
+    pub(crate) fn reply(&mut self, data_len: impl Fn(u64) -> usize) -> (u64, u32, Vec<u8>) {
         let h = read_exact(&mut self.s, 4);
         let magic = u32::from_be_bytes(h[..4].try_into().unwrap());
         if magic == SIMPLE_REPLY_MAGIC {
@@ -181,7 +210,7 @@ impl Client {
         }
     }
 
-    fn call(
+    pub(crate) fn call(
         &mut self,
         command: Command,
         flags: u16,
@@ -200,13 +229,13 @@ impl Client {
         (e, d)
     }
 
-    fn read(&mut self, offset: u64, len: u32) -> Vec<u8> {
+    pub(crate) fn read(&mut self, offset: u64, len: u32) -> Vec<u8> {
         let (e, d) = self.call(Command::Read, 0, offset, len, &[]);
         assert_eq!(e, 0, "read {offset}+{len}");
         d
     }
 
-    fn write(&mut self, offset: u64, data: &[u8], flags: u16) {
+    pub(crate) fn write(&mut self, offset: u64, data: &[u8], flags: u16) {
         let (e, _) = self.call(Command::Write, flags, offset, data.len() as u32, data);
         assert_eq!(e, 0, "write {offset}+{}", data.len());
     }
@@ -708,6 +737,15 @@ fn a_client_that_never_reads_its_replies_costs_a_bounded_amount() {
     }
 }
 
+/// `s` (with a read timeout set) is closed by the server without a greeting.
+fn closed_before_greeting(mut s: impl Read, what: &str) {
+    let mut b = [0u8; 18];
+    assert!(
+        matches!(s.read(&mut b), Ok(0) | Err(_)),
+        "{what} is closed, not greeted"
+    );
+}
+
 /// Security review #12: clients beyond the cap are closed at accept and counted; those being
 /// served are unaffected, and a place that frees up is taken by the next client.
 #[test]
@@ -720,15 +758,11 @@ fn connections_beyond_the_cap_are_closed_and_the_listener_goes_on() {
         },
     );
     let mut held: Vec<Client> = (0..3).map(|_| Client::connect(&srv.sock, false)).collect();
-    let mut extra = UnixStream::connect(&srv.sock).unwrap();
+    let extra = UnixStream::connect(&srv.sock).unwrap();
     extra
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let mut b = [0u8; 18];
-    assert!(
-        matches!(extra.read(&mut b), Ok(0) | Err(_)),
-        "a fourth client is closed, not greeted"
-    );
+    closed_before_greeting(extra, "a fourth client");
     assert_eq!(srv.stats.refused.load(Ordering::Relaxed), 1);
     for c in held.iter_mut() {
         c.write(0, &[7u8; 4096], 0);
@@ -786,4 +820,179 @@ fn sockets_are_private_and_remote_tcp_needs_consent() {
         .is_ok());
     let lo: ExportAddr = "127.0.0.1:0".parse().unwrap();
     assert!(rt.block_on(NbdListener::bind(&lo)).is_ok());
+}
+
+/// Thirty clients each send unread 16 MiB READs to two exports that share one memory
+/// budget: the bytes all connections hold stay within it (no copy of a reply is made beyond
+/// the one charged), nothing aborts, and the memory is given back once the clients leave.
+#[test]
+fn thirty_clients_that_never_read_their_replies_stay_within_the_process_budget() {
+    const BOUND: usize = 256 << 20;
+    const READ: u32 = 16 << 20;
+    let memory = MemoryBudget::new(BOUND);
+    let a = serve_on(9, None, NbdLimits::default(), Some(memory.clone()));
+    let b = serve_on(12, None, NbdLimits::default(), Some(memory.clone()));
+    assert!(Arc::ptr_eq(&a.memory, &b.memory));
+    let before = rss();
+    let mut clients: Vec<Client> = (0..30)
+        .map(|k| Client::connect(if k % 2 == 0 { &a.sock } else { &b.sock }, false))
+        .collect();
+    for (k, c) in clients.iter_mut().enumerate() {
+        for i in 0..3u64 {
+            c.send(Command::Read, 0, ((k as u64 + i) % 3) << 24, READ, &[]);
+        }
+    }
+    let t0 = Instant::now();
+    while memory.peak() < BOUND - READ as usize {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the budget never filled: {} MiB held",
+            memory.in_use() >> 20
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut grew = 0;
+    for _ in 0..20 {
+        grew = grew.max(rss().saturating_sub(before));
+        let held =
+            a.stats.bytes_held.load(Ordering::Relaxed) + b.stats.bytes_held.load(Ordering::Relaxed);
+        assert!(
+            memory.in_use() <= BOUND,
+            "{} MiB held",
+            memory.in_use() >> 20
+        );
+        assert!(held <= BOUND, "connections hold {} MiB", held >> 20);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(memory.peak() <= BOUND, "peak {} MiB", memory.peak() >> 20);
+    // Whatever else this test binary runs beside it, the held bytes and the reads' own
+    // buffers stay far below one copy per client.
+    assert!(
+        grew < 2 * BOUND as u64,
+        "process grew by {} MiB under a {} MiB budget",
+        grew >> 20,
+        BOUND >> 20
+    );
+    let peak_rss = rss();
+    drop(clients);
+    let t0 = Instant::now();
+    while memory.in_use() > 0
+        || a.stats.connections.load(Ordering::Relaxed) > 0
+        || b.stats.connections.load(Ordering::Relaxed) > 0
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the clients left but {} MiB stay held",
+            memory.in_use() >> 20
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let after = rss();
+    println!(
+        "30 clients x 3 unread 16 MiB READs, {} MiB budget: peak held {} MiB, process +{} MiB \
+         while held, RSS {} MiB at the peak, {} MiB after they left (started at {} MiB)",
+        BOUND >> 20,
+        memory.peak() >> 20,
+        grew >> 20,
+        peak_rss >> 20,
+        after >> 20,
+        before >> 20
+    );
+    assert!(
+        after < before + BOUND as u64,
+        "RSS {} MiB after the clients left, {} MiB before",
+        after >> 20,
+        before >> 20
+    );
+    // Both exports serve new clients as before.
+    assert_eq!(Client::connect(&a.sock, false).read(0, 512).len(), 512);
+}
+
+/// A blocking TCP connection from `source` (any port) to `to`.
+fn tcp_from(source: &str, to: &ExportAddr) -> std::net::TcpStream {
+    let ExportAddr::Tcp(to) = to else {
+        panic!("{to} is not TCP")
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let s = rt.block_on(async {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{source}:0").parse().unwrap()).unwrap();
+        sock.connect(*to).await.unwrap()
+    });
+    let s = s.into_std().unwrap();
+    s.set_nonblocking(false).unwrap();
+    s
+}
+
+fn tcp_client(source: &str, to: &ExportAddr) -> Client<std::net::TcpStream> {
+    let mut s = tcp_from(source, to);
+    greet_on(&mut s);
+    Client::handshake(s, false)
+}
+
+/// One peer holding its cap of idle, handshaken connections does not keep a second peer out
+/// (and its next connection is closed at accept).
+#[test]
+fn a_peer_at_its_connection_cap_does_not_keep_another_peer_out() {
+    let srv = serve_on(
+        9,
+        Some("127.0.0.1:0"),
+        NbdLimits {
+            max_connections: 8,
+            max_per_peer: 3,
+            ..NbdLimits::default()
+        },
+        None,
+    );
+    let held: Vec<_> = (0..3).map(|_| tcp_client("127.0.0.1", &srv.addr)).collect();
+    let extra = tcp_from("127.0.0.1", &srv.addr);
+    extra
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    closed_before_greeting(extra, "a fourth connection of the same peer");
+    assert_eq!(srv.stats.refused_per_peer.load(Ordering::Relaxed), 1);
+    let mut other = tcp_client("127.0.0.2", &srv.addr);
+    other.write(4096, &[9u8; 4096], 0);
+    assert_eq!(other.read(4096, 4096), vec![9u8; 4096]);
+    assert_eq!(srv.stats.connections.load(Ordering::Relaxed), 4);
+    drop(held);
+}
+
+/// A handshaken client that sends nothing is closed after the idle timeout; one that keeps
+/// sending, with pauses shorter than it, stays served for several timeouts.
+#[test]
+fn idle_connections_are_closed_after_the_idle_timeout_and_busy_ones_stay() {
+    let idle = Duration::from_millis(400);
+    let srv = serve_limited(
+        9,
+        NbdLimits {
+            idle_timeout: idle,
+            ..NbdLimits::default()
+        },
+    );
+    let quiet = Client::connect(&srv.sock, false);
+    quiet
+        .s
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut busy = Client::connect(&srv.sock, false);
+    let t0 = Instant::now();
+    let watcher = std::thread::spawn(move || {
+        quiet.expect_closed();
+        t0.elapsed()
+    });
+    while t0.elapsed() < idle * 4 {
+        busy.write(0, &[3u8; 512], 0);
+        std::thread::sleep(idle / 4);
+    }
+    let closed_after = watcher.join().unwrap();
+    assert!(
+        closed_after >= idle && closed_after < Duration::from_secs(15),
+        "the idle client was closed after {closed_after:?}"
+    );
+    assert_eq!(busy.read(0, 512), vec![3u8; 512]);
+    assert_eq!(srv.stats.idle_closed.load(Ordering::Relaxed), 1);
 }

@@ -19,6 +19,7 @@ mod rig;
 
 mod adversarial;
 mod export_fuse;
+mod export_model;
 mod export_nbd;
 mod ns_rescan;
 mod nvme_props;
