@@ -53,9 +53,12 @@ pub struct NbdLimits {
     pub max_per_peer: usize,
     /// Time a client has to finish the handshake.
     pub handshake_timeout: Duration,
-    /// A connection that makes no progress for this long is closed: no request arrives while
-    /// none is executing, or a reply waits this long for the client to take it. A request
-    /// executing (the controller recovering under it, say) keeps it open.
+    /// A reply that waits this long for the client to take it closes the connection. A
+    /// connection with no request arriving while none executes for this long is closed only
+    /// while the listener is under pressure (at least three quarters of `max_connections`
+    /// taken): an idle kernel `nbd-client` mount is left alone, and connections a peer holds
+    /// without using them give their places back when others need them. A request executing
+    /// (the controller recovering under it, say) keeps a connection open.
     pub idle_timeout: Duration,
 }
 
@@ -309,6 +312,12 @@ impl ExportAddr {
 enum Listener {
     Unix(tokio::net::UnixListener),
     Tcp(tokio::net::TcpListener),
+}
+
+/// Three quarters of the listener's places are taken: idle connections give theirs back.
+fn under_pressure(stats: &NbdStats, limits: &NbdLimits) -> bool {
+    let max = limits.max_connections.max(1);
+    stats.connections.load(Ordering::SeqCst) >= max - max / 4
 }
 
 /// A bound NBD listener. Dropping it removes its unix socket.
@@ -672,6 +681,8 @@ where
                     }
                 };
                 match got {
+                    // Idle, but nobody else needs the place: an idle mount is normal.
+                    None if !under_pressure(&stats, &limits) => continue,
                     None => {
                         stats.idle_closed.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(

@@ -966,10 +966,12 @@ fn a_peer_at_its_connection_cap_does_not_keep_another_peer_out() {
 #[test]
 fn idle_connections_are_closed_after_the_idle_timeout_and_busy_ones_stay() {
     let idle = Duration::from_millis(400);
+    // Two places, both taken: the listener is under pressure.
     let srv = serve_limited(
         9,
         NbdLimits {
             idle_timeout: idle,
+            max_connections: 2,
             ..NbdLimits::default()
         },
     );
@@ -995,4 +997,24 @@ fn idle_connections_are_closed_after_the_idle_timeout_and_busy_ones_stay() {
     );
     assert_eq!(busy.read(0, 512), vec![3u8; 512]);
     assert_eq!(srv.stats.idle_closed.load(Ordering::Relaxed), 1);
+}
+
+/// An idle client with places to spare (a kernel `nbd-client` mount nobody writes to) is not
+/// closed: the idle timeout gives places back only when others need them.
+#[test]
+fn an_idle_client_stays_while_the_listener_has_room() {
+    let idle = Duration::from_millis(200);
+    let srv = serve_limited(
+        9,
+        NbdLimits {
+            idle_timeout: idle,
+            ..NbdLimits::default()
+        },
+    );
+    let mut quiet = Client::connect(&srv.sock, false);
+    // Ten idle timeouts with nothing said: the idle check runs each time and keeps it.
+    std::thread::sleep(idle * 10);
+    quiet.write(0, &[5u8; 512], 0);
+    assert_eq!(quiet.read(0, 512), vec![5u8; 512]);
+    assert_eq!(srv.stats.idle_closed.load(Ordering::Relaxed), 0);
 }
