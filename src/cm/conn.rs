@@ -512,6 +512,14 @@ impl CmEndpoint {
         self.conns.get(&id.0).map(|c| c.local_psn)
     }
     /// Connections in the table, TimeWait included.
+    /// Connections whose DREQ is not answered yet (neither DREP nor its retries ran out).
+    pub fn disconnecting(&self) -> usize {
+        self.conns
+            .values()
+            .filter(|c| c.state == ConnState::DreqSent)
+            .count()
+    }
+
     pub fn connections(&self) -> usize {
         self.conns.len()
     }

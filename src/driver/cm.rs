@@ -223,6 +223,17 @@ impl CmService {
         })
     }
 
+    /// Wait until every DREQ sent is answered (or its retries ran out), at most `limit`:
+    /// the orderly goodbye reaches the peer before the device goes, so the peer lets the
+    /// connection's resources go at once instead of at its keep-alive timeout.
+    pub async fn settle_disconnects(&self, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while self.cm().disconnecting() > 0 && tokio::time::Instant::now() < deadline {
+            self.sh.kick.notify_one();
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
     /// Forget a connection whatever its state (the recovery path).
     pub fn abort(&self, id: ConnId) {
         crate::harness::alloc_audit::platform(|| {

@@ -86,6 +86,11 @@ impl HostDevice {
     /// Let the device go: one of our own stops and frees its UDP socket and memory.
     async fn release(self) {
         if self.own {
+            if let Some((hca, _)) = self.mgr.open(HOST_HCA) {
+                nvmf_rdma::driver::CmService::for_device(&hca)
+                    .settle_disconnects(Duration::from_secs(1))
+                    .await;
+            }
             let _ = self.mgr.unplug(HOST_HCA).await;
         }
     }
