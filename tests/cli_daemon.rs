@@ -1517,15 +1517,7 @@ fn start_file_target(dir: &Path, listen: &str, file: &Path, size: &str) -> (Proc
         .arg(file)
         .args(["--file-size", size])
         .env("NVMF_RDMA_RUN_DIR", dir.join("target-run"));
-    let t = Proc::spawn(cmd);
-    let line = t.expect("listening on", Duration::from_secs(30));
-    let addr = line
-        .split_whitespace()
-        .skip_while(|w| *w != "on")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
-    (t, addr)
+    proc::start_target_cmd(cmd)
 }
 
 /// A namespace grown while its target was down (killed, restarted on the same address with

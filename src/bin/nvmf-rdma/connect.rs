@@ -158,6 +158,12 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
             Some(_) = clients.join_next(), if !clients.is_empty() => {}
         }
     };
+    // The client that asked for the disconnect writes its "ok" now: let it (and any other,
+    // each bounded by its own read timeout) finish rather than cut the answer off.
+    let _ = tokio::time::timeout(CONTROL_TIMEOUT, async {
+        while clients.join_next().await.is_some() {}
+    })
+    .await;
     clients.abort_all();
     watcher.abort();
     // Deleting ends at once whatever recovery is doing; a second signal still wins.
