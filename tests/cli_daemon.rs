@@ -1,4 +1,4 @@
-//! `nvmf-rdma daemon` as a process (issue 16): it owns controllers and their exports, the CLI
+//! `nvmf-rdma daemon` as a process: it owns controllers and their exports, the CLI
 //! is its client, exports are never pulled out from under a mounted file system, stop
 //! signals leave nothing behind, a killed `connect` leaves its controller with the daemon,
 //! and a restarted daemon brings the configured controllers back. Each test has its own run
@@ -295,7 +295,7 @@ fn fuse_export_under_a_mounted_fs_is_refused_and_sigterm_leaves_nothing() {
     assert!(!mounted(&fuse) && !mounted(&data));
 }
 
-/// `connect -i 64 -k 5` (issue 16: the keep-alive expired while 64 I/O queues connected).
+/// `connect -i 64 -k 5`: the keep-alive does not expire while 64 I/O queues connect.
 #[test]
 fn connect_with_64_io_queues_and_keep_alive_5_goes_live() {
     let rig = Rig::new("q64");
@@ -956,7 +956,7 @@ fn read_write_verify_use_the_daemons_controller() {
     rig.ok(&["disconnect", "-d", "nvmf0"]);
 }
 
-/// Issue 16: a namespace added to a running target shows in `list` and as an export, with no
+/// A namespace added to a running target shows in `list` and as an export, with no
 /// code: `nvmf-rdma target --control SOCKET` and `nvmf-rdma target-ns add`. The new
 /// namespace is a FUSE file and an NBD export name of the controller's exports, and both
 /// read back what was written to it through the daemon's controller.
@@ -1097,7 +1097,7 @@ fn a_namespace_added_with_target_ns_add_is_a_fuse_file_and_an_nbd_export() {
     assert!(!mounted(&fuse) && !nbd.exists());
 }
 
-/// Issue 16: "on daemon shutdown, exports in use are reported, not silently broken". The
+/// On daemon shutdown, exports in use are reported, not silently broken. The
 /// shipped unit never turns a refused stop into a SIGKILL (TimeoutStopSec=infinity,
 /// SIGTERM to the daemon alone), a stop signal under an open export is refused naming it,
 /// and the forced stop (a second signal within 10 s) says who loses the export before it

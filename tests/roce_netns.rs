@@ -1,4 +1,4 @@
-//! ICRCs of RoCEv2 peers checked against the real IPv4 header (issue 15), end to end with
+//! ICRCs of RoCEv2 peers checked against the real IPv4 header, end to end with
 //! the release binary: a soft target and a soft host in two network namespaces joined by a
 //! veth pair on private addresses, so each treats the other as a RoCEv2 device
 //! (`roce_peer`: not loopback) and reads its datagrams off a raw socket.

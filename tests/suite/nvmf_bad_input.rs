@@ -851,7 +851,7 @@ async fn a_command_never_answered_times_out_and_fails_after_its_retries() {
     within(5, "disconnect", c.disconnect()).await;
 }
 
-/// Per-command keys (issue 15, row 12): a target that RDMA WRITEs into a command's buffer
+/// Per-command keys: a target that RDMA WRITEs into a command's buffer
 /// after the host completed the command is refused by the host's HCA: the key that
 /// command named was invalidated at completion (here by the host itself: the fake never
 /// sends with invalidate). The refusal fails the connection, recovery sends the next

@@ -1,12 +1,11 @@
-//! The edges of the recovery path (issue 18), on loopback with the real driver:
+//! The edges of the recovery path, on loopback with the real driver:
 //! - a fault at any command of the first connect's bring-up ends `connect` in bounded time
 //!   (a failed connect with its cause, or a controller that recovers), never a hang;
 //! - with `reconnect_delay` 0, `ctrl_loss_tmo` is a time: a reset storm and a target that is
 //!   away for seconds are waited out, not counted out;
 //! - `disconnect` ends a controller at once whatever recovery is doing.
 //!
-//! Each test failed on the code before the fix (hangs caught by the bounds below, or
-//! "max_reconnects used up").
+//! Hangs are caught by the bounds below.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -78,8 +77,8 @@ async fn bring_up_commands(t: &TargetRig, mgr: &DeviceManager) -> u64 {
     n
 }
 
-/// Issue 18.1: reset the host HCA right after the target executed bring-up command K, for
-/// every K, five times each. Before the fix some of these hung forever (Identify and the
+/// Reset the host HCA right after the target executed bring-up command K, for every K,
+/// five times each: none hangs (Identify and the
 /// namespace Identify went through user slots with no deadline and were held for a
 /// recovery that did not exist yet).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -138,9 +137,8 @@ async fn a_device_reset_at_any_bring_up_command_never_hangs_connect() {
     .await;
 }
 
-/// Issue 18.1: freeze the target for 1 s right after bring-up command K (CSTS.RDY among
-/// them). The commands sent meanwhile are never answered; before the fix `connect` was
-/// still pending 40 s later, now it ends within its connect timeout.
+/// Freeze the target for 1 s right after bring-up command K (CSTS.RDY among them). The
+/// commands sent meanwhile are never answered; `connect` ends within its connect timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_frozen_during_bring_up_ends_connect_in_bounded_time() {
     let t = TargetRig::start(IP, NS_BYTES).await.unwrap();
@@ -221,11 +219,11 @@ async fn join(ws: Vec<tokio::task::JoinHandle<WorkerReport>>) -> WorkerReport {
     all
 }
 
-/// Issue 18.2, a reset storm with reconnect_delay 0 and ctrl_loss_tmo 4 s: resets every
+/// A reset storm with reconnect_delay 0 and ctrl_loss_tmo 4 s: resets every
 /// 5-10 ms for 2 s (about as long as a reconnect attempt, so most attempts are cut), then
 /// quiet. The loss timeout is a time, so the controller lives through it and recovers with no
-/// failed I/O. Before the fix the attempt budget was ctrl_loss_tmo attempts (4), spent in
-/// milliseconds by attempts the next reset cut short: DEAD, "max_reconnects used up".
+/// failed I/O: attempts the next reset cuts short spend no attempt budget (never DEAD with
+/// "max_reconnects used up").
 /// (Storms of 20-50 ms with ctrl_loss_tmo 10-30 s run in the seed sweep and `chaos`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_storm_with_zero_delay_is_lived_through_until_ctrl_loss_tmo() {
@@ -274,9 +272,9 @@ async fn a_reset_storm_with_zero_delay_is_lived_through_until_ctrl_loss_tmo() {
     }
 }
 
-/// Issue 18.2: the target is away for 3 s (nothing answers; each attempt fails after the
+/// The target is away for 3 s (nothing answers; each attempt fails after the
 /// 100 ms connect timeout). reconnect_delay 0, ctrl_loss_tmo 10 s: the controller waits it
-/// out and no I/O fails. Before the fix, ten failed attempts (1 s) used up the budget.
+/// out and no I/O fails: ten failed attempts (1 s) do not use up a budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_away_for_three_seconds_is_waited_out_with_zero_delay() {
     let mut t = TargetRig::start(IP, NS_BYTES).await.unwrap();
@@ -342,8 +340,8 @@ async fn ended(reads: Vec<tokio::task::JoinHandle<Result<(), HostError>>>) -> us
     deleted
 }
 
-/// Issue 18.3: `disconnect` right after a device reset returns at once (before the fix: not
-/// within 5 s in 2 of 10 cases, the delete wake-up lost to a race).
+/// `disconnect` right after a device reset returns at once, every time (the delete wake-up
+/// is never lost to the reset).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_right_after_a_device_reset_returns_at_once() {
     let t = TargetRig::start(IP, NS_BYTES).await.unwrap();
@@ -392,10 +390,9 @@ async fn disconnect_right_after_a_device_reset_returns_at_once() {
     }
 }
 
-/// Issue 18.3: `disconnect` during a reconnect attempt against a frozen target, with
+/// `disconnect` during a reconnect attempt against a frozen target, with
 /// ctrl_loss_tmo -1 and a connect timeout far beyond the test: it returns at once and the
-/// pending I/O fails "controller deleted". Before the fix it returned only at ctrl_loss_tmo,
-/// so never.
+/// pending I/O fails "controller deleted", not at ctrl_loss_tmo (here: never).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_interrupts_an_attempt_against_a_frozen_target() {
     let t = TargetRig::start(IP, NS_BYTES).await.unwrap();
@@ -427,7 +424,7 @@ async fn disconnect_interrupts_an_attempt_against_a_frozen_target() {
     }
 }
 
-/// Issue 18.3: the target is gone for good, ctrl_loss_tmo -1, reconnect_delay 0: the
+/// The target is gone for good, ctrl_loss_tmo -1, reconnect_delay 0: the
 /// controller retries forever, and `disconnect` still ends it at once, every time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_ends_a_controller_retrying_forever() {
@@ -452,13 +449,12 @@ async fn disconnect_ends_a_controller_retrying_forever() {
     }
 }
 
-/// Issue 18, "also": answers that are in flight when a reset strikes complete their command
+/// Answers that are in flight when a reset strikes complete their command
 /// once: never a stray or double completion, never a lost write. 150 resets with the device
 /// away 0-3 ms, under verified I/O from four workers. How many answers come in after their
-/// command was held varies from run to run (0 to 6 seen here; before the fix those ran a
-/// second time after recovery), so it is printed, not asserted; this test guards the
-/// accounting (`submitted == completed + failed`, no strays), and it passes on the code
-/// before the fix too.
+/// command was held varies from run to run (0 to 6 seen here; none runs a second time after
+/// recovery), so it is printed, not asserted; this test guards the accounting
+/// (`submitted == completed + failed`, no strays).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_in_flight_at_a_reset_complete_their_command_once() {
     let t = TargetRig::start(IP, NS_BYTES).await.unwrap();
