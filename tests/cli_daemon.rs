@@ -617,6 +617,9 @@ fn connect_starts_a_daemon_when_none_runs_and_stop_ends_it() {
 
     let out = rig.ok(&["daemon", "--background"]);
     assert!(out.contains("daemon running"), "{out}");
+    // Asked again, it finds the daemon running: exit 0 and a note, as provisioning expects.
+    let again = rig.ok(&["daemon", "--background"]);
+    assert!(again.contains("already runs"), "{again}");
     let pid: i32 = std::fs::read_to_string(rig.run.join("daemon.pid"))
         .unwrap()
         .trim()
@@ -632,6 +635,15 @@ fn connect_starts_a_daemon_when_none_runs_and_stop_ends_it() {
         log.contains("SIGHUP: stopped") && log.contains("nvmf0: disconnected"),
         "{log}"
     );
+    // Each line of the log carries its time (UTC, RFC 3339), so recovery can be read back.
+    let stamped = |l: &str| {
+        let b = l.as_bytes();
+        b.len() > 24 && b[4] == b'-' && b[10] == b'T' && b[23] == b'Z'
+    };
+    for what in ["ready", "nvmf0: connected", "SIGHUP: stopped"] {
+        let line = log.lines().find(|l| l.contains(what)).unwrap();
+        assert!(stamped(line), "no time on {line:?}");
+    }
 }
 
 /// `disconnect --force` under a mounted file system goes through: the FUSE mount leaves the

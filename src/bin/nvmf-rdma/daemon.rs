@@ -44,6 +44,32 @@ use crate::signals::{PendingStop, StopSignals, FORCE_WINDOW, PENDING_POLL};
 use crate::usage::{holders, in_use_message, Probe};
 use nvmf_rdma::cli::device::{self, DeviceChoice};
 
+/// A line of the daemon's log. Under `daemon --background` the log is a file of ours
+/// (RUN_DIR/daemon.log), so each line gets the time in front, as the target's log has it;
+/// under systemd journald adds the time itself.
+macro_rules! say {
+    ($($t:tt)*) => {
+        $crate::daemon::log_line(format_args!($($t)*))
+    };
+}
+
+/// Whether [`say!`] puts the time in front (set in the daemon started by `--background`).
+static LOG_TIME: AtomicBool = AtomicBool::new(false);
+
+/// The environment variable `--background` sets for the daemon it starts.
+const LOG_TIME_ENV: &str = "NVMF_RDMA_LOG_TIME";
+
+pub(crate) fn log_line(args: std::fmt::Arguments<'_>) {
+    if LOG_TIME.load(Ordering::Relaxed) {
+        println!(
+            "{} {args}",
+            crate::units::utc_stamp(std::time::SystemTime::now())
+        );
+    } else {
+        println!("{args}");
+    }
+}
+
 /// Clients served at once; one more gets a `busy` answer and is closed.
 const MAX_CLIENTS: usize = 64;
 /// Time a client has to send each complete request line.
@@ -444,12 +470,12 @@ async fn retry_line(st: &Arc<State>, l: &ConfigLine, n: u32) -> bool {
     if let Ok(v) = &r {
         for r in v["results"].as_array().into_iter().flatten() {
             if r["status"] == "connected" {
-                println!("connect-all: line {}: {r}", l.line);
+                say!("connect-all: line {}: {r}", l.line);
             }
         }
     }
     for e in &errors {
-        println!(
+        say!(
             "connect-all: line {}: {e}; trying again in {next} s",
             l.line
         );
@@ -520,7 +546,7 @@ async fn op_connect(st: Arc<State>, p: ConnectParams) -> Result<Value, ProtoErro
     let r = job
         .await
         .unwrap_or_else(|e| Err(failed(format!("connect task ended: {e}"))))?;
-    println!("{name}: connected ({})", p.nqn);
+    say!("{name}: connected ({})", p.nqn);
     let mut m = Map::new();
     m.insert("device".into(), json!(name));
     m.insert("controller".into(), r);
@@ -554,7 +580,7 @@ async fn connect_entry(
         }
     };
     for l in exports.describe() {
-        println!("{name}: {l}");
+        say!("{name}: {l}");
     }
     let tasks = vec![
         tokio::spawn(report_state_changes(name.clone(), c.watch_status())),
@@ -603,10 +629,10 @@ async fn watch_namespaces(name: String, c: Arc<Controller>, set: Option<DevSet>)
                     .iter()
                     .map(|n| format!("{} ({} blocks)", n.nsid, n.blocks))
                     .collect();
-                println!("{name}: namespaces changed: {}", ids.join(", "));
+                say!("{name}: namespaces changed: {}", ids.join(", "));
                 if let Some(set) = &set {
                     for l in follow_namespaces(&c, set) {
-                        println!("{name}: {l}");
+                        say!("{name}: {l}");
                     }
                 }
             }
@@ -620,12 +646,14 @@ async fn next_namespace_event(name: &str, c: &Arc<Controller>) -> bool {
     match c.next_async_event().await {
         Ok(ev) if ev.namespaces_changed() => {
             if let Err(e) = c.rescan_namespaces().await {
-                println!("{name}: namespaces changed, rescan failed: {e}");
+                say!("{name}: namespaces changed, rescan failed: {e}");
             }
         }
-        Ok(ev) => println!(
+        Ok(ev) => say!(
             "{name}: async event type {} info {:#x} (log page {:#x})",
-            ev.kind, ev.info, ev.log_page
+            ev.kind,
+            ev.info,
+            ev.log_page
         ),
         // Failed with the I/O of a recovery (fast_io_fail_tmo): ask again once the
         // controller is live; a deleted one ends the watch.
@@ -730,16 +758,16 @@ async fn watch_discovery(
         let (c, device) = match c {
             Ok(c) => c,
             Err(e) => {
-                println!("{what}: {e:#}; trying again in 10 s");
+                say!("{what}: {e:#}; trying again in 10 s");
                 tokio::time::sleep(Duration::from_secs(10)).await;
                 continue;
             }
         };
-        println!("{what}: watching its log for changes");
+        say!("{what}: watching its log for changes");
         loop {
             match c.next_async_event().await {
                 Ok(ev) if ev.discovery_changed() => {
-                    println!("{what}: discovery log changed; connect-all");
+                    say!("{what}: discovery log changed; connect-all");
                     let _ = rescan.try_send(p.clone());
                 }
                 Ok(_) => {}
@@ -786,12 +814,12 @@ async fn reap_when_dead(
             }
         }
         if !said {
-            println!("{name}: dead; kept while an export is in use (its users get I/O errors), until it is released or `disconnect --force`");
+            say!("{name}: dead; kept while an export is in use (its users get I/O errors), until it is released or `disconnect --force`");
             said = true;
         }
         tokio::time::sleep(PENDING_POLL).await;
     };
-    println!("{name}: dead; removed");
+    say!("{name}: dead; removed");
     // This task is one of the entry's: do not abort ourselves.
     e.tasks.clear();
     e.stop().await;
@@ -826,7 +854,7 @@ async fn op_disconnect(
             "forced while in use: {}; its users get I/O errors from now on",
             e.message
         );
-        println!("{msg}");
+        say!("{msg}");
         let _ = sdnotify::notify(&format!("STATUS={msg}"));
     }
     let entries: Vec<Entry> = {
@@ -839,13 +867,13 @@ async fn op_disconnect(
     let mut names = Vec::new();
     for e in entries {
         names.push(e.name.clone());
-        println!(
+        say!(
             "{}: disconnecting{}",
             e.name,
             if force { " (forced)" } else { "" }
         );
         e.stop().await;
-        println!("{}: disconnected", names.last().map_or("", |s| s));
+        say!("{}: disconnected", names.last().map_or("", |s| s));
     }
     Ok(names)
 }
@@ -1167,6 +1195,26 @@ impl PidLock {
     }
 }
 
+impl PidLock {
+    /// The pid of the daemon that holds the lock in `dir`, if one does.
+    fn holder(dir: &Path) -> Option<String> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = dir.join("daemon.pid");
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .ok()?;
+        // SAFETY: flock on a descriptor we own; a shared lock taken here goes with `f`.
+        let free = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0;
+        if free {
+            return None;
+        }
+        Some(std::fs::read_to_string(&path).ok()?.trim().to_string())
+    }
+}
+
 impl Drop for PidLock {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
@@ -1179,6 +1227,14 @@ pub(crate) fn run_daemon(a: DaemonArgs, global: Vec<String>) -> Result<()> {
         return stop_running(a.force);
     }
     if a.background {
+        // Already running: what was asked for holds (provisioning scripts run this twice).
+        if let Some(pid) = PidLock::holder(&run_dir()) {
+            println!(
+                "nvmf-rdma daemon already runs (pid {pid}); socket {}",
+                run_dir().join(SOCKET_NAME).display()
+            );
+            return Ok(());
+        }
         return start_background(&a, &global).map(|pid| {
             println!(
                 "nvmf-rdma daemon running (pid {pid}); socket {}",
@@ -1223,6 +1279,9 @@ fn stop_running(force: bool) -> Result<()> {
 }
 
 async fn serve(a: DaemonArgs) -> Result<()> {
+    if std::env::var_os(LOG_TIME_ENV).is_some() {
+        LOG_TIME.store(true, Ordering::Relaxed);
+    }
     let dir = run_dir();
     make_run_dir(&dir)?;
     let _pid = PidLock::take(&dir)?;
@@ -1253,7 +1312,7 @@ async fn serve(a: DaemonArgs) -> Result<()> {
                 if let Ok(v) = op_connect_all(&st, Some(p)).await {
                     for r in v["results"].as_array().into_iter().flatten() {
                         if r["status"] != "already-connected" {
-                            println!("connect-all: {r}");
+                            say!("connect-all: {r}");
                         }
                     }
                 }
@@ -1287,10 +1346,10 @@ async fn serve_until_stopped(
             match op_connect_all(st, None).await {
                 Ok(v) => {
                     for r in v["results"].as_array().into_iter().flatten() {
-                        println!("connect-all: {r}");
+                        say!("connect-all: {r}");
                     }
                 }
-                Err(e) => println!("connect-all: {}", e.message),
+                Err(e) => say!("connect-all: {}", e.message),
             }
         }
     };
@@ -1298,7 +1357,7 @@ async fn serve_until_stopped(
     tokio::pin!(startup);
     let mut started = false;
     let mut pending = PendingStop::default();
-    println!(
+    say!(
         "nvmf-rdma daemon {} (protocol {PROTOCOL_VERSION}) on {}",
         env!("CARGO_PKG_VERSION"),
         st.run_dir.join(SOCKET_NAME).display()
@@ -1308,15 +1367,15 @@ async fn serve_until_stopped(
             _ = &mut startup, if !started => {
                 started = true;
                 let _ = sdnotify::notify(&format!("READY=1\nSTATUS=serving {} controller(s)", lock(&st.inner).ctrls.len()));
-                println!("ready");
+                say!("ready");
             }
             sig = signals.recv() => {
                 let now = Instant::now();
                 match try_stop(st, pending.forces(now), true).await {
-                    Ok(()) => { println!("{sig}: stopped"); break; }
+                    Ok(()) => { say!("{sig}: stopped"); break; }
                     Err(e) => {
                         pending.refused(now);
-                        println!("{sig}: not stopping: {}; {}; the stop completes once they are released; another stop signal within {} s forces it",
+                        say!("{sig}: not stopping: {}; {}; the stop completes once they are released; another stop signal within {} s forces it",
                             e.message, e.hint.as_deref().unwrap_or(""), FORCE_WINDOW.as_secs());
                         let _ = sdnotify::notify(&format!("STATUS=refusing to stop: {}", e.message));
                     }
@@ -1331,9 +1390,9 @@ async fn serve_until_stopped(
                     continue;
                 }
                 match try_stop(st, false, true).await {
-                    Ok(()) => { println!("exports released: stopped"); break; }
+                    Ok(()) => { say!("exports released: stopped"); break; }
                     Err(e) if due => {
-                        println!("stop pending: {}; {}", e.message, e.hint.as_deref().unwrap_or(""));
+                        say!("stop pending: {}; {}", e.message, e.hint.as_deref().unwrap_or(""));
                         let _ = sdnotify::notify(&format!("STATUS=stop pending: {}", e.message));
                     }
                     Err(_) => {}
@@ -1343,7 +1402,7 @@ async fn serve_until_stopped(
                 let r = try_stop(st, force, pending.is_pending()).await;
                 let done = r.is_ok();
                 let _ = reply.send(r);
-                if done { println!("stop request: stopped"); break; }
+                if done { say!("stop request: stopped"); break; }
             }
             conn = listener.accept() => {
                 let Ok((stream, _)) = conn else {
@@ -1434,6 +1493,7 @@ pub(crate) fn start_background(a: &DaemonArgs, global: &[String]) -> Result<u32>
         cmd.arg(format!("--client-timeout={t}"));
     }
     cmd.env("NOTIFY_SOCKET", &notify)
+        .env(LOG_TIME_ENV, "1")
         .env("NVMF_RDMA_RUN_DIR", &dir)
         .env_remove("RUST_BACKTRACE")
         .stdin(std::process::Stdio::null())

@@ -563,3 +563,14 @@ fn every_man_page_has_examples_exit_status_environment_and_files() {
         }
     }
 }
+
+#[test]
+fn log_times_are_utc_rfc3339_with_milliseconds() {
+    use crate::units::utc_stamp;
+    use std::time::{Duration, UNIX_EPOCH};
+    let at = |s: u64, ms: u64| utc_stamp(UNIX_EPOCH + Duration::from_millis(s * 1000 + ms));
+    assert_eq!(at(0, 0), "1970-01-01T00:00:00.000Z");
+    assert_eq!(at(951_782_400, 0), "2000-02-29T00:00:00.000Z");
+    assert_eq!(at(1_795_900_000, 123), "2026-11-28T21:06:40.123Z");
+    assert_eq!(at(4_102_444_800, 0), "2100-01-01T00:00:00.000Z");
+}
