@@ -1344,10 +1344,10 @@ fn dead_port() -> u16 {
 /// Each loopback controller runs on a soft-HCA of its own (a UDP socket, its memory): it
 /// goes with the controller on every path. Cycles of connect/disconnect, a refused connect
 /// each cycle, a few connects nobody answers, and a discovery line that never answers
-/// (retried all along): over 200 cycles the daemon's descriptors stay within +5 and its RSS
-/// within +20 MiB of where they were after a warm-up of 100 cycles, in which the allocator's
-/// arenas settle (about +25 MiB, then flat) (a soft-HCA left running per cycle would be 200
-/// descriptors and about 700 MB).
+/// (retried all along): over 200 cycles after a warm-up of 100 the daemon's descriptors
+/// stay within +5 and its RSS within +96 MiB. The allocator's arenas grow to their working
+/// size over the first 200-300 cycles (seen: +58 MiB in a release build, then flat to cycle
+/// 800); a soft-HCA left running per cycle would be 200 descriptors and about 700 MB.
 #[test]
 fn connect_disconnect_cycles_leave_descriptors_and_memory_flat() {
     let rig = Rig::new("cycles");
@@ -1399,7 +1399,7 @@ fn connect_disconnect_cycles_leave_descriptors_and_memory_flat() {
         "descriptors {fds0} -> {fds1} over {cycles} cycles"
     );
     assert!(
-        rss1 < rss0 + 20 * 1024,
+        rss1 < rss0 + 96 * 1024,
         "RSS {rss0} -> {rss1} KiB over {cycles} cycles"
     );
 }
