@@ -248,6 +248,9 @@ struct Slot {
     key_live: bool,
     /// The command's data is in chunk `.1` of registered buffer `.0`, not in the slot.
     region: Option<(u32, u32)>,
+    /// Submitted by code the allocation audit counts apart (the namespace rescan after a
+    /// reconnect): the copy of its answer is counted with it.
+    audit_apart: bool,
     reply: Option<oneshot::Sender<Result<Response, HostError>>>,
 }
 
@@ -369,6 +372,7 @@ impl<D: DeviceContext> QueueCore<D> {
                 held_out: false,
                 key_live: false,
                 region: None,
+                audit_apart: false,
                 reply: None,
             })
             .collect();
@@ -791,6 +795,7 @@ impl<D: DeviceContext> QueueCore<D> {
         s.data_out = out_len;
         s.data_in = data_in;
         s.retries = 0;
+        s.audit_apart = crate::harness::alloc_audit::in_platform();
         s.reply = Some(reply);
         s.state = SlotState::Held;
         self.stats.submitted += 1;
@@ -1095,6 +1100,9 @@ impl<D: DeviceContext> QueueCore<D> {
         let mut data = Vec::new();
         if st.is_success() && data_in > 0 && self.slots[i].region.is_none() {
             let off = i * self.spec.max_io;
+            let _apart = self.slots[i]
+                .audit_apart
+                .then(crate::harness::alloc_audit::enter);
             data = self.spare.pop().unwrap_or_default();
             data.clear();
             self.data
