@@ -56,6 +56,8 @@ pub struct Request {
     /// The data is in a chunk of a registered buffer instead ([`IoBuffer`]).
     pub region: Option<RegionIo>,
     pub reply: oneshot::Sender<Result<Response, HostError>>,
+    /// Sent by code the allocation audit counts apart (see [`Slot`]).
+    pub audit_apart: bool,
 }
 
 /// A command's data in chunk `chunk` of registered buffer `id` ([`IoBuffer`]): `len` bytes
@@ -726,6 +728,7 @@ impl<D: DeviceContext> QueueCore<D> {
             req.data_in,
             req.region,
             req.reply,
+            req.audit_apart,
         );
     }
 
@@ -740,6 +743,7 @@ impl<D: DeviceContext> QueueCore<D> {
         data_in: usize,
         region: Option<RegionIo>,
         reply: oneshot::Sender<Result<Response, HostError>>,
+        audit_apart: bool,
     ) {
         if let Phase::Closed(why) = self.phase {
             let _ = reply.send(Err(HostError::Path(why)));
@@ -795,7 +799,7 @@ impl<D: DeviceContext> QueueCore<D> {
         s.data_out = out_len;
         s.data_in = data_in;
         s.retries = 0;
-        s.audit_apart = crate::harness::alloc_audit::in_platform();
+        s.audit_apart = audit_apart;
         s.reply = Some(reply);
         s.state = SlotState::Held;
         self.stats.submitted += 1;
@@ -1502,7 +1506,8 @@ impl<D: DeviceContext> Direct for Mutex<QueueCore<D>> {
     ) -> Option<oneshot::Sender<Result<Response, HostError>>> {
         let mut c = self.lock().unwrap_or_else(|e| e.into_inner());
         if c.accepting() && !c.backlog && tx.capacity() == tx.max_capacity() {
-            c.submit_parts(clock.now(), sqe, data_out, data_in, region, reply);
+            let apart = crate::harness::alloc_audit::in_platform();
+            c.submit_parts(clock.now(), sqe, data_out, data_in, region, reply, apart);
             c.flush_posts();
             None
         } else {
@@ -1696,6 +1701,7 @@ impl QueueHandle {
                 data_in,
                 region: None,
                 reply,
+                audit_apart: crate::harness::alloc_audit::in_platform(),
             })
             .await
             .map_err(|_| HostError::Gone(format!("queue {} stopped", self.qid)))?;
@@ -1772,6 +1778,7 @@ impl QueueHandle {
                         data_in,
                         region,
                         reply,
+                        audit_apart: crate::harness::alloc_audit::in_platform(),
                     })
                     .await
                     .map_err(|_| HostError::Gone(format!("queue {} stopped", self.qid)))?
