@@ -735,6 +735,8 @@ impl<D: DeviceContext> QueueCore<D> {
     /// [`QueueCore::submit`] with the outgoing data borrowed: it is copied into the slot.
     /// With `region` the data stays in the caller's registered buffer (`data_out` and
     /// `data_in` are then unused): no copy.
+    // The request's parts, one argument each, so the fast path borrows its data.
+    #[allow(clippy::too_many_arguments)]
     fn submit_parts(
         &mut self,
         now: Instant,
