@@ -22,6 +22,8 @@
 //! - `identify.rs`: Identify Controller / Namespace data, active namespace list (Base:
 //!   Identify command data structures).
 //! - `discovery.rs`: the Discovery Log Page header and entries (Fabrics: Discovery Log Page).
+//! - `ccr.rs`: Cross-Controller Reset: the command, its completion, the CCR log page and its
+//!   asynchronous event (TP8028; CQT and CIU/CIRN live in `identify.rs`).
 //!
 //! Parsers take `&[u8]`, check the length first and never panic, whatever the bytes (the
 //! property tests in `tests/suite/nvme_props.rs` and the `capsule` fuzz target hold them to
@@ -30,6 +32,7 @@
 //! A completion status is data ([`Status`]), never an `Err` of these parsers.
 
 pub mod admin;
+pub mod ccr;
 pub mod cqe;
 pub mod discovery;
 pub mod fabrics;

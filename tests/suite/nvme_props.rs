@@ -143,12 +143,14 @@ fn any_ctrl() -> impl Strategy<Value = IdentifyController> {
             any::<u8>(),
             any::<u8>(),
         ),
+        (any::<u8>(), any::<u64>(), any::<u16>(), any::<u8>()),
     )
         .prop_map(
             |(
                 (vid, ssvid, sn, mn, fr, mdts, cntlid, ver),
                 (ctratt, kas, sqes, cqes, maxcmd, nn, oncs, vwc),
                 (sgls, subnqn, ioccsz, iorcsz, icdoff, fcatt, msdbd),
+                (ciu, cirn, cqt, ccrl),
             )| IdentifyController {
                 vid,
                 ssvid,
@@ -159,7 +161,10 @@ fn any_ctrl() -> impl Strategy<Value = IdentifyController> {
                 cntlid,
                 ver,
                 ctratt,
+                ciu,
+                cirn,
                 kas,
+                cqt,
                 sqes,
                 cqes,
                 maxcmd,
@@ -173,6 +178,7 @@ fn any_ctrl() -> impl Strategy<Value = IdentifyController> {
                 icdoff,
                 fcatt,
                 msdbd,
+                ccrl,
             },
         )
 }
