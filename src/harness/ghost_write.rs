@@ -7,9 +7,11 @@
 //!   target notices within KATO of the last packet it got from the host (it honours CQT).
 //!   A Cross-Controller Reset drops the impacted controller's unfinished commands at once.
 //! - The host keeps a few reads and writes in flight to a handful of blocks (never two at
-//!   once to the same block, as a file system or fio's verify does), sends keep alives every
-//!   KATO / 2, notices a dead connection when one goes unanswered, reconnects (a new
-//!   controller instance), and resends what the hold rule lets go.
+//!   once to the same block, as a file system or fio's verify does), over one path or two
+//!   (two controllers of the same subsystem, failover: the first live path). It sends keep
+//!   alives every KATO / 2, notices a dead connection when one goes unanswered, resends what
+//!   the hold rule lets go on a live path, sends CCRs through a live path, and reconnects the
+//!   dead one (a new controller instance).
 //! - The checker: every read of a block returns the last write the host saw acknowledged for
 //!   it, and at the end, once the target has nothing left to run, so does every block.
 //!
@@ -42,6 +44,8 @@ pub struct GhostConfig {
     pub kato_ms: u64,
     /// The target's Command Quiesce Time, ms, which it reports and honours.
     pub cqt_ms: u16,
+    /// Paths (controllers of the subsystem): 1 or 2.
+    pub paths: usize,
     pub blocks: usize,
     pub queue_depth: usize,
     /// Reads and writes the workload issues.
@@ -58,6 +62,7 @@ impl GhostConfig {
             ccr_offered: true,
             kato_ms: 100,
             cqt_ms: 150,
+            paths: 1,
             blocks: 4,
             queue_depth: 4,
             ops: 240,
@@ -136,7 +141,9 @@ enum Ev {
         sent: u64,
     },
     LinkDeath,
-    Reconnect,
+    Reconnect {
+        path: usize,
+    },
     /// A CCR for the controller of connection `gen` reaches the target.
     CcrArrives {
         gen: u32,
@@ -148,6 +155,7 @@ enum Ev {
 }
 
 struct Conn {
+    path: usize,
     instance: CtrlInstance,
     /// Time the link died; packets sent at or after it are lost.
     died_at: Option<u64>,
@@ -167,8 +175,8 @@ struct Sim {
     seq: u64,
     events: BinaryHeap<Reverse<(u64, u64, Ev)>>,
     conns: Vec<Conn>,
-    /// Generation of the connection the host uses; `None` while reconnecting.
-    live: Option<u32>,
+    /// Per path, the generation of the connection the host uses; `None` while reconnecting.
+    live: Vec<Option<u32>>,
     cmds: Vec<Cmd>,
     /// Commands let go by the hold rule, waiting for a live connection.
     ready: Vec<usize>,
@@ -200,7 +208,7 @@ impl Sim {
             seq: 0,
             events: BinaryHeap::new(),
             conns: Vec::new(),
-            live: None,
+            live: vec![None; cfg.paths.max(1)],
             cmds: Vec::new(),
             ready: Vec::new(),
             hold: Hold::new(policy, cfg.ops),
@@ -214,7 +222,9 @@ impl Sim {
             fault_notice_at: None,
             out: GhostOutcome::default(),
         };
-        s.connect();
+        for path in 0..cfg.paths.max(1) {
+            s.connect(path);
+        }
         s.schedule_fault();
         s
     }
@@ -228,11 +238,12 @@ impl Sim {
         self.cfg.kato_ms
     }
 
-    fn connect(&mut self) {
+    fn connect(&mut self, path: usize) {
         let gen = self.conns.len() as u32;
         self.conns.push(Conn {
+            path,
             instance: CtrlInstance {
-                cntlid: 1,
+                cntlid: path as u16 + 1,
                 ciu: gen as u8,
                 cirn: self.rng.random(),
             },
@@ -243,7 +254,7 @@ impl Sim {
             last_ka_answer: self.now,
             target_last_rx: self.now,
         });
-        self.live = Some(gen);
+        self.live[path] = Some(gen);
         self.at(self.kato() / 2, Ev::KeepAliveSend { gen });
     }
 
@@ -253,6 +264,15 @@ impl Sim {
             let d = self.rng.random_range(20..150);
             self.at(d, Ev::LinkDeath);
         }
+    }
+
+    /// The connection new commands go on: the first live path.
+    fn current(&self) -> Option<u32> {
+        self.live.iter().flatten().copied().next()
+    }
+
+    fn is_current(&self, gen: u32) -> bool {
+        self.live[self.conns[gen as usize].path] == Some(gen)
     }
 
     fn alive(&self, gen: u32) -> bool {
@@ -273,7 +293,7 @@ impl Sim {
     }
 
     fn submit(&mut self, cmd: usize) {
-        let Some(gen) = self.live else {
+        let Some(gen) = self.current() else {
             self.ready.push(cmd);
             return;
         };
@@ -288,7 +308,7 @@ impl Sim {
     }
 
     fn issue_more(&mut self) {
-        if self.live.is_none() {
+        if self.current().is_none() {
             return;
         }
         let outstanding = self.cmds.iter().filter(|c| !c.done).count();
@@ -375,10 +395,12 @@ impl Sim {
     /// The link of the live connection dies. Its unfinished commands run late or are
     /// dropped, all within CQT of the target noticing (KATO after its last packet).
     fn link_death(&mut self) {
-        let Some(gen) = self.live else {
+        let up: Vec<u32> = self.live.iter().flatten().copied().collect();
+        if up.is_empty() {
             self.schedule_fault();
             return;
-        };
+        }
+        let gen = up[self.rng.random_range(0..up.len())];
         if !self.alive(gen) {
             return;
         }
@@ -408,7 +430,7 @@ impl Sim {
     }
 
     fn keep_alive_send(&mut self, gen: u32) {
-        if self.live != Some(gen) || self.finished() {
+        if !self.is_current(gen) || self.finished() {
             return;
         }
         let sent = self.now;
@@ -421,7 +443,7 @@ impl Sim {
 
     fn keep_alive_check(&mut self, gen: u32, sent: u64) {
         let c = &self.conns[gen as usize];
-        if self.live != Some(gen) || c.last_ka_answer >= sent {
+        if !self.is_current(gen) || c.last_ka_answer >= sent {
             return;
         }
         self.connection_lost(gen);
@@ -430,7 +452,8 @@ impl Sim {
     /// The host notices `gen` is dead: hold its in-flight commands, reconnect.
     fn connection_lost(&mut self, gen: u32) {
         self.out.faults_seen += 1;
-        self.live = None;
+        let path = self.conns[gen as usize].path;
+        self.live[path] = None;
         let now = Instant::from_nanos(self.now * 1_000_000);
         let c = &mut self.conns[gen as usize];
         c.abandoned = true;
@@ -459,23 +482,31 @@ impl Sim {
             }
         }
         self.fault_notice_at = Some(self.now);
+        self.send_ccrs();
         self.release();
         let delay = self.rng.random_range(1..50);
-        self.at(delay, Ev::Reconnect);
+        self.at(delay, Ev::Reconnect { path });
     }
 
-    fn reconnect(&mut self) {
-        self.connect();
-        let gen = self.live.unwrap_or_default();
-        // CCR through the new connection (another controller of the same subsystem).
+    /// CCRs through a live controller of the subsystem: the other path, or the new
+    /// connection of the same one.
+    fn send_ccrs(&mut self) {
+        let Some(via) = self.current() else {
+            return;
+        };
         while let Some(impacted) = self.hold.poll_ccr() {
             if let Some(old) = self.conns.iter().position(|c| c.instance == impacted) {
-                if self.send(gen) {
+                if self.send(via) {
                     let d = self.rng.random_range(1..20);
                     self.at(d, Ev::CcrArrives { gen: old as u32 });
                 }
             }
         }
+    }
+
+    fn reconnect(&mut self, path: usize) {
+        self.connect(path);
+        self.send_ccrs();
         let ready = std::mem::take(&mut self.ready);
         for cmd in ready {
             self.submit(cmd);
@@ -487,7 +518,7 @@ impl Sim {
     fn ccr_arrives(&mut self, old: u32) {
         // The impacted controller is reset: what it had not run is dropped.
         self.target_queue.retain(|q| q.1 != old);
-        if let Some(live) = self.live {
+        if let Some(live) = self.current() {
             if self.alive(live) {
                 self.at(1, Ev::CcrAnswer { gen: old });
             }
@@ -550,7 +581,7 @@ impl Sim {
                         self.link_death();
                     }
                 }
-                Ev::Reconnect => self.reconnect(),
+                Ev::Reconnect { path } => self.reconnect(path),
                 Ev::CcrArrives { gen } => self.ccr_arrives(gen),
                 Ev::CcrAnswer { gen } => self.ccr_answer(gen),
                 Ev::HoldTimer => self.release(),
@@ -575,30 +606,30 @@ mod tests {
 
     const SEEDS: u64 = 200;
 
-    /// Run `SEEDS` seeds; return the outcomes, and fail naming the seed if any run did not
-    /// finish its workload.
-    fn sweep(mode: SafeRetry, ccr_offered: bool) -> Vec<(u64, GhostOutcome)> {
+    /// Run `SEEDS` seeds; fail naming the seed if a run did not finish its workload.
+    fn sweep(mode: SafeRetry, ccr_offered: bool, paths: usize) -> Vec<(u64, GhostOutcome)> {
         (0..SEEDS)
             .map(|seed| {
                 let mut cfg = GhostConfig::new(seed, mode);
                 cfg.ccr_offered = ccr_offered;
+                cfg.paths = paths;
                 let o = run(cfg);
                 assert_eq!(
                     o.writes_acked + o.reads_done,
                     cfg.ops,
-                    "seed {seed} ({mode}): workload did not finish: {o:?}"
+                    "seed {seed} ({mode}, {paths} paths): workload did not finish: {o:?}"
                 );
                 (seed, o)
             })
             .collect()
     }
 
-    fn assert_clean(mode: SafeRetry, ccr_offered: bool) -> Vec<(u64, GhostOutcome)> {
-        let runs = sweep(mode, ccr_offered);
+    fn assert_clean(mode: SafeRetry, ccr_offered: bool, paths: usize) -> Vec<(u64, GhostOutcome)> {
+        let runs = sweep(mode, ccr_offered, paths);
         for (seed, o) in &runs {
             assert!(
                 !o.corrupt(),
-                "seed {seed} ({mode}, ccr offered {ccr_offered}): ghost write: {o:?}"
+                "seed {seed} ({mode}, ccr offered {ccr_offered}, {paths} paths): ghost write: {o:?}"
             );
         }
         // The hazard was there to be missed: stale writes did land late.
@@ -606,45 +637,59 @@ mod tests {
         runs
     }
 
+    fn held(runs: &[(u64, GhostOutcome)]) -> u64 {
+        runs.iter().map(|(_, o)| o.held_ms).sum()
+    }
+
     #[test]
     fn off_lets_ghost_writes_corrupt_blocks() {
-        let runs = sweep(SafeRetry::Off, true);
-        let bad = runs.iter().filter(|(_, o)| o.corrupt()).count();
-        assert!(
-            bad > 0,
-            "no corruption in {SEEDS} seeds with safe retry off: the model lost its hazard"
-        );
+        for paths in [1, 2] {
+            let runs = sweep(SafeRetry::Off, true, paths);
+            let bad = runs.iter().filter(|(_, o)| o.corrupt()).count();
+            assert!(
+                bad > 0,
+                "no corruption in {SEEDS} seeds on {paths} paths with safe retry off: the \
+                 model lost its hazard"
+            );
+        }
     }
 
     #[test]
     fn cqt_never_corrupts() {
-        let runs = assert_clean(SafeRetry::Cqt, true);
-        assert!(runs.iter().all(|(_, o)| o.ccr_succeeded == 0));
+        for paths in [1, 2] {
+            let runs = assert_clean(SafeRetry::Cqt, true, paths);
+            assert!(runs.iter().all(|(_, o)| o.ccr_succeeded == 0));
+        }
     }
 
     #[test]
     fn ccr_never_corrupts_and_recovers_sooner_than_cqt() {
-        let ccr = assert_clean(SafeRetry::Ccr, true);
-        assert!(ccr.iter().any(|(_, o)| o.ccr_succeeded > 0));
-        let cqt = sweep(SafeRetry::Cqt, true);
-        let held = |r: &[(u64, GhostOutcome)]| r.iter().map(|(_, o)| o.held_ms).sum::<u64>();
-        assert!(
-            held(&ccr) < held(&cqt),
-            "CCR held {} ms in total, CQT {} ms",
-            held(&ccr),
-            held(&cqt)
-        );
+        for paths in [1, 2] {
+            let ccr = assert_clean(SafeRetry::Ccr, true, paths);
+            assert!(ccr.iter().any(|(_, o)| o.ccr_succeeded > 0));
+            let cqt = sweep(SafeRetry::Cqt, true, paths);
+            assert!(
+                held(&ccr) < held(&cqt),
+                "{paths} paths: CCR held {} ms in total, CQT {} ms",
+                held(&ccr),
+                held(&cqt)
+            );
+        }
     }
 
     #[test]
     fn ccr_mode_without_ccr_on_the_target_falls_back_to_time() {
-        let runs = assert_clean(SafeRetry::Ccr, false);
-        assert!(runs.iter().all(|(_, o)| o.ccr_succeeded == 0));
+        for paths in [1, 2] {
+            let runs = assert_clean(SafeRetry::Ccr, false, paths);
+            assert!(runs.iter().all(|(_, o)| o.ccr_succeeded == 0));
+        }
     }
 
     #[test]
     fn a_seed_replays_exactly() {
-        let cfg = GhostConfig::new(7, SafeRetry::Off);
+        let mut cfg = GhostConfig::new(7, SafeRetry::Off);
+        assert_eq!(run(cfg), run(cfg));
+        cfg.paths = 2;
         assert_eq!(run(cfg), run(cfg));
     }
 }
