@@ -15,7 +15,7 @@
 //! - the target showed, in a way the spec makes binding, that the old association is gone.
 //!
 //! Commands that only read go at once. Mode `off` lets everything go at once (what Linux
-//! mainline and SPDK do today).
+//! mainline and SPDK do).
 //!
 //! Sans-I/O: inputs are events and a `now`; outputs are released commands
 //! ([`Hold::release_due`]), CCRs to send ([`Hold::poll_ccr`]) and the next deadline
