@@ -5,7 +5,9 @@
 //! Offsets verified against Linux `include/linux/nvme.h` `struct nvme_id_ctrl` (v6.x layout:
 //! the struct was transcribed and its `offsetof`s printed by a C compiler, 4096 bytes in
 //! total) and SPDK `struct spdk_nvme_ctrlr_data` / `spdk_nvme_cdata_nvmf_specific`
-//! (ioccsz, iorcsz, icdoff, ctrattr, msdbd at 1792). Namespace: `struct nvme_id_ns`
+//! (ioccsz, iorcsz, icdoff, ctrattr, msdbd at 1792). The safe-retry fields (CIU 135, CIRN
+//! 136, CQT 386, CCRL 1807: NVMe 2.3, TP4129 and TP8028) from libnvme's `struct nvme_id_ctrl`,
+//! checked the same way. Namespace: `struct nvme_id_ns`
 //! (nsze 0, ncap 8, nuse 16, nsfeat 24, nlbaf 25, flbas 26, nguid 104, eui64 120,
 //! lbaf[] 128) and
 //! `struct nvme_lbaf` {ms le16, ds u8, rp u8}.
