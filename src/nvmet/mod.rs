@@ -8,18 +8,30 @@
 //! RDMA WRITE (target → host data). Every command follows the same path: capsule in → fetch
 //! data if any → execute → push data if any → SEND the response.
 
+mod admin;
 mod backend;
 mod budget;
+mod command;
 pub mod engine;
+mod exec;
+mod fabrics;
+mod io;
 pub mod listen;
 pub mod namespace;
+mod pipeline;
+mod queues;
+mod rdma;
+mod stats;
+#[cfg(test)]
+mod tests;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-pub use engine::{ConnParams, ConnReject, Target, TargetStats};
+pub use engine::{ConnParams, ConnReject, Target};
 pub use listen::serve_cm;
 pub use namespace::{Namespace, NoMemory, MAX_NAMESPACES};
+pub use stats::TargetStats;
 
 use crate::nvme::Nqn;
 
