@@ -9,7 +9,7 @@ use crate::nvme::{
     Status, Vs,
 };
 
-use super::command::{kato, Core, Ctrl, Done, Slot, AER_LIMIT, SQE_LEN};
+use super::command::{kato, lookup, Core, Ctrl, Done, Slot, AER_LIMIT, SQE_LEN};
 use super::{Namespace, Subsystem};
 
 type Handler = fn(&mut Core, &mut dyn Slot, &Sqe) -> Result<Done, Status>;
@@ -48,10 +48,6 @@ const LOG_PAGES: &[(u8, LogFn)] = &[
     (lid::CHANGED_NS_LIST, changed_namespaces),
     (lid::DISCOVERY, discovery_log),
 ];
-
-fn lookup<K: PartialEq, F: Copy>(table: &[(K, F)], key: K) -> Option<F> {
-    table.iter().find(|(k, _)| *k == key).map(|(_, f)| *f)
-}
 
 /// Run admin command `sqe` of a controller's admin queue.
 pub(super) fn exec(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done, Status> {

@@ -140,6 +140,11 @@ pub(super) trait Slot {
     fn send_from(&mut self, ns: &Arc<Namespace>, off: u64) -> bool;
 }
 
+/// The entry of a handler table (opcode, CNS, log page ID...) for `key`.
+pub(super) fn lookup<K: PartialEq, F: Copy>(table: &[(K, F)], key: K) -> Option<F> {
+    table.iter().find(|(k, _)| *k == key).map(|(_, f)| *f)
+}
+
 /// The keep-alive timeout a controller gets for the one its host `asked` for (ms), or
 /// `None` past the most it may have: `max_kato_ms`, and for a discovery controller at most
 /// [`DISCOVERY_KATO_MS`]. None asked for (0) gets that most: nvmet gives a discovery

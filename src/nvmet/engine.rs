@@ -1,5 +1,8 @@
-//! The target's command engine: queues, controllers, and the capsule → data → execute →
-//! response pipeline, driven by completions, under one lock.
+//! The running target: its state (the command core, and the transport's queues and
+//! budgets) under one lock, and the task that drives it from completions, finished
+//! namespace work and the keep-alive tick. The pipeline a command follows is in
+//! [`super::pipeline`], queue admission in [`super::queues`], the commands themselves in
+//! [`super::exec`].
 //!
 //! It runs on any device behind the backend seam ([`crate::verbs`]): PD, MRs, CQ, QPs, posts
 //! and completions go through [`DeviceContext`], queue memory is the device's

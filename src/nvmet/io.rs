@@ -9,7 +9,7 @@ use crate::nvme::admin::opcode;
 use crate::nvme::{DsmRange, Sqe, Status};
 
 use super::backend::Op;
-use super::command::{Core, Done, Slot};
+use super::command::{lookup, Core, Done, Slot};
 use super::Namespace;
 
 type Handler = fn(&mut Core, &mut dyn Slot, &Sqe, Arc<Namespace>) -> Result<Done, Status>;
@@ -52,11 +52,7 @@ pub(super) fn data_in_len(
 /// Run I/O command `sqe`; its namespace is checked before its opcode.
 pub(super) fn exec(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done, Status> {
     let ns = core.io_ns(slot.cntlid(), sqe)?.clone();
-    let run = IO
-        .iter()
-        .find(|(op, _)| *op == sqe.opcode)
-        .map(|(_, h)| *h)
-        .ok_or(Status::INVALID_OPCODE.with_dnr())?;
+    let run = lookup(IO, sqe.opcode).ok_or(Status::INVALID_OPCODE.with_dnr())?;
     run(core, slot, sqe, ns)
 }
 

@@ -95,7 +95,7 @@ impl<D: DeviceContext> Engine<D> {
             return;
         };
         // The command is parsed from its 64 bytes here and kept parsed. An I/O queue's
-        // in-capsule write is run with its data where it arrived: `exec_io` copies it from
+        // in-capsule write is run with its data where it arrived: the write copies it from
         // the receive buffer into the namespace (one copy), and the buffer is posted again
         // after that. Other in-capsule data goes from the receive buffer to the slot's
         // staging, where fetched data lands too, and the buffer is posted again at once.
