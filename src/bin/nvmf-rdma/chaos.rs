@@ -3,7 +3,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::{args::*, host::*, units::*};
+use crate::{args::*, host::*};
+use nvmf_rdma::cli::units::*;
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::device::{connect_kernel, DeviceChoice};
 use nvmf_rdma::cli::support::{host_bind_addr, roce_peer, Health};

@@ -18,7 +18,6 @@ mod sdnotify;
 mod signals;
 mod target;
 mod target_control;
-mod units;
 mod usage;
 
 use std::net::SocketAddr;
