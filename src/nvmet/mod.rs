@@ -10,6 +10,7 @@
 
 mod backend;
 mod budget;
+pub mod control;
 pub mod engine;
 pub mod listen;
 pub mod namespace;

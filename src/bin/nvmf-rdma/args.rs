@@ -7,11 +7,12 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use nvmf_rdma::cli::device::DeviceChoice;
-pub(crate) use nvmf_rdma::cli::units::parse_size;
 use nvmf_rdma::cli::support::{
     parse_duration, parse_pos_secs, parse_secs, parse_tmo, parse_traddr, Tmo,
 };
+pub(crate) use nvmf_rdma::cli::units::parse_size;
 use nvmf_rdma::export::ExportAddr;
+pub(crate) use nvmf_rdma::harness::chaos::config::FaultKind;
 use nvmf_rdma::harness::nvmf_perf::DEMO_NQN;
 use nvmf_rdma::reconnect::policy;
 use nvmf_rdma::reconnect::{IdentityMatch, Policy};
@@ -292,35 +293,6 @@ pub(crate) enum OutputFormat {
     Json,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ValueEnum)]
-pub(crate) enum FaultKind {
-    Reset,
-    Replug,
-    ReplugOther,
-    TargetRestart,
-    UserReset,
-}
-
-impl FaultKind {
-    pub(crate) const ALL: [FaultKind; 5] = [
-        FaultKind::Reset,
-        FaultKind::Replug,
-        FaultKind::ReplugOther,
-        FaultKind::TargetRestart,
-        FaultKind::UserReset,
-    ];
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            FaultKind::Reset => "reset",
-            FaultKind::Replug => "replug",
-            FaultKind::ReplugOther => "replug-other",
-            FaultKind::TargetRestart => "target-restart",
-            FaultKind::UserReset => "user-reset",
-        }
-    }
-}
-
 #[derive(Args, Debug, Clone)]
 pub(crate) struct TargetArgs {
     /// Address of the target's soft-HCA (IP or IP:PORT; RoCEv2 port 4791 by default); with
@@ -381,7 +353,7 @@ pub(crate) struct NsArgs {
 impl NsArgs {
     /// The namespace these flags describe, as namespace `nsid`.
     pub(crate) fn namespace(&self, nsid: u32) -> Result<nvmf_rdma::nvmet::Namespace> {
-        crate::target_control::namespace_of(
+        nvmf_rdma::nvmet::control::namespace_of(
             nsid,
             self.ram.map(|r| r as u64),
             self.file.as_deref(),

@@ -11,6 +11,7 @@ use clap::Parser;
 use nvmf_rdma::cli::metrics_http;
 use nvmf_rdma::cli::support::Tmo;
 use nvmf_rdma::export::ExportAddr;
+use nvmf_rdma::harness::chaos::config::KERNEL_FAULTS;
 use nvmf_rdma::harness::nvmf_perf::{self, LocalTarget, DEMO_NQN};
 use nvmf_rdma::reconnect::{IdentityMatch, Policy};
 use nvmf_rdma::transport::ConnectOptions;
@@ -301,7 +302,7 @@ fn chaos_flags_and_defaults() {
         )
     );
     assert_eq!(
-        chosen_faults(&a),
+        a.config(1).faults,
         [
             FaultKind::Reset,
             FaultKind::Replug,
@@ -310,19 +311,19 @@ fn chaos_flags_and_defaults() {
     );
     // Against another target, the default is the host-side faults.
     let ext = chaos_args(&["-a", "192.168.100.2", "-n", "nqn.x"]).unwrap();
-    assert_eq!(chosen_faults(&ext), [FaultKind::Reset, FaultKind::Replug]);
-    assert!(check_chaos_args(&ext).is_ok());
-    let e = check_chaos_args(
-        &chaos_args(&[
-            "-a",
-            "10.0.0.1",
-            "-n",
-            "nqn.x",
-            "--faults",
-            "target-restart",
-        ])
-        .unwrap(),
-    );
+    assert_eq!(ext.config(1).faults, [FaultKind::Reset, FaultKind::Replug]);
+    assert!(ext.config(1).check().is_ok());
+    let e = chaos_args(&[
+        "-a",
+        "10.0.0.1",
+        "-n",
+        "nqn.x",
+        "--faults",
+        "target-restart",
+    ])
+    .unwrap()
+    .config(1)
+    .check();
     assert!(e
         .unwrap_err()
         .to_string()
@@ -334,7 +335,7 @@ fn chaos_flags_and_defaults() {
         .resolve(Duration::ZERO, Some(Duration::from_secs(60)));
     assert_eq!(r.policy.reconnect_delay, Duration::ZERO);
     assert_eq!(r.policy.ctrl_loss_tmo, Some(Duration::from_secs(60)));
-    assert!(check_chaos_args(&a).is_ok());
+    assert!(a.config(1).check().is_ok());
     let a = chaos_args(&[
         "--faults",
         "replug-other,user-reset",
@@ -363,15 +364,18 @@ fn chaos_flags_and_defaults() {
         assert!(chaos_args(bad).is_err(), "{bad:?}");
     }
     let a = chaos_args(&["--every", "1ms"]).unwrap();
-    assert!(check_chaos_args(&a).is_err());
+    assert!(a.config(1).check().is_err());
     let a = chaos_args(&["--size", "4K", "--workers", "8"]).unwrap();
-    assert!(check_chaos_args(&a).is_err());
+    assert!(a.config(1).check().is_err());
 }
 
 #[test]
 fn chaos_on_a_kernel_device_takes_the_faults_it_can_inflict() {
     let err = |extra: &[&str]| {
-        check_chaos_args(&chaos_args(extra).unwrap())
+        chaos_args(extra)
+            .unwrap()
+            .config(1)
+            .check()
             .err()
             .map(|e| e.to_string())
     };
@@ -387,7 +391,7 @@ fn chaos_on_a_kernel_device_takes_the_faults_it_can_inflict() {
     ];
     assert_eq!(err(&ok), None);
     let dflt = chaos_args(&["--device", "rxe0", "-a", "192.168.100.2", "-n", "nqn.x"]).unwrap();
-    assert_eq!(chosen_faults(&dflt), KERNEL_FAULTS);
+    assert_eq!(dflt.config(1).faults, KERNEL_FAULTS);
     // Another target's subsystem has to be named.
     let e = err(&["-a", "192.168.100.2"]).unwrap();
     assert!(e.starts_with("-a needs -n NQN"), "{e}");
