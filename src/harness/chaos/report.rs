@@ -65,6 +65,34 @@ impl FaultOutcome {
         }
         s
     }
+
+    /// One entry of the JSON summary's fault log.
+    pub fn json(&self) -> String {
+        let mut o = JsonObj::new();
+        o.raw("at_s", &format!("{:.3}", self.at.as_secs_f64()))
+            .str("kind", self.kind.name())
+            .raw("down_ms", &opt_ms(Some(self.down)))
+            .raw("to_live_ms", &opt_ms(self.to_live))
+            .raw("ctrl_recovery_ms", &opt_ms(self.ctrl_recovery));
+        if self.kind == FaultKind::ReplugOther {
+            o.raw(
+                "foreign_seen",
+                if self.foreign_seen { "true" } else { "false" },
+            )
+            .raw(
+                "through_foreign",
+                if self.through_foreign {
+                    "true"
+                } else {
+                    "false"
+                },
+            );
+        }
+        if let Some(e) = &self.error {
+            o.str("error", e);
+        }
+        o.finish()
+    }
 }
 
 /// One `--interval` of the run: the I/Os that completed in it.
@@ -110,9 +138,6 @@ impl Sample {
     }
 
     pub fn json(&self) -> String {
-        let opt_ms = |d: Option<Duration>| {
-            d.map_or("null".into(), |d| format!("{:.3}", d.as_secs_f64() * 1e3))
-        };
         let mut o = JsonObj::new();
         o.raw("t_s", &format!("{:.3}", self.at.as_secs_f64()))
             .raw("len_s", &format!("{:.3}", self.len.as_secs_f64()))
@@ -123,6 +148,11 @@ impl Sample {
             .raw("lat_max_ms", &opt_ms(self.lat_max()));
         o.finish()
     }
+}
+
+/// Milliseconds for the JSON summary; `null` for none.
+fn opt_ms(d: Option<Duration>) -> String {
+    d.map_or("null".into(), |d| format!("{:.3}", d.as_secs_f64() * 1e3))
 }
 
 /// nvme-cli's seconds-or-off for the summary.
@@ -203,9 +233,18 @@ impl ChaosSummary {
 
     /// The summary as text: a blank line, then one row per line.
     pub fn text(&self, a: &ChaosConfig) -> String {
-        let secs = self.elapsed.as_secs_f64();
         let mut out = String::from("\n");
-        let mut row = |k: &str, v: String| out += &format!("{k:<20} {v}\n");
+        for (k, v) in [self.io_rows(), self.fault_rows(a), self.verdict_rows()].concat() {
+            out += &format!("{k:<20} {v}\n");
+        }
+        out
+    }
+
+    /// Rows of the summary: the I/O done.
+    fn io_rows(&self) -> Vec<(&'static str, String)> {
+        let secs = self.elapsed.as_secs_f64();
+        let mut rows = Vec::new();
+        let mut row = |k, v| rows.push((k, v));
         row("elapsed", format!("{secs:.2} s"));
         row(
             "I/Os",
@@ -237,6 +276,13 @@ impl ChaosSummary {
                 ),
             );
         }
+        rows
+    }
+
+    /// Rows of the summary: the faults and the recoveries.
+    fn fault_rows(&self, a: &ChaosConfig) -> Vec<(&'static str, String)> {
+        let mut rows = Vec::new();
+        let mut row = |k, v| rows.push((k, v));
         let kinds: Vec<String> = FaultKind::ALL
             .iter()
             .filter(|k| a.faults.contains(k))
@@ -278,6 +324,13 @@ impl ChaosSummary {
                 ),
             );
         }
+        rows
+    }
+
+    /// Rows of the summary: what failed, and the verdict.
+    fn verdict_rows(&self) -> Vec<(&'static str, String)> {
+        let mut rows = Vec::new();
+        let mut row = |k, v| rows.push((k, v));
         let reasons: Vec<String> = self
             .failed_by_reason
             .iter()
@@ -320,7 +373,7 @@ impl ChaosSummary {
                 format!("FAIL: {}", self.problems.join("; "))
             },
         );
-        out
+        rows
     }
 
     pub fn to_json(&self, a: &ChaosConfig) -> String {
@@ -329,35 +382,7 @@ impl ChaosSummary {
         for k in FaultKind::ALL {
             faults.num(k.name(), self.count(k) as u64);
         }
-        let log: Vec<String> = self
-            .faults
-            .iter()
-            .map(|f| {
-                let mut o = JsonObj::new();
-                let opt_ms = |d: Option<Duration>| {
-                    d.map_or("null".into(), |d| format!("{:.3}", d.as_secs_f64() * 1e3))
-                };
-                o.raw("at_s", &format!("{:.3}", f.at.as_secs_f64()))
-                    .str("kind", f.kind.name())
-                    .raw("down_ms", &opt_ms(Some(f.down)))
-                    .raw("to_live_ms", &opt_ms(f.to_live))
-                    .raw("ctrl_recovery_ms", &opt_ms(f.ctrl_recovery));
-                if f.kind == FaultKind::ReplugOther {
-                    o.raw(
-                        "foreign_seen",
-                        if f.foreign_seen { "true" } else { "false" },
-                    )
-                    .raw(
-                        "through_foreign",
-                        if f.through_foreign { "true" } else { "false" },
-                    );
-                }
-                if let Some(e) = &f.error {
-                    o.str("error", e);
-                }
-                o.finish()
-            })
-            .collect();
+        let log: Vec<String> = self.faults.iter().map(FaultOutcome::json).collect();
         let series: Vec<String> = self.series.iter().map(Sample::json).collect();
         let mut by_reason = JsonObj::new();
         for (k, n) in &self.failed_by_reason {
