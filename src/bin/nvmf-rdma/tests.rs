@@ -392,26 +392,12 @@ fn chaos_on_a_kernel_device_takes_the_faults_it_can_inflict() {
     assert_eq!(err(&ok), None);
     let dflt = chaos_args(&["--device", "rxe0", "-a", "192.168.100.2", "-n", "nqn.x"]).unwrap();
     assert_eq!(dflt.config(1).faults, KERNEL_FAULTS);
-    // Another target's subsystem has to be named.
-    let e = err(&["-a", "192.168.100.2"]).unwrap();
-    assert!(e.starts_with("-a needs -n NQN"), "{e}");
     // No built-in target on a kernel device: --device needs --traddr.
     assert!(chaos_args(&["--device", "rxe0", "--faults", "reset"]).is_err());
-    // Unplugging a kernel device is done from outside.
-    for f in ["replug", "replug-other", "reset,replug"] {
-        let e = err(&[
-            "--device",
-            "rxe0",
-            "-a",
-            "192.168.100.2",
-            "-n",
-            "nqn.x",
-            "--faults",
-            f,
-        ])
-        .unwrap();
-        assert!(e.contains("rdma link delete rxe0"), "{e}");
-    }
+    // The run's checks (ChaosConfig::check) see the flags: unplugging is done from outside.
+    let mut replug = ok;
+    replug[7] = "reset,replug";
+    assert!(err(&replug).unwrap().contains("rdma link delete rxe0"));
 }
 
 #[test]

@@ -176,3 +176,103 @@ impl ChaosConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use FaultKind::*;
+
+    fn config() -> ChaosConfig {
+        ChaosConfig {
+            size: 256 << 20,
+            traddr: None,
+            trsvcid: 4420,
+            nqn: None,
+            host_traddr: None,
+            device: DeviceChoice::Soft,
+            workers: 8,
+            seconds: 20.0,
+            every: Duration::from_secs(2),
+            faults: Vec::new(),
+            seed: 1,
+            down_max: Duration::from_millis(200),
+            nr_io_queues: 2,
+            queue_size: 128,
+            max_io: 64 << 10,
+            policy: Policy::default(),
+            io_timeout: Duration::from_secs(30),
+            interval: None,
+        }
+    }
+
+    /// The default faults follow the target and the device; what a run cannot do is refused
+    /// before it starts, naming the flag.
+    #[test]
+    fn a_run_is_checked_before_it_starts() {
+        let c = config();
+        assert_eq!(c.chosen_faults(), [Reset, Replug, TargetRestart]);
+        assert!(c.check().is_ok());
+        assert_eq!(c.sample_interval(), Duration::from_millis(500));
+        let ext = ChaosConfig {
+            traddr: Some("192.168.100.2:4791".parse().unwrap()),
+            nqn: Some("nqn.x".into()),
+            ..config()
+        };
+        assert_eq!(ext.chosen_faults(), [Reset, Replug]);
+        assert!(ext.check().is_ok());
+        let kernel = ChaosConfig {
+            device: DeviceChoice::Kernel("rxe0".into()),
+            ..ext.clone()
+        };
+        assert_eq!(kernel.chosen_faults(), KERNEL_FAULTS);
+        assert!(kernel.check().is_ok());
+        for (bad, want) in [
+            (
+                ChaosConfig {
+                    faults: vec![TargetRestart],
+                    ..ext.clone()
+                },
+                "needs the built-in target",
+            ),
+            (
+                ChaosConfig {
+                    nqn: None,
+                    ..ext.clone()
+                },
+                "-a needs -n NQN",
+            ),
+            (
+                ChaosConfig {
+                    faults: vec![Reset, Replug],
+                    ..kernel.clone()
+                },
+                "rdma link delete rxe0",
+            ),
+            (
+                ChaosConfig {
+                    every: Duration::from_millis(1),
+                    ..config()
+                },
+                "--every",
+            ),
+            (
+                ChaosConfig {
+                    size: 4096,
+                    ..config()
+                },
+                "--size too small",
+            ),
+            (
+                ChaosConfig {
+                    seconds: 86_400.0,
+                    interval: Some(Duration::from_millis(100)),
+                    ..config()
+                },
+                "--interval too short",
+            ),
+        ] {
+            let e = bad.check().unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+    }
+}
