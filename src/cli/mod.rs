@@ -5,4 +5,5 @@
 pub mod device;
 pub mod metrics_http;
 pub mod support;
+pub mod units;
 pub mod wire_json;

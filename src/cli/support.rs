@@ -223,7 +223,6 @@ pub fn mlock_error(e: &std::io::Error, limit: Option<u64>) -> String {
     }
 }
 
-/// Where running controllers keep their control sockets.
 /// An error and its causes on one line, outermost first, each cause once: a cause whose text
 /// the line already holds (a message that quotes its source) is not written again.
 pub fn error_line(e: &(dyn std::error::Error + 'static)) -> String {
@@ -242,6 +241,17 @@ pub fn error_line(e: &(dyn std::error::Error + 'static)) -> String {
     line
 }
 
+/// A message of several lines as one line (its lines joined by "; ", blank ones left out):
+/// protocols that carry one answer per line carry errors this way.
+pub fn one_line(s: &str) -> String {
+    s.split('\n')
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Where running controllers keep their control sockets.
 pub fn run_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("NVMF_RDMA_RUN_DIR") {
         return PathBuf::from(d);

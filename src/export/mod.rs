@@ -26,7 +26,7 @@ use crate::transport::{Controller, HostError, NsInfo};
 pub use devset::DevSet;
 pub use fuse::{mount_fuse, mount_fuse_set, FuseFiles, FuseMount};
 pub use nbd_server::{ExportAddr, MemoryBudget, NbdLimits, NbdListener, NbdStats};
-pub use socket_file::{bind_listener, bind_socket, SocketFile};
+pub use socket_file::{bind_listener, bind_socket, same_user, SocketFile};
 
 /// NVMe Write Zeroes carries a 16-bit 0-based block count.
 const MAX_ZERO_BLOCKS: u64 = 1 << 16;

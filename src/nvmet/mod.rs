@@ -19,6 +19,7 @@ mod admin;
 mod backend;
 mod budget;
 mod command;
+pub mod control;
 pub mod engine;
 mod exec;
 mod fabrics;

@@ -15,7 +15,7 @@ use crate::config::params_of;
 use crate::control::{disconnect_foreground, foreground_controllers};
 use crate::daemon::start_background;
 use crate::proto::{PROTOCOL_VERSION, SOCKET_NAME};
-use crate::units::human_bytes;
+use nvmf_rdma::cli::units::human_bytes;
 
 /// Longest answer line read from the daemon (a `list` of many controllers fits).
 const MAX_ANSWER: u64 = 16 << 20;

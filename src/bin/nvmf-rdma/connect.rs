@@ -5,9 +5,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::client::daemon_controller_names;
-use crate::{args::*, control::*, host::*, signals::*, units::*};
+use crate::{args::*, control::*, host::*, signals::*};
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::support::{run_dir, Health};
+use nvmf_rdma::cli::units::*;
 use nvmf_rdma::export;
 use nvmf_rdma::harness::hca_perf;
 use nvmf_rdma::reconnect::CtrlState;

@@ -1,12 +1,18 @@
 //! Chaos: verified I/O against the built-in target while the soft-HCA is reset, unplugged and
 //! re-plugged (same or other identity), the target restarted or frozen. Used by the `chaos`
-//! command, the recovery tests, the seed sweeps and the recovery benchmark. Host and target
-//! run on UDP sockets or on a simulated network ([`crate::driver::SimNet`]), as the
-//! [`Fabric`] they are given says.
+//! command ([`run`], configured by [`config`], reported by [`report`] and [`plot`]), the
+//! recovery tests, the seed sweeps and the recovery benchmark. Host and target run on UDP
+//! sockets or on a simulated network ([`crate::driver::SimNet`]), as the [`Fabric`] they are
+//! given says.
 //!
 //! Verification: each worker owns a range of blocks and a model of it. A write that was
 //! acknowledged updates the model; every read must match the model block for block. A write
 //! that failed leaves its blocks unknown (old or new data) until they are written again.
+
+pub mod config;
+pub mod plot;
+pub mod report;
+pub mod run;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
