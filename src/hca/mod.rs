@@ -10,7 +10,6 @@ pub mod rc;
 pub mod registry;
 pub mod sim;
 pub mod types;
-pub mod verbs;
 pub mod wire;
 
 pub use cq::{CqId, WcOpcode, WcStatus, WorkCompletion};
