@@ -113,17 +113,9 @@ fn refused(e: HwError) -> CmError {
 }
 
 impl HwCm {
-    async fn connect_inner(
-        &self,
-        peer: SocketAddr,
-        params: ConnectParams,
-        private: &[u8],
-        timeout: Duration,
-    ) -> Result<Established, CmError> {
+    /// An id bound to this context's device, port 1, with a route to `peer`.
+    async fn resolve(&self, peer: SocketAddr, timeout: Duration) -> Result<CmId, CmError> {
         let ctx = &self.ctx;
-        // rdma_cm addresses the listener by IP and service port (NVMe-oF: 4420); `peer` is
-        // the target's RoCEv2 address as the soft-HCA names it (UDP port 4791).
-        let peer = SocketAddr::new(peer.ip(), params.service_port);
         // Address and route resolution can fail while the neighbour entry is still being
         // learned (first contact: ENXIO / ENODATA from rdma_resolve_route, or an
         // ADDR_ERROR / ROUTE_ERROR event); such a failure is retried with a fresh id until
@@ -159,6 +151,21 @@ impl HwCm {
                 ctx.info.name
             )));
         }
+        Ok(id)
+    }
+
+    async fn connect_inner(
+        &self,
+        peer: SocketAddr,
+        params: ConnectParams,
+        private: &[u8],
+        timeout: Duration,
+    ) -> Result<Established, CmError> {
+        let ctx = &self.ctx;
+        // rdma_cm addresses the listener by IP and service port (NVMe-oF: 4420); `peer` is
+        // the target's RoCEv2 address as the soft-HCA names it (UDP port 4791).
+        let peer = SocketAddr::new(peer.ip(), params.service_port);
+        let id = self.resolve(peer, timeout).await?;
         let ev = id
             .request(
                 params.local_qpn.get(),
