@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use nvmf_rdma::driver::{DeviceManager, SimNet};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::sim::Faults;
-use nvmf_rdma::hca::PciAddr;
+use nvmf_rdma::verbs::PciAddr;
 
 /// The service the passive side listens for (any port: the soft-HCA's CM names a service,
 /// not a socket).

@@ -19,7 +19,8 @@ use sideway::ibverbs::AccessFlags;
 
 use super::map;
 use super::HwError;
-use crate::hca::{Access, DeviceIdentity, Guid, MemKey, PciAddr};
+use crate::hca::DeviceIdentity;
+use crate::verbs::{Access, Guid, MemKey, PciAddr};
 
 /// What enumeration tells about one RDMA device.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,4 +1,4 @@
-//! Pure conversions between ibverbs / rdma_cm values and the soft-HCA vocabulary, plus the
+//! Pure conversions between ibverbs / rdma_cm values and the seam's vocabulary, plus the
 //! sysfs lookup of a device's PCI address. Nothing here touches a device, so all of it is
 //! unit-tested on machines without RDMA.
 
@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use sideway::ibverbs::device_context::Mtu as IbMtu;
 
-use crate::hca::{Access, AsyncEvent, CqId, Guid, Mtu, PciAddr, Qpn, WcOpcode, WcStatus};
+use crate::verbs::{Access, AsyncEvent, CqId, Guid, Mtu, PciAddr, Qpn, WcOpcode, WcStatus};
 
 /// `ibv_access_flags` bits of an [`Access`] (the soft-HCA uses the same bit positions).
 pub fn access_bits(a: Access) -> u32 {

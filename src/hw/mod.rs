@@ -1,8 +1,8 @@
-//! Hardware verbs backend (cargo feature `hw`): the same verbs vocabulary as the soft-HCA
-//! ([`crate::hca`]: [`Access`](crate::hca::Access), [`Sge`](crate::hca::Sge),
-//! [`SendOp`](crate::hca::SendOp), [`WorkCompletion`](crate::hca::WorkCompletion),
-//! [`AsyncEvent`](crate::hca::AsyncEvent), [`DeviceIdentity`](crate::hca::DeviceIdentity)), served
-//! by a kernel RDMA device through libibverbs/librdmacm.
+//! Hardware verbs backend (cargo feature `hw`): the seam's vocabulary ([`crate::verbs`]:
+//! [`Access`](crate::verbs::Access), [`Sge`](crate::verbs::Sge),
+//! [`SendOp`](crate::verbs::SendOp), [`WorkCompletion`](crate::verbs::WorkCompletion),
+//! [`AsyncEvent`](crate::verbs::AsyncEvent), ...) served by a kernel RDMA device through
+//! libibverbs/librdmacm.
 //!
 //! Layers:
 //! - the device behind the backend seam ([`crate::verbs`]), split as the soft-HCA's driver
@@ -40,9 +40,9 @@ pub mod wr;
 use std::io;
 
 use crate::cm::private::NvmeRejectStatus;
-use crate::hca::{WcOpcode, WcStatus};
 use crate::nvme::status::Status;
 use crate::nvme::NvmeWireError;
+use crate::verbs::{WcOpcode, WcStatus};
 
 /// Errors of the hardware backend.
 #[derive(Debug, thiserror::Error)]

@@ -10,8 +10,8 @@ use sideway::ibverbs::queue_pair::{
 
 use super::map;
 use super::HwError;
-use crate::hca::qp::MAX_SGE;
-use crate::hca::{MemKey, Qpn, RecvWr, SendOp, SendWr, Sgl, WcOpcode, WcStatus, WorkCompletion};
+use crate::verbs::MAX_SGE;
+use crate::verbs::{MemKey, Qpn, RecvWr, SendOp, SendWr, Sgl, WcOpcode, WcStatus, WorkCompletion};
 
 const IBV_WC_WITH_IMM: u32 = 2;
 const IBV_WC_WITH_INV: u32 = 4;

@@ -8,6 +8,7 @@
 //! at once, release calls succeed and free software state, and anything that would allocate
 //! or change device state fails with [`VerbsError::DeviceGone`].
 
+use crate::verbs::{Lifecycle, VerbsError};
 use std::collections::{BTreeMap, VecDeque};
 
 use rustc_hash::FxHashMap;
@@ -16,11 +17,14 @@ use std::net::{IpAddr, SocketAddr};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::cq::{Cq, CqId, WorkCompletion};
-use super::mr::{Access, HostMem, MrInfo, MrTable, PdId};
+use super::cq::Cq;
+use super::mr::{HostMem, MrTable};
 use super::qp::state::{self, AttrMask, QpState};
-use super::qp::{Ctx, Qp, QpAttr, QpCaps, RecvWr, SendWr, MAX_IN_MEMORY_SEG};
-use super::types::{Guid, Instant, MemKey, PciAddr, Qpn};
+use super::qp::{Ctx, Qp, QpAttr, MAX_IN_MEMORY_SEG};
+use crate::verbs::{Access, MrInfo, PdId};
+use crate::verbs::{CqId, WorkCompletion};
+use crate::verbs::{Guid, Instant, MemKey, PciAddr, Qpn};
+use crate::verbs::{QpCaps, RecvWr, SendWr};
 
 /// A QP context over the device's shared tables. A macro rather than a method, so that the
 /// `self.qps` entry the caller holds stays a disjoint borrow from these fields.
@@ -45,7 +49,8 @@ mod pump;
 pub const MAD_LEN: usize = 256;
 /// MADs queued per direction before new ones are refused.
 const GSI_QUEUE: usize = 256;
-use super::{AsyncEvent, Stats};
+use super::Stats;
+use crate::verbs::AsyncEvent;
 
 /// Who a device is: what survives a reset and what a re-plug may change.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -123,35 +128,6 @@ pub const ROCE_V2_PORT: u16 = 4791;
 /// against the real IP header ([`IcrcCheck::RealHeader`]), peers answered at port 4791, and path MTU 1024 (what rxe derives from a 1500-byte Ethernet MTU).
 pub fn roce_peer(ip: IpAddr) -> bool {
     !ip.is_loopback()
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Lifecycle {
-    Live,
-    /// DEVICE_FATAL seen: a zombie until every object is released.
-    Fatal,
-    /// Hot-removed: a zombie whose device will not come back under this context.
-    Removed,
-}
-
-/// Errors from verbs calls. `DeviceGone` is permanent for this context (open the device
-/// again once it is back); the others are the caller's mistakes.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum VerbsError {
-    #[error("device is gone (fatal error or removed); only release calls are allowed")]
-    DeviceGone,
-    #[error("no such {0}")]
-    InvalidHandle(&'static str),
-    #[error("{0} is still in use")]
-    Busy(&'static str),
-    #[error(transparent)]
-    Modify(#[from] state::ModifyError),
-    #[error("cannot post to a QP in state {}", .0.name())]
-    InvalidQpState(QpState),
-    #[error("{0} queue is full")]
-    QueueFull(&'static str),
-    #[error("invalid argument: {0}")]
-    InvalidArgument(&'static str),
 }
 
 /// Capacity bounds of one context.

@@ -5,13 +5,14 @@
 use std::net::SocketAddr;
 
 use super::super::qp::Ctx;
-use super::super::types::{Instant, Psn, Qpn};
 use super::super::wire::{
     emit_packet, BthRepr, DethRepr, IcrcContext, Ipv4Udp, OpClass, Opcode, PacketHeaders,
     ParsedPacket, WireError, GSI_QKEY,
 };
-use super::super::AsyncEvent;
-use super::{Device, IcrcCheck, VerbsError, GSI_QUEUE, MAD_LEN};
+use super::{Device, IcrcCheck, GSI_QUEUE, MAD_LEN};
+use crate::verbs::AsyncEvent;
+use crate::verbs::VerbsError;
+use crate::verbs::{Instant, Psn, Qpn};
 
 impl Device {
     /// A UDP datagram arrived from `src` (its payload, without the IP header). Malformed
