@@ -20,7 +20,7 @@ use nvmf_rdma::cm::{
     ConnectParams, ConnectRequest, Established, NvmeCmAccept, NvmeCmReject, NvmeCmRequest,
     NvmeRejectStatus, PrivateError, RejectReason, Rejected, MAD_LEN,
 };
-use nvmf_rdma::hca::{Guid, Instant, Mtu, Psn, Qpn};
+use nvmf_rdma::verbs::{Guid, Instant, Mtu, Psn, Qpn};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 

@@ -14,7 +14,7 @@ use nvmf_rdma::cm::{
     AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnId, ConnectParams, NvmeCmAccept, NvmeCmReject,
     NvmeCmRequest, MAD_LEN,
 };
-use nvmf_rdma::hca::{Guid, Instant, Qpn};
+use nvmf_rdma::verbs::{Guid, Instant, Qpn};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use rand::rngs::SmallRng;

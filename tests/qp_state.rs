@@ -21,6 +21,7 @@ use nvmf_rdma::hca::qp::state::{self, ModifyError, Transition};
 use nvmf_rdma::hca::rc::RcOptions;
 use nvmf_rdma::hca::sim::{sim_addr, sim_identity, Faults};
 use nvmf_rdma::hca::*;
+use nvmf_rdma::verbs::*;
 
 const ALL_STATES: [QpState; 7] = QpState::ALL;
 

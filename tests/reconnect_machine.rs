@@ -2,11 +2,11 @@
 
 use std::time::Duration;
 
-use nvmf_rdma::hca::{Guid, Instant, PciAddr};
 use nvmf_rdma::reconnect::{
     Action, Actions, Cause, CtrlState, Event, FailReason, Identity, IdentityMatch, Machine, Policy,
     TRANSITIONS,
 };
+use nvmf_rdma::verbs::{Guid, Instant, PciAddr};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000 * MS;

@@ -20,7 +20,8 @@ use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::wire::{
     AethSyndrome, IcrcContext, Ipv4Udp, NakCode, Opcode, ParsedPacket, WireError,
 };
-use nvmf_rdma::hca::{Device, Guid, Instant, Mtu, PciAddr, Psn, Qpn};
+use nvmf_rdma::hca::Device;
+use nvmf_rdma::verbs::{Guid, Instant, Mtu, PciAddr, Psn, Qpn};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 

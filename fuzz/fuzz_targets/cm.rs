@@ -19,7 +19,7 @@ use nvmf_rdma::cm::private::{
     NvmeCmReject, NvmeCmRequest, CMA_HDR_LEN,
 };
 use nvmf_rdma::cm::{AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnectParams};
-use nvmf_rdma::hca::{Guid, Instant, Qpn};
+use nvmf_rdma::verbs::{Guid, Instant, Qpn};
 use std::net::SocketAddr;
 use std::time::Duration;
 

@@ -25,7 +25,7 @@ pub fn soft_device_config(name: &str, addr: SocketAddr, n: u8) -> crate::hca::De
     let mac = [0x52, 0x54, r[0], r[1], r[2], n];
     let roce = roce_peer(addr.ip());
     crate::hca::DeviceConfig {
-        identity: DeviceIdentity::from_mac(name, mac, crate::hca::PciAddr::new(0, 0x30, n, 0)),
+        identity: DeviceIdentity::from_mac(name, mac, crate::verbs::PciAddr::new(0, 0x30, n, 0)),
         addr,
         icrc: icrc_check_for(addr.ip(), std::env::var(ICRC_ENV).ok().as_deref()),
         peer_port: roce.then_some(DEFAULT_ROCE_PORT),
@@ -555,7 +555,7 @@ mod tests {
                 fail_reason: None,
             },
             cntlid: 1,
-            at: crate::hca::Instant(0),
+            at: crate::verbs::Instant(0),
             last_recovery: Some(Duration::from_micros(48_250)),
             last_trace: None,
         }

@@ -38,8 +38,8 @@ use super::private::{
     NvmeCmReject, NvmeCmRequest, NvmeRejectStatus, PrivateError, REQ_ULP_LEN,
 };
 use super::state::{lookup, ConnState, Input};
-use crate::hca::qp::Mtu;
-use crate::hca::types::{Guid, Instant, Psn, Qpn};
+use crate::verbs::Mtu;
+use crate::verbs::{Guid, Instant, Psn, Qpn};
 use rand::rngs::{SmallRng, StdRng};
 use rand::{Rng, RngCore, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};

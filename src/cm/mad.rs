@@ -14,8 +14,8 @@
 //! accessor and no `parse` can index out of range, whatever the bytes.
 
 use super::{rd16, rd24, rd32, rd64, wr16, wr24, wr32, wr64};
-use crate::hca::qp::Mtu;
-use crate::hca::types::{Guid, Psn, Qpn};
+use crate::verbs::Mtu;
+use crate::verbs::{Guid, Psn, Qpn};
 use std::fmt;
 use std::net::Ipv6Addr;
 

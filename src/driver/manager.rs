@@ -123,7 +123,7 @@ impl DeviceManager {
         let g = self.lock();
         let info = g.list.get(name)?;
         let e = g.running.get(name)?;
-        (e.generation == info.generation && e.hca.lifecycle() == crate::hca::Lifecycle::Live)
+        (e.generation == info.generation && e.hca.lifecycle() == crate::verbs::Lifecycle::Live)
             .then(|| (e.hca.clone(), info))
     }
 

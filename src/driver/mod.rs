@@ -23,11 +23,12 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::hca::cq::CqId;
-use crate::hca::device::{Device, DeviceConfig, Lifecycle};
-use crate::hca::types::Instant;
-use crate::hca::{AsyncEvent, WorkCompletion};
+use crate::hca::device::{Device, DeviceConfig};
 use crate::timer::EarliestTimer;
+use crate::verbs::CqId;
+use crate::verbs::Instant;
+use crate::verbs::Lifecycle;
+use crate::verbs::{AsyncEvent, WorkCompletion};
 
 pub use cm::CmService;
 pub use manager::{DeviceManager, ManagerError};

@@ -23,7 +23,7 @@ use rand::SeedableRng;
 use tokio::sync::Notify;
 
 use crate::hca::sim::{Faults, LinkStats, Wire};
-use crate::hca::types::Instant;
+use crate::verbs::Instant;
 
 use super::manager::DeviceManager;
 use super::port::Fabric;

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant as StdInstant};
 use crate::driver::SoftHca;
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use crate::hca::rc::{connect_end, create_end, RcEnd, RcOptions};
-use crate::hca::types::{PciAddr, Psn};
-use crate::hca::{Mtu, RecvWr, SendOp, SendWr, Sgl, WcStatus, WorkCompletion};
+use crate::verbs::{Mtu, RecvWr, SendOp, SendWr, Sgl, WcStatus, WorkCompletion};
+use crate::verbs::{PciAddr, Psn};
 
 /// Which operation a run measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,7 +180,7 @@ pub fn run(w: Workload) -> anyhow::Result<Report> {
         mtu: w.mtu,
         buf_len: region_len(&w),
         timeout: 14,
-        caps: crate::hca::QpCaps {
+        caps: crate::verbs::QpCaps {
             max_send_wr: 1024,
             max_recv_wr: 1024,
         },
@@ -370,7 +370,7 @@ pub fn demo(total: usize, chunk: usize) -> anyhow::Result<DemoReport> {
         mtu: Mtu::Mtu4096,
         buf_len: total * 2,
         timeout: 14,
-        caps: crate::hca::QpCaps {
+        caps: crate::verbs::QpCaps {
             max_send_wr: 1024,
             max_recv_wr: 16,
         },

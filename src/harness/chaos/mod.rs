@@ -25,11 +25,11 @@ use rand::{Rng, SeedableRng};
 
 use crate::driver::{CmService, DeviceManager, Fabric, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
-use crate::hca::PciAddr;
 use crate::nvme::Nqn;
 use crate::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use crate::reconnect::{CtrlState, Policy};
 use crate::transport::{ConnectOptions, Controller, CtrlStatus, HostError};
+use crate::verbs::PciAddr;
 
 pub const CHAOS_NQN: &str = "nqn.2026-11.io.nvmf-rdma:chaos";
 /// The host device's slot name in the device manager.
