@@ -22,6 +22,7 @@ use nvmf_rdma::hca::rc::RcOptions;
 use nvmf_rdma::hca::sim::{sim_addr, sim_identity, Faults};
 use nvmf_rdma::hca::*;
 use nvmf_rdma::verbs::*;
+use nvmf_rdma::verbs::*;
 
 const ALL_STATES: [QpState; 7] = QpState::ALL;
 
