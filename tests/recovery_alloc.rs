@@ -17,6 +17,7 @@ use nvmf_rdma::harness::alloc_audit::{self, Platform};
 use nvmf_rdma::harness::chaos::{connect_host, host_options, TargetRig, CHAOS_NQN, HOST_DEV};
 use nvmf_rdma::nvmet::Target;
 use nvmf_rdma::reconnect::{Cause, CtrlState, Policy};
+use nvmf_rdma::transport::Controller;
 
 #[path = "common/counting_alloc.rs"]
 mod counting_alloc;
@@ -85,6 +86,15 @@ fn policy() -> Policy {
     }
 }
 
+/// A host device and a controller on it, connected to `t`.
+async fn connect(t: &RemoteTarget) -> (DeviceManager, Arc<Controller>) {
+    let mgr = DeviceManager::new(true);
+    let ctrl = connect_host(&mgr, IP, host_options(t.addr, 2, 32, policy()))
+        .await
+        .unwrap();
+    (mgr, Arc::new(ctrl))
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -99,12 +109,7 @@ fn from_the_fatal_event_to_resubmission_the_host_allocates_nothing() {
     let t = RemoteTarget::start();
     let rt = runtime();
     rt.block_on(async {
-        let mgr = DeviceManager::new(true);
-        let ctrl = Arc::new(
-            connect_host(&mgr, IP, host_options(t.addr, 2, 32, policy()))
-                .await
-                .unwrap(),
-        );
+        let (mgr, ctrl) = connect(&t).await;
         // In-flight I/O at the moment of the fault: the target holds it unanswered.
         t.target.stall_io(true);
         const N: usize = 24;
@@ -182,12 +187,7 @@ fn every_cause_takes_the_one_entry_to_the_same_recovery_allocating_nothing() {
     let t = RemoteTarget::start();
     let rt = runtime();
     rt.block_on(async {
-        let mgr = DeviceManager::new(true);
-        let ctrl = Arc::new(
-            connect_host(&mgr, IP, host_options(t.addr, 2, 32, policy()))
-                .await
-                .unwrap(),
-        );
+        let (_mgr, ctrl) = connect(&t).await;
         for (n, cause) in Cause::ALL.into_iter().enumerate() {
             // Writes in flight at the moment of the failure, held unanswered by the target.
             t.target.stall_io(true);
@@ -230,15 +230,7 @@ fn every_cause_takes_the_one_entry_to_the_same_recovery_allocating_nothing() {
             // order: tear down, an attempt on the device, admin queue, I/O queues, LIVE.
             let tr = ctrl.status().last_trace.expect("a completed recovery");
             assert_eq!(tr.cause, Some(cause));
-            let steps = [
-                tr.failed,
-                tr.torn_down,
-                tr.attempt_start,
-                tr.device_open,
-                tr.admin_cm,
-                tr.admin_ready,
-                tr.live,
-            ];
+            let steps = tr.steps();
             assert!(
                 steps.iter().all(Option::is_some) && steps.is_sorted(),
                 "{}: {tr:?}",

@@ -234,41 +234,30 @@ impl Controller {
         Self::connect_with(source, name.to_string(), first, o).await
     }
 
-    /// Connect through `name` of `source`, starting on context `first`.
-    async fn connect_with<S: DeviceSource>(
+    /// The controller and its supervisor before bring-up: options checked, the admin queue's
+    /// memory allocated, nothing connected. Also the CM's disconnect channel for the
+    /// supervisor, and whether this is a discovery controller.
+    #[allow(clippy::type_complexity)]
+    fn assemble<S: DeviceSource>(
         source: S,
         name: String,
         first: Option<S::Device>,
         o: ConnectOptions,
-    ) -> Result<Controller, HostError> {
-        if !(16..=1024).contains(&o.queue_size) {
-            return Err(HostError::Invalid(format!(
-                "queue size {} not in 16..=1024",
-                o.queue_size
-            )));
-        }
-        if o.nr_io_queues == 0 {
-            return Err(HostError::Invalid(
-                "at least one I/O queue is needed".into(),
-            ));
-        }
-        // Refuse bad NQNs before a connection exists that an early return would leak.
-        let subnqn = Nqn::new(&o.subnqn)?;
-        let hostnqn = Nqn::new(&o.hostnqn)?;
+    ) -> Result<
+        (
+            Controller,
+            Supervisor<S>,
+            mpsc::UnboundedReceiver<crate::cm::ConnId>,
+            bool,
+        ),
+        HostError,
+    > {
+        // Refuse bad options before a connection exists that an early return would leak.
+        let (subnqn, hostnqn) = check_options(&o)?;
         let discovery = subnqn.is_discovery();
         let clock = Clock(tokio::time::Instant::now());
         let inbox = Arc::new(Inbox::new(o.nr_io_queues + 1));
-        let admin_spec = QueueSpec {
-            qid: 0,
-            size: 32,
-            inline: 0,
-            inline_depth: 0,
-            max_io: 64 << 10,
-            mtu: o.mtu,
-        };
-        let admin_core: QueueCore<S::Device> =
-            QueueCore::new(admin_spec, inbox.clone(), o.io_timeout, o.max_retries)?;
-        let (admin_h, admin_ctl, _admin_task) = queue::spawn(admin_core, clock);
+        let (admin_h, admin_ctl) = admin_queue::<S::Device>(&o, &inbox, clock)?;
         let Some(first) = first else {
             return Err(HostError::Connect(
                 "no such device, or it is not live".into(),
@@ -306,7 +295,7 @@ impl Controller {
             hostnqn,
         }
         .to_bytes();
-        let mut sup = Supervisor {
+        let sup = Supervisor {
             sm: Machine::new(policy, ours),
             clock,
             devs: devs.clone(),
@@ -326,7 +315,7 @@ impl Controller {
             metrics: CtrlMetrics::new(&o.subnqn),
             opts: o.clone(),
         };
-        let mut c = Controller {
+        let c = Controller {
             cntlid: 0,
             opts: o,
             ident: IdentifyController::default(),
@@ -340,6 +329,18 @@ impl Controller {
             backing: devs,
             sup: None,
         };
+        Ok((c, sup, disc_rx, discovery))
+    }
+
+    /// Connect through `name` of `source`, starting on context `first`.
+    async fn connect_with<S: DeviceSource>(
+        source: S,
+        name: String,
+        first: Option<S::Device>,
+        o: ConnectOptions,
+    ) -> Result<Controller, HostError> {
+        let (mut c, mut sup, disc_rx, discovery) = Self::assemble(source, name, first, o)?;
+        let clock = sup.clock;
         // Bring-up runs under the rules of recovery: each step has a deadline, and a failure
         // of the connection under it (device reset, transport error, I/O timeout) ends it
         // at once. Nobody is recovering this controller yet, so that is a failed connect,
@@ -451,4 +452,39 @@ impl Controller {
     async fn bring_up_cmd(&self, sqe: Sqe, data_in: usize) -> Result<queue::Response, HostError> {
         bounded_admin(&self.admin, self.opts.connect_timeout, sqe, data_in).await
     }
+}
+
+/// Options a controller cannot be made with; the subsystem and host NQNs.
+fn check_options(o: &ConnectOptions) -> Result<(Nqn, Nqn), HostError> {
+    if !(16..=1024).contains(&o.queue_size) {
+        return Err(HostError::Invalid(format!(
+            "queue size {} not in 16..=1024",
+            o.queue_size
+        )));
+    }
+    if o.nr_io_queues == 0 {
+        return Err(HostError::Invalid(
+            "at least one I/O queue is needed".into(),
+        ));
+    }
+    Ok((Nqn::new(&o.subnqn)?, Nqn::new(&o.hostnqn)?))
+}
+
+/// The admin queue's memory and task; nothing is connected.
+fn admin_queue<D: DeviceContext>(
+    o: &ConnectOptions,
+    inbox: &Arc<Inbox>,
+    clock: Clock,
+) -> Result<(queue::QueueHandle, queue::QueueCtl<D>), HostError> {
+    let spec = QueueSpec {
+        qid: 0,
+        size: 32,
+        inline: 0,
+        inline_depth: 0,
+        max_io: 64 << 10,
+        mtu: o.mtu,
+    };
+    let core: QueueCore<D> = QueueCore::new(spec, inbox.clone(), o.io_timeout, o.max_retries)?;
+    let (handle, ctl, _task) = queue::spawn(core, clock);
+    Ok((handle, ctl))
 }

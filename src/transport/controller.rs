@@ -179,6 +179,22 @@ impl CtrlStatus {
     }
 }
 
+impl RecoveryTrace {
+    /// The marks of the one path in the order it takes them: failed, torn down, attempt
+    /// started, device open, admin CM connection, admin ready, LIVE.
+    pub fn steps(&self) -> [Option<Instant>; 7] {
+        [
+            self.failed,
+            self.torn_down,
+            self.attempt_start,
+            self.device_open,
+            self.admin_cm,
+            self.admin_ready,
+            self.live,
+        ]
+    }
+}
+
 /// A connected NVMe-oF controller that survives its HCA.
 pub struct Controller {
     pub cntlid: u16,
