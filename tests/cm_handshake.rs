@@ -9,6 +9,9 @@
 //! both sides; DREQ / DREP teardown, lost DREP, DREQ for a forgotten connection, simultaneous
 //! disconnect; abort; replay from a seed.
 
+#[path = "common/snapshot.rs"]
+mod snapshot;
+
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -1008,4 +1011,10 @@ fn the_same_seeds_replay_the_same_bytes() {
     assert_eq!(t1, t2);
     assert_eq!(l1, l2);
     assert!(l1.len() >= 6);
+}
+
+#[test]
+fn the_transition_table_matches_its_snapshot() {
+    snapshot::check_snapshot("cm_transitions.txt", &nvmf_rdma::cm::state::describe());
+    snapshot::check_snapshot("cm_transitions.dot", &nvmf_rdma::cm::state::dot());
 }

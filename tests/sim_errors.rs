@@ -20,7 +20,6 @@ use nvmf_rdma::hca::wire::{
 };
 use nvmf_rdma::hca::*;
 use nvmf_rdma::verbs::*;
-use nvmf_rdma::verbs::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

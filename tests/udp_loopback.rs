@@ -10,7 +10,6 @@ use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::rc::{connect_end, create_end, RcEnd, RcOptions};
 use nvmf_rdma::hca::*;
 use nvmf_rdma::verbs::*;
-use nvmf_rdma::verbs::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

@@ -10,6 +10,7 @@ pub mod policy;
 
 pub use episodes::RecoveryLog;
 pub use machine::{
-    Action, Actions, Cause, CtrlState, Event, FailReason, Machine, Status, TRANSITIONS,
+    describe, Action, Actions, Cause, CtrlState, Event, FailReason, Machine, Status, Trigger,
+    TRANSITIONS,
 };
 pub use policy::{Identity, IdentityMatch, Policy};

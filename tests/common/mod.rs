@@ -7,7 +7,6 @@ use nvmf_rdma::hca::rc::{connect_pair, RcEnd, RcOptions};
 use nvmf_rdma::hca::sim::{Faults, Sim};
 use nvmf_rdma::hca::*;
 use nvmf_rdma::verbs::*;
-use nvmf_rdma::verbs::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
