@@ -8,6 +8,7 @@
 
 mod backend;
 pub mod cm;
+mod fabric;
 pub mod local;
 pub mod manager;
 mod metrics_pub;
@@ -30,8 +31,8 @@ use crate::hca::{AsyncEvent, WorkCompletion};
 use crate::timer::EarliestTimer;
 
 pub use cm::CmService;
+pub use fabric::Fabric;
 pub use manager::{DeviceManager, ManagerError};
-pub use port::Fabric;
 use port::PacketPort;
 pub use simnet::SimNet;
 pub use socket::{bind_roce_socket, RxBatch, TxBatch};
