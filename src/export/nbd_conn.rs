@@ -372,13 +372,7 @@ async fn execute(dev: &BlockDev, req: Request, payload: Bytes, structured: bool)
             r => r,
         },
         Command::WriteZeroes => dev.write_zeroes_at(off, len, fua).await,
-        _ => {
-            return Reply {
-                head: status_reply(false, req.cookie, errno::EINVAL),
-                data: Vec::new(),
-                held: None,
-            }
-        }
+        _ => return status_only(&req, false, errno::EINVAL),
     };
     let error = match r {
         Ok(()) => 0,
@@ -387,13 +381,5 @@ async fn execute(dev: &BlockDev, req: Request, payload: Bytes, structured: bool)
             errno::from_host(e.errno())
         }
     };
-    Reply {
-        head: status_reply(
-            structured && req.command == Command::Read,
-            req.cookie,
-            error,
-        ),
-        data: Vec::new(),
-        held: None,
-    }
+    status_only(&req, structured, error)
 }

@@ -410,12 +410,7 @@ impl CmEndpoint {
             self.stats.rx_duplicates += 1;
             return;
         }
-        if let Some(c) = self.conns.get_mut(&key) {
-            c.pending = None;
-        }
-        self.enter_timewait(now, key);
-        self.events
-            .push_back(CmEvent::Disconnected { id: ConnId(key) });
+        self.disconnected(now, key);
     }
 
     pub(super) fn on_drep(&mut self, now: Instant, from: SocketAddr, d: &DrepRepr) {
@@ -425,6 +420,11 @@ impl CmEndpoint {
         if self.apply_checked(key, Input::RecvDrep).is_none() {
             return;
         }
+        self.disconnected(now, key);
+    }
+
+    /// The peer ended the connection: nothing more to resend, TimeWait, and the owner told.
+    fn disconnected(&mut self, now: Instant, key: u32) {
         if let Some(c) = self.conns.get_mut(&key) {
             c.pending = None;
         }
