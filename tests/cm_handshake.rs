@@ -16,7 +16,8 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use nvmf_rdma::cm::mad::{attr, CmMad, CmMessage, MraRepr, MsgRef};
+use nvmf_rdma::cm::mad::{attr, MsgRef};
+use nvmf_rdma::cm::messages::{CmMad, CmMessage, MraRepr};
 use nvmf_rdma::cm::private::{gid_from_ip, service_id};
 use nvmf_rdma::cm::{
     iba_time, AcceptParams, CmConfig, CmEndpoint, CmError, CmEvent, ConnId, ConnState,

@@ -8,7 +8,8 @@
 
 use std::net::SocketAddr;
 
-use nvmf_rdma::cm::mad::{attr, CmMad};
+use nvmf_rdma::cm::mad::attr;
+use nvmf_rdma::cm::messages::CmMad;
 use nvmf_rdma::cm::private::{service_id, split_req_private};
 use nvmf_rdma::cm::{
     AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnId, ConnectParams, NvmeCmAccept, NvmeCmReject,

@@ -14,7 +14,7 @@
 
 use std::net::SocketAddr;
 
-use nvmf_rdma::cm::mad::{CmMad, CmMessage};
+use nvmf_rdma::cm::messages::{CmMad, CmMessage};
 use nvmf_rdma::cm::{CmConfig, CmEndpoint, CmEvent, ConnectParams, NvmeCmRequest, MAD_LEN};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::wire::{

@@ -10,9 +10,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nvmf_rdma::cm::mad::{
-    CmMad, DrepRepr, DreqRepr, Mad, MadHdrRepr, MraRepr, RejRepr, RepRepr, ReqRepr, RtuRepr,
-    MAD_LEN,
+use nvmf_rdma::cm::mad::{Mad, MadHdrRepr, MAD_LEN};
+use nvmf_rdma::cm::messages::{
+    CmMad, DrepRepr, DreqRepr, MraRepr, RejRepr, RepRepr, ReqRepr, RtuRepr,
 };
 use nvmf_rdma::cm::private::{
     build_req_private, service_id, split_req_private, CmaHdr, CmaHdrRepr, NvmeCmAccept,

@@ -8,6 +8,7 @@
 
 mod backend;
 pub mod cm;
+mod fabric;
 pub mod local;
 pub mod manager;
 mod metrics_pub;
@@ -31,8 +32,8 @@ use crate::verbs::Lifecycle;
 use crate::verbs::{AsyncEvent, WorkCompletion};
 
 pub use cm::CmService;
+pub use fabric::Fabric;
 pub use manager::{DeviceManager, ManagerError};
-pub use port::Fabric;
 use port::PacketPort;
 pub use simnet::SimNet;
 pub use socket::{bind_roce_socket, RxBatch, TxBatch};

@@ -15,7 +15,8 @@
 //!   Status Field and the Generic / Command Specific / Media / Path status code tables;
 //!   Fabrics: Connect status codes).
 //! - `fabrics.rs`: Fabrics commands (Connect, Property Get/Set), Connect data, NQNs,
-//!   the CAP/VS/CC/CSTS properties (Fabrics: Fabrics Command Set; Base: Controller
+//!   property offsets (Fabrics: Fabrics Command Set).
+//! - `registers.rs`: the CAP/VS/CC/CSTS properties and their bit fields (Base: Controller
 //!   Registers / Properties).
 //! - `admin.rs`: admin and NVM I/O opcodes, command builders, DSM ranges (Base: Admin
 //!   Command Set; NVM Command Set: Read, Write, Write Zeroes, Dataset Management, Flush).
@@ -37,6 +38,7 @@ pub mod cqe;
 pub mod discovery;
 pub mod fabrics;
 pub mod identify;
+pub mod registers;
 pub mod sgl;
 pub mod sqe;
 pub mod status;
@@ -44,8 +46,9 @@ pub mod status;
 pub use admin::{opcode, DsmRange};
 pub use cqe::Cqe;
 pub use discovery::{DiscoveryLogEntry, DiscoveryLogHeader, RdmaTsas};
-pub use fabrics::{Cap, Cc, ConnectData, Csts, FabricsCmd, FixedStr, Nqn, Vs};
+pub use fabrics::{ConnectData, FabricsCmd, FixedStr, Nqn};
 pub use identify::{IdentifyController, IdentifyNamespace, LbaFormat, NsIdentity};
+pub use registers::{Cap, Cc, Csts, Vs};
 pub use sgl::SglDescriptor;
 pub use sqe::{Fuse, Sqe};
 pub use status::{NvmeError, Status, StatusType};

@@ -9,12 +9,13 @@
 use nvmf_rdma::nvme::admin::{self, DsmRange, MAX_BLOCKS};
 use nvmf_rdma::nvme::discovery::{DiscoveryLogEntry, DiscoveryLogHeader, RdmaTsas};
 use nvmf_rdma::nvme::fabrics::{
-    Cap, Cc, ConnectData, ConnectResult, Csts, FabricsCmd, FixedStr, Nqn, Vs, NQN_MAX_LEN,
+    ConnectData, ConnectResult, FabricsCmd, FixedStr, Nqn, NQN_MAX_LEN,
 };
 use nvmf_rdma::nvme::identify::{
     active_namespace_ids, emit_active_namespace_ids, IdentifyController, IdentifyNamespace,
     LbaFormat, LBAF_ENTRIES,
 };
+use nvmf_rdma::nvme::registers::{Cap, Cc, Csts, Vs};
 use nvmf_rdma::nvme::sgl::MAX_KEYED_LEN;
 use nvmf_rdma::nvme::{Cqe, Fuse, NvmeError, NvmeWireError, SglDescriptor, Sqe, Status};
 use proptest::collection::vec;
