@@ -27,6 +27,10 @@
 #   LOSS=2,5            also run the loss table at these percentages (and at 0 for the
 #                       lossless figure), each round; needs root, ip and nft.
 #   FIO_EXTRA="k=v ..." adds job options to every fio run of the main table.
+#   EXT_BUSY_POLL=0us   the busy-poll window of ext's two processes (the target's --busy-poll
+#                       and the plugin's busy_poll=; default 50us, as a user gets). On a
+#                       machine with fewer cores than busy threads the two spinners take
+#                       the cores each other needs (docs/performance.md, "Across processes").
 #
 # Output: a header with the machine (CPU, cores, kernel, load average), then
 #   goal table   the issue's goals on the deployment users have, fio + plugin against a target
@@ -87,6 +91,8 @@ if [ -n "${LOSS:-}" ]; then
       { echo "bench.sh: LOSS takes percentages 1-100 separated by commas (LOSS=2,5), not '$LOSS'" >&2; exit 1; }
   done
 fi
+ext_busy_poll=${EXT_BUSY_POLL:-50us}
+[[ $ext_busy_poll =~ ^[0-9]+us$ ]] || { echo "bench.sh: EXT_BUSY_POLL takes microseconds (0us, 50us), not '$ext_busy_poll'" >&2; exit 1; }
 plugin=${NVMF_FIO_PLUGIN:-$root/target/release/libnvmf_rdma_fio.so}
 for tool in fio nbdkit python3; do
   command -v "$tool" >/dev/null || { echo "bench.sh: $tool is missing (run fio-plugin/setup.sh)" >&2; exit 1; }
@@ -217,7 +223,7 @@ loss_job >"$work/loss.fio"
   echo "machine: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)," \
        "$(nproc) cores, kernel $(uname -r); load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "build: $(cd "$root" && git describe --always --dirty 2>/dev/null || echo unknown);" \
-       "command: $([ -n "${LOSS:-}" ] && echo "LOSS=$LOSS ")bash fio-plugin/bench.sh $secs $rounds"
+       "command: $([ -n "${LOSS:-}" ] && echo "LOSS=$LOSS ")$([ -n "${EXT_BUSY_POLL:-}" ] && echo "EXT_BUSY_POLL=$EXT_BUSY_POLL ")bash fio-plugin/bench.sh $secs $rounds"
   if [ "${NVMF_RDMA_LOOPBACK:-}" = udp ]; then
     echo "paths: every engine's packets through UDP sockets on 127.0.0.1 (NVMF_RDMA_LOOPBACK=udp)"
   else
@@ -236,15 +242,15 @@ free_port() {
 }
 port=$(free_port DGRAM)
 mport=$(free_port STREAM)
-"$bin" --metrics-addr "127.0.0.1:$mport" target --ram 1G --listen "127.0.0.1:$port" >"$work/target.log" 2>&1 &
+"$bin" --busy-poll="$ext_busy_poll" --metrics-addr "127.0.0.1:$mport" target --ram 1G --listen "127.0.0.1:$port" >"$work/target.log" 2>&1 &
 tgt_pid=$!
 for _ in $(seq 100); do [ -S "$work/nbd.sock" ] && break; sleep 0.1; done
 [ -S "$work/nbd.sock" ] || { echo "bench.sh: nbdkit did not start" >&2; exit 1; }
 wait_for "$work/target.log" "listening on" "$tgt_pid"
 
 plugin_global=$(printf '[global]\nioengine=external:%s\nthread=1\nbuiltin_target=1G\nfilename=ns=1' "$plugin")
-ext_global=$(printf '[global]\nioengine=external:%s\nthread=1\ntraddr=127.0.0.1:%s\nsubnqn=%s\nfilename=ns=1' \
-  "$plugin" "$port" "$nqn")
+ext_global=$(printf '[global]\nioengine=external:%s\nthread=1\ntraddr=127.0.0.1:%s\nsubnqn=%s\nfilename=ns=1\nbusy_poll=%s' \
+  "$plugin" "$port" "$nqn" "$ext_busy_poll")
 nbd_global=$(printf '[global]\nioengine=nbd\nuri=nbd+unix:///?socket=%s' "$work/nbd.sock")
 for r in $(seq "$rounds"); do
   for w in "${workloads[@]}"; do
