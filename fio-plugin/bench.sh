@@ -31,6 +31,8 @@
 #                       and the plugin's busy_poll=; default 50us, as a user gets). On a
 #                       machine with fewer cores than busy threads the two spinners take
 #                       the cores each other needs (docs/performance.md, "Across processes").
+#   EXT_BUSY_POLL_GATE=1 the busy-poll gate on ext's two processes (--busy-poll-gate,
+#                       busy_poll_gate=1): spinning stops for a while once it is preempted.
 #
 # Output: a header with the machine (CPU, cores, kernel, load average), then
 #   goal table   the issue's goals on the deployment users have, fio + plugin against a target
@@ -93,6 +95,8 @@ if [ -n "${LOSS:-}" ]; then
 fi
 ext_busy_poll=${EXT_BUSY_POLL:-50us}
 [[ $ext_busy_poll =~ ^[0-9]+us$ ]] || { echo "bench.sh: EXT_BUSY_POLL takes microseconds (0us, 50us), not '$ext_busy_poll'" >&2; exit 1; }
+ext_gate=${EXT_BUSY_POLL_GATE:-0}
+[[ $ext_gate =~ ^[01]$ ]] || { echo "bench.sh: EXT_BUSY_POLL_GATE takes 0 or 1, not '$ext_gate'" >&2; exit 1; }
 plugin=${NVMF_FIO_PLUGIN:-$root/target/release/libnvmf_rdma_fio.so}
 for tool in fio nbdkit python3; do
   command -v "$tool" >/dev/null || { echo "bench.sh: $tool is missing (run fio-plugin/setup.sh)" >&2; exit 1; }
@@ -223,7 +227,7 @@ loss_job >"$work/loss.fio"
   echo "machine: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)," \
        "$(nproc) cores, kernel $(uname -r); load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "build: $(cd "$root" && git describe --always --dirty 2>/dev/null || echo unknown);" \
-       "command: $([ -n "${LOSS:-}" ] && echo "LOSS=$LOSS ")$([ -n "${EXT_BUSY_POLL:-}" ] && echo "EXT_BUSY_POLL=$EXT_BUSY_POLL ")bash fio-plugin/bench.sh $secs $rounds"
+       "command: $([ -n "${LOSS:-}" ] && echo "LOSS=$LOSS ")$([ -n "${EXT_BUSY_POLL:-}" ] && echo "EXT_BUSY_POLL=$EXT_BUSY_POLL ")$([ -n "${EXT_BUSY_POLL_GATE:-}" ] && echo "EXT_BUSY_POLL_GATE=$EXT_BUSY_POLL_GATE ")bash fio-plugin/bench.sh $secs $rounds"
   if [ "${NVMF_RDMA_LOOPBACK:-}" = udp ]; then
     echo "paths: every engine's packets through UDP sockets on 127.0.0.1 (NVMF_RDMA_LOOPBACK=udp)"
   else
@@ -242,15 +246,15 @@ free_port() {
 }
 port=$(free_port DGRAM)
 mport=$(free_port STREAM)
-"$bin" --busy-poll="$ext_busy_poll" --metrics-addr "127.0.0.1:$mport" target --ram 1G --listen "127.0.0.1:$port" >"$work/target.log" 2>&1 &
+"$bin" --busy-poll="$ext_busy_poll" $([ "$ext_gate" = 1 ] && echo --busy-poll-gate) --metrics-addr "127.0.0.1:$mport" target --ram 1G --listen "127.0.0.1:$port" >"$work/target.log" 2>&1 &
 tgt_pid=$!
 for _ in $(seq 100); do [ -S "$work/nbd.sock" ] && break; sleep 0.1; done
 [ -S "$work/nbd.sock" ] || { echo "bench.sh: nbdkit did not start" >&2; exit 1; }
 wait_for "$work/target.log" "listening on" "$tgt_pid"
 
 plugin_global=$(printf '[global]\nioengine=external:%s\nthread=1\nbuiltin_target=1G\nfilename=ns=1' "$plugin")
-ext_global=$(printf '[global]\nioengine=external:%s\nthread=1\ntraddr=127.0.0.1:%s\nsubnqn=%s\nfilename=ns=1\nbusy_poll=%s' \
-  "$plugin" "$port" "$nqn" "$ext_busy_poll")
+ext_global=$(printf '[global]\nioengine=external:%s\nthread=1\ntraddr=127.0.0.1:%s\nsubnqn=%s\nfilename=ns=1\nbusy_poll=%s\nbusy_poll_gate=%s' \
+  "$plugin" "$port" "$nqn" "$ext_busy_poll" "$ext_gate")
 nbd_global=$(printf '[global]\nioengine=nbd\nuri=nbd+unix:///?socket=%s' "$work/nbd.sock")
 for r in $(seq "$rounds"); do
   for w in "${workloads[@]}"; do
