@@ -51,6 +51,11 @@ pub fn set_default_busy_poll(window: Duration) {
     DEFAULT_BUSY_POLL_NS.store(window_ns(window), Ordering::Relaxed);
 }
 
+/// The busy-poll window new contexts start with ([`set_default_busy_poll`]).
+pub fn default_busy_poll() -> Duration {
+    Duration::from_nanos(DEFAULT_BUSY_POLL_NS.load(Ordering::Relaxed))
+}
+
 /// Whether busy polling yields to other threads while the spinner is being preempted
 /// ([`spin::SpinGate`]); off unless set.
 static BUSY_POLL_GATE: AtomicBool = AtomicBool::new(false);
