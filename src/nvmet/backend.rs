@@ -167,9 +167,17 @@ impl<M: HostBuffer> Pool<M> {
         self.work.notify_one();
     }
 
-    /// Drop every job of the queue `token` that has not started.
-    pub fn purge(&self, token: u64) {
-        lock(&self.state).lanes.retain(|l| l.token != token);
+    /// Drop every job of the queue `token` that has not started; how many there were.
+    pub fn purge(&self, token: u64) -> usize {
+        let mut s = lock(&self.state);
+        let n = s
+            .lanes
+            .iter()
+            .filter(|l| l.token == token)
+            .map(|l| l.jobs.len())
+            .sum();
+        s.lanes.retain(|l| l.token != token);
+        n
     }
 
     /// Stop the workers (after the step each is in) and drop what waits.
@@ -217,7 +225,10 @@ impl<M: HostBuffer> Pool<M> {
                     s.idle -= 1;
                 }
             };
+            // A job that stops is reported too: the engine counts a dead controller's
+            // started jobs until each has ended.
             if !job.alive.load(Ordering::Acquire) {
+                self.finish(&job, Err(Status::ABORTED_SQ_DELETION), 0);
                 continue;
             }
             match step(&mut job, &mut scratch) {
@@ -225,6 +236,9 @@ impl<M: HostBuffer> Pool<M> {
                     let mut s = lock(&self.state);
                     if !s.closed && job.alive.load(Ordering::Acquire) {
                         s.push(job);
+                    } else {
+                        drop(s);
+                        self.finish(&job, Err(Status::ABORTED_SQ_DELETION), 0);
                     }
                 }
                 Step::Done(result, written) => self.finish(&job, result, written),

@@ -71,7 +71,9 @@ impl<D: DeviceContext> Engine<D> {
             match admin {
                 Some(qpn) => self.remove_queue(d, qpn),
                 None => {
-                    self.core.ctrls.remove(&id);
+                    if let Some(ctrl) = self.core.ctrls.remove(&id) {
+                        self.ctrl_died(id, &ctrl);
+                    }
                 }
             }
         }
@@ -392,6 +394,7 @@ impl<D: DeviceContext> Engine<D> {
                         host = %ctrl.hostnqn,
                         "host disconnected: controller torn down"
                     );
+                    self.ctrl_died(c, &ctrl);
                     for (other, _) in ctrl.queues {
                         if other != qpn {
                             self.remove_queue(d, other);
