@@ -167,17 +167,16 @@ impl<M: HostBuffer> Pool<M> {
         self.work.notify_one();
     }
 
-    /// Drop every job of the queue `token` that has not started; how many there were.
-    pub fn purge(&self, token: u64) -> usize {
-        let mut s = lock(&self.state);
-        let n = s
-            .lanes
-            .iter()
-            .filter(|l| l.token == token)
-            .map(|l| l.jobs.len())
-            .sum();
-        s.lanes.retain(|l| l.token != token);
-        n
+    /// Take every job of the queue `token` that has not started.
+    pub fn purge(&self, token: u64) -> Vec<Job<M>> {
+        let mut out = Vec::new();
+        lock(&self.state).lanes.retain_mut(|l| {
+            if l.token == token {
+                out.extend(l.jobs.drain(..));
+            }
+            l.token != token
+        });
+        out
     }
 
     /// Stop the workers (after the step each is in) and drop what waits.

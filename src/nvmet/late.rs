@@ -1,5 +1,6 @@
 //! A dead controller's held commands on the engine: the late-writes fault mode (writes the
-//! backend held when their controller died run later, as a slow backend's would), the
+//! backend held when their controller died, stalled or waiting for a worker, run later, as
+//! a slow backend's would), the
 //! controller deaths that feed [`super::quiesce`], and the CCRs whose end is reported to
 //! their source. What runs, is dropped or waits is [`super::quiesce::Quiesce`]'s call.
 
@@ -10,10 +11,11 @@ use crate::nvme::admin::opcode;
 use crate::nvme::ccr::{self, CcrState, CtrlInstance};
 use crate::verbs::{DeviceContext, HostBuffer, Instant, Qpn};
 
+use super::backend::Op;
 use super::command::{Ctrl, SQE_LEN};
 use super::engine::Engine;
 use super::io::{lba, nlb};
-use super::quiesce::{Reset, Verdict};
+use super::quiesce::{Death, Reset, Verdict};
 use super::rdma::{Io, Stage};
 use super::Namespace;
 
@@ -35,14 +37,17 @@ pub(super) const NO_WAKE: u64 = u64::MAX;
 
 impl<D: DeviceContext> Engine<D> {
     /// Controller `id` (`ctrl`, just taken out of the registry) died: with the late-writes
-    /// fault on, the writes its queues still held (stalled, their data in staging) are kept
-    /// to run later; without it they go with their queues. Either way the death is
-    /// recorded, so that CQT and CCR apply to it.
+    /// fault on, the writes its queues still held (stalled with their data in staging, or
+    /// waiting for a worker) are kept to run later; without it they go with their queues.
+    /// Either way the death is recorded, so that CQT and CCR apply to it.
     pub(super) fn ctrl_died(&mut self, id: u16, ctrl: &Ctrl) {
         let inst = ctrl.instance(id);
+        let due = self
+            .late_writes_ms
+            .map(|ms| Instant(self.now.0.saturating_add(u64::from(ms) * 1_000_000)));
         let mut held = 0;
         // Jobs a worker has started cannot be stopped mid-step: each is counted until it
-        // reports (done or stopped); those still waiting for a worker go now.
+        // reports (done or stopped). Those still waiting for a worker go now.
         let mut running = 0;
         for (qpn, _) in &ctrl.queues {
             let Some(q) = self.queues.get(qpn) else {
@@ -56,14 +61,32 @@ impl<D: DeviceContext> Engine<D> {
             if executing == 0 {
                 continue;
             }
-            let started = executing.saturating_sub(self.pool.purge(q.token));
+            let token = q.token;
+            let waiting = self.pool.purge(token);
+            let started = executing.saturating_sub(waiting.len());
             if started > 0 {
-                self.ending.insert(q.token, (inst, started));
+                self.ending.insert(token, (inst, started));
                 running += started;
             }
+            let Some(due) = due else {
+                continue;
+            };
+            for job in waiting {
+                if let Op::Write { off, len } = job.op {
+                    self.late.push(LateWrite {
+                        inst,
+                        due,
+                        ns: job.ns,
+                        off,
+                        len,
+                        staging: job.staging,
+                        at: job.at,
+                    });
+                    held += 1;
+                }
+            }
         }
-        if let Some(ms) = self.late_writes_ms {
-            let due = Instant(self.now.0.saturating_add(u64::from(ms) * 1_000_000));
+        if let Some(due) = due {
             let subsys = self.core.subsystem(ctrl).cloned();
             let mut i = 0;
             while i < self.stalled.len() {
@@ -84,15 +107,15 @@ impl<D: DeviceContext> Engine<D> {
                 }
             }
         }
-        self.core.quiesce.died(
+        let death = Death {
             inst,
-            ctrl.subsys,
-            &ctrl.hostnqn,
-            ctrl.kato_ms,
-            self.now,
+            subsys: ctrl.subsys,
+            hostnqn: &ctrl.hostnqn,
+            kato_ms: ctrl.kato_ms,
             held,
             running,
-        );
+        };
+        self.core.quiesce.died(death, self.now);
         self.rearm_late();
     }
 

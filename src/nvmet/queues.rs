@@ -363,7 +363,7 @@ impl<D: DeviceContext> Engine<D> {
             return;
         };
         q.alive.store(false, Ordering::Release);
-        self.pool.purge(q.token);
+        drop(self.pool.purge(q.token));
         d.dev.destroy_qp(qpn);
         for mr in [q.recv.1, q.rsp.1, q.data.1] {
             d.dev.dereg_mr(&mr);

@@ -46,6 +46,18 @@ impl Dead {
     }
 }
 
+/// A controller's death: the instance, whose it was, and what of it the backend still has:
+/// `held` commands that may still run (stoppable), `running` ones it cannot stop.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Death<'a> {
+    pub inst: CtrlInstance,
+    pub subsys: usize,
+    pub hostnqn: &'a str,
+    pub kato_ms: u32,
+    pub held: usize,
+    pub running: usize,
+}
+
 /// A CCR in progress: the source controller that runs it and the instance it resets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Reset {
@@ -89,18 +101,17 @@ impl Quiesce {
         }
     }
 
-    /// Controller `inst` died at `now` with `held` commands the backend still holds and
-    /// `running` it cannot stop. A CCR that fenced it while it was live still holds.
-    pub fn died(
-        &mut self,
-        inst: CtrlInstance,
-        subsys: usize,
-        hostnqn: &str,
-        kato_ms: u32,
-        now: Instant,
-        held: usize,
-        running: usize,
-    ) {
+    /// A controller died at `now` (see [`Death`]). A CCR that fenced it while it was live
+    /// still holds.
+    pub fn died(&mut self, death: Death, now: Instant) {
+        let Death {
+            inst,
+            subsys,
+            hostnqn,
+            kato_ms,
+            held,
+            running,
+        } = death;
         let keep = 3 * u64::from(kato_ms) * MS + self.cqt_ns;
         let fenced = self
             .dead
@@ -273,6 +284,17 @@ mod tests {
     };
     const HOST: &str = "nqn.host";
 
+    fn death(inst: CtrlInstance, held: usize, running: usize) -> Death<'static> {
+        Death {
+            inst,
+            subsys: 0,
+            hostnqn: HOST,
+            kato_ms: 5000,
+            held,
+            running,
+        }
+    }
+
     fn ms(v: u64) -> Instant {
         Instant(v * MS)
     }
@@ -280,7 +302,7 @@ mod tests {
     #[test]
     fn held_commands_run_when_due_within_cqt_and_are_dropped_past_it() {
         let mut q = Quiesce::new(1000);
-        q.died(A, 0, HOST, 5000, ms(100), 2, 0);
+        q.died(death(A, 2, 0), ms(100));
         assert_eq!(q.verdict(&A, ms(400), ms(399)), Verdict::Wait);
         assert_eq!(q.verdict(&A, ms(400), ms(400)), Verdict::Run);
         // Due after CQT has run out: dropped when it does, never run.
@@ -292,7 +314,7 @@ mod tests {
     #[test]
     fn fence_drops_held_commands_and_succeeds_at_once() {
         let mut q = Quiesce::new(1000);
-        q.died(A, 0, HOST, 5000, ms(0), 1, 0);
+        q.died(death(A, 1, 0), ms(0));
         assert!(q.holds(A.cntlid));
         let e = q.fence(7, A);
         assert_eq!(e.state, CcrState::Success);
@@ -304,7 +326,7 @@ mod tests {
     #[test]
     fn unstoppable_command_keeps_the_id_and_the_reset_in_progress_until_it_ends() {
         let mut q = Quiesce::new(1000);
-        q.died(A, 0, HOST, 5000, ms(0), 0, 1);
+        q.died(death(A, 0, 1), ms(0));
         let e = q.fence(7, A);
         assert_eq!(e.state, CcrState::InProgress);
         assert_eq!(q.admit(7, &A, true, 1), Err(Refusal::InProgress));
@@ -335,7 +357,7 @@ mod tests {
                 cntlid: 100 + u16::from(i),
                 ..A
             };
-            q.died(inst, 0, HOST, 5000, ms(0), 0, 1);
+            q.died(death(inst, 0, 1), ms(0));
             q.fence(7, inst);
         }
         assert_eq!(q.admit(7, &A, true, 0), Err(Refusal::LimitExceeded));
@@ -346,7 +368,7 @@ mod tests {
     #[test]
     fn find_matches_the_whole_instance_host_and_subsystem() {
         let mut q = Quiesce::new(1000);
-        q.died(A, 0, HOST, 5000, ms(0), 0, 0);
+        q.died(death(A, 0, 0), ms(0));
         assert!(q.find(&A, 0, HOST).is_some());
         assert!(q.find(&CtrlInstance { ciu: 8, ..A }, 0, HOST).is_none());
         assert!(q.find(&CtrlInstance { cirn: 1, ..A }, 0, HOST).is_none());

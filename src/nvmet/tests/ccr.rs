@@ -10,7 +10,7 @@ use crate::nvme::ccr::{
 use crate::nvme::{IdentifyController, Sqe, Status};
 use crate::verbs::Instant;
 
-use super::super::quiesce::{CCR_LIMIT, CCR_LOG_MAX};
+use super::super::quiesce::{Death, CCR_LIMIT, CCR_LOG_MAX};
 use super::*;
 
 /// Identify Controller of the admin queue's controller.
@@ -43,6 +43,17 @@ fn log(core: &mut Core, admin: &mut Fake, rmc: bool) -> Vec<CcrLogEntry> {
     page.entries().map(|e| e.expect("entry")).collect()
 }
 
+fn death(inst: CtrlInstance, held: usize, running: usize) -> Death<'static> {
+    Death {
+        inst,
+        subsys: 0,
+        hostnqn: HOSTNQN,
+        kato_ms: 5000,
+        held,
+        running,
+    }
+}
+
 /// `n` dead instances of this host's subsystem with a command that cannot be stopped.
 fn dead_running(core: &mut Core, n: u16) -> Vec<CtrlInstance> {
     (0..n)
@@ -52,7 +63,7 @@ fn dead_running(core: &mut Core, n: u16) -> Vec<CtrlInstance> {
                 ciu: 1,
                 cirn: 77,
             };
-            core.quiesce.died(inst, 0, HOSTNQN, 5000, Instant(0), 0, 1);
+            core.quiesce.died(death(inst, 0, 1), Instant(0));
             inst
         })
         .collect()
@@ -206,7 +217,7 @@ fn ccr_log_full_until_read_with_remove_completed() {
             ciu: 2,
             cirn: 5,
         };
-        core.quiesce.died(inst, 0, HOSTNQN, 5000, Instant(0), 0, 0);
+        core.quiesce.died(death(inst, 0, 0), Instant(0));
         assert!(ccr(&mut core, &mut b, inst).status().is_success());
     }
     let next = CtrlInstance {
@@ -214,7 +225,7 @@ fn ccr_log_full_until_read_with_remove_completed() {
         ciu: 2,
         cirn: 5,
     };
-    core.quiesce.died(next, 0, HOSTNQN, 5000, Instant(0), 0, 0);
+    core.quiesce.died(death(next, 0, 0), Instant(0));
     assert_eq!(ccr(&mut core, &mut b, next).status(), ccr::status::LOG_FULL);
     assert_eq!(log(&mut core, &mut b, true).len(), CCR_LOG_MAX);
     assert!(ccr(&mut core, &mut b, next).status().is_success());
