@@ -9,10 +9,11 @@ use std::sync::Arc;
 
 use crate::nvme::admin::opcode;
 use crate::nvme::ccr::{self, CcrState, CtrlInstance};
+use crate::nvme::{Sqe, Status};
 use crate::verbs::{DeviceContext, HostBuffer, Instant, Qpn};
 
 use super::backend::Op;
-use super::command::{Ctrl, SQE_LEN};
+use super::command::{Ctrl, Done, SQE_LEN};
 use super::engine::Engine;
 use super::io::{lba, nlb};
 use super::quiesce::{Death, Reset, Verdict};
@@ -215,6 +216,32 @@ impl<D: DeviceContext> Engine<D> {
             }
             self.raise(d, r.source, ccr::ccr_aen_dw0());
         }
+    }
+
+    /// A CCR ran on queue `qpn` with answer `r`: what it fenced is stopped before the host
+    /// hears of it. A live controller it tore down that had worker jobs started turns the
+    /// answer from IRS to in progress (they show only once it is torn down).
+    pub(super) fn after_ccr(
+        &mut self,
+        d: &mut Io<D>,
+        qpn: Qpn,
+        sqe: &Sqe,
+        r: &mut Result<Done, Status>,
+    ) {
+        self.tear_down_fenced(d);
+        let source = self.queues.get(&qpn).and_then(|q| q.cntlid);
+        if let (Ok(Done::Respond { result, .. }), Some(source), Ok(inst)) =
+            (r, source, ccr::parse_cross_ctrl_reset(sqe))
+        {
+            if *result != 0 && self.core.quiesce.still_running(source, inst) {
+                *result = 0;
+                let log = self.core.ctrls.get_mut(&source).map(|c| &mut c.ccr_log);
+                if let Some(e) = log.and_then(|l| l.iter_mut().rev().find(|e| e.is_for(&inst))) {
+                    e.state = CcrState::InProgress;
+                }
+            }
+        }
+        self.run_late(d);
     }
 
     /// Tear down the live controllers a CCR just fenced (before the CCR is answered).

@@ -304,14 +304,12 @@ impl<D: DeviceContext> Engine<D> {
             pd: self.pd,
             regions: &mut self.regions,
         };
-        let r = match exec::run(&mut self.core, &mut slot, &sqe) {
+        let mut r = match exec::run(&mut self.core, &mut slot, &sqe) {
             Ok(Done::Connect(admit)) => self.connect(d, qpn, admit),
             r => r,
         };
         if sqe.opcode == opcode::admin::CROSS_CTRL_RESET {
-            // What the reset fenced is stopped before the host hears it succeeded.
-            self.tear_down_fenced(d);
-            self.run_late(d);
+            self.after_ccr(d, qpn, &sqe, &mut r);
         }
         match r {
             Ok(Done::Respond { result, data_out }) => {

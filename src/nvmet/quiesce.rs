@@ -255,6 +255,26 @@ impl Quiesce {
         entry(source, inst, state)
     }
 
+    /// After a CCR from `source` fenced live instance `inst` and its teardown: if a command
+    /// of it could not be stopped, the reset is in progress until that ends (true).
+    pub fn still_running(&mut self, source: u16, inst: CtrlInstance) -> bool {
+        let running = self
+            .dead
+            .get(&inst.cntlid)
+            .is_some_and(|d| d.inst == inst && d.running > 0);
+        let known = self
+            .resets
+            .iter()
+            .any(|r| r.source == source && r.impacted == inst);
+        if running && !known {
+            self.resets.push(Reset {
+                source,
+                impacted: inst,
+            });
+        }
+        running
+    }
+
     /// Dead records with nothing pending whose time is up go.
     pub fn forget(&mut self, now: Instant) {
         self.dead
@@ -344,6 +364,19 @@ mod tests {
         assert!(!q.holds(A.cntlid));
         q.forget(ms(1_000_000));
         assert!(q.find(&A, 0, HOST).is_none());
+    }
+
+    #[test]
+    fn a_live_instance_fenced_before_its_teardown_stays_fenced_and_may_still_run() {
+        let mut q = Quiesce::new(1000);
+        assert_eq!(q.fence(7, A).state, CcrState::Success);
+        // The teardown finds a held write and a started job.
+        q.died(death(A, 1, 1), ms(0));
+        assert_eq!(q.verdict(&A, ms(0), ms(0)), Verdict::Drop);
+        assert!(q.still_running(7, A));
+        assert_eq!(q.admit(7, &A, true, 1), Err(Refusal::InProgress));
+        assert!(q.held_ended(&A).is_empty());
+        assert_eq!(q.running_ended(&A).len(), 1);
     }
 
     #[test]
