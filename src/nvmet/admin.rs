@@ -349,7 +349,7 @@ fn cross_ctrl_reset(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<D
         })?;
     let entry = core.quiesce.fence(source, inst);
     if live {
-        core.fenced.push(inst.cntlid);
+        core.tear_down.push(inst.cntlid);
     }
     core.stats.ccr_resets += 1;
     tracing::info!(

@@ -191,9 +191,9 @@ pub(super) struct Core {
     pub quiesce: Quiesce,
     /// The CIU last given with each controller ID (bounded by the ID range).
     pub ciu: FxHashMap<u16, u8>,
-    /// Live controllers a CCR just fenced, by the CCR's source: the transport tears them
-    /// down before the CCR is answered.
-    pub fenced: Vec<u16>,
+    /// Live controllers to tear down now (a CCR fenced them, or a lost connection is
+    /// played): the transport does it before the command that asked is answered.
+    pub tear_down: Vec<u16>,
 }
 
 impl Core {
@@ -206,7 +206,7 @@ impl Core {
             stats: TargetStats::default(),
             quiesce: Quiesce::new(cfg_cqt),
             ciu: FxHashMap::default(),
-            fenced: Vec::new(),
+            tear_down: Vec::new(),
         }
     }
 

@@ -378,8 +378,8 @@ impl<D: DeviceContext> Target<D> {
         if !e.core.ctrls.contains_key(&cntlid) {
             return false;
         }
-        e.core.fenced.push(cntlid);
-        e.tear_down_fenced(d);
+        e.core.tear_down.push(cntlid);
+        e.tear_down(d);
         true
     }
 

@@ -228,7 +228,7 @@ impl<D: DeviceContext> Engine<D> {
         sqe: &Sqe,
         r: &mut Result<Done, Status>,
     ) {
-        self.tear_down_fenced(d);
+        self.tear_down(d);
         let source = self.queues.get(&qpn).and_then(|q| q.cntlid);
         if let (Ok(Done::Respond { result, .. }), Some(source), Ok(inst)) =
             (r, source, ccr::parse_cross_ctrl_reset(sqe))
@@ -244,9 +244,10 @@ impl<D: DeviceContext> Engine<D> {
         self.run_late(d);
     }
 
-    /// Tear down the live controllers a CCR just fenced (before the CCR is answered).
-    pub(super) fn tear_down_fenced(&mut self, d: &mut Io<D>) {
-        while let Some(id) = self.core.fenced.pop() {
+    /// Tear down the live controllers `Core::tear_down` lists, each as if its connection
+    /// died.
+    pub(super) fn tear_down(&mut self, d: &mut Io<D>) {
+        while let Some(id) = self.core.tear_down.pop() {
             let admin = self
                 .core
                 .ctrls

@@ -118,7 +118,7 @@ fn ccr_of_a_live_controller_fences_it_and_succeeds_at_once() {
     let r = ccr::CcrResult::from_dw0(out.result() as u32);
     assert!(r.immediate && r.validated && r.ctrl_reset, "{r:?}");
     // The transport tears the impacted controller down before it answers.
-    assert_eq!(core.fenced, vec![impacted.cntlid]);
+    assert_eq!(core.tear_down, vec![impacted.cntlid]);
     assert_eq!(core.stats.ccr_resets, 1);
     let want = CcrLogEntry {
         icid: impacted.cntlid,
@@ -166,7 +166,7 @@ fn ccr_with_a_wrong_field_is_refused_and_changes_nothing() {
     // Only from the admin queue (an I/O queue knows no such command).
     let mut io = io_queue(&mut core, &b, 1);
     assert!(!ccr(&mut core, &mut io, good).status().is_success());
-    assert!(core.fenced.is_empty());
+    assert!(core.tear_down.is_empty());
     assert_eq!(core.stats.ccr_resets, 0);
     assert!(log(&mut core, &mut b, false).is_empty());
 }
