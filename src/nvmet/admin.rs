@@ -9,7 +9,10 @@ use crate::nvme::{
     Status, Vs,
 };
 
+use crate::nvme::ccr::{self, CcrLogEntry, CcrResult, CcrState};
+
 use super::command::{kato, lookup, Core, Ctrl, Done, Slot, AER_LIMIT, SQE_LEN};
+use super::quiesce::{Refusal, CCR_LIMIT, CCR_LOG_MAX};
 use super::{Namespace, Subsystem};
 
 type Handler = fn(&mut Core, &mut dyn Slot, &Sqe) -> Result<Done, Status>;
@@ -22,6 +25,7 @@ const ADMIN: &[(u8, Handler)] = &[
     (opcode::admin::GET_FEATURES, get_features),
     (opcode::admin::ASYNC_EVENT_REQUEST, async_event_request),
     (opcode::admin::KEEP_ALIVE, keep_alive),
+    (opcode::admin::CROSS_CTRL_RESET, cross_ctrl_reset),
 ];
 
 /// Length of an Identify data structure.
@@ -37,7 +41,7 @@ const IDENTIFY: &[(u8, IdentifyFn)] = &[
     (cns::NS_ID_DESCRIPTORS, ns_id_descriptors),
 ];
 
-type LogFn = fn(&mut Core, &dyn Slot) -> Result<Vec<u8>, Status>;
+type LogFn = fn(&mut Core, &dyn Slot, &Sqe) -> Result<Vec<u8>, Status>;
 
 /// The log pages the target returns, by log page ID.
 const LOG_PAGES: &[(u8, LogFn)] = &[
@@ -46,6 +50,7 @@ const LOG_PAGES: &[(u8, LogFn)] = &[
     (lid::SMART, zeroes),
     (0x03, zeroes),
     (lid::CHANGED_NS_LIST, changed_namespaces),
+    (lid::CROSS_CTRL_RESET, ccr_log),
     (lid::DISCOVERY, discovery_log),
 ];
 
@@ -164,6 +169,11 @@ fn identify_controller(
         iorcsz: 1,
         icdoff: 0,
         msdbd: 1,
+        ciu: ctrl.ciu,
+        cirn: ctrl.cirn,
+        cqt: cfg.cqt_ms,
+        // A discovery controller has no I/O to reset.
+        ccrl: if ctrl.is_discovery() { 0 } else { CCR_LIMIT },
         ..IdentifyController::default()
     };
     id.emit(page);
@@ -239,11 +249,13 @@ fn get_log_page(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done,
     let numd = (((sqe.cdw10 >> 16) & 0xFFFF) | ((sqe.cdw11 & 0xFFFF) << 16)) as usize + 1;
     let offset = sqe.cdw12 as u64 | ((sqe.cdw13 as u64) << 32);
     let len = numd * 4;
-    let page = lookup(LOG_PAGES, (sqe.cdw10 & 0xFF) as u8)
-        .ok_or(Status::INVALID_LOG_PAGE.with_dnr())?(core, slot)?;
+    let emit =
+        lookup(LOG_PAGES, (sqe.cdw10 & 0xFF) as u8).ok_or(Status::INVALID_LOG_PAGE.with_dnr())?;
     if len > slot.staging_len() {
         return Err(Status::SGL_DATA_LENGTH_INVALID.with_dnr());
     }
+    // Pages that clear on read are read only once the command can return them.
+    let page = emit(core, slot, sqe)?;
     let off = (offset as usize).min(page.len());
     let n = (page.len() - off).min(len);
     slot.data_out(len, &mut |g| {
@@ -257,12 +269,12 @@ fn get_log_page(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done,
     })
 }
 
-fn zeroes(_: &mut Core, _: &dyn Slot) -> Result<Vec<u8>, Status> {
+fn zeroes(_: &mut Core, _: &dyn Slot, _: &Sqe) -> Result<Vec<u8>, Status> {
     Ok(vec![0u8; 4096])
 }
 
 /// The Changed Namespace List: reading it clears it (and re-arms the event).
-fn changed_namespaces(core: &mut Core, slot: &dyn Slot) -> Result<Vec<u8>, Status> {
+fn changed_namespaces(core: &mut Core, slot: &dyn Slot, _: &Sqe) -> Result<Vec<u8>, Status> {
     let ctrl = core.ctrl_mut(slot)?;
     let mut page = vec![0u8; 4096];
     let list = std::mem::take(&mut ctrl.changed_ns);
@@ -274,7 +286,7 @@ fn changed_namespaces(core: &mut Core, slot: &dyn Slot) -> Result<Vec<u8>, Statu
 
 /// The discovery log as the controller's host sees it: only subsystems that allow it
 /// (nvmet `nvmet_host_allowed`), so the log does not tell anyone what exists beyond that.
-fn discovery_log(core: &mut Core, slot: &dyn Slot) -> Result<Vec<u8>, Status> {
+fn discovery_log(core: &mut Core, slot: &dyn Slot, _: &Sqe) -> Result<Vec<u8>, Status> {
     let hostnqn = core.ctrl_of(slot, true)?.hostnqn.as_str();
     let cfg = &core.cfg;
     let visible: Vec<&Subsystem> = cfg
@@ -302,6 +314,70 @@ fn discovery_log(core: &mut Core, slot: &dyn Slot) -> Result<Vec<u8>, Status> {
         if let Ok(e) = DiscoveryLogEntry::rdma(&s.nqn, &addr, &port, ipv6, 1) {
             page[1024 * (i + 1)..1024 * (i + 2)].copy_from_slice(&e.to_bytes());
         }
+    }
+    Ok(page)
+}
+
+/// Cross-Controller Reset (TP8028): reset another controller of the source's host and
+/// subsystem, named by CNTLID, CIU and CIRN. The impacted controller is fenced before this
+/// answers: a live one is torn down by the transport with everything it holds, a dead one's
+/// held commands are dropped. IRS says nothing of it can still run; otherwise the reset
+/// is in progress until the last command that could not be stopped ends, and the source
+/// hears of it through its CCR log and an asynchronous event.
+fn cross_ctrl_reset(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done, Status> {
+    let inst = ccr::parse_cross_ctrl_reset(sqe).map_err(|_| Status::INVALID_FIELD.with_dnr())?;
+    let source = slot
+        .cntlid()
+        .ok_or(Status::COMMAND_SEQUENCE_ERROR.with_dnr())?;
+    let src = core.ctrl_of(slot, true)?;
+    if src.is_discovery() {
+        return Err(Status::INVALID_OPCODE.with_dnr());
+    }
+    let (subsys, logged) = (src.subsys, src.ccr_log.len());
+    let host = src.hostnqn.as_str();
+    let live = core.ctrls.get(&inst.cntlid).is_some_and(|c| {
+        c.instance(inst.cntlid) == inst && c.subsys == subsys && c.hostnqn == host
+    });
+    let known = live || core.quiesce.find(&inst, subsys, host).is_some();
+    core.quiesce
+        .admit(source, &inst, known, logged)
+        .map_err(|r| match r {
+            Refusal::Unknown => Status::INVALID_FIELD.with_dnr(),
+            Refusal::InProgress => ccr::status::IN_PROGRESS,
+            Refusal::LogFull => ccr::status::LOG_FULL,
+            Refusal::LimitExceeded => ccr::status::LIMIT_EXCEEDED,
+        })?;
+    let entry = core.quiesce.fence(source, inst);
+    if live {
+        core.tear_down.push(inst.cntlid);
+    }
+    core.stats.ccr_resets += 1;
+    tracing::info!(
+        source,
+        impacted = inst.cntlid,
+        ciu = inst.ciu,
+        live,
+        "cross-controller reset"
+    );
+    core.ctrl_mut(slot)?.ccr_log.push(entry);
+    let done = entry.state == CcrState::Success;
+    let r = CcrResult {
+        immediate: done,
+        validated: done,
+        ctrl_reset: done,
+    };
+    Ok(Done::result(u64::from(r.to_dw0())))
+}
+
+/// The CCR log page of the source controller; with Remove Completed (LSP bit 0) the resets
+/// that ended leave it once returned.
+fn ccr_log(core: &mut Core, slot: &dyn Slot, sqe: &Sqe) -> Result<Vec<u8>, Status> {
+    let lsp = ((sqe.cdw10 >> 8) & 0x7F) as u8;
+    let ctrl = core.ctrl_mut(slot)?;
+    let mut page = vec![0u8; ccr::LOG_HEADER_LEN + CCR_LOG_MAX * CcrLogEntry::LEN];
+    ccr::emit_log(&ctrl.ccr_log, &mut page).map_err(|_| Status::INTERNAL_ERROR)?;
+    if lsp & ccr::LSP_REMOVE_COMPLETED != 0 {
+        ctrl.ccr_log.retain(|e| e.state == CcrState::InProgress);
     }
     Ok(page)
 }

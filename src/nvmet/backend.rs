@@ -167,9 +167,16 @@ impl<M: HostBuffer> Pool<M> {
         self.work.notify_one();
     }
 
-    /// Drop every job of the queue `token` that has not started.
-    pub fn purge(&self, token: u64) {
-        lock(&self.state).lanes.retain(|l| l.token != token);
+    /// Take every job of the queue `token` that has not started.
+    pub fn purge(&self, token: u64) -> Vec<Job<M>> {
+        let mut out = Vec::new();
+        lock(&self.state).lanes.retain_mut(|l| {
+            if l.token == token {
+                out.extend(l.jobs.drain(..));
+            }
+            l.token != token
+        });
+        out
     }
 
     /// Stop the workers (after the step each is in) and drop what waits.
@@ -217,7 +224,10 @@ impl<M: HostBuffer> Pool<M> {
                     s.idle -= 1;
                 }
             };
+            // A job that stops is reported too: the engine counts a dead controller's
+            // started jobs until each has ended.
             if !job.alive.load(Ordering::Acquire) {
+                self.finish(&job, Err(Status::ABORTED_SQ_DELETION), 0);
                 continue;
             }
             match step(&mut job, &mut scratch) {
@@ -225,6 +235,9 @@ impl<M: HostBuffer> Pool<M> {
                     let mut s = lock(&self.state);
                     if !s.closed && job.alive.load(Ordering::Acquire) {
                         s.push(job);
+                    } else {
+                        drop(s);
+                        self.finish(&job, Err(Status::ABORTED_SQ_DELETION), 0);
                     }
                 }
                 Step::Done(result, written) => self.finish(&job, result, written),

@@ -10,8 +10,10 @@ use crate::nvme::{Cap, Cc, Csts, Sqe, Status};
 use crate::verbs::Qpn;
 
 use super::backend::Op;
+use super::quiesce::Quiesce;
 use super::stats::TargetStats;
 use super::{Namespace, Subsystem, TargetConfig};
+use crate::nvme::ccr::{CcrLogEntry, CtrlInstance};
 
 pub(super) const SQE_LEN: usize = 64;
 pub(super) const CQE_LEN: usize = 16;
@@ -52,11 +54,27 @@ pub(super) struct Ctrl {
     /// Last command seen from any of its queues (keep-alive is traffic based); `None`
     /// until the first expiry check.
     pub last_seen: Option<crate::verbs::Instant>,
+    /// Controller Instance Uniquifier and Random Number: with the CNTLID they name this
+    /// instance in a Cross-Controller Reset.
+    pub ciu: u8,
+    pub cirn: u64,
+    /// The CCR log page of this controller as a source: the resets it ran (at most
+    /// [`super::quiesce::CCR_LOG_MAX`]).
+    pub ccr_log: Vec<CcrLogEntry>,
 }
 
 impl Ctrl {
     pub fn is_discovery(&self) -> bool {
         self.subsys == DISCOVERY
+    }
+
+    /// This controller, with ID `cntlid`, as a CCR names it.
+    pub fn instance(&self, cntlid: u16) -> CtrlInstance {
+        CtrlInstance {
+            cntlid,
+            ciu: self.ciu,
+            cirn: self.cirn,
+        }
     }
 
     /// Keep event `ev` for the next Async Event Request (once).
@@ -169,16 +187,43 @@ pub(super) struct Core {
     pub ctrls: FxHashMap<u16, Ctrl>,
     pub next_cntlid: u16,
     pub stats: TargetStats,
+    /// Dead controllers' commands and the CCRs in progress.
+    pub quiesce: Quiesce,
+    /// The CIU last given with each controller ID (bounded by the ID range).
+    pub ciu: FxHashMap<u16, u8>,
+    /// Live controllers to tear down now (a CCR fenced them, or a lost connection is
+    /// played): the transport does it before the command that asked is answered.
+    pub tear_down: Vec<u16>,
 }
 
 impl Core {
     pub fn new(cfg: TargetConfig) -> Core {
+        let cfg_cqt = cfg.cqt_ms;
         Core {
             cfg: Arc::new(cfg),
             ctrls: FxHashMap::default(),
             next_cntlid: 1,
             stats: TargetStats::default(),
+            quiesce: Quiesce::new(cfg_cqt),
+            ciu: FxHashMap::default(),
+            tear_down: Vec::new(),
         }
+    }
+
+    /// CIU and CIRN of a new instance of controller `id`: the CIU moves on from the last
+    /// one given with this ID (starting anywhere, never 0), the CIRN comes from the OS
+    /// CSPRNG.
+    pub fn new_instance(&mut self, id: u16) -> (u8, u64) {
+        let mut b = [0u8; 9];
+        fill_random(&mut b);
+        let ciu = match self.ciu.get(&id) {
+            Some(&last) => last.wrapping_add(1).max(1),
+            None => b[8].max(1),
+        };
+        self.ciu.insert(id, ciu);
+        let mut cirn = [0u8; 8];
+        cirn.copy_from_slice(&b[..8]);
+        (ciu, u64::from_le_bytes(cirn))
     }
 
     pub fn cap(&self) -> Cap {
@@ -224,7 +269,8 @@ impl Core {
             .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())
     }
 
-    /// A controller ID in `cntlid_min..=cntlid_max` that no live controller has, searched
+    /// A controller ID in `cntlid_min..=cntlid_max` that no live controller has (nor a dead
+    /// one whose commands may still run), searched
     /// round-robin from the last one given (so a freed ID is not handed out again at once);
     /// `None` when every ID is taken. Controllers never outnumber queues, so the search is
     /// at most `max_queues` + 1 steps.
@@ -238,7 +284,8 @@ impl Core {
         let from = (self.next_cntlid.clamp(lo, hi) - lo) as u32;
         let id = (0..span)
             .map(|i| lo + ((from + i) % span) as u16)
-            .find(|id| !self.ctrls.contains_key(id))?;
+            .find(|id| !self.ctrls.contains_key(id) && !self.quiesce.holds(*id))?;
+        self.quiesce.reused(id);
         self.next_cntlid = if id >= hi { lo } else { id + 1 };
         Some(id)
     }
@@ -265,5 +312,13 @@ impl Core {
             .filter(|(_, c)| c.is_discovery())
             .map(|(id, _)| *id)
             .collect()
+    }
+}
+
+/// Fill `b` from the OS CSPRNG (a generator it keyed earlier if it refuses).
+fn fill_random(b: &mut [u8]) {
+    use rand::TryRngCore;
+    if rand::rngs::OsRng.try_fill_bytes(b).is_err() {
+        rand::RngCore::fill_bytes(&mut rand::rng(), b);
     }
 }

@@ -10,6 +10,7 @@
 //! turn, so the state machines themselves read no clock.
 
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rustc_hash::FxHashMap;
@@ -19,6 +20,7 @@ use crate::verbs::{CqId, DeviceContext, Instant, Mtu, PdId, PeerInfo, Psn, Qpn, 
 use super::backend::{Finished, Pool};
 use super::budget::{Ledger, Shares, Usage};
 use super::command::{Core, AEN_DISCOVERY_CHANGED, AEN_NS_CHANGED};
+use super::late::{LateWrite, NO_WAKE};
 use super::rdma::{Io, NsRegions, TQueue};
 use super::stats::{TargetStats, COUNTERS};
 use super::{Namespace, Subsystem, TargetConfig, MAX_NAMESPACES};
@@ -92,6 +94,14 @@ pub(super) struct Engine<D: DeviceContext> {
     /// A stalled backend: I/O commands are held until the stall ends, then executed.
     pub stall_io: bool,
     pub stalled: Vec<(Qpn, usize)>,
+    /// The late-writes fault ([`TargetConfig::late_writes_ms`]), and the writes it holds.
+    pub late_writes_ms: Option<u32>,
+    pub late: Vec<LateWrite<D::Mem>>,
+    /// Started worker jobs of dead controllers, by queue incarnation: the instance and
+    /// how many have yet to report.
+    pub ending: FxHashMap<u64, (crate::nvme::ccr::CtrlInstance, usize)>,
+    /// When the engine's task next looks at `late`, on its clock (`NO_WAKE`: never).
+    pub late_wake: Arc<AtomicU64>,
     /// A test's trap: after the target has executed this many commands in all, wake the
     /// test (and freeze, if asked) before anything else happens.
     pub trap: Option<(u64, bool, Arc<tokio::sync::Notify>)>,
@@ -130,6 +140,7 @@ pub struct Target<D: DeviceContext> {
     /// Zero of the engine's clock (tokio's, so virtual on a simulated network).
     epoch: tokio::time::Instant,
     pool: Arc<Pool<D::Mem>>,
+    late_wake: Arc<AtomicU64>,
 }
 
 impl<D: DeviceContext> Clone for Target<D> {
@@ -139,6 +150,7 @@ impl<D: DeviceContext> Clone for Target<D> {
             engine: self.engine.clone(),
             epoch: self.epoch,
             pool: self.pool.clone(),
+            late_wake: self.late_wake.clone(),
         }
     }
 }
@@ -185,6 +197,8 @@ impl<D: DeviceContext> Target<D> {
             host: cfg.host_share,
             reserved: cfg.reserved_share,
         };
+        let late_wake = Arc::new(AtomicU64::new(NO_WAKE));
+        let late_writes_ms = cfg.late_writes_ms;
         let e = Engine {
             core: Core::new(cfg),
             pd,
@@ -200,6 +214,10 @@ impl<D: DeviceContext> Target<D> {
             frozen: false,
             stall_io: false,
             stalled: Vec::new(),
+            late_writes_ms,
+            late: Vec::new(),
+            ending: FxHashMap::default(),
+            late_wake: late_wake.clone(),
             trap: None,
             now: Instant(0),
             dropped: None,
@@ -217,6 +235,7 @@ impl<D: DeviceContext> Target<D> {
             engine: Arc::new(Mutex::new(Locked { e, d })),
             epoch: tokio::time::Instant::now(),
             pool,
+            late_wake,
         };
         let task = t.clone();
         tokio::spawn(async move { task.serve().await });
@@ -349,6 +368,32 @@ impl<D: DeviceContext> Target<D> {
         }
     }
 
+    /// Play a lost connection (chaos and tests): controller `cntlid` goes with its queues,
+    /// as when its host's connection dies. False if there is no such controller.
+    pub fn lose_controller(&self, cntlid: u16) -> bool {
+        let now = self.now();
+        let mut g = self.lock();
+        let Locked { e, d } = &mut *g;
+        e.now = now;
+        if !e.core.ctrls.contains_key(&cntlid) {
+            return false;
+        }
+        e.core.tear_down.push(cntlid);
+        e.tear_down(d);
+        true
+    }
+
+    /// Set the late-writes fault ([`TargetConfig::late_writes_ms`]) for controllers that
+    /// die from now on.
+    pub fn late_writes(&self, ms: Option<u32>) {
+        self.lock().e.late_writes_ms = ms;
+    }
+
+    /// Writes of dead controllers the late-writes fault still holds.
+    pub fn late_writes_held(&self) -> usize {
+        self.lock().e.late.len()
+    }
+
     /// Tests: once the target has executed command number `after` (counted in
     /// [`TargetStats::commands`], from 1), the returned notifier fires, with the target
     /// frozen first if `freeze` (as [`Target::freeze`]). Faults can thus land between two
@@ -416,6 +461,7 @@ impl<D: DeviceContext> Target<D> {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             batch.clear();
+            let wake = self.late_wake.load(Ordering::Acquire);
             // Biased, the tick first: it is ready four times a second, and a queue that is
             // never idle must not keep every other from being checked for keep-alive.
             tokio::select! {
@@ -429,6 +475,8 @@ impl<D: DeviceContext> Target<D> {
                     e.metrics.publish(&e.core.stats);
                 }
                 _ = self.pool.ready.notified() => self.turn(|e, d| e.answer_finished(d)),
+                _ = tokio::time::sleep_until(self.epoch + std::time::Duration::from_nanos(wake)),
+                    if wake != NO_WAKE => self.turn(|e, d| e.run_late(d)),
                 n = self.dev.wait_cq(cq, 256, &mut batch) => {
                     if n == 0 {
                         return; // the device died

@@ -139,6 +139,7 @@ fn new_controller(
         core.stats.cntlid_exhausted += 1;
         return Err(Status::CONNECT_CONTROLLER_BUSY);
     };
+    let (ciu, cirn) = core.new_instance(id);
     let ctrl = Ctrl {
         subsys,
         hostnqn: cd.hostnqn.as_str().to_string(),
@@ -152,6 +153,9 @@ fn new_controller(
         events: Vec::new(),
         changed_ns: Vec::new(),
         last_seen: None,
+        ciu,
+        cirn,
+        ccr_log: Vec::new(),
     };
     Ok(Join::New(id, Box::new(ctrl)))
 }

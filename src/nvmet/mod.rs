@@ -24,10 +24,12 @@ pub mod engine;
 mod exec;
 mod fabrics;
 mod io;
+mod late;
 pub mod listen;
 pub mod namespace;
 mod pipeline;
 mod queues;
+mod quiesce;
 mod rdma;
 mod stats;
 #[cfg(test)]
@@ -71,6 +73,9 @@ impl Subsystem {
             .is_none_or(|h| h.iter().any(|x| x == hostnqn))
     }
 }
+
+/// Command Quiesce Time reported when none is configured, ms (see `TargetConfig::cqt_ms`).
+pub const DEFAULT_CQT_MS: u16 = 1000;
 
 /// Target-wide settings.
 #[derive(Debug, Clone)]
@@ -123,6 +128,15 @@ pub struct TargetConfig {
     /// and `cntlid_max`), never one that is in use. Clamped to 1..=0xFFEF.
     pub cntlid_min: u16,
     pub cntlid_max: u16,
+    /// Command Quiesce Time reported in Identify Controller, ms (TP4129): a dead
+    /// controller's commands are over (run or dropped) within it. The default leaves a file
+    /// namespace's slowest step (one chunk of a worker's job, a few ms on a busy disk) two
+    /// orders of magnitude of room and adds 1 s to a host's KATO-based wait.
+    pub cqt_ms: u16,
+    /// Fault mode (tests, chaos): writes the backend still holds when their controller
+    /// dies run this long after the death instead of being dropped, as a slow backend's
+    /// would; a CCR or CQT still stops them. `None`: they are dropped with the controller.
+    pub late_writes_ms: Option<u32>,
 }
 
 impl Default for TargetConfig {
@@ -146,6 +160,8 @@ impl Default for TargetConfig {
             max_kato_ms: 120_000,
             cntlid_min: 1,
             cntlid_max: 0xFFEF,
+            cqt_ms: DEFAULT_CQT_MS,
+            late_writes_ms: None,
         }
     }
 }

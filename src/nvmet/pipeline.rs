@@ -304,10 +304,13 @@ impl<D: DeviceContext> Engine<D> {
             pd: self.pd,
             regions: &mut self.regions,
         };
-        let r = match exec::run(&mut self.core, &mut slot, &sqe) {
+        let mut r = match exec::run(&mut self.core, &mut slot, &sqe) {
             Ok(Done::Connect(admit)) => self.connect(d, qpn, admit),
             r => r,
         };
+        if sqe.opcode == opcode::admin::CROSS_CTRL_RESET {
+            self.after_ccr(d, qpn, &sqe, &mut r);
+        }
         match r {
             Ok(Done::Respond { result, data_out }) => {
                 self.respond(d, qpn, c, Status::SUCCESS, result, data_out)
@@ -366,12 +369,11 @@ impl<D: DeviceContext> Engine<D> {
         let mut done = std::mem::take(&mut self.finished);
         self.pool.take_done(&mut done);
         for f in done.drain(..) {
-            let Some(q) = self.queues.get(&f.qpn) else {
-                continue;
-            };
-            let ours =
-                q.token == f.token && q.cmds.get(f.slot).map(|c| c.stage) == Some(Stage::Executing);
+            let ours = self.queues.get(&f.qpn).is_some_and(|q| {
+                q.token == f.token && q.cmds.get(f.slot).map(|c| c.stage) == Some(Stage::Executing)
+            });
             if !ours {
+                self.job_ended(d, f.token);
                 continue;
             }
             // A worker's read or write copied the payload once, between staging and its

@@ -71,7 +71,9 @@ impl<D: DeviceContext> Engine<D> {
             match admin {
                 Some(qpn) => self.remove_queue(d, qpn),
                 None => {
-                    self.core.ctrls.remove(&id);
+                    if let Some(ctrl) = self.core.ctrls.remove(&id) {
+                        self.ctrl_died(id, &ctrl);
+                    }
                 }
             }
         }
@@ -361,7 +363,7 @@ impl<D: DeviceContext> Engine<D> {
             return;
         };
         q.alive.store(false, Ordering::Release);
-        self.pool.purge(q.token);
+        drop(self.pool.purge(q.token));
         d.dev.destroy_qp(qpn);
         for mr in [q.recv.1, q.rsp.1, q.data.1] {
             d.dev.dereg_mr(&mr);
@@ -392,6 +394,7 @@ impl<D: DeviceContext> Engine<D> {
                         host = %ctrl.hostnqn,
                         "host disconnected: controller torn down"
                     );
+                    self.ctrl_died(c, &ctrl);
                     for (other, _) in ctrl.queues {
                         if other != qpn {
                             self.remove_queue(d, other);

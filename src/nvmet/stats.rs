@@ -20,6 +20,11 @@ pub(super) const COUNTERS: &[Published<TargetStats>] = &[
     ("nvmet_read_bytes_total", None, |s| s.bytes_read),
     ("nvmet_written_bytes_total", None, |s| s.bytes_written),
     ("nvmet_io_copies_total", None, |s| s.io_copies),
+    ("nvmet_cross_ctrl_resets_total", None, |s| s.ccr_resets),
+    ("nvmet_late_writes_run_total", None, |s| s.late_writes_run),
+    ("nvmet_late_writes_dropped_total", None, |s| {
+        s.late_writes_dropped
+    }),
 ];
 
 /// Counters a person (or a test) can read.
@@ -50,6 +55,12 @@ pub struct TargetStats {
     /// RDMA straight from or into a RAM namespace (no copy).
     pub io_copies: u64,
     pub io_copied_bytes: u64,
+    /// Cross-Controller Resets carried out.
+    pub ccr_resets: u64,
+    /// Writes of a dead controller run late (the late-writes fault), and those a CCR or CQT
+    /// dropped instead.
+    pub late_writes_run: u64,
+    pub late_writes_dropped: u64,
 }
 
 /// One line for a person: what the target did (the `stopping` line of `nvmf-rdma target`).

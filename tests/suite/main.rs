@@ -21,6 +21,7 @@ mod adversarial;
 mod export_fuse;
 mod export_model;
 mod export_nbd;
+mod late_writes;
 mod ns_rescan;
 mod nvme_props;
 mod nvmf_bad_input;

@@ -329,6 +329,17 @@ pub(crate) struct TargetArgs {
     #[arg(long = "max-kato", value_name = "SECS", default_value_t = 120,
           value_parser = clap::value_parser!(u32).range(1..=3600))]
     pub(crate) max_kato: u32,
+    /// Command Quiesce Time the target reports (Identify CQT), in ms: a controller whose
+    /// host is gone has its commands run or dropped within it (hosts add it to their wait
+    /// before resending writes).
+    #[arg(long = "cqt", value_name = "MS", default_value_t = nvmf_rdma::nvmet::DEFAULT_CQT_MS,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) cqt: u16,
+    /// Fault mode for testing hosts: writes the backend still holds when their controller
+    /// dies (waiting for a file namespace's worker) run MS later instead of being dropped,
+    /// as a slow backend's would, unless a Cross-Controller Reset or CQT stops them first.
+    #[arg(long = "fault-late-writes", value_name = "MS")]
+    pub(crate) fault_late_writes: Option<u32>,
 }
 
 /// A namespace of the built-in target: `target`'s first, `target-ns add`'s.

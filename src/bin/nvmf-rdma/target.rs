@@ -22,6 +22,8 @@ pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
         subsystems: vec![sub],
         port: a.trsvcid,
         max_kato_ms: a.max_kato * 1000,
+        cqt_ms: a.cqt,
+        late_writes_ms: a.fault_late_writes,
         ..TargetConfig::default()
     };
     match a.device.clone() {

@@ -3,6 +3,7 @@
 //! would receive come out.
 
 mod admin;
+mod ccr;
 mod fabrics;
 mod io;
 
