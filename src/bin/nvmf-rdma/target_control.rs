@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
-use crate::control::same_user;
+use nvmf_rdma::daemon::control::same_user;
 
 /// Longest request line, and how long a client may take to send it.
 const LINE_MAX: u64 = 4096;
@@ -263,7 +263,7 @@ async fn handle<D: DeviceContext>(
     adding: &tokio::sync::Mutex<()>,
     line: &str,
 ) -> Value {
-    let fail = |e: String, hint: &str| json!({"ok": false, "error": crate::proto::one_line(&e), "hint": hint});
+    let fail = |e: String, hint: &str| json!({"ok": false, "error": nvmf_rdma::daemon::proto::one_line(&e), "hint": hint});
     let mut v: Value = match serde_json::from_str(line) {
         Ok(v) => v,
         Err(e) => return fail(format!("not JSON: {e}"), "send one JSON object per line"),

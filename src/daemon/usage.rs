@@ -9,19 +9,19 @@ use std::time::{Duration, Instant};
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
-use nvmf_rdma::export::{ExportAddr, NbdStats};
+use crate::export::{ExportAddr, NbdStats};
 
-use crate::connect::Exports;
+use crate::daemon::exports::Exports;
 
 /// One holder of an export and the command that lets it go.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Holder {
-    pub(crate) what: String,
-    pub(crate) release: String,
+pub struct Holder {
+    pub what: String,
+    pub release: String,
 }
 
 /// Loop devices whose backing file is `file` (from `/sys/block/loop*/loop/backing_file`).
-pub(crate) fn loop_devices_on(sys_block: &Path, file: &Path) -> Vec<String> {
+pub fn loop_devices_on(sys_block: &Path, file: &Path) -> Vec<String> {
     let want = file.to_string_lossy();
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir(sys_block) else {
@@ -45,7 +45,7 @@ pub(crate) fn loop_devices_on(sys_block: &Path, file: &Path) -> Vec<String> {
 }
 
 /// Where `dev` is mounted, from a mountinfo file (`/proc/self/mountinfo`).
-pub(crate) fn mounts_of(mountinfo: &str, dev: &str) -> Vec<String> {
+pub fn mounts_of(mountinfo: &str, dev: &str) -> Vec<String> {
     mountinfo
         .lines()
         .filter_map(|l| {
@@ -108,14 +108,14 @@ const RELEASE_GRACE: Duration = Duration::from_secs(2);
 /// What it takes to tell whether a controller's exports are in use, cloned out of the
 /// daemon's table so the look (which may wait) holds no lock.
 #[derive(Clone)]
-pub(crate) struct Probe {
+pub struct Probe {
     /// Every file of the FUSE mount, and its count of open handles (all files together).
-    pub(crate) fuse: Option<(Vec<PathBuf>, Arc<AtomicUsize>)>,
-    pub(crate) nbd: Option<(ExportAddr, Arc<NbdStats>)>,
+    pub fuse: Option<(Vec<PathBuf>, Arc<AtomicUsize>)>,
+    pub nbd: Option<(ExportAddr, Arc<NbdStats>)>,
 }
 
 impl Exports {
-    pub(crate) fn probe(&self) -> Probe {
+    pub fn probe(&self) -> Probe {
         Probe {
             fuse: self.fuse.as_ref().map(|m| {
                 let files = m.files().names();
@@ -129,7 +129,7 @@ impl Exports {
 
 impl Probe {
     /// In use at this instant (no waiting, no scan).
-    pub(crate) fn busy_now(&self) -> bool {
+    pub fn busy_now(&self) -> bool {
         self.fuse
             .as_ref()
             .is_some_and(|(_, n)| n.load(Ordering::SeqCst) > 0)
@@ -142,7 +142,7 @@ impl Probe {
 
 /// Who holds the exports of `p` now. With open handles but no loop device, waits up to
 /// [`RELEASE_GRACE`] for releases still on their way before calling the file held.
-pub(crate) async fn holders(p: &Probe) -> Vec<Holder> {
+pub async fn holders(p: &Probe) -> Vec<Holder> {
     let mut out = Vec::new();
     if let Some((addr, stats)) = &p.nbd {
         let n = stats.connections.load(Ordering::SeqCst);
@@ -168,7 +168,7 @@ const DETACH_GRACE: Duration = Duration::from_secs(5);
 
 /// `dev` (`/dev/loopN`) is detaching: autoclear is set (`losetup -d` on a device still open)
 /// and nothing mounts it. (`mount -o loop` sets autoclear too, but mounts it.)
-pub(crate) fn detaching(sys_block: &Path, dev: &str, mountinfo: &str) -> bool {
+pub fn detaching(sys_block: &Path, dev: &str, mountinfo: &str) -> bool {
     let name = dev.trim_start_matches("/dev/");
     std::fs::read_to_string(sys_block.join(name).join("loop/autoclear"))
         .is_ok_and(|s| s.trim() == "1")
@@ -252,7 +252,7 @@ async fn fuse_holders(files: &[PathBuf], opens: &AtomicUsize) -> Vec<Holder> {
 }
 
 /// One line: what holds `name`'s exports and how to let them go.
-pub(crate) fn in_use_message(name: &str, h: &[Holder]) -> (String, String) {
+pub fn in_use_message(name: &str, h: &[Holder]) -> (String, String) {
     let what: Vec<&str> = h.iter().map(|h| h.what.as_str()).collect();
     let release: Vec<&str> = h.iter().map(|h| h.release.as_str()).collect();
     (

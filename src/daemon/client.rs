@@ -1,0 +1,127 @@
+//! A typed client of the daemon's control protocol: one connection carrying any number of
+//! requests, in order. A refusal comes back as the daemon's [`ProtoError`] (its code, one
+//! line and a hint), inside the `anyhow::Error`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::de::DeserializeOwned;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+use crate::daemon::proto::{
+    parse_answer, request_line, AnswerError, ConnectAllReply, ConnectParams, ConnectReply,
+    DisconnectReply, ListReply, Request, StatusReply, SOCKET_NAME,
+};
+
+/// Longest answer line read from the daemon (a `list` of many controllers fits).
+const MAX_ANSWER: u64 = 16 << 20;
+
+/// The daemon's socket in `run_dir`.
+pub fn socket_in(run_dir: &Path) -> PathBuf {
+    run_dir.join(SOCKET_NAME)
+}
+
+/// One connection to the daemon.
+pub struct Client {
+    r: BufReader<tokio::io::Take<tokio::net::unix::OwnedReadHalf>>,
+    w: tokio::net::unix::OwnedWriteHalf,
+}
+
+impl Client {
+    /// Connect to the daemon's socket at `path`; `Ok(None)`: no daemon answers there.
+    pub async fn try_open(path: &Path) -> Result<Option<Client>> {
+        let s = match tokio::net::UnixStream::connect(path).await {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => bail!(
+                "cannot reach the daemon at {}: permission denied (it runs as another user: run \
+                 this as that user or root, or use NVMF_RDMA_RUN_DIR for a daemon of your own)",
+                path.display()
+            ),
+            Err(_) => return Ok(None),
+        };
+        Ok(Some(Client::on(s)))
+    }
+
+    /// A client on a connected stream.
+    pub fn on(s: tokio::net::UnixStream) -> Client {
+        let (r, w) = s.into_split();
+        Client {
+            r: BufReader::new(r.take(MAX_ANSWER)),
+            w,
+        }
+    }
+
+    /// The stream's write half, for what goes beside a request (a descriptor, see
+    /// [`crate::daemon::io`]).
+    pub fn stream_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.w.as_ref().as_fd()
+    }
+
+    /// Send `req` and read its answer as `T`.
+    pub async fn call<T: DeserializeOwned>(&mut self, req: &Request) -> Result<T> {
+        self.send(req).await?;
+        self.answer().await
+    }
+
+    /// Send `req` without waiting for the answer.
+    pub async fn send(&mut self, req: &Request) -> Result<()> {
+        self.w
+            .write_all(format!("{}\n", request_line(req)).as_bytes())
+            .await
+            .context("send to the daemon")
+    }
+
+    /// Read the answer to the request sent last.
+    pub async fn answer<T: DeserializeOwned>(&mut self) -> Result<T> {
+        // Each answer may be up to MAX_ANSWER long.
+        self.r.get_mut().set_limit(MAX_ANSWER);
+        let mut line = String::new();
+        self.r
+            .read_line(&mut line)
+            .await
+            .context("read the daemon's answer")?;
+        if line.is_empty() {
+            bail!(
+                "the daemon closed the connection without an answer (it is stopping, or serves \
+                 only root and its own user)"
+            );
+        }
+        match parse_answer(line.trim()) {
+            Ok(v) => Ok(v),
+            Err(AnswerError::Refused(e)) => Err(e.into()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn status(&mut self) -> Result<StatusReply> {
+        self.call(&Request::Status).await
+    }
+
+    pub async fn list(&mut self) -> Result<ListReply> {
+        self.call(&Request::List).await
+    }
+
+    pub async fn connect(&mut self, params: ConnectParams) -> Result<ConnectReply> {
+        self.call(&Request::Connect {
+            params: Box::new(params),
+        })
+        .await
+    }
+
+    pub async fn connect_all(&mut self, params: Option<ConnectParams>) -> Result<ConnectAllReply> {
+        self.call(&Request::ConnectAll {
+            params: params.map(Box::new),
+        })
+        .await
+    }
+
+    pub async fn disconnect(
+        &mut self,
+        device: Option<String>,
+        nqn: Option<String>,
+        force: bool,
+    ) -> Result<DisconnectReply> {
+        self.call(&Request::Disconnect { device, nqn, force }).await
+    }
+}

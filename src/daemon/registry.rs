@@ -1,0 +1,934 @@
+//! The daemon's registry: the controllers it owns, their exports and the names they go by,
+//! the in-use check that guards a disconnect, and the requests of the control protocol
+//! decoded into calls ([`Daemon::handle`]). A front end (the `nvmf-rdma daemon` process, a
+//! test, an embedding application) makes one with [`Daemon::new`] and serves it
+//! ([`Daemon::serve`]) or calls it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+use crate::cli::args::{parse_connect, ExportArgs, Subsys};
+use crate::cli::device::{self, DeviceChoice};
+use crate::cli::host::{connect_hint, ctrl_info, device_config, discover_on, options, HOST_HCA};
+use crate::cli::support::{host_bind_addr, roce_peer};
+use crate::daemon::config::{read_config, ConfigLine};
+use crate::daemon::exports::{report_state_changes, start_exports, Exports};
+use crate::daemon::io::run_io;
+use crate::daemon::proto::{
+    ConnectAllReply, ConnectParams, ConnectReply, ControllerInfo, DisconnectReply, ErrorCode,
+    ExportInfo, LineResult, LineStatus, ListReply, ProtoError, Reply, Request, StatusReply,
+    StopReply, PROTOCOL_VERSION,
+};
+use crate::daemon::usage::{holders, in_use_message, Probe};
+use crate::daemon::watch::{
+    reap_when_dead, retry_line, retry_until_ok, watch_discovery, watch_namespaces,
+};
+use crate::daemon::{say, Report};
+use crate::driver::DeviceManager;
+use crate::export::DevSet;
+use crate::nvme::fabrics::DISCOVERY_NQN;
+use crate::reconnect::CtrlState;
+use crate::transport::Controller;
+
+/// Identity of a connection for duplicate checks: subsystem, target, service, host NQN.
+type Key = (String, String, u16, String);
+
+/// Tasks by line key, one each.
+type KeyedTasks = Mutex<HashMap<Key, tokio::task::JoinHandle<()>>>;
+
+/// One controller the daemon owns.
+pub(super) struct Entry {
+    pub(super) name: String,
+    key: Key,
+    sub: Subsys,
+    ctrl: Arc<Controller>,
+    pub(super) exports: Exports,
+    pub(super) tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// Held (read) by each I/O request on the controller; a disconnect takes it (write).
+    io_gate: Arc<tokio::sync::RwLock<()>>,
+    /// The soft-HCA it runs on (none on a kernel device).
+    device: Option<HostDevice>,
+}
+
+/// The soft-HCA a controller runs on: one of its own (loopback, on a free port) goes with
+/// the controller; a shared one (a fixed port, towards RoCEv2 peers) stays for the others.
+pub(super) struct HostDevice {
+    mgr: DeviceManager,
+    own: bool,
+}
+
+impl HostDevice {
+    /// Let the device go: one of our own stops and frees its UDP socket and memory.
+    pub(super) async fn release(self) {
+        if self.own {
+            if let Some((hca, _)) = self.mgr.open(HOST_HCA) {
+                crate::driver::CmService::for_device(&hca)
+                    .settle_disconnects(Duration::from_secs(1))
+                    .await;
+            }
+            let _ = self.mgr.unplug(HOST_HCA).await;
+        }
+    }
+}
+
+impl Entry {
+    fn info(&self) -> ControllerInfo {
+        let c = ctrl_info(&self.name, &self.sub, &self.ctrl);
+        let mut info: ControllerInfo = serde_json::from_str(&c.to_json()).unwrap_or_default();
+        info.address = Some(self.sub.fabric.traddr.to_string());
+        info.exports = exports_info(&self.exports);
+        info
+    }
+
+    pub(super) async fn stop(self) {
+        // Aborted and awaited: a task's hold on the controller is gone before it is deleted.
+        for t in self.tasks {
+            t.abort();
+            let _ = t.await;
+        }
+        // `read`/`write`/`verify` requests in flight end first (each holds the gate).
+        let _gate = self.io_gate.write().await;
+        // Only a forced disconnect (or an unexpected busy mount) gets here with a user left:
+        // the export is fenced and the controller deleted, whoever still holds them, so the
+        // controller's own soft-HCA can go with it: nothing waits on it any more.
+        self.exports.release(&self.ctrl, true).await;
+        if let Some(d) = self.device {
+            d.release().await;
+        }
+    }
+}
+
+fn exports_info(x: &Exports) -> Vec<ExportInfo> {
+    let mut v = Vec::new();
+    if let Some((a, stats)) = &x.nbd_at {
+        v.push(ExportInfo::Nbd {
+            nsid: x.nsid,
+            address: a.to_string(),
+            uri: a.uri(),
+            names: x.set.as_ref().map(DevSet::names).unwrap_or_default(),
+            clients: stats.connections.load(Ordering::SeqCst),
+        });
+    }
+    if let Some(m) = &x.fuse {
+        let files = m.files().names();
+        v.push(ExportInfo::Fuse {
+            nsid: x.nsid,
+            mountpoint: m.mountpoint().display().to_string(),
+            file: m.file().display().to_string(),
+            files: files
+                .iter()
+                .map(|n| m.mountpoint().join(n).display().to_string())
+                .collect(),
+            open_handles: m.open_files(),
+        });
+    }
+    v
+}
+
+#[derive(Default)]
+pub(super) struct Inner {
+    pub(super) ctrls: BTreeMap<u32, Entry>,
+    /// Names being connected, with their key, exports' paths.
+    reserved: BTreeMap<u32, (Key, Vec<String>)>,
+}
+
+/// A `stop` request handed to the serving loop, and where its answer goes.
+pub(super) type StopAsk = (bool, tokio::sync::oneshot::Sender<Result<(), ProtoError>>);
+
+/// Where and how a daemon runs.
+#[derive(Clone)]
+pub struct DaemonConfig {
+    /// Its socket, and `connect --foreground` processes' sockets, live here.
+    pub run_dir: PathBuf,
+    /// Where `discovery.conf` is.
+    pub config_dir: PathBuf,
+    /// Time a client has to send each complete request line.
+    pub client_timeout: Duration,
+    /// Where its log lines and service status go.
+    pub report: Report,
+}
+
+pub(super) struct State {
+    pub(super) cfg: DaemonConfig,
+    pub(super) inner: Mutex<Inner>,
+    /// Soft-HCAs bound to a fixed port (towards RoCEv2 peers), shared by their controllers.
+    managers: tokio::sync::Mutex<HashMap<SocketAddr, DeviceManager>>,
+    pub(super) stopping: AtomicBool,
+    /// Discovery controllers watched for log changes, by address, service and host NQN.
+    watchers: KeyedTasks,
+    /// Where a watcher sends a discovery line whose log changed (connect-all runs it).
+    rescan: tokio::sync::mpsc::Sender<ConnectParams>,
+    /// Configured lines that failed, each tried again until it connects; by line key.
+    retries: KeyedTasks,
+    stop_req: tokio::sync::mpsc::Sender<StopAsk>,
+    /// The config file's lines as last read, to tell what a reload adds and drops.
+    configured: Mutex<Vec<ConfigLine>>,
+}
+
+/// A daemon's registry. Dropping it leaves its controllers running; [`Daemon::shutdown`]
+/// (or [`Daemon::serve`] ending) takes them down.
+pub struct Daemon {
+    pub(super) st: Arc<State>,
+    pub(super) stop_rx: Mutex<Option<tokio::sync::mpsc::Receiver<StopAsk>>>,
+    rescans: tokio::task::JoinHandle<()>,
+}
+
+impl Daemon {
+    /// A registry with no controller. Needs a tokio runtime (it starts the task that runs
+    /// `connect-all` for a discovery controller whose log changed).
+    pub fn new(cfg: DaemonConfig) -> Daemon {
+        let (stop_tx, stop_rx) = tokio::sync::mpsc::channel(4);
+        // Bounded: a watcher that finds it full drops its request; one queued covers it.
+        let (rescan_tx, mut rescan_rx) = tokio::sync::mpsc::channel::<ConnectParams>(16);
+        let st = Arc::new(State {
+            cfg,
+            inner: Mutex::new(Inner::default()),
+            managers: tokio::sync::Mutex::new(HashMap::new()),
+            stopping: AtomicBool::new(false),
+            watchers: Mutex::new(HashMap::new()),
+            rescan: rescan_tx,
+            retries: Mutex::new(HashMap::new()),
+            stop_req: stop_tx,
+            configured: Mutex::new(Vec::new()),
+        });
+        let rescans = {
+            let st = st.clone();
+            tokio::spawn(async move {
+                while let Some(p) = rescan_rx.recv().await {
+                    if let Ok(v) = op_connect_all(&st, Some(p)).await {
+                        for r in v.results {
+                            if r.status != LineStatus::AlreadyConnected {
+                                say!(st.cfg.report, "connect-all: {r}");
+                            }
+                        }
+                    }
+                }
+            })
+        };
+        Daemon {
+            st,
+            stop_rx: Mutex::new(Some(stop_rx)),
+            rescans,
+        }
+    }
+
+    /// Do what `req` asks, as the socket server does for a client.
+    pub async fn handle(&self, req: Request) -> Result<Reply, ProtoError> {
+        req.check()?;
+        dispatch(&self.st, req).await
+    }
+
+    /// Stop the watchers and retries, and disconnect every controller (forced when `force`,
+    /// else refused while an export is in use, as a stop signal is).
+    pub async fn shutdown(&self, force: bool) -> Result<(), ProtoError> {
+        self.st.stopping.store(true, Ordering::SeqCst);
+        self.rescans.abort();
+        // Retries first: one may start a watcher.
+        abort_all(&self.st.retries).await;
+        abort_all(&self.st.watchers).await;
+        op_disconnect(&self.st, |_| true, force, "")
+            .await
+            .map(|_| ())
+    }
+
+    /// Read the config file again: connect the lines that are new (and what their discovery
+    /// controllers list), and report the lines that are gone with the controllers they made,
+    /// which stay until they are disconnected.
+    pub async fn reload(&self) {
+        reload(&self.st).await
+    }
+
+    pub fn report(&self) -> &Report {
+        &self.st.cfg.report
+    }
+}
+
+pub(super) fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn failed(e: impl std::fmt::Display) -> ProtoError {
+    ProtoError::new(ErrorCode::Failed, e.to_string())
+}
+
+impl State {
+    /// Export paths a request would use (a FUSE mount point, an NBD socket), for clash checks.
+    fn export_paths(p: &ConnectParams) -> Vec<String> {
+        p.fuse.iter().chain(p.nbd.iter()).cloned().collect()
+    }
+
+    /// Pick the lowest free name (not ours, not a `connect --foreground` socket that
+    /// answers) and reserve it, unless `key` duplicates a controller and `dup` is not set, or
+    /// an export path is another controller's.
+    async fn reserve(&self, key: &Key, paths: Vec<String>, dup: bool) -> Result<u32, ProtoError> {
+        let mut n = 0u32;
+        loop {
+            let foreign = {
+                let inner = lock(&self.inner);
+                if !dup {
+                    let held = inner.ctrls.values().find(|e| &e.key == key);
+                    let pending = inner.reserved.values().any(|(k, _)| k == key);
+                    let already = |who: &str| {
+                        format!(
+                            "already connected to {} at {} (trsvcid {}) as {who}",
+                            key.0, key.1, key.2
+                        )
+                    };
+                    if let Some(e) = held.filter(|e| e.ctrl.state() == CtrlState::Dead) {
+                        // Gave up (ctrl_loss_tmo) and kept while its export is in use.
+                        return Err(ProtoError::new(
+                            ErrorCode::Duplicate,
+                            format!(
+                                "{}, which is dead (it gave up reconnecting) and kept while its export is in use",
+                                already(&e.name)
+                            ),
+                        )
+                        .hint(format!(
+                            "release its export (it goes then) or `nvmf-rdma disconnect -d {} --force`, then connect again",
+                            e.name
+                        )));
+                    }
+                    if held.is_some() || pending {
+                        let who = held.map_or("a controller being connected", |e| &e.name);
+                        return Err(ProtoError::new(ErrorCode::Duplicate, already(who))
+                            .hint("pass -D (--duplicate-connect) for another controller"));
+                    }
+                }
+                let used: Vec<String> = inner
+                    .ctrls
+                    .values()
+                    .flat_map(|e| e.exports.paths())
+                    .chain(inner.reserved.values().flat_map(|(_, p)| p.iter().cloned()))
+                    .collect();
+                if let Some(p) = paths.iter().find(|p| used.contains(p)) {
+                    return Err(ProtoError::new(
+                        ErrorCode::Failed,
+                        format!("{p} is already an export of another controller"),
+                    )
+                    .hint("pick another mount point or socket"));
+                }
+                while inner.ctrls.contains_key(&n) || inner.reserved.contains_key(&n) {
+                    n += 1;
+                }
+                self.cfg.run_dir.join(format!("nvmf{n}.sock"))
+            };
+            // A `connect --foreground` holding this name answers on its socket.
+            if foreign.exists() && tokio::net::UnixStream::connect(&foreign).await.is_ok() {
+                n += 1;
+                continue;
+            }
+            let mut inner = lock(&self.inner);
+            if inner.ctrls.contains_key(&n) || inner.reserved.contains_key(&n) {
+                continue;
+            }
+            inner.reserved.insert(n, (key.clone(), paths));
+            return Ok(n);
+        }
+    }
+
+    /// The device a controller towards `target` runs on: a shared one on a fixed port, or a
+    /// new one on a free port (loopback).
+    async fn device(&self, s: &Subsys) -> anyhow::Result<HostDevice> {
+        let target = s.fabric.traddr;
+        let addr = host_bind_addr(target, s.fabric.host_traddr)
+            .context("no route to the target address")?;
+        let mut mgrs = self.managers.lock().await;
+        let own = addr.port() == 0;
+        if let Some(m) = mgrs.get(&addr).filter(|_| !own) {
+            return Ok(HostDevice {
+                mgr: m.clone(),
+                own,
+            });
+        }
+        let mgr = DeviceManager::new(!roce_peer(target.ip()));
+        mgr.plug(device_config(HOST_HCA, addr, 1))
+            .await
+            .with_context(|| format!("cannot start the host soft-HCA on {addr}"))?;
+        if !own {
+            mgrs.insert(addr, mgr.clone());
+        }
+        Ok(HostDevice { mgr, own })
+    }
+
+    /// A controller as `sub` asks, on its soft-HCA (handed back with it) or a kernel
+    /// device. A failed connect lets its device go.
+    pub(super) async fn connect_on_device(
+        &self,
+        sub: &Subsys,
+        o: crate::transport::ConnectOptions,
+    ) -> anyhow::Result<(Controller, Option<HostDevice>)> {
+        match &sub.fabric.device {
+            DeviceChoice::Soft => {
+                let d = self.device(sub).await?;
+                match Controller::connect_managed(d.mgr.clone(), HOST_HCA, o).await {
+                    Ok(c) => Ok((c, Some(d))),
+                    Err(e) => {
+                        d.release().await;
+                        Err(e.into())
+                    }
+                }
+            }
+            DeviceChoice::Kernel(sel) => Ok((device::connect_kernel(sel, o).await?, None)),
+        }
+    }
+}
+
+impl State {
+    /// The controller named `name`, for a request that does I/O on it, with its gate held
+    /// (a disconnect waits for the I/O to end).
+    async fn controller(
+        &self,
+        name: &str,
+    ) -> Result<(Arc<Controller>, tokio::sync::OwnedRwLockReadGuard<()>), ProtoError> {
+        let find = || {
+            lock(&self.inner)
+                .ctrls
+                .values()
+                .find(|e| e.name == name)
+                .map(|e| (e.ctrl.clone(), e.io_gate.clone()))
+        };
+        // Only the gate is kept across the wait (a controller clone would make a disconnect
+        // that goes ahead meanwhile unable to take the controller).
+        let gate = find().map(|(_, g)| g);
+        if let Some(gate) = gate {
+            // The gate first, then the controller: a disconnect that went ahead meanwhile
+            // has taken the entry out (not found), and one that comes later waits for us.
+            let guard = gate.clone().read_owned().await;
+            if let Some((c, g)) = find() {
+                if Arc::ptr_eq(&g, &gate) {
+                    return Ok((c, guard));
+                }
+            }
+        }
+        Err({
+            let e = ProtoError::new(ErrorCode::NotFound, format!("no controller {name}"));
+            if self.cfg.run_dir.join(format!("{name}.sock")).exists() {
+                e.hint(format!(
+                    "{name} is held by `connect --foreground`: -d works on the daemon's controllers; give that process's -a/-n instead"
+                ))
+            } else {
+                e.hint("`nvmf-rdma list` shows them")
+            }
+        })
+    }
+
+    /// Keep a discovery controller for `p` (a discovery line) watched, once.
+    fn watch(self: &Arc<Self>, p: &ConnectParams) {
+        let task = watch_discovery(self.clone(), p.clone(), self.rescan.clone());
+        self.spawn_once(&self.watchers, line_key(p), task);
+    }
+
+    /// Try the configured line `l` again until it connects, unless that already goes on.
+    fn retry(self: &Arc<Self>, l: &ConfigLine) {
+        let (st, line) = (self.clone(), l.clone());
+        let task = async move { retry_until_ok(|n| retry_line(&st, &line, n)).await };
+        self.spawn_once(&self.retries, line_key(&l.params), task);
+    }
+
+    /// Run `task` as the one task of `key` in `tasks`, unless one runs or the daemon stops.
+    fn spawn_once(
+        &self,
+        tasks: &KeyedTasks,
+        key: Key,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        let mut t = tasks.lock().unwrap_or_else(|e| e.into_inner());
+        if t.get(&key).is_some_and(|t| !t.is_finished()) || self.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        t.insert(key, tokio::spawn(task));
+    }
+}
+
+/// Abort every task of `tasks` and wait for each to end.
+async fn abort_all(tasks: &KeyedTasks) {
+    let tasks: Vec<_> = tasks
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .drain()
+        .map(|(_, t)| t)
+        .collect();
+    for t in tasks {
+        t.abort();
+        let _ = t.await;
+    }
+}
+
+/// A configured line's identity: subsystem, address, service, host NQN as it gives them.
+fn line_key(p: &ConnectParams) -> Key {
+    (
+        p.nqn.clone(),
+        p.traddr.clone(),
+        p.trsvcid.unwrap_or(4420),
+        p.hostnqn.clone().unwrap_or_default(),
+    )
+}
+
+impl Exports {
+    /// The mount point and socket this controller's exports use, as requests name them.
+    fn paths(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(m) = &self.fuse {
+            v.push(m.mountpoint().display().to_string());
+        }
+        if let Some((a, _)) = &self.nbd_at {
+            v.push(a.to_string());
+        }
+        v
+    }
+}
+
+/// Connect as `p` asks; runs in its own task so a client that goes away changes nothing.
+async fn op_connect(st: Arc<State>, p: ConnectParams) -> Result<ConnectReply, ProtoError> {
+    if st.stopping.load(Ordering::SeqCst) {
+        return Err(ProtoError::new(
+            ErrorCode::Stopping,
+            "the daemon is stopping",
+        ));
+    }
+    let (sub, x, mode) =
+        parse_connect(&p.to_args()).map_err(|e| ProtoError::new(ErrorCode::BadRequest, e))?;
+    let o = options(&sub).map_err(|e| ProtoError::new(ErrorCode::BadRequest, format!("{e:#}")))?;
+    let key: Key = (
+        sub.nqn.clone(),
+        sub.fabric.traddr.to_string(),
+        sub.fabric.trsvcid,
+        o.hostnqn.clone(),
+    );
+    let n = st
+        .reserve(&key, State::export_paths(&p), mode.duplicate_connect)
+        .await?;
+    let name = format!("nvmf{n}");
+    let st2 = st.clone();
+    let name2 = name.clone();
+    let job = tokio::spawn(async move {
+        let r = connect_entry(&st2, name2, key, sub, x, o).await;
+        let late = {
+            let mut inner = lock(&st2.inner);
+            inner.reserved.remove(&n);
+            match r {
+                // A stop that went through while we connected has disconnected everything
+                // else: this one goes too, or its exports would outlive the daemon.
+                Ok(e) if st2.stopping.load(Ordering::SeqCst) => e,
+                Ok(e) => {
+                    let v = e.info();
+                    inner.ctrls.insert(n, e);
+                    return Ok(v);
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        late.stop().await;
+        Err(ProtoError::new(
+            ErrorCode::Stopping,
+            "the daemon stopped while connecting",
+        ))
+    });
+    let r = job
+        .await
+        .unwrap_or_else(|e| Err(failed(format!("connect task ended: {e}"))))?;
+    say!(st.cfg.report, "{name}: connected ({})", p.nqn);
+    Ok(ConnectReply {
+        device: name,
+        controller: r,
+    })
+}
+
+async fn connect_entry(
+    st: &Arc<State>,
+    name: String,
+    key: Key,
+    sub: Subsys,
+    x: ExportArgs,
+    o: crate::transport::ConnectOptions,
+) -> Result<Entry, ProtoError> {
+    let what = format!("connect to {} at {}", sub.nqn, sub.fabric.traddr);
+    let (c, device) = st
+        .connect_on_device(&sub, o)
+        .await
+        .map_err(|e| failed(format!("{what}: {e:#}")).hint(connect_hint(&format!("{e:#}"))))?;
+    let c = Arc::new(c);
+    let exports = match start_exports(&c, &sub, &x).await {
+        Ok(x) => x,
+        Err(e) => {
+            if let Ok(c) = Arc::try_unwrap(c) {
+                c.disconnect().await;
+            }
+            if let Some(d) = device {
+                d.release().await;
+            }
+            return Err(failed(format!("{name}: exports: {e:#}")));
+        }
+    };
+    for l in exports.describe() {
+        say!(st.cfg.report, "{name}: {l}");
+    }
+    let tasks = vec![
+        tokio::spawn(report_state_changes(
+            name.clone(),
+            c.watch_status(),
+            st.cfg.report.clone(),
+        )),
+        tokio::spawn(reap_when_dead(st.clone(), name.clone(), c.watch_status())),
+        tokio::spawn(watch_namespaces(
+            name.clone(),
+            c.clone(),
+            exports.set.clone(),
+            st.cfg.report.clone(),
+        )),
+    ];
+    Ok(Entry {
+        name,
+        key,
+        sub,
+        ctrl: c,
+        exports,
+        tasks,
+        io_gate: Arc::new(tokio::sync::RwLock::new(())),
+        device,
+    })
+}
+
+/// Stop and disconnect the controllers `pick` selects, unless an export is in use and not
+/// `force`: then nothing is disconnected and the error names every holder.
+pub(super) async fn op_disconnect(
+    st: &Arc<State>,
+    pick: impl Fn(&Entry) -> bool,
+    force: bool,
+    what: &str,
+) -> Result<Vec<String>, ProtoError> {
+    let picked: Vec<u32> = lock(&st.inner)
+        .ctrls
+        .iter()
+        .filter(|(_, e)| pick(e))
+        .map(|(n, _)| *n)
+        .collect();
+    if picked.is_empty() && !what.is_empty() {
+        return Err(
+            ProtoError::new(ErrorCode::NotFound, format!("no controller matches {what}"))
+                .hint("`nvmf-rdma list` shows the controllers"),
+        );
+    }
+    if !force {
+        check_not_in_use(st, &picked).await?;
+    } else if let Err(e) = check_not_in_use(st, &picked).await {
+        // Forced: the users are told in the log (and systemd's status), not left to find
+        // out from I/O errors.
+        let msg = format!(
+            "forced while in use: {}; its users get I/O errors from now on",
+            e.message
+        );
+        say!(st.cfg.report, "{msg}");
+        st.cfg.report.notify(&format!("STATUS={msg}"));
+    }
+    let entries: Vec<Entry> = {
+        let mut inner = lock(&st.inner);
+        picked
+            .iter()
+            .filter_map(|n| inner.ctrls.remove(n))
+            .collect()
+    };
+    let mut names = Vec::new();
+    for e in entries {
+        names.push(e.name.clone());
+        say!(
+            st.cfg.report,
+            "{}: disconnecting{}",
+            e.name,
+            if force { " (forced)" } else { "" }
+        );
+        e.stop().await;
+        say!(
+            st.cfg.report,
+            "{}: disconnected",
+            names.last().map_or("", |s| s)
+        );
+    }
+    Ok(names)
+}
+
+/// Holders of the exports of `picked`, as an `in-use` error.
+async fn check_not_in_use(st: &Arc<State>, picked: &[u32]) -> Result<(), ProtoError> {
+    let probes: Vec<(u32, Probe)> = {
+        let inner = lock(&st.inner);
+        picked
+            .iter()
+            .filter_map(|n| inner.ctrls.get(n).map(|e| (*n, e.exports.probe())))
+            .collect()
+    };
+    let mut msgs = Vec::new();
+    let mut hints = Vec::new();
+    for (n, p) in probes {
+        let h = holders(&p).await;
+        if !h.is_empty() {
+            let (m, r) = in_use_message(&format!("nvmf{n}"), &h);
+            msgs.push(m);
+            hints.push(r);
+        }
+    }
+    if msgs.is_empty() {
+        return Ok(());
+    }
+    Err(ProtoError::new(ErrorCode::InUse, msgs.join("; "))
+        .hint(format!("{}; or disconnect --force", hints.join("; "))))
+}
+
+/// `connect-all`: each configured line (or the one given) connected; discovery lines expand
+/// to every subsystem their discovery controller lists. Already connected ones are skipped.
+pub(super) async fn op_connect_all(
+    st: &Arc<State>,
+    given: Option<ConnectParams>,
+) -> Result<ConnectAllReply, ProtoError> {
+    let configured = given.is_none();
+    let lines: Vec<ConfigLine> = match given {
+        Some(p) => vec![ConfigLine {
+            line: 0,
+            discovery: p.nqn == DISCOVERY_NQN,
+            params: p,
+        }],
+        None => {
+            let lines = read_config(&st.cfg.config_dir).map_err(|e| {
+                ProtoError::new(ErrorCode::BadRequest, e).hint("fix the config file")
+            })?;
+            *st.configured.lock().unwrap_or_else(|e| e.into_inner()) = lines.clone();
+            lines
+        }
+    };
+    connect_lines(st, lines, configured).await
+}
+
+/// Connect `lines`; a failed one that came from the config file (`configured`) is tried
+/// again until it connects.
+async fn connect_lines(
+    st: &Arc<State>,
+    lines: Vec<ConfigLine>,
+    configured: bool,
+) -> Result<ConnectAllReply, ProtoError> {
+    let mut results = Vec::new();
+    for l in lines {
+        if l.discovery {
+            st.watch(&l.params);
+        }
+        let first = results.len();
+        let targets = if l.discovery {
+            match discover_params(&l.params).await {
+                Ok(v) => v,
+                Err(e) => {
+                    results.push(LineResult {
+                        line: l.line,
+                        traddr: l.params.traddr.clone(),
+                        trsvcid: None,
+                        nqn: l.params.nqn.clone(),
+                        status: LineStatus::Failed,
+                        device: None,
+                        error: Some(format!("discovery: {e:#}")),
+                    });
+                    if configured {
+                        st.retry(&l);
+                    }
+                    continue;
+                }
+            }
+        } else {
+            vec![l.params.clone()]
+        };
+        for p in targets {
+            let mut r = LineResult {
+                line: l.line,
+                traddr: p.traddr.clone(),
+                trsvcid: p.trsvcid,
+                nqn: p.nqn.clone(),
+                status: LineStatus::Connected,
+                device: None,
+                error: None,
+            };
+            match op_connect(st.clone(), p).await {
+                Ok(v) => r.device = Some(v.device),
+                Err(e) if e.code == ErrorCode::Duplicate => r.status = LineStatus::AlreadyConnected,
+                Err(e) => {
+                    r.status = LineStatus::Failed;
+                    r.error = Some(e.message);
+                }
+            }
+            results.push(r);
+        }
+        if configured
+            && results[first..]
+                .iter()
+                .any(|r| r.status == LineStatus::Failed)
+        {
+            st.retry(&l);
+        }
+    }
+    Ok(ConnectAllReply { results })
+}
+
+/// SIGHUP: the config file read again. New lines are connected; lines that are gone are
+/// reported with the controllers they made, which stay until they are disconnected.
+async fn reload(st: &Arc<State>) {
+    let report = &st.cfg.report;
+    let old = st
+        .configured
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let lines = match read_config(&st.cfg.config_dir) {
+        Ok(l) => l,
+        Err(e) => {
+            say!(
+                report,
+                "reload: {e}; nothing changed (fix the config file and send SIGHUP again)"
+            );
+            return;
+        }
+    };
+    *st.configured.lock().unwrap_or_else(|e| e.into_inner()) = lines.clone();
+    for gone in old
+        .iter()
+        .filter(|o| !lines.iter().any(|l| l.params == o.params))
+    {
+        let k = line_key(&gone.params);
+        let names: Vec<String> = lock(&st.inner)
+            .ctrls
+            .values()
+            // A discovery line made the controllers at its address; a subsystem line, the
+            // controllers to that subsystem there.
+            .filter(|e| e.key.1 == k.1 && (gone.discovery || (e.key.0 == k.0 && e.key.2 == k.2)))
+            .map(|e| e.name.clone())
+            .collect();
+        let what = if names.is_empty() {
+            "no controller of it is connected".to_string()
+        } else {
+            format!(
+                "would remove {}; kept (`nvmf-rdma disconnect -d NAME` removes one)",
+                names.join(", ")
+            )
+        };
+        say!(
+            report,
+            "reload: {} at {} is no longer configured; {what}",
+            gone.params.nqn,
+            gone.params.traddr
+        );
+        if gone.discovery {
+            stop_task(&st.watchers, &k).await;
+        }
+        stop_task(&st.retries, &k).await;
+    }
+    let new: Vec<ConfigLine> = lines
+        .into_iter()
+        .filter(|l| !old.iter().any(|o| o.params == l.params))
+        .collect();
+    if new.is_empty() {
+        say!(report, "reload: no new line in the config file");
+        return;
+    }
+    match connect_lines(st, new, true).await {
+        Ok(v) => {
+            for r in v.results {
+                say!(report, "reload: {r}");
+            }
+        }
+        Err(e) => say!(report, "reload: {}", e.message),
+    }
+}
+
+/// Abort the task of `key` in `tasks`, if there is one.
+async fn stop_task(tasks: &KeyedTasks, key: &Key) {
+    let t = tasks.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
+    if let Some(t) = t {
+        t.abort();
+        let _ = t.await;
+    }
+}
+
+/// The subsystems the discovery controller of `p` lists, as connect requests with `p`'s
+/// options. An entry at the discovery controller's own IP keeps its soft-HCA port.
+async fn discover_params(p: &ConnectParams) -> Result<Vec<ConnectParams>> {
+    let (sub, _, _) = parse_connect(&p.to_args()).map_err(anyhow::Error::msg)?;
+    let o = options(&sub)?;
+    let entries = discover_on(&sub.fabric, o, "no discovery log").await?;
+    let mut out = Vec::new();
+    for e in entries {
+        let nqn = e.subnqn.text().trim().to_string();
+        if nqn == DISCOVERY_NQN || nqn.is_empty() {
+            continue;
+        }
+        let mut q = p.clone();
+        q.nqn = nqn;
+        if let Ok(s) = e.trsvcid.text().trim().parse::<u16>() {
+            q.trsvcid = Some(s);
+        }
+        if let Ok(ip) = e.traddr.text().trim().parse::<std::net::IpAddr>() {
+            if ip != sub.fabric.traddr.ip() {
+                q.traddr = ip.to_string();
+            }
+        }
+        out.push(q);
+    }
+    Ok(out)
+}
+
+pub(super) async fn dispatch(st: &Arc<State>, req: Request) -> Result<Reply, ProtoError> {
+    if let Some((device, io)) = req.io()? {
+        let (c, _gate) = st.controller(&device).await?;
+        return run_io(c, &device, io).await;
+    }
+    Ok(match req {
+        Request::Status => {
+            let inner = lock(&st.inner);
+            Reply::Status(StatusReply {
+                pid: std::process::id(),
+                daemon_version: env!("CARGO_PKG_VERSION").into(),
+                protocol_version: PROTOCOL_VERSION,
+                run_dir: st.cfg.run_dir.display().to_string(),
+                config_dir: st.cfg.config_dir.display().to_string(),
+                controllers: inner.ctrls.len(),
+                connecting: inner.reserved.keys().map(|n| format!("nvmf{n}")).collect(),
+                stopping: st.stopping.load(Ordering::SeqCst),
+            })
+        }
+        Request::List => Reply::List(ListReply {
+            controllers: lock(&st.inner).ctrls.values().map(Entry::info).collect(),
+        }),
+        Request::Connect { params } => Reply::Connect(op_connect(st.clone(), *params).await?),
+        Request::ConnectAll { params } => {
+            Reply::ConnectAll(op_connect_all(st, params.map(|p| *p)).await?)
+        }
+        Request::Disconnect { device, nqn, force } => {
+            let what = match (&device, &nqn) {
+                (Some(d), _) => format!("device {d}"),
+                (None, Some(q)) => format!("NQN {q}"),
+                _ => String::new(),
+            };
+            let pick = |e: &Entry| {
+                device.as_deref().is_some_and(|d| d == e.name)
+                    || nqn.as_deref().is_some_and(|q| q == e.sub.nqn)
+            };
+            Reply::Disconnect(DisconnectReply {
+                disconnected: op_disconnect(st, pick, force, &what).await?,
+            })
+        }
+        Request::DisconnectAll { force } => Reply::Disconnect(DisconnectReply {
+            disconnected: op_disconnect(st, |_| true, force, "").await?,
+        }),
+        Request::Stop { force } => {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            st.stop_req
+                .send((force, tx))
+                .await
+                .map_err(|_| ProtoError::new(ErrorCode::Stopping, "the daemon is stopping"))?;
+            rx.await.unwrap_or(Ok(()))?;
+            Reply::Stop(StopReply { stopping: true })
+        }
+        Request::Read { .. } | Request::Write { .. } | Request::Verify { .. } => {
+            unreachable!("I/O requests are answered above")
+        }
+    })
+}
