@@ -6,11 +6,14 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use serde::de::DeserializeOwned;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use std::os::fd::{AsRawFd, BorrowedFd};
 
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interest};
+
+use crate::daemon::fdpass::send_with_fd;
 use crate::daemon::proto::{
-    parse_answer, request_line, AnswerError, ConnectAllReply, ConnectParams, ConnectReply,
-    DisconnectReply, ListReply, Request, StatusReply, SOCKET_NAME,
+    parse_answer, parse_progress, request_line, AnswerError, ConnectAllReply, ConnectParams,
+    ConnectReply, DisconnectReply, ListReply, Request, StatusReply, SOCKET_NAME,
 };
 
 /// Longest answer line read from the daemon (a `list` of many controllers fits).
@@ -51,13 +54,6 @@ impl Client {
         }
     }
 
-    /// The stream's write half, for what goes beside a request (a descriptor, see
-    /// [`crate::daemon::io`]).
-    pub fn stream_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        use std::os::fd::AsFd;
-        self.w.as_ref().as_fd()
-    }
-
     /// Send `req` and read its answer as `T`.
     pub async fn call<T: DeserializeOwned>(&mut self, req: &Request) -> Result<T> {
         self.send(req).await?;
@@ -72,8 +68,48 @@ impl Client {
             .context("send to the daemon")
     }
 
+    /// Send `req` with the descriptor `fd` (`read-to-fd`, `write-from-fd`) and read its
+    /// answer; the progress lines before it go to `progress` (done, total).
+    pub async fn call_with_fd<T: DeserializeOwned>(
+        &mut self,
+        req: &Request,
+        fd: BorrowedFd<'_>,
+        progress: &mut (dyn FnMut(u64, u64) + Send),
+    ) -> Result<T> {
+        let line = format!("{}\n", request_line(req));
+        let s = self.w.as_ref();
+        let sent = loop {
+            s.writable().await.context("send to the daemon")?;
+            let sock = s.as_raw_fd();
+            match s.try_io(Interest::WRITABLE, || {
+                send_with_fd(sock, line.as_bytes(), fd.as_raw_fd())
+            }) {
+                Ok(n) => break n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e).context("send to the daemon"),
+            }
+        };
+        self.w
+            .write_all(&line.as_bytes()[sent..])
+            .await
+            .context("send to the daemon")?;
+        loop {
+            let line = self.line().await?;
+            match parse_progress(&line) {
+                Some(p) => progress(p.done, p.total),
+                None => return decode(&line),
+            }
+        }
+    }
+
     /// Read the answer to the request sent last.
     pub async fn answer<T: DeserializeOwned>(&mut self) -> Result<T> {
+        let line = self.line().await?;
+        decode(&line)
+    }
+
+    /// The next line from the daemon.
+    async fn line(&mut self) -> Result<String> {
         // Each answer may be up to MAX_ANSWER long.
         self.r.get_mut().set_limit(MAX_ANSWER);
         let mut line = String::new();
@@ -87,19 +123,15 @@ impl Client {
                  only root and its own user)"
             );
         }
-        match parse_answer(line.trim()) {
-            Ok(v) => Ok(v),
-            Err(AnswerError::Refused(e)) => Err(e.into()),
-            Err(e) => Err(e.into()),
-        }
+        Ok(line)
     }
 
     pub async fn status(&mut self) -> Result<StatusReply> {
-        self.call(&Request::Status).await
+        self.call(&Request::Status {}).await
     }
 
     pub async fn list(&mut self) -> Result<ListReply> {
-        self.call(&Request::List).await
+        self.call(&Request::List {}).await
     }
 
     pub async fn connect(&mut self, params: ConnectParams) -> Result<ConnectReply> {
@@ -123,5 +155,14 @@ impl Client {
         force: bool,
     ) -> Result<DisconnectReply> {
         self.call(&Request::Disconnect { device, nqn, force }).await
+    }
+}
+
+/// An answer line as `T`, or the daemon's refusal.
+fn decode<T: DeserializeOwned>(line: &str) -> Result<T> {
+    match parse_answer(line.trim()) {
+        Ok(v) => Ok(v),
+        Err(AnswerError::Refused(e)) => Err(e.into()),
+        Err(e) => Err(e.into()),
     }
 }

@@ -4,10 +4,13 @@
 //! ([`client`]). The `nvmf-rdma daemon` process is one front end over it: it parses its
 //! flags, takes the run directory's lock, forwards signals and writes the log.
 
+mod answers;
 pub mod client;
 pub mod config;
+mod connect_all;
 pub mod control;
 pub mod exports;
+pub mod fdpass;
 pub mod io;
 pub mod proto;
 mod registry;

@@ -6,6 +6,8 @@
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+pub use crate::daemon::answers::*;
+
 /// The protocol version this build speaks; requests carry it in `version`.
 pub const PROTOCOL_VERSION: u64 = 1;
 /// Longest request line in bytes (newline included); a longer one is answered with
@@ -17,6 +19,8 @@ pub const MAX_READ: usize = 1 << 20;
 pub const MAX_WRITE_DATA: usize = 8 << 10;
 /// Most bytes one `write` with `pattern` fills (the daemon makes that buffer).
 pub const MAX_WRITE_PATTERN: usize = 1 << 20;
+/// Most bytes one `read-to-fd` or `write-from-fd` moves (the namespace bounds it too).
+pub const MAX_FD_IO: u64 = 1 << 40;
 /// Most bytes one `verify` covers, and its largest `chunk` (the buffer the daemon makes).
 pub const MAX_VERIFY: u64 = 1 << 30;
 pub const MAX_VERIFY_CHUNK: usize = 1 << 20;
@@ -207,9 +211,10 @@ fn one() -> u32 {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum Request {
-    /// The daemon's pid, versions and controller count.
-    Status,
-    List,
+    /// The daemon's pid, versions and controller count. (Variants without fields are
+    /// written `{}` so that serde refuses unknown fields on them too.)
+    Status {},
+    List {},
     Connect {
         params: Box<ConnectParams>,
     },
@@ -259,6 +264,30 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pattern: Option<u64>,
     },
+    /// `size` bytes from the namespace into the descriptor sent with the request line
+    /// (SCM_RIGHTS; a file or a pipe). Answered with `copied`.
+    ReadToFd {
+        device: String,
+        #[serde(default = "one")]
+        nsid: u32,
+        #[serde(default)]
+        lba: u64,
+        size: u64,
+        /// Send progress lines before the answer.
+        #[serde(default)]
+        progress: bool,
+    },
+    /// `size` bytes from the descriptor sent with the request line into the namespace.
+    WriteFromFd {
+        device: String,
+        #[serde(default = "one")]
+        nsid: u32,
+        #[serde(default)]
+        lba: u64,
+        size: u64,
+        #[serde(default)]
+        progress: bool,
+    },
     /// Write a seeded random pattern in `chunk` pieces, read each back, compare.
     Verify {
         device: String,
@@ -295,6 +324,23 @@ pub enum IoRequest {
         chunk: usize,
         seed: u64,
     },
+    /// Between the namespace and a descriptor the client sent.
+    Fd {
+        dir: FdDir,
+        nsid: u32,
+        lba: u64,
+        size: u64,
+        progress: bool,
+    },
+}
+
+/// Which way a descriptor's data goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FdDir {
+    /// Namespace to descriptor.
+    Read,
+    /// Descriptor to namespace.
+    Write,
 }
 
 fn bad(m: impl Into<String>) -> ProtoError {
@@ -374,6 +420,38 @@ impl Request {
                     seed: seed.unwrap_or(1),
                 },
             ),
+            Request::ReadToFd {
+                device,
+                nsid,
+                lba,
+                size,
+                progress,
+            }
+            | Request::WriteFromFd {
+                device,
+                nsid,
+                lba,
+                size,
+                progress,
+            } => {
+                if !(1..=MAX_FD_IO).contains(size) {
+                    return Err(bad(format!("size {size} is not 1..={MAX_FD_IO} bytes")));
+                }
+                let dir = match self {
+                    Request::ReadToFd { .. } => FdDir::Read,
+                    _ => FdDir::Write,
+                };
+                (
+                    device,
+                    IoRequest::Fd {
+                        dir,
+                        nsid: *nsid,
+                        lba: *lba,
+                        size: *size,
+                        progress: *progress,
+                    },
+                )
+            }
             _ => return Ok(None),
         };
         Ok(Some((io.0.clone(), io.1)))
@@ -432,7 +510,8 @@ pub fn parse_request(line: &str) -> (Option<Value>, Result<Request, ProtoError>)
                 .map_err(|e| {
                     bad(e.to_string()).hint(
                         "ops: status, list, connect, connect-all, disconnect, disconnect-all, \
-                         read, write, verify, stop (docs/control-protocol.md)",
+                         read, write, verify, read-to-fd, write-from-fd, stop \
+                         (docs/control-protocol.md)",
                     )
                 })
                 .and_then(|r| r.check().map(|_| r))
@@ -521,196 +600,6 @@ pub enum AnswerError {
     Garbled(String),
 }
 
-/// The answer to a request that succeeded: the fields after `"ok":true`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(untagged)]
-pub enum Reply {
-    Status(StatusReply),
-    List(ListReply),
-    Connect(ConnectReply),
-    ConnectAll(ConnectAllReply),
-    Disconnect(DisconnectReply),
-    Stop(StopReply),
-    Read(ReadReply),
-    Write(WriteReply),
-    Verify(VerifyReply),
-}
-
-/// `status`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StatusReply {
-    pub pid: u32,
-    pub daemon_version: String,
-    pub protocol_version: u64,
-    pub run_dir: String,
-    pub config_dir: String,
-    pub controllers: usize,
-    pub connecting: Vec<String>,
-    pub stopping: bool,
-}
-
-/// `list`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ListReply {
-    pub controllers: Vec<ControllerInfo>,
-}
-
-/// `connect`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ConnectReply {
-    pub device: String,
-    pub controller: ControllerInfo,
-}
-
-/// `connect-all`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ConnectAllReply {
-    pub results: Vec<LineResult>,
-}
-
-/// What became of one subsystem of `connect-all`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LineResult {
-    /// The config file's line (0: the request's `params`).
-    pub line: usize,
-    pub traddr: String,
-    #[serde(default)]
-    pub trsvcid: Option<u16>,
-    pub nqn: String,
-    pub status: LineStatus,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub device: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-impl std::fmt::Display for LineResult {
-    /// As the daemon logs it: the result's JSON.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&serde_json::to_string(self).unwrap_or_default())
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum LineStatus {
-    Connected,
-    AlreadyConnected,
-    Failed,
-}
-
-/// `disconnect`, `disconnect-all`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DisconnectReply {
-    pub disconnected: Vec<String>,
-}
-
-/// `stop`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StopReply {
-    pub stopping: bool,
-}
-
-/// `read`: the bytes, base64.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ReadReply {
-    pub data: String,
-}
-
-/// `write`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct WriteReply {
-    pub written: usize,
-}
-
-/// `verify`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct VerifyReply {
-    pub verified: usize,
-}
-
-/// A controller as `list` shows it (the controller object of `docs/control-protocol.md`).
-/// Fields a `connect --foreground` or an older daemon does not send take their defaults.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-#[serde(default)]
-pub struct ControllerInfo {
-    pub name: String,
-    pub subnqn: String,
-    pub hostnqn: String,
-    pub transport: String,
-    /// The target's IP, as nvme-cli shows it.
-    pub traddr: String,
-    /// The target's soft-HCA as `IP:PORT` (the daemon's controllers).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub address: Option<String>,
-    /// The NVMe-oF service ID the connect named (`-s`).
-    pub trsvcid: u16,
-    pub cntlid: u16,
-    pub state: String,
-    pub io_queues: usize,
-    pub model: String,
-    pub serial: String,
-    pub cause: Option<String>,
-    pub attempt: u32,
-    pub max_attempts: Option<u32>,
-    pub ctrl_loss_in_ms: Option<f64>,
-    pub recoveries: u64,
-    pub last_recovery_ms: Option<f64>,
-    #[serde(default = "yes")]
-    pub device_present: bool,
-    pub foreign_device: bool,
-    pub failfast: bool,
-    pub fail_reason: Option<String>,
-    pub next_attempt_in_ms: Option<f64>,
-    pub namespaces: Vec<NamespaceInfo>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub exports: Vec<ExportInfo>,
-    /// Held by a `connect --foreground` process (set by the client that lists it).
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub foreground: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
-impl ControllerInfo {
-    /// The bytes its namespaces hold together, as `nvme list` shows a device's size.
-    pub fn capacity(&self) -> u64 {
-        self.namespaces
-            .iter()
-            .map(|n| n.blocks * u64::from(n.block_size))
-            .sum()
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct NamespaceInfo {
-    pub nsid: u32,
-    pub block_size: u32,
-    pub blocks: u64,
-}
-
-/// An export of a controller the daemon holds.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "lowercase")]
-pub enum ExportInfo {
-    Nbd {
-        nsid: u32,
-        address: String,
-        uri: String,
-        names: Vec<String>,
-        clients: usize,
-    },
-    Fuse {
-        nsid: u32,
-        mountpoint: String,
-        file: String,
-        files: Vec<String>,
-        open_handles: usize,
-    },
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -719,7 +608,7 @@ mod tests {
     #[test]
     fn requests_parse_and_bad_ones_say_why() {
         let (id, r) = parse_request(r#"{"version":1,"op":"list","id":7}"#);
-        assert_eq!((id, r), (Some(json!(7)), Ok(Request::List)));
+        assert_eq!((id, r), (Some(json!(7)), Ok(Request::List {})));
         let (_, r) = parse_request(
             r#"{"version":1,"op":"connect","params":{"traddr":"127.0.0.1","nqn":"nqn.a:b","nr_io_queues":4,"fuse":"/mnt/x"}}"#,
         );

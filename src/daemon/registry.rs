@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,9 +18,10 @@ use crate::cli::args::{parse_connect, ExportArgs, Subsys};
 use crate::cli::device::{self, DeviceChoice};
 use crate::cli::host::{connect_hint, ctrl_info, device_config, discover_on, options, HOST_HCA};
 use crate::cli::support::{host_bind_addr, roce_peer};
-use crate::daemon::config::{read_config, ConfigLine};
+use crate::daemon::config::ConfigLine;
+use crate::daemon::connect_all::{op_connect_all, reload};
 use crate::daemon::exports::{report_state_changes, start_exports, Exports};
-use crate::daemon::io::run_io;
+use crate::daemon::io::{run_io, OnProgress};
 use crate::daemon::proto::{
     ConnectAllReply, ConnectParams, ConnectReply, ControllerInfo, DisconnectReply, ErrorCode,
     ExportInfo, LineResult, LineStatus, ListReply, ProtoError, Reply, Request, StatusReply,
@@ -37,16 +39,16 @@ use crate::reconnect::CtrlState;
 use crate::transport::Controller;
 
 /// Identity of a connection for duplicate checks: subsystem, target, service, host NQN.
-type Key = (String, String, u16, String);
+pub(super) type Key = (String, String, u16, String);
 
 /// Tasks by line key, one each.
-type KeyedTasks = Mutex<HashMap<Key, tokio::task::JoinHandle<()>>>;
+pub(super) type KeyedTasks = Mutex<HashMap<Key, tokio::task::JoinHandle<()>>>;
 
 /// One controller the daemon owns.
 pub(super) struct Entry {
     pub(super) name: String,
-    key: Key,
-    sub: Subsys,
+    pub(super) key: Key,
+    pub(super) sub: Subsys,
     ctrl: Arc<Controller>,
     pub(super) exports: Exports,
     pub(super) tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -161,14 +163,14 @@ pub(super) struct State {
     managers: tokio::sync::Mutex<HashMap<SocketAddr, DeviceManager>>,
     pub(super) stopping: AtomicBool,
     /// Discovery controllers watched for log changes, by address, service and host NQN.
-    watchers: KeyedTasks,
+    pub(super) watchers: KeyedTasks,
     /// Where a watcher sends a discovery line whose log changed (connect-all runs it).
     rescan: tokio::sync::mpsc::Sender<ConnectParams>,
     /// Configured lines that failed, each tried again until it connects; by line key.
-    retries: KeyedTasks,
+    pub(super) retries: KeyedTasks,
     stop_req: tokio::sync::mpsc::Sender<StopAsk>,
     /// The config file's lines as last read, to tell what a reload adds and drops.
-    configured: Mutex<Vec<ConfigLine>>,
+    pub(super) configured: Mutex<Vec<ConfigLine>>,
 }
 
 /// A daemon's registry. Dropping it leaves its controllers running; [`Daemon::shutdown`]
@@ -220,8 +222,19 @@ impl Daemon {
 
     /// Do what `req` asks, as the socket server does for a client.
     pub async fn handle(&self, req: Request) -> Result<Reply, ProtoError> {
+        self.handle_fd(req, None, &mut |_, _| {}).await
+    }
+
+    /// [`Daemon::handle`] for a request that came with a descriptor (`read-to-fd`,
+    /// `write-from-fd`); `progress` hears how far it got.
+    pub async fn handle_fd(
+        &self,
+        req: Request,
+        fd: Option<OwnedFd>,
+        progress: OnProgress<'_>,
+    ) -> Result<Reply, ProtoError> {
         req.check()?;
-        dispatch(&self.st, req).await
+        dispatch(&self.st, req, fd, progress).await
     }
 
     /// Stop the watchers and retries, and disconnect every controller (forced when `force`,
@@ -419,13 +432,13 @@ impl State {
     }
 
     /// Keep a discovery controller for `p` (a discovery line) watched, once.
-    fn watch(self: &Arc<Self>, p: &ConnectParams) {
+    pub(super) fn watch(self: &Arc<Self>, p: &ConnectParams) {
         let task = watch_discovery(self.clone(), p.clone(), self.rescan.clone());
         self.spawn_once(&self.watchers, line_key(p), task);
     }
 
     /// Try the configured line `l` again until it connects, unless that already goes on.
-    fn retry(self: &Arc<Self>, l: &ConfigLine) {
+    pub(super) fn retry(self: &Arc<Self>, l: &ConfigLine) {
         let (st, line) = (self.clone(), l.clone());
         let task = async move { retry_until_ok(|n| retry_line(&st, &line, n)).await };
         self.spawn_once(&self.retries, line_key(&l.params), task);
@@ -461,7 +474,7 @@ async fn abort_all(tasks: &KeyedTasks) {
 }
 
 /// A configured line's identity: subsystem, address, service, host NQN as it gives them.
-fn line_key(p: &ConnectParams) -> Key {
+pub(super) fn line_key(p: &ConnectParams) -> Key {
     (
         p.nqn.clone(),
         p.traddr.clone(),
@@ -485,7 +498,7 @@ impl Exports {
 }
 
 /// Connect as `p` asks; runs in its own task so a client that goes away changes nothing.
-async fn op_connect(st: Arc<State>, p: ConnectParams) -> Result<ConnectReply, ProtoError> {
+pub(super) async fn op_connect(st: Arc<State>, p: ConnectParams) -> Result<ConnectReply, ProtoError> {
     if st.stopping.load(Ordering::SeqCst) {
         return Err(ProtoError::new(
             ErrorCode::Stopping,
@@ -679,209 +692,20 @@ async fn check_not_in_use(st: &Arc<State>, picked: &[u32]) -> Result<(), ProtoEr
         .hint(format!("{}; or disconnect --force", hints.join("; "))))
 }
 
-/// `connect-all`: each configured line (or the one given) connected; discovery lines expand
-/// to every subsystem their discovery controller lists. Already connected ones are skipped.
-pub(super) async fn op_connect_all(
+/// Do `req`; `fd` is the descriptor that came with it (`read-to-fd`, `write-from-fd`), and
+/// `progress` hears how far a request that moves data got.
+pub(super) async fn dispatch(
     st: &Arc<State>,
-    given: Option<ConnectParams>,
-) -> Result<ConnectAllReply, ProtoError> {
-    let configured = given.is_none();
-    let lines: Vec<ConfigLine> = match given {
-        Some(p) => vec![ConfigLine {
-            line: 0,
-            discovery: p.nqn == DISCOVERY_NQN,
-            params: p,
-        }],
-        None => {
-            let lines = read_config(&st.cfg.config_dir).map_err(|e| {
-                ProtoError::new(ErrorCode::BadRequest, e).hint("fix the config file")
-            })?;
-            *st.configured.lock().unwrap_or_else(|e| e.into_inner()) = lines.clone();
-            lines
-        }
-    };
-    connect_lines(st, lines, configured).await
-}
-
-/// Connect `lines`; a failed one that came from the config file (`configured`) is tried
-/// again until it connects.
-async fn connect_lines(
-    st: &Arc<State>,
-    lines: Vec<ConfigLine>,
-    configured: bool,
-) -> Result<ConnectAllReply, ProtoError> {
-    let mut results = Vec::new();
-    for l in lines {
-        if l.discovery {
-            st.watch(&l.params);
-        }
-        let first = results.len();
-        let targets = if l.discovery {
-            match discover_params(&l.params).await {
-                Ok(v) => v,
-                Err(e) => {
-                    results.push(LineResult {
-                        line: l.line,
-                        traddr: l.params.traddr.clone(),
-                        trsvcid: None,
-                        nqn: l.params.nqn.clone(),
-                        status: LineStatus::Failed,
-                        device: None,
-                        error: Some(format!("discovery: {e:#}")),
-                    });
-                    if configured {
-                        st.retry(&l);
-                    }
-                    continue;
-                }
-            }
-        } else {
-            vec![l.params.clone()]
-        };
-        for p in targets {
-            let mut r = LineResult {
-                line: l.line,
-                traddr: p.traddr.clone(),
-                trsvcid: p.trsvcid,
-                nqn: p.nqn.clone(),
-                status: LineStatus::Connected,
-                device: None,
-                error: None,
-            };
-            match op_connect(st.clone(), p).await {
-                Ok(v) => r.device = Some(v.device),
-                Err(e) if e.code == ErrorCode::Duplicate => r.status = LineStatus::AlreadyConnected,
-                Err(e) => {
-                    r.status = LineStatus::Failed;
-                    r.error = Some(e.message);
-                }
-            }
-            results.push(r);
-        }
-        if configured
-            && results[first..]
-                .iter()
-                .any(|r| r.status == LineStatus::Failed)
-        {
-            st.retry(&l);
-        }
-    }
-    Ok(ConnectAllReply { results })
-}
-
-/// SIGHUP: the config file read again. New lines are connected; lines that are gone are
-/// reported with the controllers they made, which stay until they are disconnected.
-async fn reload(st: &Arc<State>) {
-    let report = &st.cfg.report;
-    let old = st
-        .configured
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
-    let lines = match read_config(&st.cfg.config_dir) {
-        Ok(l) => l,
-        Err(e) => {
-            say!(
-                report,
-                "reload: {e}; nothing changed (fix the config file and send SIGHUP again)"
-            );
-            return;
-        }
-    };
-    *st.configured.lock().unwrap_or_else(|e| e.into_inner()) = lines.clone();
-    for gone in old
-        .iter()
-        .filter(|o| !lines.iter().any(|l| l.params == o.params))
-    {
-        let k = line_key(&gone.params);
-        let names: Vec<String> = lock(&st.inner)
-            .ctrls
-            .values()
-            // A discovery line made the controllers at its address; a subsystem line, the
-            // controllers to that subsystem there.
-            .filter(|e| e.key.1 == k.1 && (gone.discovery || (e.key.0 == k.0 && e.key.2 == k.2)))
-            .map(|e| e.name.clone())
-            .collect();
-        let what = if names.is_empty() {
-            "no controller of it is connected".to_string()
-        } else {
-            format!(
-                "would remove {}; kept (`nvmf-rdma disconnect -d NAME` removes one)",
-                names.join(", ")
-            )
-        };
-        say!(
-            report,
-            "reload: {} at {} is no longer configured; {what}",
-            gone.params.nqn,
-            gone.params.traddr
-        );
-        if gone.discovery {
-            stop_task(&st.watchers, &k).await;
-        }
-        stop_task(&st.retries, &k).await;
-    }
-    let new: Vec<ConfigLine> = lines
-        .into_iter()
-        .filter(|l| !old.iter().any(|o| o.params == l.params))
-        .collect();
-    if new.is_empty() {
-        say!(report, "reload: no new line in the config file");
-        return;
-    }
-    match connect_lines(st, new, true).await {
-        Ok(v) => {
-            for r in v.results {
-                say!(report, "reload: {r}");
-            }
-        }
-        Err(e) => say!(report, "reload: {}", e.message),
-    }
-}
-
-/// Abort the task of `key` in `tasks`, if there is one.
-async fn stop_task(tasks: &KeyedTasks, key: &Key) {
-    let t = tasks.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
-    if let Some(t) = t {
-        t.abort();
-        let _ = t.await;
-    }
-}
-
-/// The subsystems the discovery controller of `p` lists, as connect requests with `p`'s
-/// options. An entry at the discovery controller's own IP keeps its soft-HCA port.
-async fn discover_params(p: &ConnectParams) -> Result<Vec<ConnectParams>> {
-    let (sub, _, _) = parse_connect(&p.to_args()).map_err(anyhow::Error::msg)?;
-    let o = options(&sub)?;
-    let entries = discover_on(&sub.fabric, o, "no discovery log").await?;
-    let mut out = Vec::new();
-    for e in entries {
-        let nqn = e.subnqn.text().trim().to_string();
-        if nqn == DISCOVERY_NQN || nqn.is_empty() {
-            continue;
-        }
-        let mut q = p.clone();
-        q.nqn = nqn;
-        if let Ok(s) = e.trsvcid.text().trim().parse::<u16>() {
-            q.trsvcid = Some(s);
-        }
-        if let Ok(ip) = e.traddr.text().trim().parse::<std::net::IpAddr>() {
-            if ip != sub.fabric.traddr.ip() {
-                q.traddr = ip.to_string();
-            }
-        }
-        out.push(q);
-    }
-    Ok(out)
-}
-
-pub(super) async fn dispatch(st: &Arc<State>, req: Request) -> Result<Reply, ProtoError> {
+    req: Request,
+    fd: Option<OwnedFd>,
+    progress: OnProgress<'_>,
+) -> Result<Reply, ProtoError> {
     if let Some((device, io)) = req.io()? {
         let (c, _gate) = st.controller(&device).await?;
-        return run_io(c, &device, io).await;
+        return run_io(c, &device, io, fd, progress).await;
     }
     Ok(match req {
-        Request::Status => {
+        Request::Status {} => {
             let inner = lock(&st.inner);
             Reply::Status(StatusReply {
                 pid: std::process::id(),
@@ -894,7 +718,7 @@ pub(super) async fn dispatch(st: &Arc<State>, req: Request) -> Result<Reply, Pro
                 stopping: st.stopping.load(Ordering::SeqCst),
             })
         }
-        Request::List => Reply::List(ListReply {
+        Request::List {} => Reply::List(ListReply {
             controllers: lock(&st.inner).ctrls.values().map(Entry::info).collect(),
         }),
         Request::Connect { params } => Reply::Connect(op_connect(st.clone(), *params).await?),
@@ -927,7 +751,11 @@ pub(super) async fn dispatch(st: &Arc<State>, req: Request) -> Result<Reply, Pro
             rx.await.unwrap_or(Ok(()))?;
             Reply::Stop(StopReply { stopping: true })
         }
-        Request::Read { .. } | Request::Write { .. } | Request::Verify { .. } => {
+        Request::Read { .. }
+        | Request::Write { .. }
+        | Request::Verify { .. }
+        | Request::ReadToFd { .. }
+        | Request::WriteFromFd { .. } => {
             unreachable!("I/O requests are answered above")
         }
     })

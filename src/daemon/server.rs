@@ -14,17 +14,22 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::unix::OwnedReadHalf;
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use tokio::io::{AsyncWriteExt, Interest};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Semaphore;
 
 use crate::daemon::control::same_user;
+use crate::daemon::fdpass::recv_with_fds;
 use crate::daemon::proto::{
-    err_line, ok_line, parse_request, ErrorCode, ProtoError, MAX_LINE, PROTOCOL_VERSION,
-    SOCKET_NAME,
+    err_line, ok_line, parse_request, progress_line, ErrorCode, Progress, ProtoError, Reply,
+    Request, MAX_LINE, PROTOCOL_VERSION, SOCKET_NAME,
 };
+use crate::daemon::connect_all::op_connect_all;
 use crate::daemon::registry::{
-    dispatch, lock, op_connect_all, op_disconnect, Daemon, State, StopAsk,
+    dispatch, lock, op_disconnect, Daemon, State, StopAsk,
 };
 use crate::daemon::say;
 use crate::daemon::stop::{PendingStop, FORCE_WINDOW};
@@ -66,11 +71,56 @@ impl Daemon {
     }
 }
 
+/// A client's read side: its bytes, and the descriptors that came with them (kept for the
+/// request that uses one, at most [`MAX_FDS`](crate::daemon::fdpass::MAX_FDS)).
+struct Incoming {
+    r: OwnedReadHalf,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    fds: VecDeque<OwnedFd>,
+}
+
+impl Incoming {
+    fn new(r: OwnedReadHalf) -> Incoming {
+        Incoming {
+            r,
+            buf: vec![0; 4096].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            fds: VecDeque::new(),
+        }
+    }
+
+    /// The bytes received and not consumed yet; empty at the end of the stream.
+    async fn fill_buf(&mut self) -> std::io::Result<&[u8]> {
+        while self.start == self.end {
+            let s = self.r.as_ref();
+            s.readable().await?;
+            let fd = s.as_raw_fd();
+            let (buf, fds) = (&mut self.buf, &mut self.fds);
+            match s.try_io(Interest::READABLE, || recv_with_fds(fd, buf, fds)) {
+                Ok(n) => {
+                    (self.start, self.end) = (0, n);
+                    if n == 0 {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(&self.buf[self.start..self.end])
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.start = (self.start + n).min(self.end);
+    }
+}
+
+/// Read one line of at most [`MAX_LINE`] bytes. `Ok(None)` at the end of the stream;
 /// `Ok(Some(Err(())))` for a line that was too long (read to its end and dropped).
-async fn read_line(
-    r: &mut BufReader<OwnedReadHalf>,
-    buf: &mut Vec<u8>,
-) -> std::io::Result<Option<Result<(), ()>>> {
+async fn read_line(r: &mut Incoming, buf: &mut Vec<u8>) -> std::io::Result<Option<Result<(), ()>>> {
     buf.clear();
     let mut too_long = false;
     loop {
@@ -108,7 +158,7 @@ async fn read_line(
 /// silent past [`CLIENT_TIMEOUT`], or the daemon stops.
 async fn serve_client(st: Arc<State>, stream: tokio::net::UnixStream) {
     let (r, mut w) = stream.into_split();
-    let mut r = BufReader::with_capacity(4096, r);
+    let mut r = Incoming::new(r);
     let mut buf = Vec::new();
     loop {
         let line =
@@ -145,15 +195,49 @@ async fn serve_client(st: Arc<State>, stream: tokio::net::UnixStream) {
                 let (id, req) = parse_request(text.trim());
                 match req {
                     Err(e) => err_line(&id, &e),
-                    Ok(req) => match dispatch(&st, req).await {
-                        Ok(body) => ok_line(&id, &body),
-                        Err(e) => err_line(&id, &e),
-                    },
+                    Ok(req) => {
+                        let fd = match req {
+                            Request::ReadToFd { .. } | Request::WriteFromFd { .. } => {
+                                r.fds.pop_front()
+                            }
+                            _ => None,
+                        };
+                        match answer_with_progress(&st, &id, req, fd, &mut w).await {
+                            Ok(body) => ok_line(&id, &body),
+                            Err(e) => err_line(&id, &e),
+                        }
+                    }
                 }
             }
         };
         if w.write_all(format!("{answer}\n").as_bytes()).await.is_err() {
             return;
+        }
+    }
+}
+
+/// Do `req`, writing its progress lines to `w` while it runs (when it asked for them).
+async fn answer_with_progress(
+    st: &Arc<State>,
+    id: &Option<serde_json::Value>,
+    req: Request,
+    fd: Option<OwnedFd>,
+    w: &mut OwnedWriteHalf,
+) -> Result<Reply, ProtoError> {
+    // Bounded: a client slower than the progress drops some; the last one always goes.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Progress>(4);
+    let mut on = |done: u64, total: u64| {
+        let _ = tx.try_send(Progress { done, total });
+    };
+    let job = dispatch(st, req, fd, &mut on);
+    tokio::pin!(job);
+    loop {
+        tokio::select! {
+            r = &mut job => return r,
+            Some(p) = rx.recv() => {
+                // A client gone meanwhile finds out from the answer's write.
+                let _ = w.write_all(format!("{}\n", progress_line(id, p)).as_bytes()).await;
+            }
         }
     }
 }

@@ -147,8 +147,19 @@ pub async fn holders(p: &Probe) -> Vec<Holder> {
     if let Some((addr, stats)) = &p.nbd {
         let n = stats.connections.load(Ordering::SeqCst);
         if n > 0 {
+            let pids = stats
+                .client_pids
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
             out.push(Holder {
-                what: format!("{n} NBD client(s) on {}", addr.uri()),
+                what: nbd_holders(
+                    n,
+                    &pids,
+                    &addr.uri(),
+                    Path::new("/proc"),
+                    Path::new("/sys/block"),
+                ),
                 release: "disconnect them (nbd-client -d /dev/nbdN, or end nbdinfo, nbdcopy, \
                           qemu-nbd)"
                     .into(),
@@ -159,6 +170,44 @@ pub async fn holders(p: &Probe) -> Vec<Holder> {
         out.extend(fuse_holders(files, opens).await);
     }
     out
+}
+
+/// "N NBD client(s) on URI", naming the processes behind `pids` (from `proc`): the command
+/// and pid, and the kernel NBD device a `nbd-client` set up (`sys_block/nbd*/pid`).
+pub fn nbd_holders(n: usize, pids: &[i32], uri: &str, proc: &Path, sys_block: &Path) -> String {
+    let mut who: Vec<String> = pids
+        .iter()
+        .map(|pid| {
+            let comm = std::fs::read_to_string(proc.join(pid.to_string()).join("comm"))
+                .map(|c| c.trim().to_string());
+            let dev = nbd_device_of(sys_block, *pid);
+            match (comm, dev) {
+                (Ok(c), Some(d)) => format!("{c} (pid {pid}, {d})"),
+                (Ok(c), None) => format!("{c} (pid {pid})"),
+                (Err(_), Some(d)) => format!("{d} (set up by pid {pid}, exited)"),
+                (Err(_), None) => format!("pid {pid} (exited)"),
+            }
+        })
+        .collect();
+    who.sort();
+    let mut s = format!("{n} NBD client(s) on {uri}");
+    if !who.is_empty() {
+        s += &format!(": {}", who.join(", "));
+    }
+    s
+}
+
+/// The kernel NBD device (`/dev/nbdN`) whose `pid` file names `pid`.
+fn nbd_device_of(sys_block: &Path, pid: i32) -> Option<String> {
+    let rd = std::fs::read_dir(sys_block).ok()?;
+    rd.flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("nbd"))
+        .find(|n| {
+            std::fs::read_to_string(sys_block.join(n).join("pid"))
+                .is_ok_and(|p| p.trim() == pid.to_string())
+        })
+        .map(|n| format!("/dev/{n}"))
 }
 
 /// How long a loop device that `losetup -d` already let go may take to detach: the kernel
@@ -310,5 +359,31 @@ mod tests {
             "{m}"
         );
         assert!(h.contains("losetup -d /dev/loop0"), "{h}");
+    }
+
+    #[test]
+    fn nbd_clients_are_named_by_command_pid_and_device() {
+        let d = std::env::temp_dir().join(format!("nvmf-nbd-holders-{}", std::process::id()));
+        let (proc, sys) = (d.join("proc"), d.join("sys"));
+        for (pid, comm) in [(41, "nbdinfo"), (42, "qemu-nbd")] {
+            std::fs::create_dir_all(proc.join(pid.to_string())).unwrap();
+            std::fs::write(proc.join(pid.to_string()).join("comm"), format!("{comm}\n")).unwrap();
+        }
+        std::fs::create_dir_all(sys.join("nbd3")).unwrap();
+        std::fs::write(sys.join("nbd3/pid"), "43\n").unwrap();
+        std::fs::create_dir_all(sys.join("nbd4")).unwrap();
+        std::fs::write(sys.join("nbd4/pid"), "42\n").unwrap();
+        let s = nbd_holders(4, &[42, 41, 43, 44], "nbd+unix:///?socket=/s", &proc, &sys);
+        assert_eq!(
+            s,
+            "4 NBD client(s) on nbd+unix:///?socket=/s: /dev/nbd3 (set up by pid 43, exited), \
+             nbdinfo (pid 41), pid 44 (exited), qemu-nbd (pid 42, /dev/nbd4)"
+        );
+        // Clients whose process is not known (over TCP): counted only.
+        assert_eq!(
+            nbd_holders(2, &[], "nbd://h", &proc, &sys),
+            "2 NBD client(s) on nbd://h"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }

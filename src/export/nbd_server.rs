@@ -150,6 +150,9 @@ pub struct NbdStats {
     /// Payload and reply bytes held by all connections now, and the most ever.
     pub bytes_held: AtomicUsize,
     pub peak_bytes_held: AtomicUsize,
+    /// The process of each unix-socket client connected now (SO_PEERCRED at accept), so an
+    /// export in use can name its holders; bounded by `max_connections`.
+    pub client_pids: std::sync::Mutex<Vec<i32>>,
 }
 
 /// Bytes of its connection's share and of the process budget held by one request until its
@@ -420,8 +423,9 @@ impl NbdListener {
         loop {
             let accepted = match &self.listener {
                 Listener::Unix(l) => l.accept().await.map(|(s, _)| {
-                    let peer = s.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
-                    (Stream::Unix(s), peer)
+                    let cred = s.peer_cred().ok();
+                    let peer = cred.map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
+                    (Stream::Unix(s, cred.and_then(|c| c.pid())), peer)
                 }),
                 Listener::Tcp(l) => l.accept().await.map(|(s, peer)| {
                     let _ = s.set_nodelay(true);
@@ -471,8 +475,20 @@ impl NbdListener {
                     stats: stats.clone(),
                     memory,
                 };
+                let pids = || stats.client_pids.lock().unwrap_or_else(|e| e.into_inner());
                 match stream {
-                    Stream::Unix(s) => run_logged(s, exports, c).await,
+                    Stream::Unix(s, pid) => {
+                        if let Some(p) = pid {
+                            pids().push(p);
+                        }
+                        run_logged(s, exports, c).await;
+                        if let Some(p) = pid {
+                            let mut v = pids();
+                            if let Some(i) = v.iter().position(|&q| q == p) {
+                                v.swap_remove(i);
+                            }
+                        }
+                    }
                     Stream::Tcp(s) => run_logged(s, exports, c).await,
                 }
                 stats.connections.fetch_sub(1, Ordering::Relaxed);
@@ -484,7 +500,8 @@ impl NbdListener {
 }
 
 enum Stream {
-    Unix(tokio::net::UnixStream),
+    /// With the client's pid, when the kernel says it.
+    Unix(tokio::net::UnixStream, Option<i32>),
     Tcp(tokio::net::TcpStream),
 }
 

@@ -58,7 +58,7 @@ async fn call_starting<T: DeserializeOwned>(req: &Request, global: Vec<String>) 
 
 /// Names the daemon holds (for `connect --foreground` to avoid them); none without a daemon.
 pub(crate) async fn daemon_controller_names() -> Vec<String> {
-    let list = try_call::<nvmf_rdma::daemon::proto::ListReply>(&Request::List);
+    let list = try_call::<nvmf_rdma::daemon::proto::ListReply>(&Request::List {});
     match tokio::time::timeout(Duration::from_secs(2), list).await {
         Ok(Ok(Some(v))) => v.controllers.into_iter().map(|c| c.name).collect(),
         _ => Vec::new(),
@@ -78,7 +78,7 @@ async fn start_daemon(global: Vec<String>) -> Result<()> {
             );
             Ok(())
         }
-        Err(e) => match try_call::<serde_json::Value>(&Request::Status).await {
+        Err(e) => match try_call::<serde_json::Value>(&Request::Status {}).await {
             Ok(Some(_)) => Ok(()),
             _ => Err(e),
         },
@@ -121,7 +121,7 @@ pub(crate) async fn run_connect_daemon(
 /// Every controller: the daemon's, then `connect --foreground` ones.
 async fn all_controllers() -> Result<(bool, Vec<ControllerInfo>)> {
     let mut out = Vec::new();
-    let daemon = try_call::<nvmf_rdma::daemon::proto::ListReply>(&Request::List).await?;
+    let daemon = try_call::<nvmf_rdma::daemon::proto::ListReply>(&Request::List {}).await?;
     let have_daemon = daemon.is_some();
     if let Some(v) = daemon {
         out.extend(v.controllers);
@@ -146,39 +146,8 @@ pub(crate) async fn run_list(output: ListFormat) -> Result<()> {
         "Name", "SubNQN", "Address", "Svc", "CNTLID", "State", "IOQ", "Capacity"
     );
     for c in &ctrls {
-        // The soft-HCA's UDP port only when it is not RoCEv2's 4791: the NVMe-oF port (what
-        // -s gave) is the Svc column.
-        let addr = match c.address.as_deref().map(str::parse::<std::net::SocketAddr>) {
-            Some(Ok(a)) if a.port() != nvmf_rdma::hca::wire::ROCEV2_PORT => a.to_string(),
-            Some(Ok(a)) => a.ip().to_string(),
-            _ => c.traddr.clone(),
-        };
-        println!(
-            "{:<8} {:<40} {:<22} {:>5} {:>6} {:<10} {:>3} {:>10}",
-            c.name,
-            c.subnqn,
-            addr,
-            c.trsvcid,
-            c.cntlid,
-            c.state,
-            c.io_queues,
-            human_bytes(c.capacity()),
-        );
-        let health = nvmf_rdma::cli::support::Health::from_json(
-            &serde_json::to_string(c).unwrap_or_default(),
-        );
-        println!("{:<8} {}", "", health.describe(&c.state));
-        for x in &c.exports {
-            let what = match x {
-                ExportInfo::Nbd { uri, clients, .. } => format!("nbd {uri} ({clients} client(s))"),
-                ExportInfo::Fuse {
-                    file, open_handles, ..
-                } => format!("fuse {file} ({open_handles} open)"),
-            };
-            println!("{:<8} export: {what}", "");
-        }
-        if c.foreground {
-            println!("{:<8} held by a `connect --foreground` process", "");
+        for l in list_rows(c) {
+            println!("{l}");
         }
     }
     if ctrls.is_empty() && !have_daemon {
@@ -189,6 +158,44 @@ pub(crate) async fn run_list(output: ListFormat) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `list`'s lines for controller `c`: its row, its health, its exports.
+fn list_rows(c: &ControllerInfo) -> Vec<String> {
+    // The soft-HCA's UDP port only when it is not RoCEv2's 4791: the NVMe-oF port (what -s
+    // gave) is the Svc column.
+    let addr = match c.address.as_deref().map(str::parse::<std::net::SocketAddr>) {
+        Some(Ok(a)) if a.port() != nvmf_rdma::hca::wire::ROCEV2_PORT => a.to_string(),
+        Some(Ok(a)) => a.ip().to_string(),
+        _ => c.traddr.clone(),
+    };
+    let mut out = vec![format!(
+        "{:<8} {:<40} {:<22} {:>5} {:>6} {:<10} {:>3} {:>10}",
+        c.name,
+        c.subnqn,
+        addr,
+        c.trsvcid,
+        c.cntlid,
+        c.state,
+        c.io_queues,
+        human_bytes(c.capacity()),
+    )];
+    let health =
+        nvmf_rdma::cli::support::Health::from_json(&serde_json::to_string(c).unwrap_or_default());
+    out.push(format!("{:<8} {}", "", health.describe(&c.state)));
+    for x in &c.exports {
+        let what = match x {
+            ExportInfo::Nbd { uri, clients, .. } => format!("nbd {uri} ({clients} client(s))"),
+            ExportInfo::Fuse {
+                file, open_handles, ..
+            } => format!("fuse {file} ({open_handles} open)"),
+        };
+        out.push(format!("{:<8} export: {what}", ""));
+    }
+    if c.foreground {
+        out.push(format!("{:<8} held by a `connect --foreground` process", ""));
+    }
+    out
 }
 
 /// `list-subsys`: controllers grouped by subsystem, as nvme-cli shows them.
@@ -324,4 +331,36 @@ pub(crate) async fn run_connect_all(
         bail!("some connections failed");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod list_tests {
+    use super::*;
+
+    /// The Svc column is the service ID the user typed; the RoCEv2 UDP port stays out of the
+    /// Address column.
+    #[test]
+    fn list_shows_the_service_id_typed_not_the_roce_port() {
+        let c = ControllerInfo {
+            name: "nvmf0".into(),
+            subnqn: "nqn.2026-11.io.x:a".into(),
+            traddr: "10.0.0.2".into(),
+            address: Some("10.0.0.2:4791".into()),
+            trsvcid: 4420,
+            state: "live".into(),
+            ..ControllerInfo::default()
+        };
+        let row = &list_rows(&c)[0];
+        assert!(row.contains("10.0.0.2 ") && row.contains(" 4420 "), "{row}");
+        assert!(!row.contains("4791"), "{row}");
+        // A foreground controller has no soft-HCA address: the target's IP.
+        let f = ControllerInfo {
+            address: None,
+            foreground: true,
+            ..c
+        };
+        let rows = list_rows(&f);
+        assert!(rows[0].contains("10.0.0.2 ") && !rows[0].contains("4791"), "{rows:?}");
+        assert!(rows.last().unwrap().contains("connect --foreground"));
+    }
 }

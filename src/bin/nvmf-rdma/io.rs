@@ -1,5 +1,6 @@
 //! `read`, `write` and `verify`.
 
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -8,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use nvmf_rdma::daemon::client::Client;
 pub(crate) use nvmf_rdma::daemon::io::verify;
 use nvmf_rdma::daemon::proto::{
-    ListReply, ReadReply, Request, VerifyReply, WriteReply, MAX_READ, MAX_WRITE_DATA,
+    CopiedReply, ListReply, ReadReply, Request, VerifyReply, WriteReply, MAX_READ,
     MAX_WRITE_PATTERN,
 };
 use nvmf_rdma::harness::hca_perf;
@@ -102,6 +103,10 @@ pub(crate) async fn run_read(
 ) -> Result<()> {
     let out = ReadOut::of(output.as_deref(), hex)?;
     let data = match at.sub {
+        None if out != ReadOut::Hex => {
+            let name = at.controller.unwrap_or_default();
+            return daemon_read_to(&name, at.nsid, lba, size, out).await;
+        }
         None => daemon_read(&at.controller.unwrap_or_default(), at.nsid, lba, size).await?,
         Some(sub) => {
             let c = connect(&sub).await?;
@@ -198,7 +203,7 @@ pub(crate) async fn run_verify(
 /// The block size of the daemon's controller `name`'s namespace `nsid` (to split I/O on
 /// block boundaries), with the one-line error a wrong name or namespace deserves.
 async fn daemon_block_size(s: &mut Client, name: &str, nsid: u32) -> Result<usize> {
-    let v: ListReply = s.call(&Request::List).await?;
+    let v: ListReply = s.call(&Request::List {}).await?;
     let Some(c) = v.controllers.iter().find(|c| c.name == name) else {
         bail!("no controller {name}; `nvmf-rdma list` shows them");
     };
@@ -257,30 +262,91 @@ async fn daemon_write(
     size: Option<usize>,
     pattern: u8,
 ) -> Result<usize> {
-    use base64::Engine;
     let mut s = crate::client::open().await?;
     let bs = daemon_block_size(&mut s, name, nsid).await?;
-    let write = |at: u64, data: Option<String>, size: Option<u64>| Request::Write {
+    if let Some(path) = input {
+        // The daemon reads the file itself, through the descriptor passed to it.
+        let f = std::fs::File::open(path).with_context(|| format!("read {}", path.display()))?;
+        let len = f
+            .metadata()
+            .with_context(|| format!("read {}", path.display()))?
+            .len();
+        if len == 0 {
+            return Ok(0);
+        }
+        let req = Request::WriteFromFd {
+            device: name.into(),
+            nsid,
+            lba,
+            size: len,
+            progress: true,
+        };
+        let t0 = Instant::now();
+        let mut shown = |done: u64, total: u64| show_copy("wrote", done, total, t0.elapsed());
+        let r: Result<CopiedReply> = s.call_with_fd(&req, f.as_fd(), &mut shown).await;
+        eprintln!();
+        return Ok(r?.copied as usize);
+    }
+    let Some(n) = size else {
+        bail!("give --input FILE or --size with --pattern");
+    };
+    // Nothing to send but the byte: the daemon fills.
+    for (at, _, len) in pieces(lba, n, MAX_WRITE_PATTERN, bs) {
+        let req = Request::Write {
+            device: name.into(),
+            nsid,
+            lba: at,
+            data: None,
+            size: Some(len as u64),
+            pattern: Some(u64::from(pattern)),
+        };
+        let _: WriteReply = s.call(&req).await?;
+    }
+    Ok(n)
+}
+
+/// `read -d` into a file or stdout: the daemon writes into the descriptor passed to it.
+async fn daemon_read_to(
+    name: &str,
+    nsid: u32,
+    lba: u64,
+    size: usize,
+    out: ReadOut<'_>,
+) -> Result<()> {
+    let mut s = crate::client::open().await?;
+    daemon_block_size(&mut s, name, nsid).await?;
+    let file;
+    let stdout = std::io::stdout();
+    let fd = match out {
+        ReadOut::File(p) => {
+            file = std::fs::File::create(p).with_context(|| format!("write {}", p.display()))?;
+            file.as_fd()
+        }
+        _ => stdout.as_fd(),
+    };
+    let req = Request::ReadToFd {
         device: name.into(),
         nsid,
-        lba: at,
-        data,
-        size,
-        pattern: size.map(|_| u64::from(pattern)),
+        lba,
+        size: size as u64,
+        progress: true,
     };
-    if let (None, Some(n)) = (input, size) {
-        // Nothing to send but the byte: the daemon fills.
-        for (at, _, len) in pieces(lba, n, MAX_WRITE_PATTERN, bs) {
-            let _: WriteReply = s.call(&write(at, None, Some(len as u64))).await?;
-        }
-        return Ok(n);
-    }
-    let data = write_data(input, size, pattern)?;
-    for (at, off, len) in pieces(lba, data.len(), MAX_WRITE_DATA, bs) {
-        let b64 = base64::engine::general_purpose::STANDARD.encode(&data[off..off + len]);
-        let _: WriteReply = s.call(&write(at, Some(b64), None)).await?;
-    }
-    Ok(data.len())
+    let t0 = Instant::now();
+    let mut shown = |done: u64, total: u64| show_copy("read", done, total, t0.elapsed());
+    let r: Result<CopiedReply> = s.call_with_fd(&req, fd, &mut shown).await;
+    eprintln!();
+    r.map(|_| ())
+}
+
+/// The progress line `read -d` and `write -d` keep rewriting on stderr.
+fn show_copy(verb: &str, done: u64, total: u64, took: Duration) {
+    eprint!(
+        "\r{verb} {} of {} ({:.0}%), {:.1} MB/s   ",
+        hca_perf::human(done as usize),
+        hca_perf::human(total as usize),
+        done as f64 * 100.0 / total.max(1) as f64,
+        done as f64 / took.as_secs_f64().max(1e-9) / 1e6
+    );
 }
 
 /// `verify -d`: the daemon verifies piece by piece (each piece its own seed), so progress
