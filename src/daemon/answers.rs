@@ -12,7 +12,7 @@ use crate::daemon::proto::PROTOCOL_VERSION;
 pub enum Reply {
     Status(StatusReply),
     List(ListReply),
-    Connect(ConnectReply),
+    Connect(Box<ConnectReply>),
     ConnectAll(ConnectAllReply),
     Disconnect(DisconnectReply),
     Stop(StopReply),

@@ -11,7 +11,7 @@ use crate::daemon::config::{read_config, ConfigLine};
 use crate::daemon::proto::{
     ConnectAllReply, ConnectParams, ErrorCode, LineResult, LineStatus, ProtoError,
 };
-use crate::daemon::registry::{line_key, lock, op_connect, KeyedTasks, Key, State};
+use crate::daemon::registry::{line_key, lock, op_connect, Key, KeyedTasks, State};
 use crate::daemon::say;
 use crate::nvme::fabrics::DISCOVERY_NQN;
 

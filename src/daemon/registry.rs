@@ -16,16 +16,15 @@ use anyhow::{Context, Result};
 
 use crate::cli::args::{parse_connect, ExportArgs, Subsys};
 use crate::cli::device::{self, DeviceChoice};
-use crate::cli::host::{connect_hint, ctrl_info, device_config, discover_on, options, HOST_HCA};
+use crate::cli::host::{connect_hint, ctrl_info, device_config, options, HOST_HCA};
 use crate::cli::support::{host_bind_addr, roce_peer};
 use crate::daemon::config::ConfigLine;
 use crate::daemon::connect_all::{op_connect_all, reload};
 use crate::daemon::exports::{report_state_changes, start_exports, Exports};
 use crate::daemon::io::{run_io, OnProgress};
 use crate::daemon::proto::{
-    ConnectAllReply, ConnectParams, ConnectReply, ControllerInfo, DisconnectReply, ErrorCode,
-    ExportInfo, LineResult, LineStatus, ListReply, ProtoError, Reply, Request, StatusReply,
-    StopReply, PROTOCOL_VERSION,
+    ConnectParams, ConnectReply, ControllerInfo, DisconnectReply, ErrorCode, ExportInfo,
+    LineStatus, ListReply, ProtoError, Reply, Request, StatusReply, StopReply, PROTOCOL_VERSION,
 };
 use crate::daemon::usage::{holders, in_use_message, Probe};
 use crate::daemon::watch::{
@@ -34,7 +33,6 @@ use crate::daemon::watch::{
 use crate::daemon::{say, Report};
 use crate::driver::DeviceManager;
 use crate::export::DevSet;
-use crate::nvme::fabrics::DISCOVERY_NQN;
 use crate::reconnect::CtrlState;
 use crate::transport::Controller;
 
@@ -498,7 +496,10 @@ impl Exports {
 }
 
 /// Connect as `p` asks; runs in its own task so a client that goes away changes nothing.
-pub(super) async fn op_connect(st: Arc<State>, p: ConnectParams) -> Result<ConnectReply, ProtoError> {
+pub(super) async fn op_connect(
+    st: Arc<State>,
+    p: ConnectParams,
+) -> Result<ConnectReply, ProtoError> {
     if st.stopping.load(Ordering::SeqCst) {
         return Err(ProtoError::new(
             ErrorCode::Stopping,
@@ -721,7 +722,9 @@ pub(super) async fn dispatch(
         Request::List {} => Reply::List(ListReply {
             controllers: lock(&st.inner).ctrls.values().map(Entry::info).collect(),
         }),
-        Request::Connect { params } => Reply::Connect(op_connect(st.clone(), *params).await?),
+        Request::Connect { params } => {
+            Reply::Connect(Box::new(op_connect(st.clone(), *params).await?))
+        }
         Request::ConnectAll { params } => {
             Reply::ConnectAll(op_connect_all(st, params.map(|p| *p)).await?)
         }

@@ -21,16 +21,14 @@ use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Semaphore;
 
+use crate::daemon::connect_all::op_connect_all;
 use crate::daemon::control::same_user;
 use crate::daemon::fdpass::recv_with_fds;
 use crate::daemon::proto::{
     err_line, ok_line, parse_request, progress_line, ErrorCode, Progress, ProtoError, Reply,
     Request, MAX_LINE, PROTOCOL_VERSION, SOCKET_NAME,
 };
-use crate::daemon::connect_all::op_connect_all;
-use crate::daemon::registry::{
-    dispatch, lock, op_disconnect, Daemon, State, StopAsk,
-};
+use crate::daemon::registry::{dispatch, lock, op_disconnect, Daemon, State, StopAsk};
 use crate::daemon::say;
 use crate::daemon::stop::{PendingStop, FORCE_WINDOW};
 

@@ -193,7 +193,10 @@ fn list_rows(c: &ControllerInfo) -> Vec<String> {
         out.push(format!("{:<8} export: {what}", ""));
     }
     if c.foreground {
-        out.push(format!("{:<8} held by a `connect --foreground` process", ""));
+        out.push(format!(
+            "{:<8} held by a `connect --foreground` process",
+            ""
+        ));
     }
     out
 }
@@ -360,7 +363,10 @@ mod list_tests {
             ..c
         };
         let rows = list_rows(&f);
-        assert!(rows[0].contains("10.0.0.2 ") && !rows[0].contains("4791"), "{rows:?}");
+        assert!(
+            rows[0].contains("10.0.0.2 ") && !rows[0].contains("4791"),
+            "{rows:?}"
+        );
         assert!(rows.last().unwrap().contains("connect --foreground"));
     }
 }
