@@ -200,7 +200,7 @@ pub struct ExportArgs {
 }
 /// A host ID as nvme-cli writes it: a UUID.
 pub fn parse_hostid(s: &str) -> Result<String, String> {
-    crate::cli::host::parse_uuid(s)
+    parse_uuid(s)
         .map(|_| s.to_string())
         .ok_or_else(|| format!("'{s}' is not a UUID (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)"))
 }
@@ -265,4 +265,17 @@ pub fn clap_line(e: &clap::Error) -> String {
         .find(|l| !l.trim().is_empty())
         .unwrap_or("bad arguments");
     first.trim_start_matches("error: ").trim().to_string()
+}
+
+/// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` as 16 bytes.
+pub fn parse_uuid(t: &str) -> Option<[u8; 16]> {
+    let hex: String = t.chars().filter(|c| *c != '-').collect();
+    if hex.len() != 32 || t.len() != 36 {
+        return None;
+    }
+    let mut id = [0u8; 16];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(id)
 }

@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 
+pub use crate::cli::args::parse_uuid;
 use crate::cli::args::{Fabric, Subsys};
 use crate::cli::device::{self, DeviceChoice};
 use crate::cli::support::{error_line, host_bind_addr, roce_peer, CtrlInfo, Health};
@@ -106,19 +107,6 @@ pub fn apply_system_host_ids(o: &mut ConnectOptions, dir: &std::path::Path) {
             o.hostnqn = n.to_string();
         }
     }
-}
-
-/// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` as 16 bytes.
-pub fn parse_uuid(t: &str) -> Option<[u8; 16]> {
-    let hex: String = t.chars().filter(|c| *c != '-').collect();
-    if hex.len() != 32 || t.len() != 36 {
-        return None;
-    }
-    let mut id = [0u8; 16];
-    for (i, b) in id.iter_mut().enumerate() {
-        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(id)
 }
 
 /// The name of the host HCA in the device manager of `connect`, `read`, `write`, `verify`.

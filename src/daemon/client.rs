@@ -45,6 +45,17 @@ impl Client {
         Ok(Some(Client::on(s)))
     }
 
+    /// Connect to the daemon of `run_dir`, with what to do when none runs.
+    pub async fn open(run_dir: &Path) -> Result<Client> {
+        Client::try_open(&socket_in(run_dir)).await?.ok_or_else(|| {
+            anyhow::anyhow!(
+                "no daemon runs in {} (start one: `nvmf-rdma daemon --background` or \
+                 `systemctl start nvmf-rdma`; NVMF_RDMA_RUN_DIR picks another run directory)",
+                run_dir.display()
+            )
+        })
+    }
+
     /// A client on a connected stream.
     pub fn on(s: tokio::net::UnixStream) -> Client {
         let (r, w) = s.into_split();

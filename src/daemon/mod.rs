@@ -15,14 +15,16 @@ pub mod io;
 pub mod proto;
 mod registry;
 mod server;
+mod service;
 pub mod stop;
 pub mod usage;
 mod watch;
 
 use std::sync::Arc;
 
-pub use registry::{Daemon, DaemonConfig};
+pub use registry::DaemonConfig;
 pub use server::{Signal, CLIENT_TIMEOUT};
+pub use service::Daemon;
 
 /// Where a daemon's log lines and its service status go (the process's log file or
 /// journal, and systemd's notify socket; a test's buffer).

@@ -6,7 +6,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,22 +13,14 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use crate::cli::args::{parse_connect, ExportArgs, Subsys};
+use crate::cli::args::Subsys;
 use crate::cli::device::{self, DeviceChoice};
-use crate::cli::host::{connect_hint, ctrl_info, device_config, options, HOST_HCA};
+use crate::cli::host::{ctrl_info, device_config, HOST_HCA};
 use crate::cli::support::{host_bind_addr, roce_peer};
 use crate::daemon::config::ConfigLine;
-use crate::daemon::connect_all::{op_connect_all, reload};
-use crate::daemon::exports::{report_state_changes, start_exports, Exports};
-use crate::daemon::io::{run_io, OnProgress};
-use crate::daemon::proto::{
-    ConnectParams, ConnectReply, ControllerInfo, DisconnectReply, ErrorCode, ExportInfo,
-    LineStatus, ListReply, ProtoError, Reply, Request, StatusReply, StopReply, PROTOCOL_VERSION,
-};
+use crate::daemon::exports::Exports;
+use crate::daemon::proto::{ConnectParams, ControllerInfo, ErrorCode, ExportInfo, ProtoError};
 use crate::daemon::usage::{holders, in_use_message, Probe};
-use crate::daemon::watch::{
-    reap_when_dead, retry_line, retry_until_ok, watch_discovery, watch_namespaces,
-};
 use crate::daemon::{say, Report};
 use crate::driver::DeviceManager;
 use crate::export::DevSet;
@@ -47,13 +38,13 @@ pub(super) struct Entry {
     pub(super) name: String,
     pub(super) key: Key,
     pub(super) sub: Subsys,
-    ctrl: Arc<Controller>,
+    pub(super) ctrl: Arc<Controller>,
     pub(super) exports: Exports,
     pub(super) tasks: Vec<tokio::task::JoinHandle<()>>,
     /// Held (read) by each I/O request on the controller; a disconnect takes it (write).
-    io_gate: Arc<tokio::sync::RwLock<()>>,
+    pub(super) io_gate: Arc<tokio::sync::RwLock<()>>,
     /// The soft-HCA it runs on (none on a kernel device).
-    device: Option<HostDevice>,
+    pub(super) device: Option<HostDevice>,
 }
 
 /// The soft-HCA a controller runs on: one of its own (loopback, on a free port) goes with
@@ -78,7 +69,7 @@ impl HostDevice {
 }
 
 impl Entry {
-    fn info(&self) -> ControllerInfo {
+    pub(super) fn info(&self) -> ControllerInfo {
         let c = ctrl_info(&self.name, &self.sub, &self.ctrl);
         let mut info: ControllerInfo = serde_json::from_str(&c.to_json()).unwrap_or_default();
         info.address = Some(self.sub.fabric.traddr.to_string());
@@ -135,7 +126,7 @@ fn exports_info(x: &Exports) -> Vec<ExportInfo> {
 pub(super) struct Inner {
     pub(super) ctrls: BTreeMap<u32, Entry>,
     /// Names being connected, with their key, exports' paths.
-    reserved: BTreeMap<u32, (Key, Vec<String>)>,
+    pub(super) reserved: BTreeMap<u32, (Key, Vec<String>)>,
 }
 
 /// A `stop` request handed to the serving loop, and where its answer goes.
@@ -163,30 +154,28 @@ pub(super) struct State {
     /// Discovery controllers watched for log changes, by address, service and host NQN.
     pub(super) watchers: KeyedTasks,
     /// Where a watcher sends a discovery line whose log changed (connect-all runs it).
-    rescan: tokio::sync::mpsc::Sender<ConnectParams>,
+    pub(super) rescan: tokio::sync::mpsc::Sender<ConnectParams>,
     /// Configured lines that failed, each tried again until it connects; by line key.
     pub(super) retries: KeyedTasks,
-    stop_req: tokio::sync::mpsc::Sender<StopAsk>,
+    pub(super) stop_req: tokio::sync::mpsc::Sender<StopAsk>,
     /// The config file's lines as last read, to tell what a reload adds and drops.
     pub(super) configured: Mutex<Vec<ConfigLine>>,
 }
 
-/// A daemon's registry. Dropping it leaves its controllers running; [`Daemon::shutdown`]
-/// (or [`Daemon::serve`] ending) takes them down.
-pub struct Daemon {
-    pub(super) st: Arc<State>,
-    pub(super) stop_rx: Mutex<Option<tokio::sync::mpsc::Receiver<StopAsk>>>,
-    rescans: tokio::task::JoinHandle<()>,
-}
-
-impl Daemon {
-    /// A registry with no controller. Needs a tokio runtime (it starts the task that runs
-    /// `connect-all` for a discovery controller whose log changed).
-    pub fn new(cfg: DaemonConfig) -> Daemon {
+impl State {
+    /// A registry with no controller, the receiver of its `stop` requests and the receiver
+    /// of the discovery lines whose log changed.
+    pub(super) fn new(
+        cfg: DaemonConfig,
+    ) -> (
+        State,
+        tokio::sync::mpsc::Receiver<StopAsk>,
+        tokio::sync::mpsc::Receiver<ConnectParams>,
+    ) {
         let (stop_tx, stop_rx) = tokio::sync::mpsc::channel(4);
         // Bounded: a watcher that finds it full drops its request; one queued covers it.
-        let (rescan_tx, mut rescan_rx) = tokio::sync::mpsc::channel::<ConnectParams>(16);
-        let st = Arc::new(State {
+        let (rescan_tx, rescan_rx) = tokio::sync::mpsc::channel(16);
+        let st = State {
             cfg,
             inner: Mutex::new(Inner::default()),
             managers: tokio::sync::Mutex::new(HashMap::new()),
@@ -196,67 +185,8 @@ impl Daemon {
             retries: Mutex::new(HashMap::new()),
             stop_req: stop_tx,
             configured: Mutex::new(Vec::new()),
-        });
-        let rescans = {
-            let st = st.clone();
-            tokio::spawn(async move {
-                while let Some(p) = rescan_rx.recv().await {
-                    if let Ok(v) = op_connect_all(&st, Some(p)).await {
-                        for r in v.results {
-                            if r.status != LineStatus::AlreadyConnected {
-                                say!(st.cfg.report, "connect-all: {r}");
-                            }
-                        }
-                    }
-                }
-            })
         };
-        Daemon {
-            st,
-            stop_rx: Mutex::new(Some(stop_rx)),
-            rescans,
-        }
-    }
-
-    /// Do what `req` asks, as the socket server does for a client.
-    pub async fn handle(&self, req: Request) -> Result<Reply, ProtoError> {
-        self.handle_fd(req, None, &mut |_, _| {}).await
-    }
-
-    /// [`Daemon::handle`] for a request that came with a descriptor (`read-to-fd`,
-    /// `write-from-fd`); `progress` hears how far it got.
-    pub async fn handle_fd(
-        &self,
-        req: Request,
-        fd: Option<OwnedFd>,
-        progress: OnProgress<'_>,
-    ) -> Result<Reply, ProtoError> {
-        req.check()?;
-        dispatch(&self.st, req, fd, progress).await
-    }
-
-    /// Stop the watchers and retries, and disconnect every controller (forced when `force`,
-    /// else refused while an export is in use, as a stop signal is).
-    pub async fn shutdown(&self, force: bool) -> Result<(), ProtoError> {
-        self.st.stopping.store(true, Ordering::SeqCst);
-        self.rescans.abort();
-        // Retries first: one may start a watcher.
-        abort_all(&self.st.retries).await;
-        abort_all(&self.st.watchers).await;
-        op_disconnect(&self.st, |_| true, force, "")
-            .await
-            .map(|_| ())
-    }
-
-    /// Read the config file again: connect the lines that are new (and what their discovery
-    /// controllers list), and report the lines that are gone with the controllers they made,
-    /// which stay until they are disconnected.
-    pub async fn reload(&self) {
-        reload(&self.st).await
-    }
-
-    pub fn report(&self) -> &Report {
-        &self.st.cfg.report
+        (st, stop_rx, rescan_rx)
     }
 }
 
@@ -264,20 +194,25 @@ pub(super) fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn failed(e: impl std::fmt::Display) -> ProtoError {
+pub(super) fn failed(e: impl std::fmt::Display) -> ProtoError {
     ProtoError::new(ErrorCode::Failed, e.to_string())
 }
 
 impl State {
     /// Export paths a request would use (a FUSE mount point, an NBD socket), for clash checks.
-    fn export_paths(p: &ConnectParams) -> Vec<String> {
+    pub(super) fn export_paths(p: &ConnectParams) -> Vec<String> {
         p.fuse.iter().chain(p.nbd.iter()).cloned().collect()
     }
 
     /// Pick the lowest free name (not ours, not a `connect --foreground` socket that
     /// answers) and reserve it, unless `key` duplicates a controller and `dup` is not set, or
     /// an export path is another controller's.
-    async fn reserve(&self, key: &Key, paths: Vec<String>, dup: bool) -> Result<u32, ProtoError> {
+    pub(super) async fn reserve(
+        &self,
+        key: &Key,
+        paths: Vec<String>,
+        dup: bool,
+    ) -> Result<u32, ProtoError> {
         let mut n = 0u32;
         loop {
             let foreign = {
@@ -393,7 +328,7 @@ impl State {
 impl State {
     /// The controller named `name`, for a request that does I/O on it, with its gate held
     /// (a disconnect waits for the I/O to end).
-    async fn controller(
+    pub(super) async fn controller(
         &self,
         name: &str,
     ) -> Result<(Arc<Controller>, tokio::sync::OwnedRwLockReadGuard<()>), ProtoError> {
@@ -429,21 +364,8 @@ impl State {
         })
     }
 
-    /// Keep a discovery controller for `p` (a discovery line) watched, once.
-    pub(super) fn watch(self: &Arc<Self>, p: &ConnectParams) {
-        let task = watch_discovery(self.clone(), p.clone(), self.rescan.clone());
-        self.spawn_once(&self.watchers, line_key(p), task);
-    }
-
-    /// Try the configured line `l` again until it connects, unless that already goes on.
-    pub(super) fn retry(self: &Arc<Self>, l: &ConfigLine) {
-        let (st, line) = (self.clone(), l.clone());
-        let task = async move { retry_until_ok(|n| retry_line(&st, &line, n)).await };
-        self.spawn_once(&self.retries, line_key(&l.params), task);
-    }
-
     /// Run `task` as the one task of `key` in `tasks`, unless one runs or the daemon stops.
-    fn spawn_once(
+    pub(super) fn spawn_once(
         &self,
         tasks: &KeyedTasks,
         key: Key,
@@ -458,7 +380,7 @@ impl State {
 }
 
 /// Abort every task of `tasks` and wait for each to end.
-async fn abort_all(tasks: &KeyedTasks) {
+pub(super) async fn abort_all(tasks: &KeyedTasks) {
     let tasks: Vec<_> = tasks
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -483,7 +405,7 @@ pub(super) fn line_key(p: &ConnectParams) -> Key {
 
 impl Exports {
     /// The mount point and socket this controller's exports use, as requests name them.
-    fn paths(&self) -> Vec<String> {
+    pub(super) fn paths(&self) -> Vec<String> {
         let mut v = Vec::new();
         if let Some(m) = &self.fuse {
             v.push(m.mountpoint().display().to_string());
@@ -493,120 +415,6 @@ impl Exports {
         }
         v
     }
-}
-
-/// Connect as `p` asks; runs in its own task so a client that goes away changes nothing.
-pub(super) async fn op_connect(
-    st: Arc<State>,
-    p: ConnectParams,
-) -> Result<ConnectReply, ProtoError> {
-    if st.stopping.load(Ordering::SeqCst) {
-        return Err(ProtoError::new(
-            ErrorCode::Stopping,
-            "the daemon is stopping",
-        ));
-    }
-    let (sub, x, mode) =
-        parse_connect(&p.to_args()).map_err(|e| ProtoError::new(ErrorCode::BadRequest, e))?;
-    let o = options(&sub).map_err(|e| ProtoError::new(ErrorCode::BadRequest, format!("{e:#}")))?;
-    let key: Key = (
-        sub.nqn.clone(),
-        sub.fabric.traddr.to_string(),
-        sub.fabric.trsvcid,
-        o.hostnqn.clone(),
-    );
-    let n = st
-        .reserve(&key, State::export_paths(&p), mode.duplicate_connect)
-        .await?;
-    let name = format!("nvmf{n}");
-    let st2 = st.clone();
-    let name2 = name.clone();
-    let job = tokio::spawn(async move {
-        let r = connect_entry(&st2, name2, key, sub, x, o).await;
-        let late = {
-            let mut inner = lock(&st2.inner);
-            inner.reserved.remove(&n);
-            match r {
-                // A stop that went through while we connected has disconnected everything
-                // else: this one goes too, or its exports would outlive the daemon.
-                Ok(e) if st2.stopping.load(Ordering::SeqCst) => e,
-                Ok(e) => {
-                    let v = e.info();
-                    inner.ctrls.insert(n, e);
-                    return Ok(v);
-                }
-                Err(e) => return Err(e),
-            }
-        };
-        late.stop().await;
-        Err(ProtoError::new(
-            ErrorCode::Stopping,
-            "the daemon stopped while connecting",
-        ))
-    });
-    let r = job
-        .await
-        .unwrap_or_else(|e| Err(failed(format!("connect task ended: {e}"))))?;
-    say!(st.cfg.report, "{name}: connected ({})", p.nqn);
-    Ok(ConnectReply {
-        device: name,
-        controller: r,
-    })
-}
-
-async fn connect_entry(
-    st: &Arc<State>,
-    name: String,
-    key: Key,
-    sub: Subsys,
-    x: ExportArgs,
-    o: crate::transport::ConnectOptions,
-) -> Result<Entry, ProtoError> {
-    let what = format!("connect to {} at {}", sub.nqn, sub.fabric.traddr);
-    let (c, device) = st
-        .connect_on_device(&sub, o)
-        .await
-        .map_err(|e| failed(format!("{what}: {e:#}")).hint(connect_hint(&format!("{e:#}"))))?;
-    let c = Arc::new(c);
-    let exports = match start_exports(&c, &sub, &x).await {
-        Ok(x) => x,
-        Err(e) => {
-            if let Ok(c) = Arc::try_unwrap(c) {
-                c.disconnect().await;
-            }
-            if let Some(d) = device {
-                d.release().await;
-            }
-            return Err(failed(format!("{name}: exports: {e:#}")));
-        }
-    };
-    for l in exports.describe() {
-        say!(st.cfg.report, "{name}: {l}");
-    }
-    let tasks = vec![
-        tokio::spawn(report_state_changes(
-            name.clone(),
-            c.watch_status(),
-            st.cfg.report.clone(),
-        )),
-        tokio::spawn(reap_when_dead(st.clone(), name.clone(), c.watch_status())),
-        tokio::spawn(watch_namespaces(
-            name.clone(),
-            c.clone(),
-            exports.set.clone(),
-            st.cfg.report.clone(),
-        )),
-    ];
-    Ok(Entry {
-        name,
-        key,
-        sub,
-        ctrl: c,
-        exports,
-        tasks,
-        io_gate: Arc::new(tokio::sync::RwLock::new(())),
-        device,
-    })
 }
 
 /// Stop and disconnect the controllers `pick` selects, unless an export is in use and not
@@ -691,75 +499,4 @@ async fn check_not_in_use(st: &Arc<State>, picked: &[u32]) -> Result<(), ProtoEr
     }
     Err(ProtoError::new(ErrorCode::InUse, msgs.join("; "))
         .hint(format!("{}; or disconnect --force", hints.join("; "))))
-}
-
-/// Do `req`; `fd` is the descriptor that came with it (`read-to-fd`, `write-from-fd`), and
-/// `progress` hears how far a request that moves data got.
-pub(super) async fn dispatch(
-    st: &Arc<State>,
-    req: Request,
-    fd: Option<OwnedFd>,
-    progress: OnProgress<'_>,
-) -> Result<Reply, ProtoError> {
-    if let Some((device, io)) = req.io()? {
-        let (c, _gate) = st.controller(&device).await?;
-        return run_io(c, &device, io, fd, progress).await;
-    }
-    Ok(match req {
-        Request::Status {} => {
-            let inner = lock(&st.inner);
-            Reply::Status(StatusReply {
-                pid: std::process::id(),
-                daemon_version: env!("CARGO_PKG_VERSION").into(),
-                protocol_version: PROTOCOL_VERSION,
-                run_dir: st.cfg.run_dir.display().to_string(),
-                config_dir: st.cfg.config_dir.display().to_string(),
-                controllers: inner.ctrls.len(),
-                connecting: inner.reserved.keys().map(|n| format!("nvmf{n}")).collect(),
-                stopping: st.stopping.load(Ordering::SeqCst),
-            })
-        }
-        Request::List {} => Reply::List(ListReply {
-            controllers: lock(&st.inner).ctrls.values().map(Entry::info).collect(),
-        }),
-        Request::Connect { params } => {
-            Reply::Connect(Box::new(op_connect(st.clone(), *params).await?))
-        }
-        Request::ConnectAll { params } => {
-            Reply::ConnectAll(op_connect_all(st, params.map(|p| *p)).await?)
-        }
-        Request::Disconnect { device, nqn, force } => {
-            let what = match (&device, &nqn) {
-                (Some(d), _) => format!("device {d}"),
-                (None, Some(q)) => format!("NQN {q}"),
-                _ => String::new(),
-            };
-            let pick = |e: &Entry| {
-                device.as_deref().is_some_and(|d| d == e.name)
-                    || nqn.as_deref().is_some_and(|q| q == e.sub.nqn)
-            };
-            Reply::Disconnect(DisconnectReply {
-                disconnected: op_disconnect(st, pick, force, &what).await?,
-            })
-        }
-        Request::DisconnectAll { force } => Reply::Disconnect(DisconnectReply {
-            disconnected: op_disconnect(st, |_| true, force, "").await?,
-        }),
-        Request::Stop { force } => {
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            st.stop_req
-                .send((force, tx))
-                .await
-                .map_err(|_| ProtoError::new(ErrorCode::Stopping, "the daemon is stopping"))?;
-            rx.await.unwrap_or(Ok(()))?;
-            Reply::Stop(StopReply { stopping: true })
-        }
-        Request::Read { .. }
-        | Request::Write { .. }
-        | Request::Verify { .. }
-        | Request::ReadToFd { .. }
-        | Request::WriteFromFd { .. } => {
-            unreachable!("I/O requests are answered above")
-        }
-    })
 }

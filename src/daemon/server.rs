@@ -28,8 +28,9 @@ use crate::daemon::proto::{
     err_line, ok_line, parse_request, progress_line, ErrorCode, Progress, ProtoError, Reply,
     Request, MAX_LINE, PROTOCOL_VERSION, SOCKET_NAME,
 };
-use crate::daemon::registry::{dispatch, lock, op_disconnect, Daemon, State, StopAsk};
+use crate::daemon::registry::{lock, op_disconnect, State, StopAsk};
 use crate::daemon::say;
+use crate::daemon::service::{dispatch, Daemon};
 use crate::daemon::stop::{PendingStop, FORCE_WINDOW};
 
 /// Clients served at once; one more gets a `busy` answer and is closed.

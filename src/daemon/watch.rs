@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use crate::cli::args::parse_connect;
 use crate::cli::host::options;
-use crate::daemon::config::ConfigLine;
-use crate::daemon::connect_all::op_connect_all;
-use crate::daemon::proto::{ConnectParams, LineStatus};
+use crate::daemon::proto::ConnectParams;
 use crate::daemon::registry::{lock, State};
 use crate::daemon::stop::PENDING_POLL;
 use crate::daemon::usage::holders;
@@ -26,7 +24,7 @@ const RETRY_FIRST: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(60);
 
 /// The wait before try `n` (from 0) of a configured line that failed.
-fn retry_delay(n: u32) -> Duration {
+pub(super) fn retry_delay(n: u32) -> Duration {
     RETRY_FIRST.saturating_mul(1u32 << n.min(16)).min(RETRY_MAX)
 }
 
@@ -44,43 +42,6 @@ where
         }
         n = n.saturating_add(1);
     }
-}
-
-/// Try configured line `l` again (try `n`): done when everything it names is connected (or
-/// the daemon stops). Each failure is one log line saying when the next try is.
-pub(super) async fn retry_line(st: &Arc<State>, l: &ConfigLine, n: u32) -> bool {
-    if st.stopping.load(Ordering::SeqCst) {
-        return true;
-    }
-    let report = &st.cfg.report;
-    let r = op_connect_all(st, Some(l.params.clone())).await;
-    let errors: Vec<String> = match &r {
-        Ok(v) => v
-            .results
-            .iter()
-            .filter(|r| r.status == LineStatus::Failed)
-            .map(|r| format!("{}: {}", r.nqn, r.error.as_deref().unwrap_or("")))
-            .collect(),
-        Err(e) => vec![e.message.clone()],
-    };
-    let next = retry_delay(n + 1).as_secs();
-    if let Ok(v) = &r {
-        for r in v
-            .results
-            .iter()
-            .filter(|r| r.status == LineStatus::Connected)
-        {
-            say!(report, "connect-all: line {}: {r}", l.line);
-        }
-    }
-    for e in &errors {
-        say!(
-            report,
-            "connect-all: line {}: {e}; trying again in {next} s",
-            l.line
-        );
-    }
-    errors.is_empty()
 }
 
 /// A controller's namespaces, followed: a Namespace Attribute Changed notice rescans them,

@@ -19,22 +19,13 @@ use crate::args::{ConnectMode, DaemonArgs, ExportArgs, ListFormat, Subsys};
 use crate::daemon::start_background;
 use crate::units::human_bytes;
 
-/// Why there is no daemon to talk to, with what to do.
-fn no_daemon() -> anyhow::Error {
-    anyhow::anyhow!(
-        "no daemon runs in {} (start one: `nvmf-rdma daemon --background` or `systemctl start \
-         nvmf-rdma`; NVMF_RDMA_RUN_DIR picks another run directory)",
-        run_dir().display()
-    )
-}
-
 /// A connection to the daemon of the run directory; `Ok(None)`: none answers.
 pub(crate) async fn try_open() -> Result<Option<Client>> {
     Client::try_open(&socket_in(&run_dir())).await
 }
 
 pub(crate) async fn open() -> Result<Client> {
-    try_open().await?.ok_or_else(no_daemon)
+    Client::open(&run_dir()).await
 }
 
 /// One request on a connection of its own. `Ok(None)`: no daemon answers on the socket.

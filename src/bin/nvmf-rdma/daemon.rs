@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::support::run_dir;
-use nvmf_rdma::daemon::client::socket_in;
+use nvmf_rdma::daemon::client::{socket_in, Client};
 use nvmf_rdma::daemon::config::config_dir;
 use nvmf_rdma::daemon::control::make_run_dir;
 use nvmf_rdma::daemon::proto::{one_line, Request, StopReply, SOCKET_NAME};
@@ -156,7 +156,7 @@ fn stop_running(force: bool) -> Result<()> {
         .build()?;
     rt.block_on(async {
         let sock = socket_in(&run_dir());
-        let _: StopReply = crate::client::open()
+        let _: StopReply = Client::open(&run_dir())
             .await?
             .call(&Request::Stop { force })
             .await?;
