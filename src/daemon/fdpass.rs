@@ -10,6 +10,18 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 /// come on a connection; past that they are closed.
 pub const MAX_FDS: usize = 4;
 
+/// A message header over one buffer (`iov`) and a control buffer of `space` bytes; both must
+/// outlive its use.
+fn header(iov: &mut libc::iovec, cbuf: &mut [u64], space: usize) -> libc::msghdr {
+    // SAFETY: an all-zero msghdr is valid; the caller keeps the buffers alive.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = space as _;
+    msg
+}
+
 /// Send `bytes` on the stream socket `sock`, with `fd` riding on the first byte. Returns how
 /// many bytes went (the rest goes as plain data).
 pub fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> std::io::Result<usize> {
@@ -20,12 +32,7 @@ pub fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> std::io::Result<usi
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
     };
-    // SAFETY: an all-zero msghdr is valid; the pointers set below outlive the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
+    let msg = header(&mut iov, &mut cbuf, space);
     // SAFETY: the control buffer holds one cmsghdr with room for one descriptor
     // (CMSG_SPACE above), so the first header and its data are inside it.
     unsafe {
@@ -59,12 +66,7 @@ pub fn recv_with_fds(
         iov_base: buf.as_mut_ptr() as *mut libc::c_void,
         iov_len: buf.len(),
     };
-    // SAFETY: an all-zero msghdr is valid; the pointers set below outlive the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
+    let mut msg = header(&mut iov, &mut cbuf, space);
     // SAFETY: msg points at live buffers of the sizes it says; CLOEXEC so a descriptor
     // never leaks into a child.
     let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };

@@ -373,27 +373,7 @@ impl Request {
                 size,
                 pattern,
             } => {
-                let data = match (data, size) {
-                    (Some(_), Some(n)) if *n != 0 => {
-                        return Err(bad(
-                            "write takes \"data\" or \"size\" (with \"pattern\"), not both",
-                        ))
-                    }
-                    (Some(d), _) => {
-                        use base64::Engine;
-                        let d = base64::engine::general_purpose::STANDARD
-                            .decode(d)
-                            .map_err(|e| bad(format!("\"data\" is not base64: {e}")))?;
-                        bounded(d.len() as u64, MAX_WRITE_DATA, "write data")?;
-                        d
-                    }
-                    (None, size) => {
-                        let n = bounded(size.unwrap_or(0), MAX_WRITE_PATTERN, "write size")?;
-                        let p = u8::try_from(pattern.unwrap_or(0))
-                            .map_err(|_| bad("\"pattern\" is a byte (0-255)"))?;
-                        vec![p; n]
-                    }
-                };
+                let data = write_data(data.as_deref(), *size, *pattern)?;
                 (
                     device,
                     IoRequest::Write {
@@ -469,6 +449,33 @@ impl Request {
             return Err(bad("disconnect needs \"device\" or \"nqn\""));
         }
         self.io().map(|_| ())
+    }
+}
+
+/// What a `write` writes: its `data` decoded, or `size` bytes of `pattern`.
+fn write_data(
+    data: Option<&str>,
+    size: Option<u64>,
+    pattern: Option<u64>,
+) -> Result<Vec<u8>, ProtoError> {
+    match (data, size) {
+        (Some(_), Some(n)) if n != 0 => Err(bad(
+            "write takes \"data\" or \"size\" (with \"pattern\"), not both",
+        )),
+        (Some(d), _) => {
+            use base64::Engine;
+            let d = base64::engine::general_purpose::STANDARD
+                .decode(d)
+                .map_err(|e| bad(format!("\"data\" is not base64: {e}")))?;
+            bounded(d.len() as u64, MAX_WRITE_DATA, "write data")?;
+            Ok(d)
+        }
+        (None, size) => {
+            let n = bounded(size.unwrap_or(0), MAX_WRITE_PATTERN, "write size")?;
+            let p = u8::try_from(pattern.unwrap_or(0))
+                .map_err(|_| bad("\"pattern\" is a byte (0-255)"))?;
+            Ok(vec![p; n])
+        }
     }
 }
 

@@ -282,42 +282,24 @@ async fn serve_until_stopped(
                 say!(report, "ready");
             }
             sig = signals.recv() => {
-                let sig = match sig {
-                    Some(Signal::Stop(name)) => name,
+                match sig {
+                    Some(Signal::Stop(name)) => {
+                        if on_stop_signal(st, name, &mut pending).await {
+                            break;
+                        }
+                    }
                     Some(Signal::Reload) => {
-                        say!(report, "SIGHUP: reloading {}", st.cfg.config_dir.join(crate::daemon::config::CONFIG_FILE).display());
+                        let conf = st.cfg.config_dir.join(crate::daemon::config::CONFIG_FILE);
+                        say!(report, "SIGHUP: reloading {}", conf.display());
                         d.reload().await;
-                        continue;
                     }
                     // The process stopped forwarding signals: a stop request still stops.
                     None => std::future::pending().await,
-                };
-                let now = Instant::now();
-                match try_stop(st, pending.forces(now), true).await {
-                    Ok(()) => { say!(report, "{sig}: stopped"); break; }
-                    Err(e) => {
-                        pending.refused(now);
-                        say!(report, "{sig}: not stopping: {}; {}; the stop completes once they are released; another stop signal within {} s forces it",
-                            e.message, e.hint.as_deref().unwrap_or(""), FORCE_WINDOW.as_secs());
-                        report.notify(&format!("STATUS=refusing to stop: {}", e.message));
-                    }
                 }
             }
             _ = pending.tick() => {
-                // The counters first; the full look runs once they read zero, or when it is
-                // time to say again who holds the exports.
-                let due = pending.report_due(Instant::now());
-                let busy = lock(&st.inner).ctrls.values().any(|e| e.exports.probe().busy_now());
-                if busy && !due {
-                    continue;
-                }
-                match try_stop(st, false, true).await {
-                    Ok(()) => { say!(report, "exports released: stopped"); break; }
-                    Err(e) if due => {
-                        say!(report, "stop pending: {}; {}", e.message, e.hint.as_deref().unwrap_or(""));
-                        report.notify(&format!("STATUS=stop pending: {}", e.message));
-                    }
-                    Err(_) => {}
+                if on_pending_tick(st, &mut pending).await {
+                    break;
                 }
             }
             Some((force, reply)) = stop_rx.recv() => {
@@ -357,6 +339,65 @@ async fn serve_until_stopped(
     .await;
     tasks.abort_all();
     Ok(())
+}
+
+/// A stop signal: stop, or refuse (an export is in use) and keep the stop pending; a second
+/// signal within [`FORCE_WINDOW`] of a refusal forces it. True once stopped.
+async fn on_stop_signal(st: &Arc<State>, sig: &str, pending: &mut PendingStop) -> bool {
+    let report = &st.cfg.report;
+    let now = Instant::now();
+    match try_stop(st, pending.forces(now), true).await {
+        Ok(()) => {
+            say!(report, "{sig}: stopped");
+            true
+        }
+        Err(e) => {
+            pending.refused(now);
+            say!(
+                report,
+                "{sig}: not stopping: {}; {}; the stop completes once they are released; \
+                 another stop signal within {} s forces it",
+                e.message,
+                e.hint.as_deref().unwrap_or(""),
+                FORCE_WINDOW.as_secs()
+            );
+            report.notify(&format!("STATUS=refusing to stop: {}", e.message));
+            false
+        }
+    }
+}
+
+/// A pending stop looks again whether the exports were released: the counters first; the
+/// full look runs once they read zero, or when it is time to say again who holds them. True
+/// once stopped.
+async fn on_pending_tick(st: &Arc<State>, pending: &mut PendingStop) -> bool {
+    let report = &st.cfg.report;
+    let due = pending.report_due(Instant::now());
+    let busy = lock(&st.inner)
+        .ctrls
+        .values()
+        .any(|e| e.exports.probe().busy_now());
+    if busy && !due {
+        return false;
+    }
+    match try_stop(st, false, true).await {
+        Ok(()) => {
+            say!(report, "exports released: stopped");
+            true
+        }
+        Err(e) => {
+            if due {
+                say!(
+                    report,
+                    "stop pending: {}; {}",
+                    e.message,
+                    e.hint.as_deref().unwrap_or("")
+                );
+                report.notify(&format!("STATUS=stop pending: {}", e.message));
+            }
+            false
+        }
+    }
 }
 
 /// Stop everything unless an export is in use (and not `force`). A refused stop that stays

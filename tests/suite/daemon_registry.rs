@@ -4,7 +4,7 @@
 //! up being reaped, and SIGHUP's reload of the config file.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -39,23 +39,7 @@ impl Lines {
     }
 }
 
-/// A directory of this test's own, gone at the end.
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        let d = std::env::temp_dir().join(format!("nvmf-reg-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Dir(d)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use crate::export_common::TempDir as Dir;
 
 /// The built-in target serving one 8 MiB RAM namespace on loopback.
 async fn target(i: u8) -> (Target<SoftHca>, SoftHca) {
