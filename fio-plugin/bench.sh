@@ -9,6 +9,8 @@
 #   nbdkit   fio's own nbd engine against `nbdkit memory size=1G` over a unix socket, also
 #            one server for the whole run,
 #   raw      `nvmf-rdma bench --hca -o json`: the soft-HCA's raw RDMA READ/WRITE rates,
+#   raw 2p   `nvmf-rdma bench --hca --peer-process -o json`: the same with the responder in a
+#            process of its own, every packet over UDP (the ceiling of ext),
 # (own, plugin and raw have host and target in one process: their packets take the in-memory
 # loopback path, as rxe's loopback does, unless NVMF_RDMA_LOOPBACK=udp is set; ext and the
 # loss runs cross processes over UDP; the header says which),
@@ -25,8 +27,21 @@
 #   LOSS=2,5            also run the loss table at these percentages (and at 0 for the
 #                       lossless figure), each round; needs root, ip and nft.
 #   FIO_EXTRA="k=v ..." adds job options to every fio run of the main table.
+#   EXT_BUSY_POLL=0us   the busy-poll window of ext's two processes (the target's --busy-poll
+#                       and the plugin's busy_poll=; default 50us, as a user gets). On a
+#                       machine with fewer cores than busy threads the two spinners take
+#                       the cores each other needs (docs/performance.md, "Across processes").
+#   EXT_BUSY_POLL_GATE=1 the busy-poll gate on ext's two processes (--busy-poll-gate,
+#                       busy_poll_gate=1): spinning stops for a while once it is preempted.
 #
 # Output: a header with the machine (CPU, cores, kernel, load average), then
+#   goal table   the issue's goals on the deployment users have, fio + plugin against a target
+#                process (ext), each beside its goal, and the in-process figure (plugin or
+#                own: host and target in one process, packets handed over in memory) beside
+#                it, labelled as such: ext/nbd IOPS at 4 KiB QD32 and 128 KiB QD8, QD1 average
+#                latency ext/nbd, host + target CPU per I/O ext/nbd, ext 128 KiB GB/s over the
+#                two-process raw rate of the operation that carries its data, and with LOSS
+#                the 4 KiB QD32 fraction of the lossless IOPS at each rate.
 #   IOPS table   IOPS of own, plugin, nbdkit; plugin/own and plugin/nbd; fio's average and
 #                p50 total latency (µs, `lat`: submission + completion) for plugin and
 #                nbdkit, plugin/nbd of the averages, and nbdkit's average submission
@@ -53,6 +68,9 @@
 #                depth x 128 KiB of memory on the requester's side, which stays in cache;
 #                "raw 1G" moves through 1 GiB there (`bench --hca --region 1G`), as the
 #                namespace's data does, and own/raw 1G is own's ratio to that.
+#   2-process    the raw soft-HCA between two processes (bench --hca --peer-process): GB/s,
+#                packets per second, and packets per CPU-second of each process, with UDP
+#                GSO/GRO on and off.
 #   loss table   at each LOSS percentage: ext-style target and fio both inside a private
 #                network namespace (loss.sh); IOPS as a fraction of the 0% run of the same
 #                round, and whether fio's verify was clean in every round.
@@ -75,6 +93,10 @@ if [ -n "${LOSS:-}" ]; then
       { echo "bench.sh: LOSS takes percentages 1-100 separated by commas (LOSS=2,5), not '$LOSS'" >&2; exit 1; }
   done
 fi
+ext_busy_poll=${EXT_BUSY_POLL:-50us}
+[[ $ext_busy_poll =~ ^[0-9]+us$ ]] || { echo "bench.sh: EXT_BUSY_POLL takes microseconds (0us, 50us), not '$ext_busy_poll'" >&2; exit 1; }
+ext_gate=${EXT_BUSY_POLL_GATE:-0}
+[[ $ext_gate =~ ^[01]$ ]] || { echo "bench.sh: EXT_BUSY_POLL_GATE takes 0 or 1, not '$ext_gate'" >&2; exit 1; }
 plugin=${NVMF_FIO_PLUGIN:-$root/target/release/libnvmf_rdma_fio.so}
 for tool in fio nbdkit python3; do
   command -v "$tool" >/dev/null || { echo "bench.sh: $tool is missing (run fio-plugin/setup.sh)" >&2; exit 1; }
@@ -205,7 +227,7 @@ loss_job >"$work/loss.fio"
   echo "machine: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)," \
        "$(nproc) cores, kernel $(uname -r); load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "build: $(cd "$root" && git describe --always --dirty 2>/dev/null || echo unknown);" \
-       "command: $([ -n "${LOSS:-}" ] && echo "LOSS=$LOSS ")bash fio-plugin/bench.sh $secs $rounds"
+       "command: $([ -n "${LOSS:-}" ] && echo "LOSS=$LOSS ")$([ -n "${EXT_BUSY_POLL:-}" ] && echo "EXT_BUSY_POLL=$EXT_BUSY_POLL ")$([ -n "${EXT_BUSY_POLL_GATE:-}" ] && echo "EXT_BUSY_POLL_GATE=$EXT_BUSY_POLL_GATE ")bash fio-plugin/bench.sh $secs $rounds"
   if [ "${NVMF_RDMA_LOOPBACK:-}" = udp ]; then
     echo "paths: every engine's packets through UDP sockets on 127.0.0.1 (NVMF_RDMA_LOOPBACK=udp)"
   else
@@ -224,15 +246,15 @@ free_port() {
 }
 port=$(free_port DGRAM)
 mport=$(free_port STREAM)
-"$bin" --metrics-addr "127.0.0.1:$mport" target --ram 1G --listen "127.0.0.1:$port" >"$work/target.log" 2>&1 &
+"$bin" --busy-poll="$ext_busy_poll" $([ "$ext_gate" = 1 ] && echo --busy-poll-gate) --metrics-addr "127.0.0.1:$mport" target --ram 1G --listen "127.0.0.1:$port" >"$work/target.log" 2>&1 &
 tgt_pid=$!
 for _ in $(seq 100); do [ -S "$work/nbd.sock" ] && break; sleep 0.1; done
 [ -S "$work/nbd.sock" ] || { echo "bench.sh: nbdkit did not start" >&2; exit 1; }
 wait_for "$work/target.log" "listening on" "$tgt_pid"
 
 plugin_global=$(printf '[global]\nioengine=external:%s\nthread=1\nbuiltin_target=1G\nfilename=ns=1' "$plugin")
-ext_global=$(printf '[global]\nioengine=external:%s\nthread=1\ntraddr=127.0.0.1:%s\nsubnqn=%s\nfilename=ns=1' \
-  "$plugin" "$port" "$nqn")
+ext_global=$(printf '[global]\nioengine=external:%s\nthread=1\ntraddr=127.0.0.1:%s\nsubnqn=%s\nfilename=ns=1\nbusy_poll=%s\nbusy_poll_gate=%s' \
+  "$plugin" "$port" "$nqn" "$ext_busy_poll" "$ext_gate")
 nbd_global=$(printf '[global]\nioengine=nbd\nuri=nbd+unix:///?socket=%s' "$work/nbd.sock")
 for r in $(seq "$rounds"); do
   for w in "${workloads[@]}"; do
@@ -258,6 +280,8 @@ for r in $(seq "$rounds"); do
     to "$work/hca.$r.json" "$bin" bench --hca --seconds "$secs" -o json
   must "round $r: raw soft-HCA bench --region 1G" "$work/hca1g.$r.err" \
     to "$work/hca1g.$r.json" "$bin" bench --hca --region 1G --seconds "$secs" -o json
+  must "round $r: raw soft-HCA bench --peer-process" "$work/hca2p.$r.err" \
+    to "$work/hca2p.$r.json" "$bin" bench --hca --peer-process --seconds "$secs" -o json
   for p in ${loss_rates[@]:+0 "${loss_rates[@]}"}; do
     echo "round $r/$rounds: $p% UDP loss, verify on" >&2
     # fio exits non-zero on a verify error too, so a clean exit is a clean verify.
@@ -361,6 +385,63 @@ with open(f"{work}/header") as f:
 print(f"{rounds} round(s) of {len(names)} workloads; "
       + ("medians, [min-max] of each ratio over the rounds" if rounds > 1 else "one round"))
 
+hca = [json_lines(f"{work}/hca.{r}.json") for r in runs]
+hca1g = [json_lines(f"{work}/hca1g.{r}.json") for r in runs]
+hca2p = [json_lines(f"{work}/hca2p.{r}.json") for r in runs]
+def raw(r, op, table=hca):
+    return next(x["gbps"] for x in table[r - 1] if x["op"] == op and x["bytes"] == 128 << 10)
+
+def raw2p(r, op):
+    """The two-process raw rate (GB/s, GSO/GRO on) of `op` at 128 KiB in round r."""
+    return next(x["gbps"] for x in hca2p[r - 1]
+                if x["op"] == op and x["bytes"] == 128 << 10 and x["offload"])
+
+def sum_us(x):
+    return per_io_us(x, "host_cpu_s") + per_io_us(x, "target_cpu_s")
+
+print("\nGoals, on the deployment users have: fio + plugin against `nvmf-rdma target` in another "
+      "process over UDP (ext). The in-process column is the same ratio with host and target in "
+      "one process (plugin: fio + plugin + built-in target; own: `nvmf-rdma bench`), packets "
+      "handed over in memory")
+gfmt = "{:<47} {:>7} {:>17} {:>4}  {}"
+print(gfmt.format("goal", "wanted", "ext", "met", "in-process, same rounds"))
+def goal(what, want, xs, ok, inproc):
+    print(gfmt.format(what, want, spread(xs), "yes" if ok(med(xs)) else "no", inproc))
+for n, want in (("randread-4k-qd32", 2.0), ("randwrite-4k-qd32", 2.0),
+                ("read-128k-qd8", 1.5), ("write-128k-qd8", 1.5)):
+    e, p, nb = fio["ext", n], fio["plugin", n], fio["nbd", n]
+    goal(f"IOPS ext/nbdkit {n}", f">= {want}", [a["iops"] / b["iops"] for a, b in zip(e, nb)],
+         lambda m, w=want: m >= w,
+         "plugin/nbd " + spread([a["iops"] / b["iops"] for a, b in zip(p, nb)]))
+for n in ("randread-4k-qd1", "randwrite-4k-qd1"):
+    e, p, nb = fio["ext", n], fio["plugin", n], fio["nbd", n]
+    goal(f"avg latency ext/nbdkit {n}", "<= 0.6", [a["avg"] / b["avg"] for a, b in zip(e, nb)],
+         lambda m: m <= 0.6,
+         "plugin/nbd " + spread([a["avg"] / b["avg"] for a, b in zip(p, nb)]))
+for n, want in (("randread-4k-qd32", 0.5), ("randwrite-4k-qd32", 0.5),
+                ("read-128k-qd8", 1.0), ("write-128k-qd8", 1.0)):
+    e, nb = fio["ext", n], fio["nbd", n]
+    nbd_sum = [sum_us(x) for x in nb]
+    inproc = known([None if a is None else a / b for a, b in
+                    zip([plugin_us(a, b) for a, b in zip(fio["plugin", n], fio["plugin-long", n])],
+                        nbd_sum)])
+    goal(f"CPU/IO host+target ext/nbdkit {n}", f"<= {want}",
+         [sum_us(a) / b for a, b in zip(e, nbd_sum)], lambda m, w=want: m <= w,
+         "plugin/nbd " + (spread(inproc) if inproc else "n/a"))
+for n, op in (("read-128k-qd8", "RDMA WRITE"), ("write-128k-qd8", "RDMA READ")):
+    e, o = fio["ext", n], own[n]
+    goal(f"GB/s ext/raw two-process {n}", ">= 0.8",
+         [x["gbps"] / raw2p(r, op) for r, x in zip(runs, e)], lambda m: m >= 0.8,
+         "own/raw in-process " + spread([x["gbps"] / raw(r, op) for r, x in zip(runs, o)]))
+for p in loss_rates:
+    for job in LOSS_JOBS:
+        goal(f"IOPS {p}% loss/lossless {job}", ">= 0.5",
+             [loss[r, p][job] / loss[r, "0"][job] for r in runs], lambda m: m >= 0.5,
+             "(measured across processes only)")
+print("(ratios per round, median [min-max]; met: the median against the goal; raw two-process: "
+      "`bench --hca --peer-process`, GSO/GRO on, 128 KiB depth 16, the operation that carries "
+      "the data: a read's is the target's RDMA WRITE, a write's its RDMA READ)")
+
 print("\nIOPS (plugin: fio + plugin, built-in target in fio's process)")
 fmt = "{:<18} {:>9} {:>11} {:>17} {:>11} {:>17} {:>15} {:>15} {:>17} {:>9} {:>12} {:>12}"
 print(fmt.format("workload", "own IOPS", "plugin IOPS", "plugin/own", "nbdkit IOPS", "plugin/nbd",
@@ -414,10 +495,6 @@ for n in names:
     ))
 
 print("\n128 KiB: NVMe-oF QD8 vs the raw soft-HCA RDMA operation that carries the data (depth 16)")
-hca = [json_lines(f"{work}/hca.{r}.json") for r in runs]
-hca1g = [json_lines(f"{work}/hca1g.{r}.json") for r in runs]
-def raw(r, op, table=hca):
-    return next(x["gbps"] for x in table[r - 1] if x["op"] == op and x["bytes"] == 128 << 10)
 fmt = "{:<18} {:<10} {:>8} {:>8} {:>17} {:>10} {:>17} {:>8} {:>17}"
 print(fmt.format("workload", "raw op", "raw GB/s", "own GB/s", "own/raw", "plugin GB/s",
                  "plugin/raw", "raw 1G", "own/raw 1G"))
@@ -436,6 +513,20 @@ print("(raw: the requester's side of the messages stays in cache, as bench --hca
       "default; raw 1G: it moves through 1 GiB, as the namespace's data does: "
       "bench --hca --region 1G)")
 
+
+print("\nRaw soft-HCA between two processes over UDP (`bench --hca --peer-process`): packets per "
+      "second, and per CPU-second of each process (set-up included)")
+fmt = "{:<11} {:>9} {:>6} {:>8} {:>17} {:>12} {:>13} {:>13}"
+print(fmt.format("op", "msg size", "depth", "GSO/GRO", "GB/s", "packets/s", "req pkts/CPU",
+                 "rsp pkts/CPU"))
+for x in hca2p[0]:
+    rows = [next(y for y in t if (y["op"], y["bytes"], y["offload"]) ==
+                 (x["op"], x["bytes"], x["offload"])) for t in hca2p]
+    print(fmt.format(
+        x["op"], f"{x['bytes'] >> 10} KiB", x["depth"], "on" if x["offload"] else "off",
+        spread([y["gbps"] for y in rows], 3), f"{med(y['packets_per_s'] for y in rows):.0f}",
+        f"{med(y['packets'] / max(y['requester_cpu_s'], 1e-9) for y in rows):.0f}",
+        f"{med(y['packets'] / max(y['responder_cpu_s'], 1e-9) for y in rows):.0f}"))
 
 if loss_rates:
     print("\nUDP loss (fio-plugin/loss.sh: target and fio in a private namespace, 4 KiB QD32, "

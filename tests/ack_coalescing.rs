@@ -11,7 +11,7 @@ use common::*;
 use nvmf_rdma::hca::qp::DEFAULT_ACK_DELAY;
 use nvmf_rdma::hca::rc::RcOptions;
 use nvmf_rdma::hca::sim::Faults;
-use nvmf_rdma::hca::*;
+use nvmf_rdma::verbs::*;
 
 /// One-way link latency of `Faults::NONE`.
 const LATENCY_NS: u64 = 2_000;

@@ -167,6 +167,60 @@ fn bench_hca_region_is_reported_and_checked() {
     }
 }
 
+/// `bench --hca --peer-process` runs each row against a responder in a child process, so
+/// its packets cross UDP sockets (the in-process table's take the loopback path): RDMA WRITE
+/// and READ at 128 KiB and 4 KiB, each with GSO/GRO on and off, with the packets and each
+/// side's CPU. Without --hca it is a one-line refusal.
+#[test]
+fn bench_hca_peer_process_rows() {
+    let o = Command::new(BIN)
+        .args([
+            "bench",
+            "--hca",
+            "--peer-process",
+            "--seconds",
+            "0.1",
+            "-o",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("every line is JSON"))
+        .collect();
+    assert_eq!(rows.len(), 8, "{rows:?}");
+    for op in ["RDMA WRITE", "RDMA READ"] {
+        for bytes in [128 << 10, 4096] {
+            for offload in [true, false] {
+                let r = rows
+                    .iter()
+                    .find(|r| r["op"] == op && r["bytes"] == bytes && r["offload"] == offload)
+                    .unwrap_or_else(|| panic!("no {op} {bytes} offload {offload}: {rows:?}"));
+                assert_eq!(r["path"], "udp-two-process", "{r}");
+                let (msgs, pkts) = (
+                    r["messages"].as_u64().unwrap(),
+                    r["packets"].as_u64().unwrap(),
+                );
+                // Every message's data packets at least, sent or received by the requester.
+                assert!(
+                    msgs > 0 && pkts >= msgs * (bytes as u64).div_ceil(4096),
+                    "{r}"
+                );
+                assert!(r["responder_cpu_s"].as_f64().unwrap() > 0.0, "{r}");
+            }
+        }
+    }
+    let o = Command::new(BIN)
+        .args(["bench", "--peer-process"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("add --hca") && e.lines().count() == 1, "{e}");
+}
+
 /// `bench` says which way its packets went: the in-memory loopback path between the two
 /// contexts of its process, or UDP when `NVMF_RDMA_LOOPBACK=udp` says so; both move data.
 #[test]

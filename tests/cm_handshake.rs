@@ -9,18 +9,22 @@
 //! both sides; DREQ / DREP teardown, lost DREP, DREQ for a forgotten connection, simultaneous
 //! disconnect; abort; replay from a seed.
 
+#[path = "common/snapshot.rs"]
+mod snapshot;
+
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use nvmf_rdma::cm::mad::{attr, CmMad, CmMessage, MraRepr, MsgRef};
+use nvmf_rdma::cm::mad::{attr, MsgRef};
+use nvmf_rdma::cm::messages::{CmMad, CmMessage, MraRepr};
 use nvmf_rdma::cm::private::{gid_from_ip, service_id};
 use nvmf_rdma::cm::{
     iba_time, AcceptParams, CmConfig, CmEndpoint, CmError, CmEvent, ConnId, ConnState,
     ConnectParams, ConnectRequest, Established, NvmeCmAccept, NvmeCmReject, NvmeCmRequest,
     NvmeRejectStatus, PrivateError, RejectReason, Rejected, MAD_LEN,
 };
-use nvmf_rdma::hca::{Guid, Instant, Mtu, Psn, Qpn};
+use nvmf_rdma::verbs::{Guid, Instant, Mtu, Psn, Qpn};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
@@ -1008,4 +1012,10 @@ fn the_same_seeds_replay_the_same_bytes() {
     assert_eq!(t1, t2);
     assert_eq!(l1, l2);
     assert!(l1.len() >= 6);
+}
+
+#[test]
+fn the_transition_table_matches_its_snapshot() {
+    snapshot::check_snapshot("cm_transitions.txt", &nvmf_rdma::cm::state::describe());
+    snapshot::check_snapshot("cm_transitions.dot", &nvmf_rdma::cm::state::dot());
 }

@@ -8,13 +8,14 @@
 
 use std::net::SocketAddr;
 
-use nvmf_rdma::cm::mad::{attr, CmMad};
+use nvmf_rdma::cm::mad::attr;
+use nvmf_rdma::cm::messages::CmMad;
 use nvmf_rdma::cm::private::{service_id, split_req_private};
 use nvmf_rdma::cm::{
     AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnId, ConnectParams, NvmeCmAccept, NvmeCmReject,
     NvmeCmRequest, MAD_LEN,
 };
-use nvmf_rdma::hca::{Guid, Instant, Qpn};
+use nvmf_rdma::verbs::{Guid, Instant, Qpn};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use rand::rngs::SmallRng;

@@ -5,7 +5,7 @@ use std::time::Duration;
 use nvmf_rdma::hca::device::MAD_LEN;
 use nvmf_rdma::hca::sim::{sim_addr, Faults, Sim};
 use nvmf_rdma::hca::wire::{BthRepr, DethRepr, IcrcContext, Opcode, PacketHeaders, GSI_QKEY};
-use nvmf_rdma::hca::{Psn, Qpn};
+use nvmf_rdma::verbs::{Psn, Qpn};
 
 #[test]
 fn mads_cross_between_devices_and_bad_ones_are_dropped() {

@@ -8,14 +8,14 @@
 
 use std::time::Duration;
 
-use nvmf_rdma::hca::verbs::conformance;
-use nvmf_rdma::hw::backend::HwSource;
-use nvmf_rdma::hw::device::{list_devices, HwDevice, HwDeviceInfo, Selector};
+use nvmf_rdma::hw::device::{list_devices, roce_v2_ipv4_gid, HwDevice, HwDeviceInfo, Selector};
 use nvmf_rdma::hw::events::AsyncEvents;
-use nvmf_rdma::hw::verbs::{roce_v2_ipv4_gid, HwLoopPair};
+use nvmf_rdma::hw::source::HwSource;
 use nvmf_rdma::hw::HwError;
 use nvmf_rdma::transport::{ConnectOptions, Controller};
 
+#[path = "common/conformance.rs"]
+mod conformance;
 #[path = "common/counting_alloc.rs"]
 mod counting_alloc;
 
@@ -73,29 +73,38 @@ fn devices_open_and_have_identity() {
     });
 }
 
-/// The same checks `tests/verbs_conformance.rs` runs on the soft-HCA, through the same trait,
-/// on two QPs of each RoCE device connected to each other.
+/// The same checks `tests/verbs_conformance.rs` runs on the soft-HCA, through the same seam:
+/// on each RoCE device, a QP connected through rdma_cm to another QP of the same device, at
+/// the device's IPv4 address.
 #[test]
 fn hw_device_passes_the_verbs_conformance_checks() {
-    let Some(devs) = devices_or_skip("hw_device_passes_the_verbs_conformance_checks") else {
+    let name = "hw_device_passes_the_verbs_conformance_checks";
+    let Some(devs) = devices_or_skip(name) else {
         return;
     };
+    let rt = runtime();
     let mut ran = 0;
     for info in devs {
-        if roce_v2_ipv4_gid(std::path::Path::new("/sys"), &info.name).is_none() {
+        let Some((_, gid)) = roce_v2_ipv4_gid(std::path::Path::new("/sys"), &info.name) else {
             eprintln!(
                 "{}: no RoCE v2 IPv4 GID, not a loopback candidate",
                 info.name
             );
             continue;
-        }
-        let dev = HwDevice::open(&Selector::Guid(info.guid)).unwrap();
-        let mut pair = HwLoopPair::new(dev).unwrap();
-        conformance(&mut pair).unwrap_or_else(|e| panic!("{info}: {e}"));
+        };
+        let ip = std::net::Ipv4Addr::new(gid[12], gid[13], gid[14], gid[15]);
+        rt.block_on(async {
+            let src = HwSource::new();
+            // Any port nothing else on the guest listens on (nvmet has 4420).
+            let at = std::net::SocketAddr::from((ip, 4791));
+            conformance::conformance(&src, &info.name, &info.name, at, 18515)
+                .await
+                .unwrap_or_else(|e| panic!("{info}: {e}"));
+        });
         ran += 1;
     }
     if ran == 0 {
-        eprintln!("hw_device_passes_the_verbs_conformance_checks: skipping: no RoCE v2 device with an IPv4 GID");
+        eprintln!("{name}: skipping: no RoCE v2 device with an IPv4 GID");
     }
 }
 

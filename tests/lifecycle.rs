@@ -12,6 +12,7 @@ use common::*;
 use nvmf_rdma::hca::rc::{connect_end, RcEnd, RcOptions};
 use nvmf_rdma::hca::sim::{sim_identity, Faults, Sim};
 use nvmf_rdma::hca::*;
+use nvmf_rdma::verbs::*;
 
 const SEC: Duration = Duration::from_secs(1);
 const SLOT: usize = 64 << 10;

@@ -11,9 +11,10 @@
 //! the diff against the Linux table below before committing.
 
 mod common;
+#[path = "common/snapshot.rs"]
+mod snapshot;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
@@ -21,6 +22,8 @@ use nvmf_rdma::hca::qp::state::{self, ModifyError, Transition};
 use nvmf_rdma::hca::rc::RcOptions;
 use nvmf_rdma::hca::sim::{sim_addr, sim_identity, Faults};
 use nvmf_rdma::hca::*;
+use nvmf_rdma::verbs::*;
+use snapshot::check_snapshot;
 
 const ALL_STATES: [QpState; 7] = QpState::ALL;
 
@@ -430,28 +433,6 @@ fn table_matches_linux_rc_column() {
             assert_eq!(ours, linux_rc(from, to), "{} -> {}", from.name(), to.name());
         }
     }
-}
-
-fn snapshot_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/snapshots")
-        .join(name)
-}
-
-fn check_snapshot(name: &str, actual: &str) {
-    let path = snapshot_path(name);
-    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, actual).unwrap();
-        return;
-    }
-    let expected = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_SNAPSHOTS=1 writes it)", path.display()));
-    assert!(
-        expected == actual,
-        "{name} differs from the checked-in snapshot.\n--- expected\n{expected}\n--- actual\n{actual}\n\
-         If the change is intended: UPDATE_SNAPSHOTS=1 cargo test --test qp_state"
-    );
 }
 
 #[test]

@@ -1,12 +1,16 @@
 //! The controller state machine in virtual time: every timing rule of recovery, to the tick.
 
+#[path = "common/snapshot.rs"]
+mod snapshot;
+
 use std::time::Duration;
 
-use nvmf_rdma::hca::{Guid, Instant, PciAddr};
 use nvmf_rdma::reconnect::{
-    Action, Actions, Cause, CtrlState, Event, FailReason, Identity, IdentityMatch, Machine, Policy,
-    TRANSITIONS,
+    describe, Action, Actions, Cause, CtrlState, Event, FailReason, Identity, IdentityMatch,
+    Machine, Policy, TRANSITIONS,
 };
+use nvmf_rdma::verbs::{Guid, Instant, PciAddr};
+use snapshot::check_snapshot;
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000 * MS;
@@ -117,32 +121,14 @@ impl Drive {
 
 #[test]
 fn the_transition_table() {
-    let mut out = String::new();
-    for (from, why, to) in TRANSITIONS {
-        out.push_str(&format!("{:<11} --{why}--> {}\n", from.name(), to.name()));
-    }
-    println!("{out}");
     // Every state but DEAD can be left, and DEAD can be reached from every state.
     for s in CtrlState::ALL {
         let leaves = TRANSITIONS.iter().any(|(f, _, _)| *f == s);
         assert_eq!(leaves, s != CtrlState::Dead, "{s:?}");
     }
-    let expected = "\
-new         --connected--> live
-new         --connect failed--> deleting
-new         --delete (user)--> deleting
-live        --failure (any cause)--> resetting
-live        --delete (user)--> deleting
-resetting   --resources dropped--> connecting
-resetting   --ctrl_loss_tmo / max_reconnects / replug_window--> deleting
-resetting   --delete (user)--> deleting
-connecting  --connected--> live
-connecting  --attempt failed or cut, budget left--> resetting
-connecting  --ctrl_loss_tmo / max_reconnects / replug_window--> deleting
-connecting  --delete (user)--> deleting
-deleting    --deleted--> dead
-";
-    assert_eq!(out, expected);
+    let text = describe();
+    assert_eq!(text.lines().count(), TRANSITIONS.len());
+    check_snapshot("reconnect_transitions.txt", &text);
 }
 
 #[test]

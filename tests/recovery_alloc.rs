@@ -3,6 +3,9 @@
 //! platform (the soft-HCA, its device list and CM, which a kernel and a NIC provide in a real
 //! deployment; and the target, another machine) are counted apart, see `alloc_audit`.
 //!
+//! Every cause takes the one entry of recovery to the same executor path, allocating nothing
+//! either.
+//!
 //! And memory does not creep: live heap after 1000 resets equals live heap after one.
 
 use std::net::SocketAddr;
@@ -13,7 +16,8 @@ use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::alloc_audit::{self, Platform};
 use nvmf_rdma::harness::chaos::{connect_host, host_options, TargetRig, CHAOS_NQN, HOST_DEV};
 use nvmf_rdma::nvmet::Target;
-use nvmf_rdma::reconnect::{CtrlState, Policy};
+use nvmf_rdma::reconnect::{Cause, CtrlState, Policy};
+use nvmf_rdma::transport::Controller;
 
 #[path = "common/counting_alloc.rs"]
 mod counting_alloc;
@@ -82,6 +86,15 @@ fn policy() -> Policy {
     }
 }
 
+/// A host device and a controller on it, connected to `t`.
+async fn connect(t: &RemoteTarget) -> (DeviceManager, Arc<Controller>) {
+    let mgr = DeviceManager::new(true);
+    let ctrl = connect_host(&mgr, IP, host_options(t.addr, 2, 32, policy()))
+        .await
+        .unwrap();
+    (mgr, Arc::new(ctrl))
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -96,12 +109,7 @@ fn from_the_fatal_event_to_resubmission_the_host_allocates_nothing() {
     let t = RemoteTarget::start();
     let rt = runtime();
     rt.block_on(async {
-        let mgr = DeviceManager::new(true);
-        let ctrl = Arc::new(
-            connect_host(&mgr, IP, host_options(t.addr, 2, 32, policy()))
-                .await
-                .unwrap(),
-        );
+        let (mgr, ctrl) = connect(&t).await;
         // In-flight I/O at the moment of the fault: the target holds it unanswered.
         t.target.stall_io(true);
         const N: usize = 24;
@@ -170,6 +178,72 @@ fn from_the_fatal_event_to_resubmission_the_host_allocates_nothing() {
                 .expect("resubmitted registered write completes");
             assert!(ctrl.read(1, lba, 8192).await.unwrap() == [k as u8 ^ 0xC3; 8192]);
         }
+    });
+}
+
+#[test]
+fn every_cause_takes_the_one_entry_to_the_same_recovery_allocating_nothing() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let t = RemoteTarget::start();
+    let rt = runtime();
+    rt.block_on(async {
+        let (_mgr, ctrl) = connect(&t).await;
+        for (n, cause) in Cause::ALL.into_iter().enumerate() {
+            // Writes in flight at the moment of the failure, held unanswered by the target.
+            t.target.stall_io(true);
+            const N: usize = 8;
+            let mut writes = Vec::new();
+            for i in 0..N {
+                let c = ctrl.clone();
+                let data = vec![n as u8 ^ i as u8; 4096];
+                writes.push(tokio::spawn(async move {
+                    let lba = i as u64 * 8;
+                    c.write(1, lba, &data).await.map(|_| (lba, data))
+                }));
+            }
+            while t.target.stalled_io() < N {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            counting_alloc::start();
+            ctrl.report_failure(cause);
+            // The observer waiting for the recovery is not the host's code.
+            Platform::new(ctrl.wait_status(Duration::from_secs(20), |s| {
+                s.machine.recoveries > n as u64 && s.state() == CtrlState::Live
+            }))
+            .await
+            .unwrap();
+            let a = counting_alloc::stop();
+            println!(
+                "{}: allocations during recovery: host {}, platform {}",
+                cause.name(),
+                a.host,
+                a.platform
+            );
+            assert_eq!(
+                a.host,
+                0,
+                "the host allocated recovering from {}; first sites:\n{}",
+                cause.name(),
+                a.traces.join("\n-----\n")
+            );
+            // The executor acted on this cause, and took every step of the one path, in
+            // order: tear down, an attempt on the device, admin queue, I/O queues, LIVE.
+            let tr = ctrl.status().last_trace.expect("a completed recovery");
+            assert_eq!(tr.cause, Some(cause));
+            let steps = tr.steps();
+            assert!(
+                steps.iter().all(Option::is_some) && steps.is_sorted(),
+                "{}: {tr:?}",
+                cause.name()
+            );
+            t.target.stall_io(false);
+            for w in writes {
+                let (lba, data) = w.await.unwrap().expect("resubmitted write completes");
+                assert!(ctrl.read(1, lba, data.len()).await.unwrap() == data);
+            }
+        }
+        let s = ctrl.status().machine;
+        assert_eq!((s.episodes, s.recoveries), (7, 7), "one episode per cause");
     });
 }
 

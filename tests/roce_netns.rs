@@ -283,7 +283,7 @@ fn forge_reqs(host_ns: &str, srcs: &[std::net::Ipv4Addr], n: u32) {
     use nvmf_rdma::hca::device::ROCE_V2_PORT;
     use nvmf_rdma::hca::wire::{emit_packet, BthRepr, DethRepr, IcrcContext, Opcode};
     use nvmf_rdma::hca::wire::{PacketHeaders, GSI_QKEY};
-    use nvmf_rdma::hca::{Guid, Psn, Qpn};
+    use nvmf_rdma::verbs::{Guid, Psn, Qpn};
     use rand::SeedableRng;
     use std::net::{Ipv4Addr, SocketAddr};
     use std::os::fd::AsRawFd;
@@ -315,7 +315,7 @@ fn forge_reqs(host_ns: &str, srcs: &[std::net::Ipv4Addr], n: u32) {
             let mut cm = CmEndpoint::new(CmConfig::new(from.ip(), Guid(0x100 + k as u64)), rng);
             for i in 0..n {
                 let params = ConnectParams::new(Qpn::new(0x100 + i), 4420);
-                cm.connect(nvmf_rdma::hca::Instant(0), to, &params, &private)
+                cm.connect(nvmf_rdma::verbs::Instant(0), to, &params, &private)
                     .unwrap();
             }
             let mut psn = 0;

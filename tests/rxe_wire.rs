@@ -14,13 +14,14 @@
 
 use std::net::SocketAddr;
 
-use nvmf_rdma::cm::mad::{CmMad, CmMessage};
+use nvmf_rdma::cm::messages::{CmMad, CmMessage};
 use nvmf_rdma::cm::{CmConfig, CmEndpoint, CmEvent, ConnectParams, NvmeCmRequest, MAD_LEN};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::wire::{
     AethSyndrome, IcrcContext, Ipv4Udp, NakCode, Opcode, ParsedPacket, WireError,
 };
-use nvmf_rdma::hca::{Device, Guid, Instant, Mtu, PciAddr, Psn, Qpn};
+use nvmf_rdma::hca::Device;
+use nvmf_rdma::verbs::{Guid, Instant, Mtu, PciAddr, Psn, Qpn};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 

@@ -19,6 +19,7 @@ use nvmf_rdma::hca::wire::{
     emit_packet, BthRepr, IcrcContext, Opcode, PacketHeaders, ParsedPacket, RethRepr, WireError,
 };
 use nvmf_rdma::hca::*;
+use nvmf_rdma::verbs::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

@@ -10,6 +10,7 @@ use common::*;
 use nvmf_rdma::hca::rc::RcOptions;
 use nvmf_rdma::hca::sim::Faults;
 use nvmf_rdma::hca::*;
+use nvmf_rdma::verbs::*;
 
 const MS: Duration = Duration::from_millis(1);
 /// What the NVMe-oF host and target give their QPs: 4.096 µs × 2^14 = 67 ms.

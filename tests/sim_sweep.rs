@@ -25,6 +25,7 @@ use common::*;
 use nvmf_rdma::hca::rc::{RcEnd, RcOptions};
 use nvmf_rdma::hca::sim::{Faults, LinkStats};
 use nvmf_rdma::hca::*;
+use nvmf_rdma::verbs::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

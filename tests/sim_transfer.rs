@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use nvmf_rdma::hca::rc::RcOptions;
 use nvmf_rdma::hca::sim::Faults;
-use nvmf_rdma::hca::*;
+use nvmf_rdma::verbs::*;
 
 const SIZES: [usize; 12] = [
     1,

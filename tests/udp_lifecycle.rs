@@ -7,7 +7,7 @@ use std::time::Duration;
 use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::rc::{connect_end, create_end, RcEnd, RcOptions};
-use nvmf_rdma::hca::*;
+use nvmf_rdma::verbs::*;
 
 fn cfg(i: u8) -> DeviceConfig {
     DeviceConfig {

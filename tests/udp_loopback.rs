@@ -9,6 +9,7 @@ use nvmf_rdma::driver::{Fabric, SoftHca};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::rc::{connect_end, create_end, RcEnd, RcOptions};
 use nvmf_rdma::hca::*;
+use nvmf_rdma::verbs::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

@@ -1,79 +1,93 @@
-//! `hca::verbs::conformance` on the soft-HCA (two devices in the simulator, clean link and a
-//! lossy one). `tests/hw_backend.rs` runs the same checks on a kernel RDMA device.
+//! The verbs conformance checks (`common/conformance.rs`) through the backend seam on the
+//! soft-HCA: over UDP on loopback, and on the simulated network in virtual time (a clean link
+//! and a lossy one). `tests/hw_backend.rs` runs the same checks on a kernel RDMA device.
 
-mod common;
+#[path = "common/conformance.rs"]
+mod conformance;
 
-use std::time::Duration;
+use std::net::SocketAddr;
 
-use nvmf_rdma::hca::device::Device;
-use nvmf_rdma::hca::rc::{RcEnd, RcOptions};
+use nvmf_rdma::driver::{DeviceManager, SimNet};
+use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use nvmf_rdma::hca::sim::Faults;
-use nvmf_rdma::hca::verbs::{conformance, EndInfo, VerbsPair};
-use nvmf_rdma::hca::Instant;
+use nvmf_rdma::verbs::PciAddr;
 
-struct SoftPair {
-    p: common::Pair,
-    deadline: Instant,
-}
+/// The service the passive side listens for (any port: the soft-HCA's CM names a service,
+/// not a socket).
+const SERVICE: u16 = 4420;
 
-fn info(e: &RcEnd) -> EndInfo {
-    EndInfo {
-        qpn: e.qpn,
-        cq: e.cq,
-        addr: e.mr.addr,
-        len: e.mr.len as usize,
-        lkey: e.mr.lkey,
-        rkey: e.mr.rkey,
-    }
-}
-
-impl VerbsPair for SoftPair {
-    type V = Device;
-    fn end(&self, side: usize) -> EndInfo {
-        info(if side == 0 { &self.p.a } else { &self.p.b })
-    }
-    fn dev(&mut self, side: usize) -> &mut Device {
-        &mut self.p.sim.devices[side]
-    }
-    fn now(&self) -> Instant {
-        self.p.sim.now
-    }
-    fn write_buf(&mut self, side: usize, off: usize, data: &[u8]) {
-        let e = if side == 0 { &self.p.a } else { &self.p.b };
-        e.mem.write(off, data);
-    }
-    fn read_buf(&mut self, side: usize, off: usize, len: usize) -> Vec<u8> {
-        common::read(
-            if side == 0 {
-                &self.p.a.mem
-            } else {
-                &self.p.b.mem
-            },
-            off,
-            len,
-        )
-    }
-    fn progress(&mut self) -> bool {
-        self.p.sim.step();
-        self.p.sim.now < self.deadline
+fn device(name: &str, i: u8, ip: [u8; 4], seed: u64) -> DeviceConfig {
+    DeviceConfig {
+        identity: DeviceIdentity::from_mac(
+            name,
+            [2, 0, 0, 0xc0, 0, i],
+            PciAddr::new(0, 0xc0, i, 0),
+        ),
+        addr: SocketAddr::from((ip, 0)),
+        icrc: IcrcCheck::Verify,
+        peer_port: None,
+        seed,
     }
 }
 
-fn run(seed: u64, faults: Faults) {
-    let p = common::pair(seed, faults, RcOptions::default());
-    let deadline = p.sim.now + Duration::from_secs(30);
-    let mut sp = SoftPair { p, deadline };
-    conformance(&mut sp).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+/// Devices `a` and `b` plugged into `mgr`; the address of `b`.
+async fn plug_two(mgr: &DeviceManager, ips: [[u8; 4]; 2], seed: u64) -> SocketAddr {
+    mgr.plug(device("a", 1, ips[0], seed))
+        .await
+        .expect("plug a");
+    let b = mgr
+        .plug(device("b", 2, ips[1], seed + 1))
+        .await
+        .expect("plug b");
+    b.addr()
 }
 
 #[test]
-fn soft_hca_passes_the_verbs_conformance_checks() {
-    run(1, Faults::NONE);
+fn soft_hca_on_udp_passes_the_verbs_conformance_checks() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mgr = DeviceManager::new(false);
+        let b = plug_two(&mgr, [[127, 0, 0, 1]; 2], 1).await;
+        conformance::conformance(&mgr, "a", "b", b, SERVICE)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    });
+}
+
+/// In virtual time; the link turns `faults` once the QPs are connected (the CM's own
+/// retries are not what is checked here).
+fn on_simnet(seed: u64, faults: Faults) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let net = SimNet::new(seed, Faults::NONE);
+        let mgr = net.device_manager();
+        let b = plug_two(&mgr, [[127, 0, 1, 1], [127, 0, 2, 1]], seed).await;
+        let (ea, eb) = conformance::connect(&mgr, "a", "b", b, SERVICE)
+            .await
+            .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        net.set_faults(faults);
+        let r = conformance::check(&ea, &eb).await;
+        ea.close();
+        eb.close();
+        r.unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    });
 }
 
 #[test]
-fn soft_hca_passes_them_on_a_lossy_link() {
+fn simulated_soft_hca_passes_the_verbs_conformance_checks() {
+    on_simnet(1, Faults::NONE);
+}
+
+#[test]
+fn simulated_soft_hca_passes_them_on_a_lossy_link() {
     for seed in 0..5 {
-        run(seed, Faults::LOSSY);
+        on_simnet(seed, Faults::LOSSY);
     }
 }

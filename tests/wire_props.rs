@@ -6,11 +6,11 @@
 //! * the ICRC catches every single-bit flip except in the masked BTH byte 4 (FECN, BECN,
 //!   resv6a), which a switch may rewrite in flight.
 
-use nvmf_rdma::hca::types::{MemKey, Psn, Qpn};
 use nvmf_rdma::hca::wire::{
     emit_packet, AethRepr, AethSyndrome, BthRepr, DethRepr, HdrMask, IcrcContext, Opcode,
     PacketHeaders, ParsedPacket, RethRepr, ICRC_LEN, OPCODE_TABLE,
 };
+use nvmf_rdma::verbs::{MemKey, Psn, Qpn};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::sample::{select, Index};

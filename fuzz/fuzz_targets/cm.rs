@@ -10,16 +10,16 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nvmf_rdma::cm::mad::{
-    CmMad, DrepRepr, DreqRepr, Mad, MadHdrRepr, MraRepr, RejRepr, RepRepr, ReqRepr, RtuRepr,
-    MAD_LEN,
+use nvmf_rdma::cm::mad::{Mad, MadHdrRepr, MAD_LEN};
+use nvmf_rdma::cm::messages::{
+    CmMad, DrepRepr, DreqRepr, MraRepr, RejRepr, RepRepr, ReqRepr, RtuRepr,
 };
 use nvmf_rdma::cm::private::{
     build_req_private, service_id, split_req_private, CmaHdr, CmaHdrRepr, NvmeCmAccept,
     NvmeCmReject, NvmeCmRequest, CMA_HDR_LEN,
 };
 use nvmf_rdma::cm::{AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnectParams};
-use nvmf_rdma::hca::{Guid, Instant, Qpn};
+use nvmf_rdma::verbs::{Guid, Instant, Qpn};
 use std::net::SocketAddr;
 use std::time::Duration;
 

@@ -15,7 +15,7 @@ use nvmf_rdma::cm::private::service_id;
 use nvmf_rdma::cm::{
     AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnId, ConnectParams, RejectReason,
 };
-use nvmf_rdma::hca::{Guid, Instant, Qpn};
+use nvmf_rdma::verbs::{Guid, Instant, Qpn};
 use std::net::SocketAddr;
 use std::time::Duration;
 

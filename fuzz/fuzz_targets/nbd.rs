@@ -6,9 +6,8 @@
 
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
-use nvmf_rdma::export::nbd::{
-    tflag, validate, Decoded, ExportInfo, Negotiation, Outcome, Request, RequestDecoder,
-};
+use nvmf_rdma::export::nbd::{tflag, validate, Decoded, Request, RequestDecoder};
+use nvmf_rdma::export::nbd_handshake::{ExportInfo, Negotiation, Outcome};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&step, rest)) = data.split_first() else {

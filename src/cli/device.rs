@@ -72,7 +72,7 @@ fn no_hw(sel: &str) -> HostError {
 pub async fn connect_kernel(sel: &str, o: ConnectOptions) -> Result<Controller, HostError> {
     #[cfg(feature = "hw")]
     {
-        use crate::hw::backend::HwSource;
+        use crate::hw::source::HwSource;
         HwSource::check(sel).map_err(|e| HostError::Connect(e.to_string()))?;
         Controller::connect_managed(HwSource::new(), sel, o).await
     }
@@ -90,7 +90,7 @@ pub async fn discover_kernel(
 ) -> Result<Vec<DiscoveryLogEntry>, HostError> {
     #[cfg(feature = "hw")]
     {
-        use crate::hw::backend::HwSource;
+        use crate::hw::source::HwSource;
         use crate::verbs::DeviceSource;
         HwSource::check(sel).map_err(|e| HostError::Connect(e.to_string()))?;
         let src = HwSource::new();
@@ -110,9 +110,9 @@ pub async fn discover_kernel(
 /// The built-in target on a kernel RDMA device (`target --device`).
 pub struct KernelTarget {
     #[cfg(feature = "hw")]
-    target: crate::nvmet::Target<crate::hw::backend::HwContext>,
+    target: crate::nvmet::Target<crate::hw::context::HwContext>,
     #[cfg(feature = "hw")]
-    source: crate::hw::backend::HwSource,
+    source: crate::hw::source::HwSource,
     #[cfg(feature = "hw")]
     name: String,
 }
@@ -126,7 +126,7 @@ pub fn start_target_kernel(
 ) -> Result<KernelTarget, String> {
     #[cfg(feature = "hw")]
     {
-        use crate::hw::backend::HwSource;
+        use crate::hw::source::HwSource;
         use crate::nvmet::{serve_cm, Target};
         use crate::verbs::DeviceSource;
         let at = cfg.advertise.map(|a| a.ip());

@@ -7,4 +7,5 @@ pub mod device;
 pub mod host;
 pub mod metrics_http;
 pub mod support;
+pub mod units;
 pub mod wire_json;

@@ -25,7 +25,7 @@ pub fn soft_device_config(name: &str, addr: SocketAddr, n: u8) -> crate::hca::De
     let mac = [0x52, 0x54, r[0], r[1], r[2], n];
     let roce = roce_peer(addr.ip());
     crate::hca::DeviceConfig {
-        identity: DeviceIdentity::from_mac(name, mac, crate::hca::PciAddr::new(0, 0x30, n, 0)),
+        identity: DeviceIdentity::from_mac(name, mac, crate::verbs::PciAddr::new(0, 0x30, n, 0)),
         addr,
         icrc: icrc_check_for(addr.ip(), std::env::var(ICRC_ENV).ok().as_deref()),
         peer_port: roce.then_some(DEFAULT_ROCE_PORT),
@@ -223,7 +223,6 @@ pub fn mlock_error(e: &std::io::Error, limit: Option<u64>) -> String {
     }
 }
 
-/// Where running controllers keep their control sockets.
 /// An error and its causes on one line, outermost first, each cause once: a cause whose text
 /// the line already holds (a message that quotes its source) is not written again.
 pub fn error_line(e: &(dyn std::error::Error + 'static)) -> String {
@@ -242,6 +241,17 @@ pub fn error_line(e: &(dyn std::error::Error + 'static)) -> String {
     line
 }
 
+/// A message of several lines as one line (its lines joined by "; ", blank ones left out):
+/// protocols that carry one answer per line carry errors this way.
+pub fn one_line(s: &str) -> String {
+    s.split('\n')
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Where running controllers keep their control sockets.
 pub fn run_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("NVMF_RDMA_RUN_DIR") {
         return PathBuf::from(d);
@@ -545,7 +555,7 @@ mod tests {
                 fail_reason: None,
             },
             cntlid: 1,
-            at: crate::hca::Instant(0),
+            at: crate::verbs::Instant(0),
             last_recovery: Some(Duration::from_micros(48_250)),
             last_trace: None,
         }

@@ -16,17 +16,21 @@
 //! wrapping belongs to the HCA and the driver. This module sees only the 256 MAD bytes and
 //! the peer's address (anchors §7.5).
 
+mod api;
 mod conn;
 pub mod mad;
+pub mod messages;
 pub mod private;
 pub mod state;
 
-pub use conn::{
-    iba_time, AcceptParams, CmConfig, CmEndpoint, CmError, CmEvent, CmStats, ConnId, ConnectParams,
+pub use api::{
+    iba_time, AcceptParams, CmConfig, CmError, CmEvent, CmStats, ConnId, ConnectParams,
     ConnectRequest, Established, Rejected, MAX_MRA_TIMEOUT_EXP, MAX_PEER_TIMEOUT_EXP,
     MAX_TIMEWAIT_EXP,
 };
-pub use mad::{CmMad, CmMessage, MadError, RejectReason, MAD_LEN};
+pub use conn::CmEndpoint;
+pub use mad::{MadError, RejectReason, MAD_LEN};
+pub use messages::{CmMad, CmMessage};
 pub use private::{
     service_id, CmaHdrRepr, NvmeCmAccept, NvmeCmReject, NvmeCmRequest, NvmeRejectStatus,
     PrivateError,

@@ -187,6 +187,22 @@ pub fn lookup(from: ConnState, on: Input) -> Option<&'static Transition> {
     TRANSITIONS.iter().find(|t| t.from == from && t.on == on)
 }
 
+/// The table as text, one row a line with its rule, for review and the checked-in snapshot.
+pub fn describe() -> String {
+    let mut s = String::new();
+    for t in TRANSITIONS {
+        let _ = writeln!(
+            s,
+            "{:<12} --{:<16}--> {:<12} {}",
+            format!("{:?}", t.from),
+            format!("{:?}", t.on),
+            format!("{:?}", t.to),
+            t.rule
+        );
+    }
+    s
+}
+
 /// The table as a Graphviz digraph, for documentation.
 pub fn dot() -> String {
     let mut s = String::from("digraph cm {\n  rankdir=LR;\n");
@@ -242,14 +258,8 @@ mod tests {
     }
 
     #[test]
-    fn snapshot_of_the_table() {
-        // Printed with --nocapture for review; the dot graph renders the same table.
-        for t in TRANSITIONS {
-            println!(
-                "{:>12?} --{:<16?}--> {:<12?} {}",
-                t.from, t.on, t.to, t.rule
-            );
-        }
+    fn one_line_per_row() {
+        assert_eq!(describe().lines().count(), TRANSITIONS.len());
         let d = dot();
         assert!(d.starts_with("digraph cm {"));
         assert_eq!(d.lines().count(), TRANSITIONS.len() + 3);

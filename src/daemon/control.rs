@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::cli::support::{json_field, run_dir};
+pub use crate::export::same_user;
 use anyhow::{bail, Context, Result};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
@@ -46,7 +47,7 @@ pub async fn serve_control_client(
                 match stop.send((force, tx)).await {
                     Err(_) => "ok".into(),
                     Ok(()) => match rx.await {
-                        Ok(Err(e)) => format!("error: {}", crate::daemon::proto::one_line(&e)),
+                        Ok(Err(e)) => format!("error: {}", crate::cli::support::one_line(&e)),
                         _ => "ok".into(),
                     },
                 }
@@ -89,13 +90,6 @@ pub fn make_run_dir(dir: &std::path::Path) -> Result<()> {
             .with_context(|| format!("chmod 0700 {}", dir.display()))?;
     }
     Ok(())
-}
-
-/// Is the control-socket client our own user (or root)?
-pub fn same_user(s: &tokio::net::UnixStream) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    s.peer_cred().is_ok_and(|c| c.uid() == euid || c.uid() == 0)
 }
 
 pub async fn ask(path: &std::path::Path, req: &str) -> Option<String> {

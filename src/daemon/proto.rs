@@ -195,13 +195,7 @@ impl std::fmt::Display for ProtoError {
 impl std::error::Error for ProtoError {}
 
 /// Newlines would break the framing; an answer is one line whatever a cause said.
-pub fn one_line(s: &str) -> String {
-    s.split('\n')
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect::<Vec<_>>()
-        .join("; ")
-}
+pub use crate::cli::support::one_line;
 
 fn one() -> u32 {
     1

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use super::simnet::SimNet;
 use super::{Fabric, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity};
 use crate::hca::registry::{DeviceInfo, DeviceList, RegistryError};
@@ -50,6 +51,13 @@ pub struct DeviceManager {
 impl Default for DeviceManager {
     fn default() -> DeviceManager {
         DeviceManager::new(false)
+    }
+}
+
+impl SimNet {
+    /// A device manager whose devices attach to this network.
+    pub fn device_manager(&self) -> DeviceManager {
+        DeviceManager::on(self.fabric())
     }
 }
 
@@ -123,7 +131,7 @@ impl DeviceManager {
         let g = self.lock();
         let info = g.list.get(name)?;
         let e = g.running.get(name)?;
-        (e.generation == info.generation && e.hca.lifecycle() == crate::hca::Lifecycle::Live)
+        (e.generation == info.generation && e.hca.lifecycle() == crate::verbs::Lifecycle::Live)
             .then(|| (e.hca.clone(), info))
     }
 

@@ -8,6 +8,7 @@
 
 mod backend;
 pub mod cm;
+mod fabric;
 pub mod local;
 pub mod manager;
 mod metrics_pub;
@@ -23,15 +24,16 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::hca::cq::CqId;
-use crate::hca::device::{Device, DeviceConfig, Lifecycle};
-use crate::hca::types::Instant;
-use crate::hca::{AsyncEvent, WorkCompletion};
+use crate::hca::device::{Device, DeviceConfig};
 use crate::timer::EarliestTimer;
+use crate::verbs::CqId;
+use crate::verbs::Instant;
+use crate::verbs::Lifecycle;
+use crate::verbs::{AsyncEvent, WorkCompletion};
 
 pub use cm::CmService;
+pub use fabric::Fabric;
 pub use manager::{DeviceManager, ManagerError};
-pub use port::Fabric;
 use port::PacketPort;
 pub use simnet::SimNet;
 pub use socket::{bind_roce_socket, RxBatch, TxBatch};
@@ -47,6 +49,11 @@ pub const TOOL_BUSY_POLL: Duration = Duration::from_micros(50);
 /// fio plugin's `busy_poll` option set it.
 pub fn set_default_busy_poll(window: Duration) {
     DEFAULT_BUSY_POLL_NS.store(window_ns(window), Ordering::Relaxed);
+}
+
+/// The busy-poll window new contexts start with ([`set_default_busy_poll`]).
+pub fn default_busy_poll() -> Duration {
+    Duration::from_nanos(DEFAULT_BUSY_POLL_NS.load(Ordering::Relaxed))
 }
 
 /// Whether busy polling yields to other threads while the spinner is being preempted

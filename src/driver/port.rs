@@ -1,5 +1,5 @@
 //! Where a soft-HCA context's datagrams go: a UDP socket on a real network, or a port on a
-//! seeded in-memory network ([`SimNet`]). The driver loop is one piece of code over
+//! seeded in-memory network ([`super::SimNet`]). The driver loop is one piece of code over
 //! [`PacketPort`]; only the port knows which.
 
 use std::future::Future;
@@ -9,33 +9,9 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::local::{LocalLink, DELIVER_EARLY_BYTES};
-use super::simnet::{SimNet, SimPort};
 use super::socket::{bind_udp, RawRx, RxBatch, TxBatch};
 use crate::hca::wire::{fill_icrc, IcrcContext};
 use crate::hca::IcrcCheck;
-
-/// The network a soft-HCA context is attached to.
-#[derive(Clone, Debug)]
-pub enum Fabric {
-    /// Real UDP sockets; `offload`: UDP segmentation offload (GSO/GRO) towards soft-HCA
-    /// peers (off towards rxe or a NIC, see `socket`); `loopback`: packets for another
-    /// context of this process skip the socket and are handed over in memory
-    /// ([`super::local`], like rxe's loopback; `NVMF_RDMA_LOOPBACK=udp` turns it off
-    /// process-wide). Keys, PSNs, QPNs and CM IDs come from the OS CSPRNG.
-    Udp { offload: bool, loopback: bool },
-    /// A seeded in-memory network: no sockets, delivery on tokio's clock (so a paused
-    /// runtime runs it in virtual time), and every key, PSN, QPN and CM ID drawn from the
-    /// network's seed so that a run replays exactly. Never for a real network.
-    Sim(SimNet),
-}
-
-impl Fabric {
-    /// UDP with offload and the loopback path on: what soft-HCA peers on one host use.
-    pub const UDP: Fabric = Fabric::Udp {
-        offload: true,
-        loopback: true,
-    };
-}
 
 /// One received packet, as the port read it.
 #[derive(Debug, Clone, Copy)]
@@ -282,42 +258,6 @@ impl PacketPort for UdpPort {
 
     fn overflows(&self) -> u64 {
         self.local.as_ref().map_or(0, LocalLink::dropped)
-    }
-}
-
-impl PacketPort for SimPort {
-    fn local_addr(&self) -> SocketAddr {
-        SimPort::addr(self)
-    }
-
-    async fn readable(&self) -> io::Result<()> {
-        SimPort::readable(self).await;
-        Ok(())
-    }
-
-    fn recv(&mut self) -> io::Result<usize> {
-        Ok(SimPort::recv(self))
-    }
-
-    fn get(&self, i: usize) -> Received<'_> {
-        let (src, data) = SimPort::get(self, i);
-        Received::Udp(src, data)
-    }
-
-    fn tx_buf(&mut self) -> &mut Vec<u8> {
-        SimPort::tx_buf(self)
-    }
-
-    fn push(&mut self, dst: SocketAddr, start: usize) {
-        SimPort::push(self, dst, start)
-    }
-
-    fn flush(&mut self) {
-        SimPort::flush(self)
-    }
-
-    fn busy_poll(&self) -> bool {
-        false
     }
 }
 

@@ -23,10 +23,9 @@ use rand::SeedableRng;
 use tokio::sync::Notify;
 
 use crate::hca::sim::{Faults, LinkStats, Wire};
-use crate::hca::types::Instant;
+use crate::verbs::Instant;
 
-use super::manager::DeviceManager;
-use super::port::Fabric;
+use super::port::{PacketPort, Received};
 
 /// Ports handed out for binds to port 0 start here, as Linux's ephemeral range does.
 const FIRST_EPHEMERAL: u16 = 49152;
@@ -135,16 +134,6 @@ impl SimNet {
         });
         crate::harness::alloc_audit::spawn(deliver(Arc::downgrade(&sh), wire_wake));
         SimNet { sh }
-    }
-
-    /// This network, as something to attach a device to.
-    pub fn fabric(&self) -> Fabric {
-        Fabric::Sim(self.clone())
-    }
-
-    /// A device manager whose devices attach to this network.
-    pub fn device_manager(&self) -> DeviceManager {
-        DeviceManager::on(self.fabric())
     }
 
     pub fn seed(&self) -> u64 {
@@ -391,6 +380,42 @@ impl SimPort {
         self.tx.clear();
         self.tx_buf.clear();
         self.net.wire_wake.notify_one();
+    }
+}
+
+impl PacketPort for SimPort {
+    fn local_addr(&self) -> SocketAddr {
+        SimPort::addr(self)
+    }
+
+    async fn readable(&self) -> io::Result<()> {
+        SimPort::readable(self).await;
+        Ok(())
+    }
+
+    fn recv(&mut self) -> io::Result<usize> {
+        Ok(SimPort::recv(self))
+    }
+
+    fn get(&self, i: usize) -> Received<'_> {
+        let (src, data) = SimPort::get(self, i);
+        Received::Udp(src, data)
+    }
+
+    fn tx_buf(&mut self) -> &mut Vec<u8> {
+        SimPort::tx_buf(self)
+    }
+
+    fn push(&mut self, dst: SocketAddr, start: usize) {
+        SimPort::push(self, dst, start)
+    }
+
+    fn flush(&mut self) {
+        SimPort::flush(self)
+    }
+
+    fn busy_poll(&self) -> bool {
+        false
     }
 }
 

@@ -1,6 +1,7 @@
-//! Block-device exports of a remote namespace: an NBD server ([`nbd`] is the sans-I/O
-//! protocol, [`nbd_server`] the tokio side) and a single-file FUSE file system ([`fuse`]) that
-//! `losetup` turns into a block device where the kernel has no NBD driver.
+//! Block-device exports of a remote namespace: an NBD server ([`nbd`] and [`nbd_handshake`]
+//! are the sans-I/O protocol; [`nbd_server`], [`nbd_conn`] and [`nbd_budget`] the tokio side)
+//! and a single-file FUSE file system ([`fuse`]) that `losetup` turns into a block device where
+//! the kernel has no NBD driver.
 //!
 //! Both sit on [`BlockDev`]: byte-addressed reads and writes over a [`Controller`], with
 //! read-modify-write for requests that do not start or end on a block boundary, large requests
@@ -11,6 +12,9 @@
 pub mod devset;
 pub mod fuse;
 pub mod nbd;
+pub mod nbd_budget;
+pub mod nbd_conn;
+pub mod nbd_handshake;
 pub mod nbd_server;
 pub mod socket_file;
 
@@ -25,8 +29,9 @@ use crate::transport::{Controller, HostError, NsInfo};
 
 pub use devset::DevSet;
 pub use fuse::{mount_fuse, mount_fuse_set, FuseFiles, FuseMount};
-pub use nbd_server::{ExportAddr, MemoryBudget, NbdLimits, NbdListener, NbdStats};
-pub use socket_file::{bind_listener, bind_socket, SocketFile};
+pub use nbd_budget::{MemoryBudget, NbdLimits, NbdStats};
+pub use nbd_server::{ExportAddr, NbdListener};
+pub use socket_file::{bind_listener, bind_socket, same_user, SocketFile};
 
 /// NVMe Write Zeroes carries a 16-bit 0-based block count.
 const MAX_ZERO_BLOCKS: u64 = 1 << 16;

@@ -56,6 +56,14 @@ pub fn bind_listener(path: &Path) -> io::Result<(tokio::net::UnixListener, Socke
     Ok((tokio::net::UnixListener::from_std(l)?, f))
 }
 
+/// Is the peer of `s` our own user, or root? Control sockets serve only those (their file
+/// mode says the same; this also holds when the file was reached through a descriptor).
+pub fn same_user(s: &tokio::net::UnixStream) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    s.peer_cred().is_ok_and(|c| c.uid() == euid || c.uid() == 0)
+}
+
 /// Remove what is at `path` if it is a stale socket of ours; an error for anything else.
 fn clear_stale(path: &Path) -> io::Result<()> {
     let m = match std::fs::symlink_metadata(path) {

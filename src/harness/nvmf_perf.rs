@@ -10,10 +10,10 @@ use rand::{Rng, SeedableRng};
 
 use crate::driver::{CmService, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
-use crate::hca::PciAddr;
 use crate::nvme::Nqn;
 use crate::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use crate::transport::{ConnectOptions, Controller, HostError};
+use crate::verbs::PciAddr;
 
 pub const DEMO_NQN: &str = "nqn.2026-11.io.nvmf-rdma:demo";
 

@@ -9,32 +9,12 @@ pub mod qp;
 pub mod rc;
 pub mod registry;
 pub mod sim;
-pub mod types;
-pub mod verbs;
 pub mod wire;
 
-pub use cq::{CqId, WcOpcode, WcStatus, WorkCompletion};
-pub use device::{Device, DeviceConfig, DeviceIdentity, IcrcCheck, Lifecycle, VerbsError};
-pub use mr::{Access, HostMem, MrInfo, PdId};
-pub use qp::{
-    AttrMask, Mtu, QpAttr, QpCaps, QpState, RecvWr, SendOp, SendWr, Sge, Sgl, MAX_IN_MEMORY_SEG,
-};
+pub use device::{Device, DeviceConfig, DeviceIdentity, IcrcCheck};
+pub use mr::HostMem;
+pub use qp::{AttrMask, QpAttr, QpState, MAX_IN_MEMORY_SEG};
 pub use registry::{DeviceInfo, DeviceList, RegistryError};
-pub use types::{Guid, Instant, MemKey, PciAddr, Psn, Qpn};
-
-/// Asynchronous events (ibv_event_type), delivered in order through `Device::poll_event`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AsyncEvent {
-    PortActive,
-    PortError,
-    DeviceFatal,
-    /// The device left the system (hot-remove); it will not come back under this context.
-    DeviceRemoved,
-    QpFatal(Qpn),
-    /// A remote peer broke the rules of a memory region (IBA 11.6.3.1).
-    QpAccessError(Qpn),
-    CqError(CqId),
-}
 
 /// Counters of one context. The driver publishes them through `metrics`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

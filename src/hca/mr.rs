@@ -5,28 +5,17 @@
 //! the device. Every access is checked for key, protection domain, bounds and access flags
 //! before a byte moves.
 
+use crate::verbs::{Access, MrInfo, PdId};
 use rustc_hash::FxHashMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use bitflags::bitflags;
 use rand::Rng;
 
 pub use super::copy::STREAM_MIN;
 use super::copy::{copy_bytes, copy_streaming, extend_bytes};
-use super::types::MemKey;
-
-bitflags! {
-    /// Access rights of a memory region (ibv_access_flags).
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-    pub struct Access: u32 {
-        const LOCAL_WRITE = 1 << 0;
-        const REMOTE_WRITE = 1 << 1;
-        const REMOTE_READ = 1 << 2;
-        const REMOTE_ATOMIC = 1 << 3;
-    }
-}
+use crate::verbs::MemKey;
 
 /// Host memory that an HCA may read and write, the soft-HCA's stand-in for pinned pages.
 ///
@@ -211,21 +200,6 @@ impl std::fmt::Debug for HostMem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "HostMem({:#x}+{})", self.addr(), self.len())
     }
-}
-
-/// A protection domain handle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PdId(pub u32);
-
-/// What the consumer learns about a registered region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct MrInfo {
-    pub lkey: MemKey,
-    /// Zero when the region allows no remote access, as with rxe.
-    pub rkey: MemKey,
-    pub addr: u64,
-    pub len: u64,
-    pub access: Access,
 }
 
 pub(crate) struct Mr {

@@ -1,13 +1,17 @@
 //! Bring an RC QP up by hand (what CM does on the wire, done out of band): used by the
 //! simulator tests, the loopback driver tests and the benchmarks.
 
+use crate::verbs::PeerInfo;
 use std::net::SocketAddr;
 
-use super::device::{Device, VerbsError};
-use super::mr::{Access, HostMem, MrInfo, PdId};
-use super::qp::{AttrMask, Mtu, QpAttr, QpCaps, QpState};
-use super::types::{Psn, Qpn};
-use super::CqId;
+use super::device::Device;
+use super::mr::HostMem;
+use super::qp::{AttrMask, QpAttr, QpState};
+use crate::verbs::CqId;
+use crate::verbs::VerbsError;
+use crate::verbs::{Access, MrInfo, PdId};
+use crate::verbs::{Mtu, QpCaps};
+use crate::verbs::{Psn, Qpn};
 
 #[derive(Debug, Clone, Copy)]
 pub struct RcOptions {
@@ -113,15 +117,6 @@ pub fn connect_pair(
     connect_end(a, &ea, b.addr(), eb.qpn, eb.psn, o)?;
     connect_end(b, &eb, a.addr(), ea.qpn, ea.psn, o)?;
     Ok((ea, eb))
-}
-
-/// What one side learns about the other when a connection is made (by CM or by hand).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PeerInfo {
-    pub addr: SocketAddr,
-    pub qpn: Qpn,
-    /// The peer's first send PSN: our expected receive PSN.
-    pub psn: Psn,
 }
 
 /// Create an RC QP in INIT with `access` for remote peers.

@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 
 use super::device::DeviceIdentity;
-use super::types::{Guid, PciAddr};
+use crate::verbs::{Guid, PciAddr};
 
 /// One present device, as a snapshot hands it out.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

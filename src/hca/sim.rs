@@ -12,7 +12,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::device::{Device, DeviceConfig, DeviceIdentity, IcrcCheck};
-use super::types::{Instant, PciAddr};
+use crate::verbs::{Instant, PciAddr};
 
 /// What the link does to each packet, as probabilities in 0.0..=1.0.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -31,7 +31,7 @@ use tokio::io::unix::AsyncFd;
 use super::map;
 use super::{set_nonblocking, watch, BorrowedRawFd, HwError};
 use crate::cm::private::NvmeCmReject;
-use crate::hca::Guid;
+use crate::verbs::Guid;
 
 /// rdma_cm event types we act on (`enum rdma_cm_event_type`).
 pub mod ev {

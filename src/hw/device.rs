@@ -19,7 +19,8 @@ use sideway::ibverbs::AccessFlags;
 
 use super::map;
 use super::HwError;
-use crate::hca::{Access, DeviceIdentity, Guid, MemKey, PciAddr};
+use crate::hca::DeviceIdentity;
+use crate::verbs::{Access, Guid, MemKey, PciAddr};
 
 /// What enumeration tells about one RDMA device.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -328,6 +329,22 @@ impl HwCq {
     }
 }
 
+/// The GID index of the first RoCE v2 GID holding an IPv4-mapped address on port 1 of
+/// `ibdev`, from sysfs under `sysfs` (ibverbs' own GID-type query panics in sideway on types
+/// it does not know, so sysfs is read instead).
+pub fn roce_v2_ipv4_gid(sysfs: &Path, ibdev: &str) -> Option<(u8, [u8; 16])> {
+    let port = sysfs.join("class/infiniband").join(ibdev).join("ports/1");
+    (0u8..=254).find_map(|i| {
+        let ty = std::fs::read_to_string(port.join(format!("gid_attrs/types/{i}"))).ok()?;
+        if ty.trim() != "RoCE v2" {
+            return None;
+        }
+        let g = std::fs::read_to_string(port.join(format!("gids/{i}"))).ok()?;
+        let ip: std::net::Ipv6Addr = g.trim().parse().ok()?;
+        ip.to_ipv4_mapped().map(|_| (i, ip.octets()))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -399,5 +416,26 @@ mod tests {
         assert!(f.contains(AccessFlags::LocalWrite));
         assert!(f.contains(AccessFlags::RemoteRead));
         assert!(!f.contains(AccessFlags::RemoteWrite));
+    }
+
+    #[test]
+    fn finds_the_roce_v2_ipv4_gid_in_sysfs() {
+        let root = std::env::temp_dir().join(format!("nvmf-hw-gid-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let port = root.join("class/infiniband/rxe0/ports/1");
+        std::fs::create_dir_all(port.join("gid_attrs/types")).unwrap();
+        std::fs::create_dir_all(port.join("gids")).unwrap();
+        let put = |i: u8, ty: &str, gid: &str| {
+            std::fs::write(port.join(format!("gid_attrs/types/{i}")), format!("{ty}\n")).unwrap();
+            std::fs::write(port.join(format!("gids/{i}")), format!("{gid}\n")).unwrap();
+        };
+        put(0, "RoCE v2", "fe80:0000:0000:0000:5054:00ff:fe12:3456");
+        put(1, "IB/RoCE v1", "0000:0000:0000:0000:0000:ffff:0a00:020f");
+        put(2, "RoCE v2", "0000:0000:0000:0000:0000:ffff:0a00:020f");
+        let (i, gid) = roce_v2_ipv4_gid(&root, "rxe0").unwrap();
+        assert_eq!(i, 2);
+        assert_eq!(&gid[12..], &[10, 0, 2, 15]);
+        assert_eq!(roce_v2_ipv4_gid(&root, "mlx5_0"), None);
+        let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -1,10 +1,12 @@
-//! Pure conversions between ibverbs / rdma_cm values and the soft-HCA vocabulary, plus the
+//! Pure conversions between ibverbs / rdma_cm values and the seam's vocabulary, plus the
 //! sysfs lookup of a device's PCI address. Nothing here touches a device, so all of it is
 //! unit-tested on machines without RDMA.
 
 use std::path::{Path, PathBuf};
 
-use crate::hca::{Access, AsyncEvent, CqId, Guid, PciAddr, Qpn, WcOpcode, WcStatus};
+use sideway::ibverbs::device_context::Mtu as IbMtu;
+
+use crate::verbs::{Access, AsyncEvent, CqId, Guid, Mtu, PciAddr, Qpn, WcOpcode, WcStatus};
 
 /// `ibv_access_flags` bits of an [`Access`] (the soft-HCA uses the same bit positions).
 pub fn access_bits(a: Access) -> u32 {
@@ -55,6 +57,28 @@ pub fn wc_opcode(raw: u32) -> Option<WcOpcode> {
         128 => Some(WcOpcode::Recv),
         129 => Some(WcOpcode::RecvRdmaWithImm),
         _ => None,
+    }
+}
+
+/// Our [`Mtu`] for an `ibv_mtu` (what rdma_cm puts in a QP's path).
+pub fn mtu_of(raw: u32) -> Mtu {
+    match raw {
+        1 => Mtu::Mtu256,
+        2 => Mtu::Mtu512,
+        3 => Mtu::Mtu1024,
+        4 => Mtu::Mtu2048,
+        _ => Mtu::Mtu4096,
+    }
+}
+
+/// sideway's name for an [`Mtu`].
+pub fn ib_mtu(m: Mtu) -> IbMtu {
+    match m {
+        Mtu::Mtu256 => IbMtu::Mtu256,
+        Mtu::Mtu512 => IbMtu::Mtu512,
+        Mtu::Mtu1024 => IbMtu::Mtu1024,
+        Mtu::Mtu2048 => IbMtu::Mtu2048,
+        Mtu::Mtu4096 => IbMtu::Mtu4096,
     }
 }
 

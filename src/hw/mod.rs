@@ -1,42 +1,48 @@
-//! Hardware verbs backend (cargo feature `hw`): the same verbs vocabulary as the soft-HCA
-//! ([`crate::hca`]: [`Access`](crate::hca::Access), [`Sge`](crate::hca::Sge),
-//! [`SendOp`](crate::hca::SendOp), [`WorkCompletion`](crate::hca::WorkCompletion),
-//! [`AsyncEvent`](crate::hca::AsyncEvent), [`DeviceIdentity`](crate::hca::DeviceIdentity)), served
-//! by a kernel RDMA device through libibverbs/librdmacm.
+//! Hardware verbs backend (cargo feature `hw`): the seam's vocabulary ([`crate::verbs`]:
+//! [`Access`](crate::verbs::Access), [`Sge`](crate::verbs::Sge),
+//! [`SendOp`](crate::verbs::SendOp), [`WorkCompletion`](crate::verbs::WorkCompletion),
+//! [`AsyncEvent`](crate::verbs::AsyncEvent), ...) served by a kernel RDMA device through
+//! libibverbs/librdmacm.
 //!
 //! Layers:
-//! - [`backend`]: the device behind the backend seam ([`crate::verbs`]): a context
-//!   ([`backend::HwContext`]), a source that finds the device again after it is removed and
-//!   re-added ([`backend::HwSource`]) and rdma_cm as the connection manager
-//!   ([`backend::HwCm`]). The NVMe-oF host and its one recovery path run on it unchanged.
+//! - the device behind the backend seam ([`crate::verbs`]), split as the soft-HCA's driver
+//!   is: [`context`] (a device context, [`context::HwContext`]), [`source`] (a source that
+//!   finds the device again after it is removed and re-added, [`source::HwSource`]),
+//!   [`cm_port`] (rdma_cm as the connection manager, [`cm_port::HwCm`]) and [`mem`] (host
+//!   memory the device registers, [`mem::HwMem`]). The NVMe-oF host and its one recovery
+//!   path run on it unchanged. [`reset`]: a reset inflicted by hand, for chaos and tests.
 //! - [`device`]: enumeration (name, node GUID, PCI address from sysfs), selection by GUID / PCI /
 //!   name, and an opened device ([`device::HwDevice`]: context, PD, MRs, CQs with completion
 //!   channels, RC QPs) built on the `sideway` crate.
 //! - [`events`]: the device's async events (DEVICE_FATAL, PORT_ERR, QP_FATAL, ...) as a tokio
 //!   stream over the context's `async_fd` (`AsyncFd`).
-//! - [`cm`]: rdma_cm active side over our own FFI calls (through `rdma-mummy-sys`, the loader crate
+//! - [`cm`]: rdma_cm over our own FFI calls (through `rdma-mummy-sys`, the loader crate
 //!   sideway uses), because sideway 0.4.3 can neither put private data into `rdma_conn_param`
 //!   nor read it from an event, and NVMe-oF needs both (request: qid/hrqsize/hsqsize; accept:
 //!   crqsize; reject: NVMe status).
-//! - [`verbs`]: work requests and completions translated both ways, and the hand-connected QP
-//!   pair the verbs conformance checks run on.
+//! - [`wr`]: work requests and completions translated both ways.
 //! - [`map`]: pure conversions between ibverbs values and our types (unit-tested without a device).
 //! - [`cli`]: `nvmf-rdma hw list|events` (device diagnostics).
 
 pub mod backend;
 pub mod cli;
 pub mod cm;
+pub mod cm_port;
+pub mod context;
 pub mod device;
 pub mod events;
 pub mod map;
-pub mod verbs;
+pub mod mem;
+pub mod reset;
+pub mod source;
+pub mod wr;
 
 use std::io;
 
 use crate::cm::private::NvmeRejectStatus;
-use crate::hca::{WcOpcode, WcStatus};
 use crate::nvme::status::Status;
 use crate::nvme::NvmeWireError;
+use crate::verbs::{WcOpcode, WcStatus};
 
 /// Errors of the hardware backend.
 #[derive(Debug, thiserror::Error)]

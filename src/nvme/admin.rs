@@ -32,6 +32,8 @@ pub mod opcode {
         pub const GET_FEATURES: u8 = 0x0A;
         pub const ASYNC_EVENT_REQUEST: u8 = 0x0C;
         pub const KEEP_ALIVE: u8 = 0x18;
+        /// Cross-Controller Reset (TP8028), see `nvme::ccr`.
+        pub const CROSS_CTRL_RESET: u8 = 0x38;
     }
 
     pub mod io {
@@ -66,6 +68,8 @@ pub mod lid {
     pub const ERROR_INFO: u8 = 0x01;
     pub const SMART: u8 = 0x02;
     pub const CHANGED_NS_LIST: u8 = 0x04;
+    /// Cross-Controller Reset log (TP8028), see `nvme::ccr`.
+    pub const CROSS_CTRL_RESET: u8 = 0x1E;
     /// Discovery log page, on a discovery controller.
     pub const DISCOVERY: u8 = 0x70;
 }

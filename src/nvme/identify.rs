@@ -5,7 +5,9 @@
 //! Offsets verified against Linux `include/linux/nvme.h` `struct nvme_id_ctrl` (v6.x layout:
 //! the struct was transcribed and its `offsetof`s printed by a C compiler, 4096 bytes in
 //! total) and SPDK `struct spdk_nvme_ctrlr_data` / `spdk_nvme_cdata_nvmf_specific`
-//! (ioccsz, iorcsz, icdoff, ctrattr, msdbd at 1792). Namespace: `struct nvme_id_ns`
+//! (ioccsz, iorcsz, icdoff, ctrattr, msdbd at 1792). The safe-retry fields (CIU 135, CIRN
+//! 136, CQT 386, CCRL 1807: NVMe 2.3, TP4129 and TP8028) from libnvme's `struct nvme_id_ctrl`,
+//! checked the same way. Namespace: `struct nvme_id_ns`
 //! (nsze 0, ncap 8, nuse 16, nsfeat 24, nlbaf 25, flbas 26, nguid 104, eui64 120,
 //! lbaf[] 128) and
 //! `struct nvme_lbaf` {ms le16, ds u8, rp u8}.
@@ -23,7 +25,13 @@ mod ctrl_field {
     pub const CNTLID: usize = 78;
     pub const VER: usize = 80;
     pub const CTRATT: usize = 96;
+    /// Controller Instance Uniquifier (TP8028; libnvme `nvme_id_ctrl.ciu`).
+    pub const CIU: usize = 135;
+    /// Controller Instance Random Number, 8 bytes (TP8028).
+    pub const CIRN: usize = 136;
     pub const KAS: usize = 320;
+    /// Command Quiesce Time in milliseconds (TP4129).
+    pub const CQT: usize = 386;
     pub const SQES: usize = 512;
     pub const CQES: usize = 513;
     pub const MAXCMD: usize = 514;
@@ -39,9 +47,15 @@ mod ctrl_field {
     /// Fabrics Controller Attributes (FCATT; Linux `ctrattr`, later `fcatt`).
     pub const FCATT: usize = 1802;
     pub const MSDBD: usize = 1803;
+    /// Cross-Controller Reset Limit (TP8028), after OFCS (1804) and DCTYPE (1806).
+    pub const CCRL: usize = 1807;
     pub const SIZE: usize = 4096;
 }
 
+/// CTRATT bit 6: traffic-based keep alive (TBKAS). A controller that has it counts any
+/// command as a keep alive, so it may wait up to 3 x KATO (not 2 x) before it calls the host
+/// gone; the hold rule in `reconnect::hold` takes that factor.
+pub const CTRATT_TBKAS: u32 = 1 << 6;
 /// ONCS bit 2: Dataset Management supported.
 pub const ONCS_DSM: u16 = 1 << 2;
 /// ONCS bit 3: Write Zeroes supported.
@@ -65,8 +79,17 @@ pub struct IdentifyController {
     /// Version, as VS.
     pub ver: u32,
     pub ctratt: u32,
+    /// Controller Instance Uniquifier: with `cntlid` and `cirn` it names one instance of a
+    /// controller in a Cross-Controller Reset (TP8028); 0 when not reported.
+    pub ciu: u8,
+    /// Controller Instance Random Number (TP8028).
+    pub cirn: u64,
     /// Keep Alive Support granularity in 100 ms units; 0 = keep alive not supported.
     pub kas: u16,
+    /// Command Quiesce Time in milliseconds (TP4129): how long the controller may take, after
+    /// it has noticed the host is gone, to finish or drop that host's commands. 0 = not
+    /// reported.
+    pub cqt: u16,
     /// Required (bits 3:0) and maximum (7:4) SQ entry size, log2 bytes.
     pub sqes: u8,
     pub cqes: u8,
@@ -87,6 +110,9 @@ pub struct IdentifyController {
     pub fcatt: u8,
     /// Maximum SGL data block descriptors per command; 0 = no limit.
     pub msdbd: u8,
+    /// Cross-Controller Reset Limit (TP8028): how many CCRs this controller runs at once;
+    /// 0 = it does not offer CCR.
+    pub ccrl: u8,
 }
 
 impl Default for IdentifyController {
@@ -101,7 +127,10 @@ impl Default for IdentifyController {
             cntlid: 0,
             ver: 0,
             ctratt: 0,
+            ciu: 0,
+            cirn: 0,
             kas: 0,
+            cqt: 0,
             sqes: 0,
             cqes: 0,
             maxcmd: 0,
@@ -115,6 +144,7 @@ impl Default for IdentifyController {
             icdoff: 0,
             fcatt: 0,
             msdbd: 0,
+            ccrl: 0,
         }
     }
 }
@@ -136,7 +166,10 @@ impl IdentifyController {
             cntlid: le16(b, f::CNTLID),
             ver: le32(b, f::VER),
             ctratt: le32(b, f::CTRATT),
+            ciu: b[f::CIU],
+            cirn: le64(b, f::CIRN),
             kas: le16(b, f::KAS),
+            cqt: le16(b, f::CQT),
             sqes: b[f::SQES],
             cqes: b[f::CQES],
             maxcmd: le16(b, f::MAXCMD),
@@ -150,6 +183,7 @@ impl IdentifyController {
             icdoff: le16(b, f::ICDOFF),
             fcatt: b[f::FCATT],
             msdbd: b[f::MSDBD],
+            ccrl: b[f::CCRL],
         })
     }
 
@@ -166,7 +200,10 @@ impl IdentifyController {
         put16(out, f::CNTLID, self.cntlid);
         put32(out, f::VER, self.ver);
         put32(out, f::CTRATT, self.ctratt);
+        out[f::CIU] = self.ciu;
+        put64(out, f::CIRN, self.cirn);
         put16(out, f::KAS, self.kas);
+        put16(out, f::CQT, self.cqt);
         out[f::SQES] = self.sqes;
         out[f::CQES] = self.cqes;
         put16(out, f::MAXCMD, self.maxcmd);
@@ -180,6 +217,7 @@ impl IdentifyController {
         put16(out, f::ICDOFF, self.icdoff);
         out[f::FCATT] = self.fcatt;
         out[f::MSDBD] = self.msdbd;
+        out[f::CCRL] = self.ccrl;
     }
 
     pub fn to_bytes(&self) -> Box<[u8; 4096]> {
@@ -235,6 +273,22 @@ impl IdentifyController {
     }
     pub fn supports_keyed_sgl(&self) -> bool {
         self.sgls & SGLS_KEYED != 0
+    }
+    /// The controller offers Cross-Controller Reset (TP8028: CCRL non-zero).
+    pub fn offers_ccr(&self) -> bool {
+        self.ccrl != 0
+    }
+    /// Traffic-based keep alive (CTRATT.TBKAS).
+    pub fn traffic_based_keep_alive(&self) -> bool {
+        self.ctratt & CTRATT_TBKAS != 0
+    }
+    /// This controller instance as a Cross-Controller Reset names it.
+    pub fn instance(&self) -> super::ccr::CtrlInstance {
+        super::ccr::CtrlInstance {
+            cntlid: self.cntlid,
+            ciu: self.ciu,
+            cirn: self.cirn,
+        }
     }
 }
 
@@ -588,8 +642,11 @@ mod tests {
             mdts: 5,
             cntlid: 0x0042,
             ver: 0x0002_0000,
-            ctratt: 0,
+            ctratt: CTRATT_TBKAS,
+            ciu: 0x5A,
+            cirn: 0x1122_3344_5566_7788,
             kas: 50,
+            cqt: 3000,
             sqes: 0x66,
             cqes: 0x44,
             maxcmd: 128,
@@ -603,6 +660,7 @@ mod tests {
             icdoff: 0,
             fcatt: 0,
             msdbd: 1,
+            ccrl: 4,
         }
     }
 
@@ -616,7 +674,11 @@ mod tests {
         b[77] = 5;
         b[78] = 0x42;
         b[80..84].copy_from_slice(&[0, 0, 2, 0]);
+        b[96] = 0x40;
+        b[135] = 0x5A;
+        b[136..144].copy_from_slice(&[0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11]);
         b[320] = 50;
+        b[386..388].copy_from_slice(&[0xB8, 0x0B]);
         b[512] = 0x66;
         b[513] = 0x44;
         b[514] = 128;
@@ -628,6 +690,7 @@ mod tests {
         b[1792..1796].copy_from_slice(&260u32.to_le_bytes());
         b[1796] = 1;
         b[1803] = 1;
+        b[1807] = 4;
         b
     }
 
@@ -644,6 +707,16 @@ mod tests {
         );
         assert_eq!(c.max_transfer_bytes(4096), Some(128 * 1024));
         assert_eq!(c.kas_ms(), 5000);
+        assert!(c.offers_ccr() && c.traffic_based_keep_alive());
+        assert!(!IdentifyController::default().offers_ccr());
+        assert_eq!(
+            c.instance(),
+            crate::nvme::ccr::CtrlInstance {
+                cntlid: 0x42,
+                ciu: 0x5A,
+                cirn: 0x1122_3344_5566_7788
+            }
+        );
         assert_eq!(c.in_capsule_data_bytes(), 4096);
         assert_eq!(c.icdoff_bytes(), 0);
         assert!(c.supports_dsm() && c.supports_write_zeroes() && c.volatile_write_cache());

@@ -15,13 +15,16 @@
 //!   Status Field and the Generic / Command Specific / Media / Path status code tables;
 //!   Fabrics: Connect status codes).
 //! - `fabrics.rs`: Fabrics commands (Connect, Property Get/Set), Connect data, NQNs,
-//!   the CAP/VS/CC/CSTS properties (Fabrics: Fabrics Command Set; Base: Controller
+//!   property offsets (Fabrics: Fabrics Command Set).
+//! - `registers.rs`: the CAP/VS/CC/CSTS properties and their bit fields (Base: Controller
 //!   Registers / Properties).
 //! - `admin.rs`: admin and NVM I/O opcodes, command builders, DSM ranges (Base: Admin
 //!   Command Set; NVM Command Set: Read, Write, Write Zeroes, Dataset Management, Flush).
 //! - `identify.rs`: Identify Controller / Namespace data, active namespace list (Base:
 //!   Identify command data structures).
 //! - `discovery.rs`: the Discovery Log Page header and entries (Fabrics: Discovery Log Page).
+//! - `ccr.rs`: Cross-Controller Reset: the command, its completion, the CCR log page and its
+//!   asynchronous event (TP8028; CQT and CIU/CIRN live in `identify.rs`).
 //!
 //! Parsers take `&[u8]`, check the length first and never panic, whatever the bytes (the
 //! property tests in `tests/suite/nvme_props.rs` and the `capsule` fuzz target hold them to
@@ -30,10 +33,12 @@
 //! A completion status is data ([`Status`]), never an `Err` of these parsers.
 
 pub mod admin;
+pub mod ccr;
 pub mod cqe;
 pub mod discovery;
 pub mod fabrics;
 pub mod identify;
+pub mod registers;
 pub mod sgl;
 pub mod sqe;
 pub mod status;
@@ -41,8 +46,9 @@ pub mod status;
 pub use admin::{opcode, DsmRange};
 pub use cqe::Cqe;
 pub use discovery::{DiscoveryLogEntry, DiscoveryLogHeader, RdmaTsas};
-pub use fabrics::{Cap, Cc, ConnectData, Csts, FabricsCmd, FixedStr, Nqn, Vs};
+pub use fabrics::{ConnectData, FabricsCmd, FixedStr, Nqn};
 pub use identify::{IdentifyController, IdentifyNamespace, LbaFormat, NsIdentity};
+pub use registers::{Cap, Cc, Csts, Vs};
 pub use sgl::SglDescriptor;
 pub use sqe::{Fuse, Sqe};
 pub use status::{NvmeError, Status, StatusType};

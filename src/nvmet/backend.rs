@@ -26,6 +26,7 @@ use crate::verbs::{HostBuffer, Qpn};
 use super::Namespace;
 
 /// What a job does.
+#[derive(Debug)]
 pub(super) enum Op {
     /// Read `len` bytes at `off` into the command's staging.
     Read {

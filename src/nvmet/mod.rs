@@ -7,19 +7,39 @@
 //! CQEs), and one data staging area per command slot for RDMA READ (host → target data) and
 //! RDMA WRITE (target → host data). Every command follows the same path: capsule in → fetch
 //! data if any → execute → push data if any → SEND the response.
+//!
+//! The files, by concern: [`engine`] (the running target and its task), `queues` (queue
+//! admission and lifetime), `pipeline` (a command's way through a queue), `rdma` (rings
+//! and work requests); and, with no device and no clock, `command` (the controller
+//! registry and the `Slot` a handler sees of its queue), `exec` (fetch,
+//! run, push decisions), `fabrics`, `admin` and `io` (the commands, as tables of
+//! handlers). A new admin command or log page is a row in a table of `admin`.
 
+mod admin;
 mod backend;
 mod budget;
+mod command;
+pub mod control;
 pub mod engine;
+mod exec;
+mod fabrics;
+mod io;
 pub mod listen;
 pub mod namespace;
+mod pipeline;
+mod queues;
+mod rdma;
+mod stats;
+#[cfg(test)]
+mod tests;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-pub use engine::{ConnParams, ConnReject, Target, TargetStats};
+pub use engine::{ConnParams, ConnReject, Target};
 pub use listen::serve_cm;
 pub use namespace::{Namespace, NoMemory, MAX_NAMESPACES};
+pub use stats::TargetStats;
 
 use crate::nvme::Nqn;
 

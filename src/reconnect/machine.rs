@@ -199,38 +199,73 @@ impl Actions {
     }
 }
 
-/// The trigger names used in [`TRANSITIONS`].
-pub mod trigger {
-    pub const CONNECTED: &str = "connected";
-    pub const CONNECT_FAILED: &str = "connect failed";
-    pub const FAILED: &str = "failure (any cause)";
-    pub const TORN_DOWN: &str = "resources dropped";
-    pub const RETRY: &str = "attempt failed or cut, budget left";
-    pub const GIVE_UP: &str = "ctrl_loss_tmo / max_reconnects / replug_window";
-    pub const DELETE: &str = "delete (user)";
-    pub const DELETED: &str = "deleted";
+/// What moves the machine from one state to another: the triggers of [`TRANSITIONS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Trigger {
+    Connected,
+    ConnectFailed,
+    /// A failure of any [`Cause`].
+    Failed,
+    /// Every HCA resource was dropped.
+    TornDown,
+    /// An attempt failed or was cut short, with budget left.
+    Retry,
+    /// ctrl_loss_tmo, max_reconnects or replug_window ran out.
+    GiveUp,
+    /// The user deletes the controller.
+    Delete,
+    Deleted,
+}
+
+impl Trigger {
+    pub fn name(self) -> &'static str {
+        match self {
+            Trigger::Connected => "connected",
+            Trigger::ConnectFailed => "connect failed",
+            Trigger::Failed => "failure (any cause)",
+            Trigger::TornDown => "resources dropped",
+            Trigger::Retry => "attempt failed or cut, budget left",
+            Trigger::GiveUp => "ctrl_loss_tmo / max_reconnects / replug_window",
+            Trigger::Delete => "delete (user)",
+            Trigger::Deleted => "deleted",
+        }
+    }
 }
 
 /// Every transition the machine can take: (from, trigger, to).
-pub const TRANSITIONS: &[(CtrlState, &str, CtrlState)] = {
-    use trigger::*;
+pub const TRANSITIONS: &[(CtrlState, Trigger, CtrlState)] = {
     use CtrlState::*;
+    use Trigger::*;
     &[
-        (New, CONNECTED, Live),
-        (New, CONNECT_FAILED, Deleting),
-        (New, DELETE, Deleting),
-        (Live, FAILED, Resetting),
-        (Live, DELETE, Deleting),
-        (Resetting, TORN_DOWN, Connecting),
-        (Resetting, GIVE_UP, Deleting),
-        (Resetting, DELETE, Deleting),
-        (Connecting, CONNECTED, Live),
-        (Connecting, RETRY, Resetting),
-        (Connecting, GIVE_UP, Deleting),
-        (Connecting, DELETE, Deleting),
-        (Deleting, DELETED, Dead),
+        (New, Connected, Live),
+        (New, ConnectFailed, Deleting),
+        (New, Delete, Deleting),
+        (Live, Failed, Resetting),
+        (Live, Delete, Deleting),
+        (Resetting, TornDown, Connecting),
+        (Resetting, GiveUp, Deleting),
+        (Resetting, Delete, Deleting),
+        (Connecting, Connected, Live),
+        (Connecting, Retry, Resetting),
+        (Connecting, GiveUp, Deleting),
+        (Connecting, Delete, Deleting),
+        (Deleting, Deleted, Dead),
     ]
 };
+
+/// [`TRANSITIONS`] as text, one row a line, for review and the checked-in snapshot.
+pub fn describe() -> String {
+    let mut out = String::new();
+    for (from, on, to) in TRANSITIONS {
+        out.push_str(&format!(
+            "{:<11} --{}--> {}\n",
+            from.name(),
+            on.name(),
+            to.name()
+        ));
+    }
+    out
+}
 
 /// A snapshot for `list` and metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -286,7 +321,7 @@ pub struct Machine {
     episodes: u64,
     fail_reason: Option<FailReason>,
     /// The last transition taken, for tests and logs.
-    pub last: Option<(CtrlState, &'static str, CtrlState)>,
+    pub last: Option<(CtrlState, Trigger, CtrlState)>,
 }
 
 fn due(t: Option<Instant>, now: Instant) -> bool {
@@ -355,10 +390,10 @@ impl Machine {
         }
     }
 
-    fn goto(&mut self, to: CtrlState, why: &'static str) {
+    fn goto(&mut self, to: CtrlState, why: Trigger) {
         debug_assert!(
             TRANSITIONS.contains(&(self.state, why, to)),
-            "undeclared transition {:?} --{why}--> {to:?}",
+            "undeclared transition {:?} --{why:?}--> {to:?}",
             self.state
         );
         self.last = Some((self.state, why, to));
@@ -413,7 +448,7 @@ impl Machine {
             (Deleting, Event::Delete) => {}
             (_, Event::Delete) => {
                 let was_live = self.state == Live;
-                self.goto(Deleting, trigger::DELETE);
+                self.goto(Deleting, Trigger::Delete);
                 if was_live {
                     a.push(Action::StopKeepAlive);
                     a.push(Action::Shutdown);
@@ -424,13 +459,13 @@ impl Machine {
             }
             (Deleting, Event::Deleted) => {
                 self.in_attempt = false;
-                self.goto(Dead, trigger::DELETED);
+                self.goto(Dead, Trigger::Deleted);
             }
             (New, Event::Connected) | (Connecting, Event::Connected) => {
                 if self.state == Connecting {
                     self.recoveries += 1;
                 }
-                self.goto(Live, trigger::CONNECTED);
+                self.goto(Live, Trigger::Connected);
                 self.in_attempt = false;
                 self.streak = 0;
                 self.device_present = true;
@@ -448,13 +483,13 @@ impl Machine {
                     .then(|| now + self.policy.keep_alive_tmo / 2);
             }
             (New, Event::ConnectFailed) => {
-                self.goto(Deleting, trigger::CONNECT_FAILED);
+                self.goto(Deleting, Trigger::ConnectFailed);
                 a.push(Action::TearDown);
                 a.push(Action::FailAll(FailReason::Deleted));
             }
             (Connecting, Event::ConnectCut) => {
                 self.in_attempt = false;
-                self.goto(Resetting, trigger::RETRY);
+                self.goto(Resetting, Trigger::Retry);
                 a.push(Action::TearDown);
             }
             (Connecting, Event::ConnectFailed) => {
@@ -464,7 +499,7 @@ impl Machine {
                 match self.policy.max_reconnects() {
                     Some(m) if self.charged >= m => self.give_up(FailReason::MaxReconnects, &mut a),
                     _ => {
-                        self.goto(Resetting, trigger::RETRY);
+                        self.goto(Resetting, Trigger::Retry);
                         a.push(Action::TearDown);
                     }
                 }
@@ -480,7 +515,7 @@ impl Machine {
             }
             (Live, Event::KeepAliveOk) => self.ka_deadline = None,
             (Resetting, Event::TornDown) => {
-                self.goto(Connecting, trigger::TORN_DOWN);
+                self.goto(Connecting, Trigger::TornDown);
                 self.next_attempt_at = Some(now + self.policy.retry_gap(self.streak));
             }
             (Resetting | Connecting, ev) if device_loss(ev).is_some() => {
@@ -505,7 +540,7 @@ impl Machine {
     }
 
     fn enter_resetting(&mut self, now: Instant, c: Cause, a: &mut Actions) {
-        self.goto(CtrlState::Resetting, trigger::FAILED);
+        self.goto(CtrlState::Resetting, Trigger::Failed);
         self.cause = Some(c);
         self.episodes += 1;
         self.attempts = 0;
@@ -531,7 +566,7 @@ impl Machine {
     }
 
     fn give_up(&mut self, why: FailReason, a: &mut Actions) {
-        self.goto(CtrlState::Deleting, trigger::GIVE_UP);
+        self.goto(CtrlState::Deleting, Trigger::GiveUp);
         self.in_attempt = false;
         self.fail_reason = Some(why);
         a.push(Action::TearDown);

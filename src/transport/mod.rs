@@ -1,16 +1,22 @@
 //! The NVMe-oF RDMA host: queues with capsules and keyed SGLs into pre-registered buffers
-//! ([`queue`]), and the controller with its block API ([`controller`]). It runs on any
-//! backend of the seam in [`crate::verbs`] and names none.
+//! ([`queue`]), and the controller with its block API ([`controller`]), brought up by
+//! `bringup` and kept alive by `recovery` (one entry for every cause, and its executor).
+//! It runs on any backend of the seam in [`crate::verbs`] and names none.
 
+mod bringup;
 pub mod controller;
 pub mod error;
 pub mod fixed;
+mod inbox;
+pub mod namespaces;
 pub mod queue;
+mod recovery;
 
 pub use controller::{
-    default_hostid, discover, AsyncEvent, ConnectOptions, Controller, CtrlStatus, NsInfo,
-    RecoveryTrace, SOFT_INLINE_DEPTH,
+    default_hostid, discover, ConnectOptions, Controller, CtrlStatus, RecoveryTrace,
+    SOFT_INLINE_DEPTH,
 };
 pub use error::HostError;
 pub use fixed::Fixed;
+pub use namespaces::{AsyncEvent, NsInfo};
 pub use queue::{IoBuffer, QueueHandle, QueueSpec, QueueStats};

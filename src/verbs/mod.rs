@@ -12,23 +12,30 @@
 //!   abort, disconnect, the peer's disconnect); [`CmListen`] its passive side (listen,
 //!   accept, reject), for the built-in target.
 //!
-//! The vocabulary (QPN, PSN, work requests and completions, access flags, ...) is defined by
-//! the soft-HCA today and re-exported here; the host names it through this module so that
-//! moving the definitions here later touches no host code.
+//! The vocabulary (QPN, PSN, work requests and completions, access flags, lifecycle, errors,
+//! ...) is defined here, and every backend speaks it.
 
 mod cm;
 mod device;
+mod error;
+mod event;
+mod mr;
 mod source;
+mod types;
+mod wc;
+mod wr;
 
 pub use cm::{CmError, CmListen, CmPort, Incoming, INCOMING_BACKLOG};
 pub use device::{DeviceContext, HostBuffer, Identity, RcAttr};
+pub use error::VerbsError;
+pub use event::{AsyncEvent, Lifecycle};
+pub use mr::{Access, MrInfo, PdId};
 pub use source::{DeviceSource, Opened};
+pub use types::{Guid, Instant, MemKey, PciAddr, PciAddrParseError, PeerInfo, Psn, Qpn};
+pub use wc::{CqId, WcOpcode, WcStatus, WorkCompletion};
+pub use wr::{Mtu, QpCaps, RecvWr, SendOp, SendWr, Sge, Sgl, MAX_SGE};
 
 pub use crate::hca::device::roce_peer;
-pub use crate::hca::rc::PeerInfo;
+
 pub use crate::hca::registry::DeviceInfo;
-pub use crate::hca::{
-    Access, AsyncEvent, CqId, DeviceIdentity, Guid, Instant, Lifecycle, MemKey, MrInfo, Mtu,
-    PciAddr, PdId, Psn, QpCaps, Qpn, RecvWr, SendOp, SendWr, Sge, Sgl, VerbsError, WcOpcode,
-    WcStatus, WorkCompletion,
-};
+pub use crate::hca::DeviceIdentity;

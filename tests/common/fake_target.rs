@@ -22,16 +22,18 @@ use tokio::sync::mpsc;
 use nvmf_rdma::cm::{AcceptParams, ConnId, NvmeCmAccept};
 use nvmf_rdma::driver::CmService;
 use nvmf_rdma::driver::SoftHca;
-use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
-use nvmf_rdma::hca::{
-    Access, CqId, HostMem, MemKey, MrInfo, Mtu, PdId, Psn, QpCaps, Qpn, RecvWr, SendOp, SendWr,
-    Sgl, WcOpcode, WcStatus, WorkCompletion,
-};
+use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, RcOptions};
+use nvmf_rdma::hca::HostMem;
 use nvmf_rdma::nvme::admin::{cns, feature, opcode};
 use nvmf_rdma::nvme::fabrics::{self, ConnectResult};
 use nvmf_rdma::nvme::{
     Cap, Cc, ConnectData, Cqe, Csts, FabricsCmd, FixedStr, IdentifyController, IdentifyNamespace,
     Nqn, SglDescriptor, Sqe, Status, Vs,
+};
+use nvmf_rdma::verbs::PeerInfo;
+use nvmf_rdma::verbs::{
+    Access, CqId, MemKey, MrInfo, Mtu, PdId, Psn, QpCaps, Qpn, RecvWr, SendOp, SendWr, Sgl,
+    WcOpcode, WcStatus, WorkCompletion,
 };
 
 const SQE_LEN: usize = 64;
@@ -150,7 +152,7 @@ impl FakeTarget {
         cm: CmService,
         cfg: FakeConfig,
         script: Script,
-    ) -> Result<FakeTarget, nvmf_rdma::hca::VerbsError> {
+    ) -> Result<FakeTarget, nvmf_rdma::verbs::VerbsError> {
         let store = (0..cfg.ns_bytes).map(FakeConfig::pattern).collect();
         let sh = Arc::new(Shared {
             script,
@@ -244,7 +246,7 @@ impl FakeQueue {
         size: usize,
         qid: u16,
         seed: u64,
-    ) -> Result<FakeQueue, nvmf_rdma::hca::VerbsError> {
+    ) -> Result<FakeQueue, nvmf_rdma::verbs::VerbsError> {
         hca.with(|d, _| {
             let cq = d.create_cq(size * 4 + 64)?;
             let caps = QpCaps {

@@ -6,6 +6,7 @@ use std::time::Duration;
 use nvmf_rdma::hca::rc::{connect_pair, RcEnd, RcOptions};
 use nvmf_rdma::hca::sim::{Faults, Sim};
 use nvmf_rdma::hca::*;
+use nvmf_rdma::verbs::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

@@ -8,13 +8,15 @@ use std::time::Duration;
 
 use nvmf_rdma::cm::{ConnId, ConnectParams, NvmeCmRequest};
 use nvmf_rdma::driver::{CmService, SoftHca};
-use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
-use nvmf_rdma::hca::{
-    Access, CqId, HostMem, MrInfo, Mtu, PdId, QpCaps, Qpn, RecvWr, SendOp, SendWr, Sgl, WcOpcode,
-    WcStatus, WorkCompletion,
-};
+use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, RcOptions};
+use nvmf_rdma::hca::HostMem;
 use nvmf_rdma::nvme::fabrics;
 use nvmf_rdma::nvme::{ConnectData, Cqe, FabricsCmd, Nqn, SglDescriptor};
+use nvmf_rdma::verbs::PeerInfo;
+use nvmf_rdma::verbs::{
+    Access, CqId, MrInfo, Mtu, PdId, QpCaps, Qpn, RecvWr, SendOp, SendWr, Sgl, WcOpcode, WcStatus,
+    WorkCompletion,
+};
 
 pub const TX_SLOT: usize = 64 + 8192;
 pub const TX_SLOTS: usize = 16;

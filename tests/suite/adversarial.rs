@@ -21,14 +21,16 @@ use nvmf_rdma::cm::{ConnectParams, NvmeCmRequest};
 use nvmf_rdma::driver::CmService;
 use nvmf_rdma::driver::SoftHca;
 use nvmf_rdma::hca::device::DeviceConfig;
-use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, PeerInfo, RcOptions};
-use nvmf_rdma::hca::{Access, CqId, HostMem, MrInfo, Qpn, RecvWr, SendOp, SendWr, Sgl, WcStatus};
+use nvmf_rdma::hca::rc::{create_qp_init, qp_to_rts, RcOptions};
+use nvmf_rdma::hca::HostMem;
 use nvmf_rdma::nvme::admin::{self, feature};
 use nvmf_rdma::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use nvmf_rdma::nvme::{Cc, FabricsCmd, Nqn, Status};
 use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
+use nvmf_rdma::verbs::PeerInfo;
 use nvmf_rdma::verbs::INCOMING_BACKLOG;
+use nvmf_rdma::verbs::{Access, CqId, MrInfo, Qpn, RecvWr, SendOp, SendWr, Sgl, WcStatus};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -469,7 +471,7 @@ fn rc_end(hca: &SoftHca) -> (CqId, Qpn, HostMem, MrInfo) {
     hca.with(|d, _| {
         let pd = d.alloc_pd().unwrap();
         let cq = d.create_cq(64).unwrap();
-        let caps = nvmf_rdma::hca::QpCaps {
+        let caps = nvmf_rdma::verbs::QpCaps {
             max_send_wr: 16,
             max_recv_wr: 16,
         };
@@ -483,7 +485,7 @@ fn rc_end(hca: &SoftHca) -> (CqId, Qpn, HostMem, MrInfo) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capsule_from_another_udp_port_of_the_peers_ip_is_dropped_and_counted() {
     use nvmf_rdma::hca::wire::{emit_packet, BthRepr, IcrcContext, Opcode, PacketHeaders};
-    use nvmf_rdma::hca::Psn;
+    use nvmf_rdma::verbs::Psn;
     // Two soft-HCAs on one IP, as a host and a target on loopback are; an RC queue between
     // them with PSNs we know.
     let a = SoftHca::start(cfg("a", 20)).await.unwrap();
@@ -598,7 +600,7 @@ mod cm_timers {
         AcceptParams, CmConfig, CmEndpoint, CmEvent, ConnState, MAX_PEER_TIMEOUT_EXP,
         MAX_TIMEWAIT_EXP,
     };
-    use nvmf_rdma::hca::{Guid, Instant};
+    use nvmf_rdma::verbs::{Guid, Instant};
 
     /// Move every MAD between `a` (at `aa`) and `b` (at `ba`) until both are quiet; MADs
     /// from `a` for which `drop_a` says so are lost.
@@ -824,7 +826,7 @@ async fn one_address_holding_its_most_of_discovery_queues_leaves_room_for_anothe
 fn forge_reqs(target: SocketAddr, ip: [u8; 4], n: u32, seed: u64) -> std::net::UdpSocket {
     use nvmf_rdma::cm::{CmConfig, CmEndpoint};
     use nvmf_rdma::hca::device::Device;
-    use nvmf_rdma::hca::Instant;
+    use nvmf_rdma::verbs::Instant;
     let sock = std::net::UdpSocket::bind(SocketAddr::from((ip, 0))).unwrap();
     let from = sock.local_addr().unwrap();
     let mut dc = cfg_on("spoof", 60 + seed as u8, ip);

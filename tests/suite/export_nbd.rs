@@ -12,6 +12,7 @@ use std::process::Command as Cmd;
 use crate::export_common::*;
 use bytes::{Buf, BufMut, BytesMut};
 use nvmf_rdma::export::nbd::{self, *};
+use nvmf_rdma::export::nbd_handshake::{ExportInfo, Negotiation, Outcome};
 use nvmf_rdma::export::{ExportAddr, MemoryBudget, NbdLimits, NbdListener, NbdStats};
 use proptest::prelude::*;
 use std::sync::atomic::Ordering;

@@ -9,12 +9,13 @@
 use nvmf_rdma::nvme::admin::{self, DsmRange, MAX_BLOCKS};
 use nvmf_rdma::nvme::discovery::{DiscoveryLogEntry, DiscoveryLogHeader, RdmaTsas};
 use nvmf_rdma::nvme::fabrics::{
-    Cap, Cc, ConnectData, ConnectResult, Csts, FabricsCmd, FixedStr, Nqn, Vs, NQN_MAX_LEN,
+    ConnectData, ConnectResult, FabricsCmd, FixedStr, Nqn, NQN_MAX_LEN,
 };
 use nvmf_rdma::nvme::identify::{
     active_namespace_ids, emit_active_namespace_ids, IdentifyController, IdentifyNamespace,
     LbaFormat, LBAF_ENTRIES,
 };
+use nvmf_rdma::nvme::registers::{Cap, Cc, Csts, Vs};
 use nvmf_rdma::nvme::sgl::MAX_KEYED_LEN;
 use nvmf_rdma::nvme::{Cqe, Fuse, NvmeError, NvmeWireError, SglDescriptor, Sqe, Status};
 use proptest::collection::vec;
@@ -143,12 +144,14 @@ fn any_ctrl() -> impl Strategy<Value = IdentifyController> {
             any::<u8>(),
             any::<u8>(),
         ),
+        (any::<u8>(), any::<u64>(), any::<u16>(), any::<u8>()),
     )
         .prop_map(
             |(
                 (vid, ssvid, sn, mn, fr, mdts, cntlid, ver),
                 (ctratt, kas, sqes, cqes, maxcmd, nn, oncs, vwc),
                 (sgls, subnqn, ioccsz, iorcsz, icdoff, fcatt, msdbd),
+                (ciu, cirn, cqt, ccrl),
             )| IdentifyController {
                 vid,
                 ssvid,
@@ -159,7 +162,10 @@ fn any_ctrl() -> impl Strategy<Value = IdentifyController> {
                 cntlid,
                 ver,
                 ctratt,
+                ciu,
+                cirn,
                 kas,
+                cqt,
                 sqes,
                 cqes,
                 maxcmd,
@@ -173,6 +179,7 @@ fn any_ctrl() -> impl Strategy<Value = IdentifyController> {
                 icdoff,
                 fcatt,
                 msdbd,
+                ccrl,
             },
         )
 }

@@ -365,7 +365,7 @@ async fn disconnect_right_after_a_device_reset_returns_at_once() {
             0 => {}
             1 => {
                 while c.device::<SoftHca>().map(|h| h.lifecycle())
-                    == Some(nvmf_rdma::hca::Lifecycle::Live)
+                    == Some(nvmf_rdma::verbs::Lifecycle::Live)
                 {
                     tokio::task::yield_now().await;
                 }

@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
-use nvmf_rdma::hca::PciAddr;
 use nvmf_rdma::reconnect::Policy;
+use nvmf_rdma::verbs::PciAddr;
 
 /// Device `i` of the file numbered `file`, on `ip` with a port the OS picks. The file's
 /// number keeps its devices' MACs, PCI addresses and seeds apart from the other files'.

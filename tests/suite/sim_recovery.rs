@@ -552,17 +552,10 @@ fn the_recovery_trace_accounts_for_each_phase_in_virtual_time() {
         let tr = st
             .last_trace
             .expect("a completed recovery leaves its trace");
-        let marks = [
-            Some(t0),
-            tr.failed,
-            tr.torn_down,
-            tr.attempt_start,
-            tr.device_open,
-            tr.admin_cm,
-            tr.admin_ready,
-            tr.live,
-        ]
-        .map(|m| m.expect("every phase is marked").0);
+        let marks: Vec<u64> = std::iter::once(Some(t0))
+            .chain(tr.steps())
+            .map(|m| m.expect("every phase is marked").0)
+            .collect();
         assert!(marks.windows(2).all(|w| w[0] <= w[1]), "in order: {tr:?}");
         let ms = |a: u64, b: u64| Duration::from_nanos(b - a);
         let down = ms(marks[2], marks[4]);

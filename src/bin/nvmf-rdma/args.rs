@@ -9,6 +9,8 @@ use clap::{Args, ValueEnum};
 pub(crate) use nvmf_rdma::cli::args::*;
 use nvmf_rdma::cli::device::DeviceChoice;
 use nvmf_rdma::cli::support::{parse_duration, parse_pos_secs, parse_traddr};
+pub(crate) use nvmf_rdma::cli::units::parse_size;
+pub(crate) use nvmf_rdma::harness::chaos::config::FaultKind;
 use nvmf_rdma::harness::nvmf_perf::DEMO_NQN;
 
 /// A target of someone else's for `bench` and `chaos`, instead of the built-in one.
@@ -98,35 +100,6 @@ pub(crate) enum OutputFormat {
     Json,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ValueEnum)]
-pub(crate) enum FaultKind {
-    Reset,
-    Replug,
-    ReplugOther,
-    TargetRestart,
-    UserReset,
-}
-
-impl FaultKind {
-    pub(crate) const ALL: [FaultKind; 5] = [
-        FaultKind::Reset,
-        FaultKind::Replug,
-        FaultKind::ReplugOther,
-        FaultKind::TargetRestart,
-        FaultKind::UserReset,
-    ];
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            FaultKind::Reset => "reset",
-            FaultKind::Replug => "replug",
-            FaultKind::ReplugOther => "replug-other",
-            FaultKind::TargetRestart => "target-restart",
-            FaultKind::UserReset => "user-reset",
-        }
-    }
-}
-
 #[derive(Args, Debug, Clone)]
 pub(crate) struct TargetArgs {
     /// Address of the target's soft-HCA (IP or IP:PORT; RoCEv2 port 4791 by default); with
@@ -187,7 +160,7 @@ pub(crate) struct NsArgs {
 impl NsArgs {
     /// The namespace these flags describe, as namespace `nsid`.
     pub(crate) fn namespace(&self, nsid: u32) -> Result<nvmf_rdma::nvmet::Namespace> {
-        crate::target_control::namespace_of(
+        nvmf_rdma::nvmet::control::namespace_of(
             nsid,
             self.ram.map(|r| r as u64),
             self.file.as_deref(),
@@ -307,61 +280,6 @@ pub(crate) struct DaemonArgs {
     /// Seconds a control-socket client has to send each request line [default: 30].
     #[arg(long, value_name = "SECS", value_parser = parse_pos_secs, hide = true)]
     pub(crate) client_timeout: Option<u64>,
-}
-
-/// Parse "4096", "4K", "128KiB", "64M", "1.5G", "4T": binary units (K = 1024), a decimal
-/// number allowed when the result is a whole number of bytes.
-pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
-    const UNITS: &str = "B, K, M, G, T, P (or KiB/KB, MiB/MB, ...; all powers of 1024)";
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let shift = match unit.to_ascii_uppercase().as_str() {
-        "" | "B" => 0,
-        "K" | "KB" | "KIB" => 10,
-        "M" | "MB" | "MIB" => 20,
-        "G" | "GB" | "GIB" => 30,
-        "T" | "TB" | "TIB" => 40,
-        "P" | "PB" | "PIB" => 50,
-        _ => return Err(format!("unknown size unit '{unit}' in '{s}': use {UNITS}")),
-    };
-    let not_a_size = || format!("'{s}' is not a size (try 4096, 128K, 1.5M, 4T)");
-    let (whole, frac) = num.split_once('.').unwrap_or((num, ""));
-    if whole.is_empty() && frac.is_empty() || frac.contains('.') {
-        return Err(not_a_size());
-    }
-    let whole: u128 = if whole.is_empty() {
-        0
-    } else {
-        whole.parse().map_err(|_| not_a_size())?
-    };
-    // Exact arithmetic: the fraction as digits over 10^len, so "1.5M" is 1572864 and "0.3K"
-    // (307.2 bytes) is refused rather than rounded.
-    let frac_digits = frac.trim_end_matches('0');
-    if frac_digits.len() > 18 {
-        return Err(not_a_size());
-    }
-    let frac_num: u128 = if frac_digits.is_empty() {
-        0
-    } else {
-        frac_digits.parse().map_err(|_| not_a_size())?
-    };
-    let denom = 10u128.pow(frac_digits.len() as u32);
-    let out_of_range = || format!("size '{s}' out of range");
-    let scaled_whole = whole.checked_shl(shift).filter(|v| v >> shift == whole);
-    let frac_bytes = frac_num << shift;
-    if frac_bytes % denom != 0 {
-        return Err(format!(
-            "'{s}' is not a whole number of bytes; give it in a smaller unit"
-        ));
-    }
-    scaled_whole
-        .and_then(|w| w.checked_add(frac_bytes / denom))
-        .and_then(|v| usize::try_from(v).ok())
-        .filter(|&v| v > 0)
-        .ok_or_else(out_of_range)
 }
 
 /// Where `read`, `write` and `verify` do their I/O: on a controller the daemon holds (`-d`,

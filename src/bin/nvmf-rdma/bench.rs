@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{args::*, host::*};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::support::parse_duration;
 use nvmf_rdma::harness::hca_perf;
 use nvmf_rdma::harness::nvmf_perf::{self, Job, JobResult, Pattern, Tick, DEMO_NQN};
@@ -26,6 +26,16 @@ pub(crate) struct BenchArgs {
     /// the CPU's caches.
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     region: Option<usize>,
+    /// With --hca: the responder in a process of its own (this program, started for each
+    /// row), so that every packet crosses a UDP socket on 127.0.0.1, as between a host and
+    /// a target of their own: RDMA WRITE and READ at 128 KiB and 4 KiB, each with UDP
+    /// GSO/GRO on and off, with packets per second and per CPU-second of each side.
+    #[arg(long)]
+    peer_process: bool,
+    /// The responder of --peer-process: reads the requester's line on stdin, answers on
+    /// stdout, serves until stdin closes.
+    #[arg(long, hide = true)]
+    serve_peer: bool,
     /// I/O queues for the NVMe-oF table.
     #[arg(long, default_value_t = 1)]
     queues: usize,
@@ -118,6 +128,110 @@ fn hca_json(r: &hca_perf::Report) -> serde_json::Value {
     })
 }
 
+/// `bench --hca --peer-process`: each row against a responder in a child process.
+fn peer_table(duration: Duration, show: &Rows) -> Result<()> {
+    use nvmf_rdma::verbs::Mtu;
+    use std::process::{Command, Stdio};
+    let exe = std::env::current_exe()?;
+    let busy_poll = nvmf_rdma::driver::default_busy_poll();
+    if show.output != ListFormat::Json {
+        println!(
+            "responder in another process: every packet through UDP sockets on 127.0.0.1; \
+             CPU s: each process's user + system time for the row (set-up included)"
+        );
+        println!(
+            "{:<11} {:>9} {:>6} {:>8} {:>8} {:>10} {:>12} {:>8} {:>8} {:>13} {:>13}",
+            "op",
+            "msg size",
+            "depth",
+            "GSO/GRO",
+            "GB/s",
+            "msgs/s",
+            "packets/s",
+            "req CPU",
+            "rsp CPU",
+            "req pkts/CPU",
+            "rsp pkts/CPU"
+        );
+    }
+    for (op, size, depth) in [
+        (hca_perf::Op::Write, 128 << 10, 16),
+        (hca_perf::Op::Read, 128 << 10, 16),
+        (hca_perf::Op::Write, 4096, 64),
+        (hca_perf::Op::Read, 4096, 16),
+    ] {
+        for offload in [true, false] {
+            let w = hca_perf::Workload {
+                op,
+                msg_size: size,
+                depth,
+                duration,
+                mtu: Mtu::Mtu4096,
+                region: 0,
+            };
+            let mut child = Command::new(&exe)
+                .arg(format!("--busy-poll={}us", busy_poll.as_micros()))
+                .args(["bench", "--serve-peer"])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .with_context(|| format!("cannot start the responder {}", exe.display()))?;
+            let (Some(to_peer), Some(from_peer)) = (child.stdin.take(), child.stdout.take()) else {
+                bail!("the responder process has no stdin/stdout pipes");
+            };
+            let self0 = cpu_seconds(libc::RUSAGE_SELF);
+            let children0 = cpu_seconds(libc::RUSAGE_CHILDREN);
+            let r =
+                hca_perf::run_with_peer(w, offload, std::io::BufReader::new(from_peer), to_peer);
+            let status = child.wait()?;
+            let req_cpu = cpu_seconds(libc::RUSAGE_SELF) - self0;
+            let rsp_cpu = cpu_seconds(libc::RUSAGE_CHILDREN) - children0;
+            let r = r.context("the two-process run failed")?;
+            if !status.success() {
+                bail!("the responder process failed ({status}); its errors are above");
+            }
+            let per_cpu = |cpu: f64| r.packets as f64 / cpu.max(1e-9);
+            if show.output == ListFormat::Json {
+                let mut v = hca_json(&r);
+                v["path"] = "udp-two-process".into();
+                v["offload"] = offload.into();
+                v["packets"] = r.packets.into();
+                v["packets_per_s"] = r.packets_per_sec().round().into();
+                v["requester_cpu_s"] = ((req_cpu * 1e4).round() / 1e4).into();
+                v["responder_cpu_s"] = ((rsp_cpu * 1e4).round() / 1e4).into();
+                println!("{v}");
+            } else {
+                println!(
+                    "{:<11} {:>9} {:>6} {:>8} {:>8.3} {:>10.0} {:>12.0} {:>8.2} {:>8.2} {:>13.0} {:>13.0}",
+                    op.name(),
+                    hca_perf::human(size),
+                    depth,
+                    if offload { "on" } else { "off" },
+                    r.gbytes_per_sec(),
+                    r.msgs_per_sec(),
+                    r.packets_per_sec(),
+                    req_cpu,
+                    rsp_cpu,
+                    per_cpu(req_cpu),
+                    per_cpu(rsp_cpu),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// User + system CPU seconds of this process or of its waited-for children.
+fn cpu_seconds(who: libc::c_int) -> f64 {
+    // SAFETY: getrusage fills the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(who, &mut u) } != 0 {
+        return 0.0;
+    }
+    let s = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    s(u.ru_utime) + s(u.ru_stime)
+}
+
 fn secs(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e6
 }
@@ -168,6 +282,8 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
         seconds,
         hca,
         region,
+        peer_process,
+        serve_peer,
         queues,
         jobs,
         ext,
@@ -182,6 +298,12 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
         host_traddr,
         device,
     } = ext;
+    if serve_peer {
+        return hca_perf::serve_peer(std::io::stdin().lock(), std::io::stdout().lock());
+    }
+    if peer_process && (!hca || region.is_some()) {
+        bail!("--peer-process is a mode of the raw soft-HCA table: add --hca (and no --region)");
+    }
     if !(0.05..=600.0).contains(&seconds) {
         bail!("--seconds must be between 0.05 and 600");
     }
@@ -216,6 +338,9 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
             nsid: 1,
         };
         return remote_bench(&sub, Duration::from_secs_f64(seconds), &show);
+    }
+    if peer_process {
+        return peer_table(Duration::from_secs_f64(seconds), &show);
     }
     // Both ends are in this process: say which way their packets go.
     let path = if nvmf_rdma::driver::local::enabled() {

@@ -17,7 +17,7 @@ use serde_json::json;
 
 use crate::args::{ConnectMode, DaemonArgs, ExportArgs, ListFormat, Subsys};
 use crate::daemon::start_background;
-use crate::units::human_bytes;
+use nvmf_rdma::cli::units::human_bytes;
 
 /// A connection to the daemon of the run directory; `Ok(None)`: none answers.
 pub(crate) async fn try_open() -> Result<Option<Client>> {

@@ -29,7 +29,7 @@ pub(crate) fn log_line(args: std::fmt::Arguments<'_>) {
     if LOG_TIME.load(Ordering::Relaxed) {
         println!(
             "{} {args}",
-            crate::units::utc_stamp(std::time::SystemTime::now())
+            nvmf_rdma::cli::units::utc_stamp(std::time::SystemTime::now())
         );
     } else {
         println!("{args}");

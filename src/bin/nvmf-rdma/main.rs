@@ -12,8 +12,6 @@ mod manpage;
 mod sdnotify;
 mod signals;
 mod target;
-mod target_control;
-mod units;
 
 use nvmf_rdma::cli::host;
 
@@ -390,18 +388,7 @@ fn run() -> Result<()> {
 async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
     match cmd {
         Cmd::Target(t) => run_target(t).await,
-        Cmd::TargetNs(TargetNsCmd::Add(a)) => {
-            let req = target_control::AddNamespace {
-                nqn: a.nqn,
-                nsid: a.nsid,
-                ram: a.ns.ram.map(|r| r as u64),
-                // The target has its own working directory.
-                file: a.ns.file.map(|f| std::path::absolute(&f).unwrap_or(f)),
-                file_size: a.ns.file_size.map(|s| s as u64),
-                block_size: a.ns.block_size,
-            };
-            target_control::run_add(&a.control, req).await
-        }
+        Cmd::TargetNs(TargetNsCmd::Add(a)) => run_target_ns_add(a).await,
         #[cfg(feature = "hw")]
         Cmd::Hw(a) => Ok(nvmf_rdma::hw::cli::run(a).await?),
         Cmd::Discover { fabric, output } => run_discover(fabric, output).await,

@@ -1,4 +1,4 @@
-//! `target`: the built-in NVMe-oF target until a stop signal.
+//! `target`: the built-in NVMe-oF target until a stop signal; `target-ns add`, its client.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::device::{start_target_kernel, DeviceChoice};
 use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::nvme::Nqn;
+use nvmf_rdma::nvmet::control::{self, AddNamespace};
 use nvmf_rdma::nvmet::{serve_cm, Subsystem, Target, TargetConfig};
 
 pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
@@ -43,7 +44,13 @@ async fn run_soft(a: TargetArgs, cfg: TargetConfig) -> Result<()> {
     let t = Target::start(hca.clone(), cfg)?;
     serve_cm(t.clone(), CmService::for_device(&hca))?;
     let _control = match &a.control {
-        Some(p) => Some(crate::target_control::serve(p, t.clone())?),
+        Some(p) => Some(control::serve(
+            p,
+            t.clone(),
+            Arc::new(|a: &AddNamespace, blocks| {
+                println!("namespace {} added to {} ({blocks} blocks)", a.nsid, a.nqn)
+            }),
+        )?),
         None => None,
     };
     println!(
@@ -86,4 +93,23 @@ async fn run_kernel(sel: &str, a: TargetArgs, cfg: TargetConfig) -> Result<()> {
         }
         why = t.died() => bail!("{why}"),
     }
+}
+
+/// `target-ns add`: one namespace for a running `target --control SOCKET`.
+pub(crate) async fn run_target_ns_add(a: TargetNsAdd) -> Result<()> {
+    let req = AddNamespace {
+        nqn: a.nqn,
+        nsid: a.nsid,
+        ram: a.ns.ram.map(|r| r as u64),
+        // The target has its own working directory.
+        file: a.ns.file.map(|f| std::path::absolute(&f).unwrap_or(f)),
+        file_size: a.ns.file_size.map(|s| s as u64),
+        block_size: a.ns.block_size,
+    };
+    let blocks = control::add_namespace(&a.control, &req).await?;
+    println!(
+        "namespace {} added to {} ({blocks} blocks)",
+        req.nsid, req.nqn
+    );
+    Ok(())
 }

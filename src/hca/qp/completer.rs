@@ -2,10 +2,11 @@
 //! the retry machinery (IBA 9.7.5.1; rxe_comp.c).
 
 use super::{Ctx, Qp};
-use crate::hca::cq::{WcOpcode, WcStatus, WorkCompletion};
-use crate::hca::mr::Access;
-use crate::hca::types::{Instant, Psn};
 use crate::hca::wire::{AethSyndrome, NakCode, OpClass, ParsedPacket};
+use crate::verbs::Access;
+use crate::verbs::Sgl;
+use crate::verbs::{Instant, Psn};
+use crate::verbs::{WcOpcode, WcStatus, WorkCompletion};
 
 impl Qp {
     /// An inbound response packet (ACK, NAK or read response) for our requests.
@@ -294,7 +295,7 @@ impl Qp {
     pub(super) fn scatter(
         &self,
         ctx: &mut Ctx<'_>,
-        sgl: &super::Sgl,
+        sgl: &Sgl,
         mut offset: u32,
         mut data: &[u8],
     ) -> bool {

@@ -2,13 +2,15 @@
 //! the path MTU; each WQE's PSN range is fixed the first time it goes out, so a retry can
 //! start again from any PSN.
 
-use super::{Ctx, Qp, QpState, SendOp, ACK_EVERY};
-use crate::hca::cq::{WcStatus, WorkCompletion};
-use crate::hca::mr::Access;
-use crate::hca::types::Psn;
+use super::{Ctx, Qp, QpState, ACK_EVERY};
 use crate::hca::wire::{
     finish_packet, BthRepr, IcrcContext, MsgPos, Opcode, PacketHeaders, RethRepr,
 };
+use crate::verbs::Access;
+use crate::verbs::Psn;
+use crate::verbs::SendOp;
+use crate::verbs::Sgl;
+use crate::verbs::{WcStatus, WorkCompletion};
 
 /// Packets a message of `len` bytes needs at `mtu` (a zero-length message still needs one).
 pub(crate) fn packets_for(len: u32, mtu: u32) -> u32 {
@@ -52,7 +54,7 @@ fn request_opcode(op: SendOp, pos: MsgPos) -> Opcode {
 }
 
 impl Qp {
-    pub(super) fn requester_can_send(&self, now: crate::hca::types::Instant) -> bool {
+    pub(super) fn requester_can_send(&self, now: crate::verbs::Instant) -> bool {
         let sending_ok = match self.attr.state {
             QpState::Rts => true,
             // SQD finishes the messages already started and starts no new one (IBA
@@ -112,7 +114,7 @@ impl Qp {
     }
 
     /// A tail-loss probe is due and may go out now.
-    pub(super) fn probe_can_send(&self, now: crate::hca::types::Instant) -> bool {
+    pub(super) fn probe_can_send(&self, now: crate::verbs::Instant) -> bool {
         self.comp.probe_due
             && matches!(self.attr.state, QpState::Rts | QpState::Sqd)
             && self.comp.rnr_until.is_none_or(|t| t <= now)
@@ -297,7 +299,7 @@ impl Qp {
     fn gather(
         &self,
         ctx: &mut Ctx<'_>,
-        sgl: &super::Sgl,
+        sgl: &Sgl,
         mut offset: u32,
         mut n: u32,
         out: &mut Vec<u8>,

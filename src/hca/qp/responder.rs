@@ -3,15 +3,16 @@
 //! re-acknowledged, duplicate READs are executed again from memory.
 
 use super::requester::{packets_for, pos_of};
-use super::{Ctx, Qp, ReadCtx, RecvWr, RespMsg};
-use crate::hca::cq::{WcOpcode, WcStatus, WorkCompletion};
-use crate::hca::mr::Access;
-use crate::hca::types::{Instant, MemKey, Psn};
+use super::{Ctx, Qp, ReadCtx, RespMsg};
 use crate::hca::wire::{
     finish_packet, AethRepr, AethSyndrome, BthRepr, IcrcContext, MsgPos, NakCode, OpClass, Opcode,
     PacketHeaders, ParsedPacket,
 };
-use crate::hca::AsyncEvent;
+use crate::verbs::Access;
+use crate::verbs::AsyncEvent;
+use crate::verbs::RecvWr;
+use crate::verbs::{Instant, MemKey, Psn};
+use crate::verbs::{WcOpcode, WcStatus, WorkCompletion};
 
 /// What went wrong with a request, and so which NAK answers it.
 enum Fault {

@@ -1,7 +1,7 @@
 //! Base Transport Header (IBA 9.2; rxe_hdr.h `struct rxe_bth`), 12 bytes.
 
 use super::{be16, be32, check_len, Opcode, WireError};
-use crate::hca::types::{Psn, Qpn};
+use crate::verbs::{Psn, Qpn};
 
 mod field {
     pub const OPCODE: usize = 0;

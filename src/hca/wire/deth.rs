@@ -2,7 +2,7 @@
 //! UD packets, which is how CM MADs travel to QP1.
 
 use super::{be32, check_len, WireError};
-use crate::hca::types::Qpn;
+use crate::verbs::Qpn;
 
 /// The well-known Q_Key of the GSI QP (IBA 13.4.6.1; rxe `GSI_QKEY`).
 pub const GSI_QKEY: u32 = 0x8001_0000;

@@ -2,7 +2,7 @@
 //! and the Invalidate ETH (IBA 9.3.6), which names the R_Key the responder must invalidate.
 
 use super::{be32, check_len, WireError};
-use crate::hca::types::MemKey;
+use crate::verbs::MemKey;
 
 const LEN: usize = 4;
 

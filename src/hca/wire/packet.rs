@@ -5,7 +5,7 @@ use super::{
     check_len, icrc, Aeth, AethRepr, Bth, BthRepr, Deth, DethRepr, HdrMask, IcrcContext, Ieth,
     ImmDt, Reth, WireError, ICRC_LEN,
 };
-use crate::hca::types::MemKey;
+use crate::verbs::MemKey;
 
 use super::reth::RethRepr;
 
@@ -198,8 +198,8 @@ impl<'a> ParsedPacket<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hca::types::{Psn, Qpn};
     use crate::hca::wire::{AethSyndrome, NakCode, Opcode, OPCODE_TABLE};
+    use crate::verbs::{Psn, Qpn};
 
     fn ctx() -> IcrcContext {
         IcrcContext::new(

@@ -1,7 +1,7 @@
 //! RDMA Extended Transport Header (IBA 9.3.3), 16 bytes: virtual address, R_Key, DMA length.
 
 use super::{be32, be64, check_len, WireError};
-use crate::hca::types::MemKey;
+use crate::verbs::MemKey;
 
 mod field {
     pub const VA: usize = 0;

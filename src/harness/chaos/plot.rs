@@ -5,16 +5,16 @@
 
 use std::time::Duration;
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use plotters::prelude::*;
 
-use super::{FaultOutcome, Sample};
+use crate::harness::chaos::report::{FaultOutcome, Sample};
 
 const WIDTH: u32 = 1100;
 const HEIGHT: u32 = 720;
 /// Fault markers, their labels and (faded) their recovery windows. Nothing else in the
 /// picture has this colour: a reader (or a test) finds the faults by it.
-pub(crate) const MARKER: RGBColor = RGBColor(0xB2, 0x22, 0x22);
+pub const MARKER: RGBColor = RGBColor(0xB2, 0x22, 0x22);
 const RATE: RGBColor = RGBColor(0x1F, 0x77, 0xB4);
 const LAT_MEAN: RGBColor = RGBColor(0x2C, 0xA0, 0x2C);
 const LAT_MAX: RGBColor = RGBColor(0xFF, 0x7F, 0x0E);
@@ -22,7 +22,7 @@ const LAT_MAX: RGBColor = RGBColor(0xFF, 0x7F, 0x0E);
 const LABEL_GAP: i32 = 16;
 
 /// The SVG text of the plot of a run that lasted `elapsed`.
-pub(crate) fn svg(
+pub fn svg(
     title: &str,
     faults: &[FaultOutcome],
     series: &[Sample],
@@ -31,6 +31,52 @@ pub(crate) fn svg(
     let mut out = String::new();
     draw(&mut out, title, faults, series, elapsed).map_err(|e| anyhow!("cannot draw: {e}"))?;
     Ok(out)
+}
+
+/// Refuse a `--plot` path that the run could not write at its end, before the run.
+pub fn check_plot_path(path: &std::path::Path) -> Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if !m.file_type().is_file() => bail!(
+            "--plot {}: not a regular file; give the path of a new or regular file",
+            path.display()
+        ),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            bail!("--plot {}: {e}", path.display())
+        }
+        _ => {}
+    }
+    let dir = plot_dir(path);
+    if !dir.is_dir() {
+        bail!(
+            "--plot {}: no directory {}; create it first",
+            path.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+fn plot_dir(path: &std::path::Path) -> &std::path::Path {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    }
+}
+
+/// Write `data` to `path` through a temporary file beside it and a rename: a reader sees
+/// the old file or the whole new one, never half.
+pub fn write_atomic(path: &std::path::Path, data: &[u8]) -> Result<()> {
+    check_plot_path(path)?;
+    let name = path
+        .file_name()
+        .map_or("plot".into(), |n| n.to_string_lossy());
+    let tmp = plot_dir(path).join(format!(".{name}.{}.tmp", std::process::id()));
+    let r = std::fs::write(&tmp, data).and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = r {
+        let _ = std::fs::remove_file(&tmp);
+        bail!("cannot write {}: {e}", path.display());
+    }
+    Ok(())
 }
 
 /// The step line of `f` over the samples: each value held from its interval's start to its

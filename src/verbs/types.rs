@@ -1,7 +1,9 @@
-//! Newtypes shared by every layer of the soft-HCA: queue pair numbers, packet sequence
-//! numbers, memory keys, virtual time and device identity.
+//! Newtypes of the seam, shared by every backend: queue pair numbers, packet sequence
+//! numbers, memory keys, virtual time, device identity, and what a connection tells each
+//! side about the other.
 
 use std::fmt;
+use std::net::SocketAddr;
 
 /// A 24-bit queue pair number (IBA 9.2: DestQP is 24 bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -202,6 +204,15 @@ impl std::str::FromStr for PciAddr {
         }
         Ok(PciAddr::new(domain, bus, device, function))
     }
+}
+
+/// What one side learns about the other when a connection is made (by CM or by hand).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerInfo {
+    pub addr: SocketAddr,
+    pub qpn: Qpn,
+    /// The peer's first send PSN: our expected receive PSN.
+    pub psn: Psn,
 }
 
 #[cfg(test)]

@@ -1,12 +1,18 @@
 //! Chaos: verified I/O against the built-in target while the soft-HCA is reset, unplugged and
 //! re-plugged (same or other identity), the target restarted or frozen. Used by the `chaos`
-//! command, the recovery tests, the seed sweeps and the recovery benchmark. Host and target
-//! run on UDP sockets or on a simulated network ([`crate::driver::SimNet`]), as the
-//! [`Fabric`] they are given says.
+//! command ([`run`], configured by [`config`], reported by [`report`] and [`plot`]), the
+//! recovery tests, the seed sweeps and the recovery benchmark. Host and target run on UDP
+//! sockets or on a simulated network ([`crate::driver::SimNet`]), as the [`Fabric`] they are
+//! given says.
 //!
 //! Verification: each worker owns a range of blocks and a model of it. A write that was
 //! acknowledged updates the model; every read must match the model block for block. A write
 //! that failed leaves its blocks unknown (old or new data) until they are written again.
+
+pub mod config;
+pub mod plot;
+pub mod report;
+pub mod run;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -19,11 +25,11 @@ use rand::{Rng, SeedableRng};
 
 use crate::driver::{CmService, DeviceManager, Fabric, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
-use crate::hca::PciAddr;
 use crate::nvme::Nqn;
 use crate::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use crate::reconnect::{CtrlState, Policy};
 use crate::transport::{ConnectOptions, Controller, CtrlStatus, HostError};
+use crate::verbs::PciAddr;
 
 pub const CHAOS_NQN: &str = "nqn.2026-11.io.nvmf-rdma:chaos";
 /// The host device's slot name in the device manager.

@@ -1,4 +1,5 @@
-//! `target --control SOCKET`: change a running built-in target without code. One JSON object
+//! The control socket of a running built-in target (`target --control SOCKET`): change it
+//! without code. One JSON object
 //! per line each way on a unix socket (0600, clients of the target's own user or root):
 //!
 //! `{"op":"add-namespace","nqn":NQN,"nsid":N,"ram":BYTES}` or with `"file":PATH` (and
@@ -10,47 +11,98 @@
 //! host can list). Its pages are taken before the answer, off the threads that serve the
 //! hosts' queues; adds run one at a time.
 //! Connected hosts get a Namespace Attribute Changed event (the daemon rescans and exports
-//! it). `nvmf-rdma target-ns add` is the CLI client.
+//! it). [`add_namespace`] is the client (`nvmf-rdma target-ns add`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::nvmet::{Namespace, Target, MAX_NAMESPACES};
-use nvmf_rdma::verbs::DeviceContext;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
-use nvmf_rdma::daemon::control::same_user;
+use crate::cli::support::one_line;
+use crate::export::{bind_listener, same_user};
+use crate::nvmet::{Namespace, Target, MAX_NAMESPACES};
+use crate::verbs::DeviceContext;
 
 /// Longest request line, and how long a client may take to send it.
 const LINE_MAX: u64 = 4096;
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// One request: a namespace to add.
+/// A request: one JSON object on a line, its `op` naming the variant.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case")]
+pub enum Request {
+    AddNamespace(AddNamespace),
+}
+
+/// A namespace to add.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct AddNamespace {
-    pub(crate) nqn: String,
-    pub(crate) nsid: u32,
+pub struct AddNamespace {
+    pub nqn: String,
+    pub nsid: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) ram: Option<u64>,
+    pub ram: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) file: Option<PathBuf>,
+    pub file: Option<PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) file_size: Option<u64>,
+    pub file_size: Option<u64>,
     #[serde(default = "default_block_size")]
-    pub(crate) block_size: u32,
+    pub block_size: u32,
 }
 
 fn default_block_size() -> u32 {
     512
 }
 
+/// The answer to a request. Keys in their order on the wire.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Answer {
+    /// Blocks of the namespace added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<u64>,
+    /// Why the request was refused, on one line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// What to do about it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nsid: Option<u32>,
+    pub ok: bool,
+}
+
+impl Answer {
+    fn added(nsid: u32, blocks: u64) -> Answer {
+        Answer {
+            blocks: Some(blocks),
+            error: None,
+            hint: None,
+            nsid: Some(nsid),
+            ok: true,
+        }
+    }
+
+    fn refused(error: &str, hint: Option<&str>) -> Answer {
+        Answer {
+            blocks: None,
+            error: Some(one_line(error)),
+            hint: hint.map(str::to_string),
+            nsid: None,
+            ok: false,
+        }
+    }
+
+    fn line(&self) -> String {
+        // A struct of strings and numbers always serializes.
+        serde_json::to_string(self).unwrap_or_default() + "\n"
+    }
+}
+
 /// log2 of a block size the target serves.
-pub(crate) fn lbads(block_size: u32) -> Result<u8> {
+pub fn lbads(block_size: u32) -> Result<u8> {
     match block_size {
         512 => Ok(9),
         4096 => Ok(12),
@@ -62,7 +114,7 @@ pub(crate) fn lbads(block_size: u32) -> Result<u8> {
 /// neither is given) or the file `file` (created or grown to `file_size`). `ram_held` is
 /// what the target's RAM namespaces hold already. Blocks while a RAM namespace's pages are
 /// taken: a running target calls it off the threads that serve its queues.
-pub(crate) fn namespace_of(
+pub fn namespace_of(
     nsid: u32,
     ram: Option<u64>,
     file: Option<&Path>,
@@ -190,13 +242,18 @@ fn ram_held<D: DeviceContext>(t: &Target<D>) -> u64 {
         .sum()
 }
 
-/// Serve the control socket at `path` until the task is dropped (it removes the socket).
-pub(crate) fn serve<D: DeviceContext>(
+/// What a server tells its owner of each namespace it added: the request and the
+/// namespace's blocks.
+pub type OnAdded = Arc<dyn Fn(&AddNamespace, u64) + Send + Sync>;
+
+/// Serve the control socket at `path` until the task is dropped (it removes the socket);
+/// `added` hears of each namespace added.
+pub fn serve<D: DeviceContext>(
     path: &Path,
     t: Target<D>,
+    added: OnAdded,
 ) -> Result<tokio::task::JoinHandle<()>> {
-    let (l, rm) = nvmf_rdma::export::bind_listener(path)
-        .with_context(|| format!("bind {}", path.display()))?;
+    let (l, rm) = bind_listener(path).with_context(|| format!("bind {}", path.display()))?;
     let t = Arc::new(t);
     // One add at a time: a namespace's memory is checked against what the others hold,
     // which counts it only once it is in the target.
@@ -215,7 +272,7 @@ pub(crate) fn serve<D: DeviceContext>(
                     if !same_user(&s) || clients.len() >= 16 {
                         continue;
                     }
-                    clients.spawn(serve_client(s, t.clone(), adding.clone()));
+                    clients.spawn(serve_client(s, t.clone(), adding.clone(), added.clone()));
                 }
                 Some(_) = clients.join_next(), if !clients.is_empty() => {}
             }
@@ -227,6 +284,7 @@ async fn serve_client<D: DeviceContext>(
     s: tokio::net::UnixStream,
     t: Arc<Target<D>>,
     adding: Arc<tokio::sync::Mutex<()>>,
+    added: OnAdded,
 ) {
     let (r, mut w) = s.into_split();
     let mut r = BufReader::new(r.take(LINE_MAX));
@@ -236,23 +294,23 @@ async fn serve_client<D: DeviceContext>(
         let answer = match tokio::time::timeout(CLIENT_TIMEOUT, r.read_line(&mut line)).await {
             Ok(Ok(0)) | Ok(Err(_)) => return,
             Err(_) => {
-                json!({"ok": false, "error": format!("no request line within {} s", CLIENT_TIMEOUT.as_secs())})
-            }
-            Ok(Ok(_)) if !line.ends_with('\n') => {
+                let e = format!("no request line within {} s", CLIENT_TIMEOUT.as_secs());
+                // The client had its time: the answer, then the connection goes.
                 let _ = w
-                    .write_all(format!("{}\n", json!({"ok": false, "error": format!("request line longer than {LINE_MAX} bytes")})).as_bytes())
+                    .write_all(Answer::refused(&e, None).line().as_bytes())
                     .await;
                 return;
             }
-            Ok(Ok(_)) => handle(&t, &adding, line.trim()).await,
+            Ok(Ok(_)) if !line.ends_with('\n') => {
+                let e = format!("request line longer than {LINE_MAX} bytes");
+                let _ = w
+                    .write_all(Answer::refused(&e, None).line().as_bytes())
+                    .await;
+                return;
+            }
+            Ok(Ok(_)) => handle(&t, &adding, line.trim(), &added).await,
         };
-        if w.write_all(format!("{answer}\n").as_bytes()).await.is_err() {
-            return;
-        }
-        if answer["error"]
-            .as_str()
-            .is_some_and(|e| e.starts_with("no request line"))
-        {
+        if w.write_all(answer.line().as_bytes()).await.is_err() {
             return;
         }
     }
@@ -262,25 +320,16 @@ async fn handle<D: DeviceContext>(
     t: &Arc<Target<D>>,
     adding: &tokio::sync::Mutex<()>,
     line: &str,
-) -> Value {
-    let fail = |e: String, hint: &str| json!({"ok": false, "error": nvmf_rdma::daemon::proto::one_line(&e), "hint": hint});
-    let mut v: Value = match serde_json::from_str(line) {
-        Ok(v) => v,
-        Err(e) => return fail(format!("not JSON: {e}"), "send one JSON object per line"),
-    };
-    let op = v.get("op").and_then(Value::as_str).map(String::from);
-    if op.as_deref() != Some("add-namespace") {
-        return fail(format!("unknown op {op:?}"), "ops: add-namespace");
-    }
-    if let Value::Object(m) = &mut v {
-        m.remove("op");
-    }
-    let a: AddNamespace = match serde_json::from_value(v) {
-        Ok(a) => a,
+    added: &OnAdded,
+) -> Answer {
+    let fail = |e: String, hint: &str| Answer::refused(&e, Some(hint));
+    let a = match serde_json::from_str::<Request>(line) {
+        Ok(Request::AddNamespace(a)) => a,
         Err(e) => {
             return fail(
-                format!("add-namespace: {e}"),
-                "fields: nqn, nsid, ram or file (file_size), block_size",
+                format!("bad request: {e}"),
+                "one JSON object per line: op add-namespace, with nqn, nsid, ram or file \
+                 (file_size), block_size",
             )
         }
     };
@@ -327,8 +376,8 @@ async fn handle<D: DeviceContext>(
     let blocks = ns.blocks;
     match t.add_namespace(&a.nqn, ns) {
         Ok(()) => {
-            println!("namespace {} added to {} ({blocks} blocks)", a.nsid, a.nqn);
-            json!({"ok": true, "nsid": a.nsid, "blocks": blocks})
+            added(&a, blocks);
+            Answer::added(a.nsid, blocks)
         }
         Err(e) => fail(
             e,
@@ -337,8 +386,8 @@ async fn handle<D: DeviceContext>(
     }
 }
 
-/// `nvmf-rdma target-ns add`: send one request, print the answer.
-pub(crate) async fn run_add(control: &Path, a: AddNamespace) -> Result<()> {
+/// Ask the target whose control socket is `control` to add the namespace `a`; its blocks.
+pub async fn add_namespace(control: &Path, a: &AddNamespace) -> Result<u64> {
     let s = tokio::net::UnixStream::connect(control)
         .await
         .with_context(|| {
@@ -349,27 +398,26 @@ pub(crate) async fn run_add(control: &Path, a: AddNamespace) -> Result<()> {
             )
         })?;
     let (r, mut w) = s.into_split();
-    let mut req = serde_json::to_value(&a)?;
-    req["op"] = json!("add-namespace");
+    let req = serde_json::to_string(&Request::AddNamespace(a.clone()))?;
     w.write_all(format!("{req}\n").as_bytes()).await?;
     let mut line = String::new();
     BufReader::new(r.take(64 << 10))
         .read_line(&mut line)
         .await
         .context("read the target's answer")?;
-    let v: Value = serde_json::from_str(line.trim()).context("the target's answer is not JSON")?;
-    if v["ok"] != json!(true) {
-        bail!(
+    let v: Answer = serde_json::from_str(line.trim()).context("the target's answer is not JSON")?;
+    match v {
+        Answer {
+            ok: true,
+            blocks: Some(blocks),
+            ..
+        } => Ok(blocks),
+        v => bail!(
             "{} ({})",
-            v["error"].as_str().unwrap_or("refused"),
-            v["hint"].as_str().unwrap_or("")
-        );
+            v.error.as_deref().unwrap_or("refused"),
+            v.hint.as_deref().unwrap_or("")
+        ),
     }
-    println!(
-        "namespace {} added to {} ({} blocks)",
-        a.nsid, a.nqn, v["blocks"]
-    );
-    Ok(())
 }
 
 #[cfg(test)]
@@ -393,6 +441,37 @@ mod tests {
             .to_string();
         assert!(e.contains("this machine's") && e.contains("--file"), "{e}");
         assert!(ram_fits(u64::MAX, u64::MAX, u64::MAX, u64::MAX).is_err());
+    }
+
+    /// Requests are typed: the op names the variant, an unknown op or field is refused, and
+    /// the answer keeps its keys in wire order.
+    #[test]
+    fn requests_and_answers_on_the_wire() {
+        let a: Request = serde_json::from_str(
+            r#"{"op":"add-namespace","nqn":"nqn.a:b","nsid":2,"ram":1048576}"#,
+        )
+        .unwrap();
+        let Request::AddNamespace(a) = a;
+        assert_eq!((a.nsid, a.ram, a.block_size), (2, Some(1 << 20), 512));
+        for bad in [
+            r#"{"op":"remove-namespace","nqn":"n","nsid":2}"#,
+            r#"{"op":"add-namespace","nqn":"n","nsid":2,"colour":"red"}"#,
+            r#"{"nqn":"n","nsid":2}"#,
+            r#"{"op":"add-namespace","nqn":"n"}"#,
+            "not json",
+        ] {
+            assert!(serde_json::from_str::<Request>(bad).is_err(), "{bad}");
+        }
+        let sent = serde_json::to_string(&Request::AddNamespace(a)).unwrap();
+        assert!(sent.starts_with(r#"{"op":"add-namespace","#), "{sent}");
+        assert_eq!(
+            Answer::added(2, 2048).line(),
+            "{\"blocks\":2048,\"nsid\":2,\"ok\":true}\n"
+        );
+        assert_eq!(
+            Answer::refused("no\nroom", Some("ask for less")).line(),
+            "{\"error\":\"no; room\",\"hint\":\"ask for less\",\"ok\":false}\n"
+        );
     }
 
     /// Whatever the limits, what is available is a number a RAM namespace can be held to,

@@ -1,0 +1,307 @@
+//! Admin commands, as tables: opcode -> handler, Identify CNS -> page, log page ID -> page.
+//! A command the tables do not name is refused (Invalid Opcode, Invalid Field, Invalid Log
+//! Page).
+
+use crate::nvme::admin::{cns, feature, lid, opcode};
+use crate::nvme::fabrics;
+use crate::nvme::{
+    DiscoveryLogEntry, DiscoveryLogHeader, FixedStr, IdentifyController, IdentifyNamespace, Sqe,
+    Status, Vs,
+};
+
+use super::command::{kato, lookup, Core, Ctrl, Done, Slot, AER_LIMIT, SQE_LEN};
+use super::{Namespace, Subsystem};
+
+type Handler = fn(&mut Core, &mut dyn Slot, &Sqe) -> Result<Done, Status>;
+
+/// The admin commands the target implements.
+const ADMIN: &[(u8, Handler)] = &[
+    (opcode::admin::GET_LOG_PAGE, get_log_page),
+    (opcode::admin::IDENTIFY, identify),
+    (opcode::admin::SET_FEATURES, set_features),
+    (opcode::admin::GET_FEATURES, get_features),
+    (opcode::admin::ASYNC_EVENT_REQUEST, async_event_request),
+    (opcode::admin::KEEP_ALIVE, keep_alive),
+];
+
+/// Length of an Identify data structure.
+const IDENTIFY_LEN: usize = 4096;
+
+type IdentifyFn = fn(&Core, &Ctrl, u16, &Sqe, &mut [u8; IDENTIFY_LEN]) -> Result<(), Status>;
+
+/// The Identify data structures the target returns, by CNS.
+const IDENTIFY: &[(u8, IdentifyFn)] = &[
+    (cns::NAMESPACE, identify_namespace),
+    (cns::CONTROLLER, identify_controller),
+    (cns::ACTIVE_NAMESPACE_LIST, active_namespaces),
+    (cns::NS_ID_DESCRIPTORS, ns_id_descriptors),
+];
+
+type LogFn = fn(&mut Core, &dyn Slot) -> Result<Vec<u8>, Status>;
+
+/// The log pages the target returns, by log page ID.
+const LOG_PAGES: &[(u8, LogFn)] = &[
+    // Error information, SMART / health, firmware slot: all zeroes here.
+    (lid::ERROR_INFO, zeroes),
+    (lid::SMART, zeroes),
+    (0x03, zeroes),
+    (lid::CHANGED_NS_LIST, changed_namespaces),
+    (lid::DISCOVERY, discovery_log),
+];
+
+/// Run admin command `sqe` of a controller's admin queue.
+pub(super) fn exec(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done, Status> {
+    let run = lookup(ADMIN, sqe.opcode).ok_or(Status::INVALID_OPCODE.with_dnr())?;
+    run(core, slot, sqe)
+}
+
+fn identify(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done, Status> {
+    let cntlid = slot.cntlid().unwrap_or(0);
+    let ctrl = core.ctrl_of(slot, true)?;
+    let emit =
+        lookup(IDENTIFY, (sqe.cdw10 & 0xFF) as u8).ok_or(Status::INVALID_FIELD.with_dnr())?;
+    let mut page = [0u8; IDENTIFY_LEN];
+    emit(core, ctrl, cntlid, sqe, &mut page)?;
+    slot.data_out(IDENTIFY_LEN, &mut |g| {
+        g.copy_from_slice(&page);
+        Ok(())
+    })?;
+    Ok(Done::Respond {
+        result: 0,
+        data_out: IDENTIFY_LEN,
+    })
+}
+
+/// The namespace `sqe` names, of `ctrl`'s subsystem.
+fn namespace<'a>(core: &'a Core, ctrl: &Ctrl, sqe: &Sqe) -> Result<&'a Namespace, Status> {
+    core.subsystem(ctrl)
+        .and_then(|s| s.namespaces.iter().find(|n| n.nsid == sqe.nsid))
+        .map(|n| &**n)
+        .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())
+}
+
+fn identify_namespace(
+    core: &Core,
+    ctrl: &Ctrl,
+    _: u16,
+    sqe: &Sqe,
+    page: &mut [u8; IDENTIFY_LEN],
+) -> Result<(), Status> {
+    let ns = namespace(core, ctrl, sqe)?;
+    let mut id = IdentifyNamespace::simple(ns.blocks, ns.lbads);
+    id.nguid = ns.ident.nguid;
+    id.eui64 = ns.ident.eui64;
+    id.emit(page);
+    Ok(())
+}
+
+fn ns_id_descriptors(
+    core: &Core,
+    ctrl: &Ctrl,
+    _: u16,
+    sqe: &Sqe,
+    page: &mut [u8; IDENTIFY_LEN],
+) -> Result<(), Status> {
+    let ns = namespace(core, ctrl, sqe)?;
+    crate::nvme::identify::emit_ns_id_descriptors(&ns.ident, page);
+    Ok(())
+}
+
+fn active_namespaces(
+    core: &Core,
+    ctrl: &Ctrl,
+    _: u16,
+    sqe: &Sqe,
+    page: &mut [u8; IDENTIFY_LEN],
+) -> Result<(), Status> {
+    let ids: Vec<u32> = core
+        .subsystem(ctrl)
+        .map(|s| {
+            s.namespaces
+                .iter()
+                .map(|n| n.nsid)
+                .filter(|&n| n > sqe.nsid)
+                .collect()
+        })
+        .unwrap_or_default();
+    crate::nvme::identify::emit_active_namespace_ids(&ids, page);
+    Ok(())
+}
+
+fn identify_controller(
+    core: &Core,
+    ctrl: &Ctrl,
+    cntlid: u16,
+    _: &Sqe,
+    page: &mut [u8; IDENTIFY_LEN],
+) -> Result<(), Status> {
+    let cfg = &core.cfg;
+    let s = core.subsystem(ctrl);
+    let nqn = s.map(|s| s.nqn.as_str()).unwrap_or(fabrics::DISCOVERY_NQN);
+    let id = IdentifyController {
+        vid: 0x1de5,
+        ssvid: 0x1de5,
+        sn: spaced(s.map(|s| s.serial.as_str()).unwrap_or("DISCOVERY")),
+        mn: spaced(s.map(|s| s.model.as_str()).unwrap_or("nvmf-rdma discovery")),
+        fr: spaced(env!("CARGO_PKG_VERSION")),
+        // MDTS in units of the minimum page size (4 KiB), as a power of two.
+        mdts: (cfg.max_transfer / 4096).max(1).ilog2() as u8,
+        cntlid,
+        ver: Vs::new(1, 3, 0).0,
+        kas: 1, // 100 ms granularity
+        sqes: 0x66,
+        cqes: 0x44,
+        maxcmd: cfg.max_queue_size,
+        nn: s
+            .map(|s| s.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0))
+            .unwrap_or(0),
+        oncs: (1 << 2) | (1 << 3), // DSM, Write Zeroes
+        vwc: 0,
+        // SGLs supported, keyed SGL data block, offset addressing for in-capsule data.
+        sgls: 1 | (1 << 2) | (1 << 20),
+        subnqn: FixedStr::new(nqn).unwrap_or_else(|_| FixedStr::zeroed()),
+        ioccsz: ((SQE_LEN as u32) + cfg.inline_data) / 16,
+        iorcsz: 1,
+        icdoff: 0,
+        msdbd: 1,
+        ..IdentifyController::default()
+    };
+    id.emit(page);
+    Ok(())
+}
+
+/// An ASCII identify field, space padded; text that does not fit is cut.
+fn spaced<const N: usize>(v: &str) -> FixedStr<N> {
+    let cut = &v[..v.len().min(N)];
+    FixedStr::new_spaced(cut).unwrap_or_else(|_| FixedStr::zeroed())
+}
+
+fn set_features(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done, Status> {
+    let fid = (sqe.cdw10 & 0xFF) as u8;
+    let max = core.cfg.max_io_queues as u32;
+    let max_kato_ms = core.cfg.max_kato_ms;
+    let ctrl = core.ctrl_mut(slot)?;
+    match fid {
+        feature::NUMBER_OF_QUEUES => {
+            let nsqr = (sqe.cdw11 & 0xFFFF) + 1;
+            let ncqr = (sqe.cdw11 >> 16) + 1;
+            if nsqr == 0x10000 || ncqr == 0x10000 {
+                return Err(Status::INVALID_FIELD.with_dnr());
+            }
+            let n = nsqr.min(ncqr).min(max);
+            ctrl.io_queues = n as u16;
+            Ok(Done::result(((n - 1) | ((n - 1) << 16)) as u64))
+        }
+        feature::KEEP_ALIVE_TIMER => {
+            ctrl.kato_ms = kato(sqe.cdw11, ctrl.is_discovery(), max_kato_ms)
+                .ok_or(Status::KEEP_ALIVE_INVALID.with_dnr())?;
+            Ok(Done::OK)
+        }
+        feature::ASYNC_EVENT_CONFIG | feature::VOLATILE_WRITE_CACHE => Ok(Done::OK),
+        _ => Err(Status::INVALID_FIELD.with_dnr()),
+    }
+}
+
+fn get_features(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done, Status> {
+    let ctrl = core.ctrl_of(slot, true)?;
+    let v = match (sqe.cdw10 & 0xFF) as u8 {
+        feature::NUMBER_OF_QUEUES => {
+            let n = ctrl.io_queues.max(1) as u32 - 1;
+            n | (n << 16)
+        }
+        feature::KEEP_ALIVE_TIMER => ctrl.kato_ms,
+        feature::ASYNC_EVENT_CONFIG | feature::VOLATILE_WRITE_CACHE => 0,
+        _ => return Err(Status::INVALID_FIELD.with_dnr()),
+    };
+    Ok(Done::result(v as u64))
+}
+
+/// Any command counts as traffic for keep-alive (the transport notes it): nothing to do.
+fn keep_alive(_: &mut Core, _: &mut dyn Slot, _: &Sqe) -> Result<Done, Status> {
+    Ok(Done::OK)
+}
+
+fn async_event_request(core: &mut Core, slot: &mut dyn Slot, _: &Sqe) -> Result<Done, Status> {
+    let ctrl = core.ctrl_mut(slot)?;
+    if !ctrl.events.is_empty() {
+        // An event came while no request was outstanding: report it now.
+        let ev = ctrl.events.remove(0);
+        return Ok(Done::result(ev as u64));
+    }
+    if ctrl.aers >= AER_LIMIT {
+        return Err(Status::ASYNC_EVENT_LIMIT_EXCEEDED.with_dnr());
+    }
+    ctrl.aers += 1;
+    Ok(Done::Park)
+}
+
+fn get_log_page(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done, Status> {
+    let numd = (((sqe.cdw10 >> 16) & 0xFFFF) | ((sqe.cdw11 & 0xFFFF) << 16)) as usize + 1;
+    let offset = sqe.cdw12 as u64 | ((sqe.cdw13 as u64) << 32);
+    let len = numd * 4;
+    let page = lookup(LOG_PAGES, (sqe.cdw10 & 0xFF) as u8)
+        .ok_or(Status::INVALID_LOG_PAGE.with_dnr())?(core, slot)?;
+    if len > slot.staging_len() {
+        return Err(Status::SGL_DATA_LENGTH_INVALID.with_dnr());
+    }
+    let off = (offset as usize).min(page.len());
+    let n = (page.len() - off).min(len);
+    slot.data_out(len, &mut |g| {
+        g[..n].copy_from_slice(&page[off..off + n]);
+        g[n..].fill(0);
+        Ok(())
+    })?;
+    Ok(Done::Respond {
+        result: 0,
+        data_out: len,
+    })
+}
+
+fn zeroes(_: &mut Core, _: &dyn Slot) -> Result<Vec<u8>, Status> {
+    Ok(vec![0u8; 4096])
+}
+
+/// The Changed Namespace List: reading it clears it (and re-arms the event).
+fn changed_namespaces(core: &mut Core, slot: &dyn Slot) -> Result<Vec<u8>, Status> {
+    let ctrl = core.ctrl_mut(slot)?;
+    let mut page = vec![0u8; 4096];
+    let list = std::mem::take(&mut ctrl.changed_ns);
+    for (i, id) in list.iter().enumerate() {
+        page[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
+    }
+    Ok(page)
+}
+
+/// The discovery log as the controller's host sees it: only subsystems that allow it
+/// (nvmet `nvmet_host_allowed`), so the log does not tell anyone what exists beyond that.
+fn discovery_log(core: &mut Core, slot: &dyn Slot) -> Result<Vec<u8>, Status> {
+    let hostnqn = core.ctrl_of(slot, true)?.hostnqn.as_str();
+    let cfg = &core.cfg;
+    let visible: Vec<&Subsystem> = cfg
+        .subsystems
+        .iter()
+        .filter(|s| s.allows(hostnqn))
+        .collect();
+    let recs = visible.len();
+    let mut page = vec![0u8; 1024 * (recs + 1)];
+    let hdr = DiscoveryLogHeader {
+        genctr: 1,
+        numrec: recs as u64,
+        recfmt: 0,
+    };
+    let mut h = [0u8; 1024];
+    hdr.emit(&mut h);
+    page[..1024].copy_from_slice(&h);
+    let addr = cfg
+        .advertise
+        .map(|a| a.ip().to_string())
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let port = cfg.port.to_string();
+    let ipv6 = cfg.advertise.is_some_and(|a| a.is_ipv6());
+    for (i, s) in visible.iter().enumerate() {
+        if let Ok(e) = DiscoveryLogEntry::rdma(&s.nqn, &addr, &port, ipv6, 1) {
+            page[1024 * (i + 1)..1024 * (i + 2)].copy_from_slice(&e.to_bytes());
+        }
+    }
+    Ok(page)
+}
