@@ -8,6 +8,7 @@
 
 pub mod cli;
 pub mod cm;
+pub mod daemon;
 pub mod driver;
 pub mod export;
 pub mod harness;

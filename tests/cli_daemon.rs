@@ -562,7 +562,8 @@ fn wait_gone(pid: i32) {
 
 /// Without a daemon, `connect` starts one in the background and returns once its export is
 /// served (the NBD socket answers at once); `daemon --stop` ends it; a `daemon --background`
-/// ends on SIGHUP the same way. Nothing is left in the run dir but the log.
+/// ends on SIGTERM the same way, and SIGHUP only reloads its config file. Nothing is left in the
+/// run dir but the log.
 #[test]
 fn connect_starts_a_daemon_when_none_runs_and_stop_ends_it() {
     let rig = Rig::new("auto");
@@ -626,13 +627,25 @@ fn connect_starts_a_daemon_when_none_runs_and_stop_ends_it() {
         .parse()
         .unwrap();
     rig.ok(&["connect", "-a", &addr, "-n", NQN, "-i", "1"]);
+    // SIGHUP reloads the config file (there is none: nothing to connect) and the daemon
+    // goes on serving; SIGTERM stops it.
+    let log = || std::fs::read_to_string(rig.run.join("daemon.log")).unwrap();
     // SAFETY: kill(2) on the daemon this test started.
     unsafe { libc::kill(pid, libc::SIGHUP) };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !log().contains("reload: no new line") {
+        assert!(Instant::now() < deadline, "no reload: {}", log());
+        assert!(!gone(pid), "SIGHUP stopped the daemon: {}", log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(controllers(&rig.list_json()).len(), 1, "{}", log());
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
     wait_gone(pid);
     only_log(&rig.run);
-    let log = std::fs::read_to_string(rig.run.join("daemon.log")).unwrap();
+    let log = log();
     assert!(
-        log.contains("SIGHUP: stopped") && log.contains("nvmf0: disconnected"),
+        log.contains("SIGTERM: stopped") && log.contains("nvmf0: disconnected"),
         "{log}"
     );
     // Each line of the log carries its time (UTC, RFC 3339), so recovery can be read back.
@@ -640,7 +653,12 @@ fn connect_starts_a_daemon_when_none_runs_and_stop_ends_it() {
         let b = l.as_bytes();
         b.len() > 24 && b[4] == b'-' && b[10] == b'T' && b[23] == b'Z'
     };
-    for what in ["ready", "nvmf0: connected", "SIGHUP: stopped"] {
+    for what in [
+        "ready",
+        "nvmf0: connected",
+        "SIGHUP: reloading",
+        "SIGTERM: stopped",
+    ] {
         let line = log.lines().find(|l| l.contains(what)).unwrap();
         assert!(stamped(line), "no time on {line:?}");
     }

@@ -2,7 +2,9 @@
 //! `nvmf-rdma` binary and the fio plugin, the JSON writer of `-o json`, and the metrics
 //! HTTP endpoint.
 
+pub mod args;
 pub mod device;
+pub mod host;
 pub mod metrics_http;
 pub mod support;
 pub mod units;

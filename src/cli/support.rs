@@ -316,7 +316,7 @@ fn ms(d: Duration) -> String {
     format!("{:.3}", d.as_secs_f64() * 1e3)
 }
 
-fn human_duration(d: Duration) -> String {
+pub fn human_duration(d: Duration) -> String {
     if d >= Duration::from_secs(10) {
         format!("{} s", d.as_secs())
     } else if d >= Duration::from_secs(1) {

@@ -127,6 +127,9 @@ pub struct NbdStats {
     /// Payload and reply bytes held by all connections now, and the most ever.
     pub bytes_held: AtomicUsize,
     pub peak_bytes_held: AtomicUsize,
+    /// The process of each unix-socket client connected now (SO_PEERCRED at accept), so an
+    /// export in use can name its holders; bounded by `max_connections`.
+    pub client_pids: std::sync::Mutex<Vec<i32>>,
 }
 
 /// Bytes of its connection's share and of the process budget held by one request until its

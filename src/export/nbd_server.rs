@@ -241,8 +241,9 @@ impl NbdListener {
         loop {
             let accepted = match &self.listener {
                 Listener::Unix(l) => l.accept().await.map(|(s, _)| {
-                    let peer = s.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
-                    (Stream::Unix(s), peer)
+                    let cred = s.peer_cred().ok();
+                    let peer = cred.map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
+                    (Stream::Unix(s, cred.and_then(|c| c.pid())), peer)
                 }),
                 Listener::Tcp(l) => l.accept().await.map(|(s, peer)| {
                     let _ = s.set_nodelay(true);
@@ -292,8 +293,20 @@ impl NbdListener {
                     stats: stats.clone(),
                     memory,
                 };
+                let pids = || stats.client_pids.lock().unwrap_or_else(|e| e.into_inner());
                 match stream {
-                    Stream::Unix(s) => run_logged(s, exports, c).await,
+                    Stream::Unix(s, pid) => {
+                        if let Some(p) = pid {
+                            pids().push(p);
+                        }
+                        run_logged(s, exports, c).await;
+                        if let Some(p) = pid {
+                            let mut v = pids();
+                            if let Some(i) = v.iter().position(|&q| q == p) {
+                                v.swap_remove(i);
+                            }
+                        }
+                    }
                     Stream::Tcp(s) => run_logged(s, exports, c).await,
                 }
                 stats.connections.fetch_sub(1, Ordering::Relaxed);
@@ -305,6 +318,7 @@ impl NbdListener {
 }
 
 enum Stream {
-    Unix(tokio::net::UnixStream),
+    /// With the client's pid, when the kernel says it.
+    Unix(tokio::net::UnixStream, Option<i32>),
     Tcp(tokio::net::TcpStream),
 }

@@ -268,8 +268,8 @@ impl Inbox {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::verbs::{Guid, PciAddr};
     use crate::reconnect::Identity;
+    use crate::verbs::{Guid, PciAddr};
 
     fn id(n: u8) -> Identity {
         Identity {

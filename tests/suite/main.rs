@@ -18,6 +18,7 @@ mod raw_queue;
 mod rig;
 
 mod adversarial;
+mod daemon_registry;
 mod export_fuse;
 mod export_model;
 mod export_nbd;

@@ -6,205 +6,12 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
+pub(crate) use nvmf_rdma::cli::args::*;
 use nvmf_rdma::cli::device::DeviceChoice;
-use nvmf_rdma::cli::support::{
-    parse_duration, parse_pos_secs, parse_secs, parse_tmo, parse_traddr, Tmo,
-};
+use nvmf_rdma::cli::support::{parse_duration, parse_pos_secs, parse_traddr};
 pub(crate) use nvmf_rdma::cli::units::parse_size;
-use nvmf_rdma::export::ExportAddr;
 pub(crate) use nvmf_rdma::harness::chaos::config::FaultKind;
 use nvmf_rdma::harness::nvmf_perf::DEMO_NQN;
-use nvmf_rdma::reconnect::policy;
-use nvmf_rdma::reconnect::{IdentityMatch, Policy};
-
-/// Where the target is (nvme-cli's fabrics arguments).
-#[derive(Args, Debug, Clone)]
-pub(crate) struct Fabric {
-    /// Transport type; only rdma.
-    #[arg(short = 't', long = "transport", default_value = "rdma")]
-    pub(crate) transport: String,
-    /// Target address: IP (RoCEv2 UDP port 4791) or IP:PORT for a soft-HCA bound elsewhere.
-    #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
-    pub(crate) traddr: SocketAddr,
-    /// NVMe-oF service port.
-    #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
-    pub(crate) trsvcid: u16,
-    /// Host NQN (default: /etc/nvme/hostnqn, else from the host ID).
-    #[arg(short = 'q', long = "hostnqn")]
-    pub(crate) hostnqn: Option<String>,
-    /// Host ID, a UUID (default: /etc/nvme/hostid, else from /etc/machine-id).
-    #[arg(short = 'I', long = "hostid", value_parser = parse_hostid)]
-    pub(crate) hostid: Option<String>,
-    /// Address of the host's soft-HCA (IP, port 4791, or IP:PORT). Default: the local
-    /// address that routes to the target, on port 4791 unless the target is on loopback.
-    #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr)]
-    pub(crate) host_traddr: Option<SocketAddr>,
-    /// RDMA device the host runs on: soft (the built-in soft-HCA), or a kernel RDMA device
-    /// (a build with `--features hw`) by name (rxe0, mlx5_0), guid:<GUID> or pci:<address>.
-    #[arg(long, default_value = "soft")]
-    pub(crate) device: DeviceChoice,
-}
-
-#[derive(Args, Debug, Clone)]
-pub(crate) struct Subsys {
-    #[command(flatten)]
-    pub(crate) fabric: Fabric,
-    /// Subsystem NQN.
-    #[arg(short = 'n', long = "nqn")]
-    pub(crate) nqn: String,
-    /// I/O queues (default: one per core).
-    #[arg(short = 'i', long = "nr-io-queues", default_value_t = cores())]
-    pub(crate) nr_io_queues: usize,
-    /// Entries per I/O queue (16..=1024).
-    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
-    pub(crate) queue_size: usize,
-    #[command(flatten)]
-    pub(crate) policy: PolicyArgs,
-    /// Namespace to use for read/write/verify.
-    #[arg(long, default_value_t = 1)]
-    pub(crate) nsid: u32,
-}
-
-/// Keep-alive and the reconnect policy, with nvme-cli's names where it has them. Shared by
-/// every command that connects; `chaos` has its own defaults for `-c` and `-l`.
-#[derive(Args, Debug, Clone, Default)]
-pub(crate) struct PolicyArgs {
-    /// Keep-alive timeout in seconds, 0 = off [default: 5]
-    #[arg(short = 'k', long = "keep-alive-tmo",
-        value_name = "SECS",
-        allow_hyphen_values = true,
-        value_parser = parse_secs
-    )]
-    pub(crate) keep_alive_tmo: Option<u64>,
-    /// Seconds between reconnect attempts; 0 = at once [default: 10; chaos: 0]
-    #[arg(short = 'c', long = "reconnect-delay",
-        value_name = "SECS",
-        allow_hyphen_values = true,
-        value_parser = parse_secs
-    )]
-    pub(crate) reconnect_delay: Option<u64>,
-    /// Seconds to keep reconnecting before the controller is deleted and its I/O fails;
-    /// -1 = forever [default: 600; chaos: 60]
-    #[arg(
-        short = 'l',
-        long = "ctrl-loss-tmo",
-        value_name = "SECS",
-        allow_hyphen_values = true,
-        value_parser = parse_tmo
-    )]
-    pub(crate) ctrl_loss_tmo: Option<Tmo>,
-    /// Seconds of reconnecting after which held and new I/O fails (the controller keeps
-    /// trying); -1 = off [default: -1]
-    #[arg(
-        short = 'F',
-        long = "fast_io_fail_tmo",
-        alias = "fast-io-fail-tmo",
-        value_name = "SECS",
-        allow_hyphen_values = true,
-        value_parser = parse_tmo
-    )]
-    pub(crate) fast_io_fail_tmo: Option<Tmo>,
-    /// Seconds a hot-removed HCA may take to come back before the controller gives up
-    /// [default: 600]
-    #[arg(long = "replug-window",
-        value_name = "SECS",
-        allow_hyphen_values = true,
-        value_parser = parse_secs
-    )]
-    pub(crate) replug_window: Option<u64>,
-    /// Which HCA that comes back counts as ours: same node GUID, same PCI address, both, or
-    /// any card in the slot [default: both]
-    #[arg(long, value_enum, value_name = "MATCH")]
-    pub(crate) identity: Option<IdentityArg>,
-    /// Seconds without a response after which a command starts recovery [default: 30]
-    #[arg(
-        long = "io-timeout",
-        value_name = "SECS",
-        allow_hyphen_values = true,
-        value_parser = parse_pos_secs
-    )]
-    pub(crate) io_timeout: Option<u64>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub(crate) enum IdentityArg {
-    Guid,
-    Pci,
-    Both,
-    Any,
-}
-
-impl From<IdentityArg> for IdentityMatch {
-    fn from(i: IdentityArg) -> IdentityMatch {
-        match i {
-            IdentityArg::Guid => IdentityMatch::Guid,
-            IdentityArg::Pci => IdentityMatch::Pci,
-            IdentityArg::Both => IdentityMatch::Both,
-            IdentityArg::Any => IdentityMatch::Any,
-        }
-    }
-}
-
-/// What `PolicyArgs` resolve to.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Resolved {
-    pub(crate) policy: Policy,
-    pub(crate) io_timeout: Duration,
-}
-
-impl PolicyArgs {
-    /// The policy with `reconnect_delay` and `ctrl_loss_tmo` defaulting to the values given
-    /// (connect: 10 s and 600 s, as Linux; chaos: 0 and 60 s).
-    pub(crate) fn resolve(
-        &self,
-        reconnect_delay: Duration,
-        ctrl_loss_tmo: Option<Duration>,
-    ) -> Resolved {
-        let policy = Policy {
-            ctrl_loss_tmo: self.ctrl_loss_tmo.map_or(ctrl_loss_tmo, |t| t.0),
-            reconnect_delay: self
-                .reconnect_delay
-                .map_or(reconnect_delay, Duration::from_secs),
-            fast_io_fail_tmo: self.fast_io_fail_tmo.and_then(|t| t.0),
-            keep_alive_tmo: self
-                .keep_alive_tmo
-                .map_or(policy::DEFAULT_KEEP_ALIVE_TMO, Duration::from_secs),
-            replug_window: self
-                .replug_window
-                .map_or(policy::DEFAULT_REPLUG_WINDOW, Duration::from_secs),
-            identity: self.identity.map_or(IdentityMatch::Both, Into::into),
-        };
-        Resolved {
-            policy,
-            io_timeout: self
-                .io_timeout
-                .map_or(policy::DEFAULT_IO_TIMEOUT, Duration::from_secs),
-        }
-    }
-
-    /// Linux's defaults (`connect`, `read`, `write`, `verify`).
-    pub(crate) fn resolve_default(&self) -> Resolved {
-        self.resolve(
-            policy::DEFAULT_RECONNECT_DELAY,
-            Some(policy::DEFAULT_CTRL_LOSS_TMO),
-        )
-    }
-}
-
-/// Block-device exports of the namespace `--nsid` while `connect` holds the controller.
-#[derive(Args, Debug, Clone, Default)]
-pub(crate) struct ExportArgs {
-    /// Serve the namespace over NBD at unix:PATH or IP:PORT (e.g. 127.0.0.1:10809).
-    #[arg(long, value_name = "ADDR")]
-    pub(crate) nbd: Option<ExportAddr>,
-    /// Allow --nbd on an address other than loopback. NBD has no authentication: whoever
-    /// reaches the port can read and write the namespace.
-    #[arg(long)]
-    pub(crate) nbd_allow_remote: bool,
-    /// Expose the namespace as the file MOUNTPOINT/ns<NSID> in a FUSE mount (for losetup).
-    #[arg(long, value_name = "MOUNTPOINT")]
-    pub(crate) fuse: Option<PathBuf>,
-}
 
 /// A target of someone else's for `bench` and `chaos`, instead of the built-in one.
 #[derive(Args, Debug, Clone)]
@@ -391,41 +198,6 @@ pub(crate) struct TargetNsAdd {
     pub(crate) ns: NsArgs,
 }
 
-/// A host ID as nvme-cli writes it: a UUID.
-pub(crate) fn parse_hostid(s: &str) -> Result<String, String> {
-    crate::host::parse_uuid(s)
-        .map(|_| s.to_string())
-        .ok_or_else(|| format!("'{s}' is not a UUID (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)"))
-}
-
-/// `-o`: nvme-cli's output formats.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, ValueEnum)]
-pub(crate) enum ListFormat {
-    #[default]
-    Normal,
-    Json,
-}
-
-/// `connect` besides the subsystem and its exports.
-#[derive(Args, Debug, Clone, Default)]
-pub(crate) struct ConnectMode {
-    /// Connect even if a controller to the same subsystem, address and host NQN exists.
-    #[arg(short = 'D', long = "duplicate-connect")]
-    pub(crate) duplicate_connect: bool,
-    /// Hold the controller in this process until a stop signal or `disconnect`, without the
-    /// daemon (the controller and its exports end with the process).
-    #[arg(long)]
-    pub(crate) foreground: bool,
-    /// Output format of the result.
-    #[arg(
-        short = 'o',
-        long = "output-format",
-        value_enum,
-        default_value = "normal"
-    )]
-    pub(crate) output: ListFormat,
-}
-
 /// `connect-all`: a discovery controller's address, or nothing (the config file).
 #[derive(Args, Debug, Clone)]
 pub(crate) struct ConnectAllArgs {
@@ -491,7 +263,7 @@ impl ConnectAllArgs {
             policy: self.policy,
             nsid: 1,
         };
-        crate::host::options(&s)?;
+        nvmf_rdma::cli::host::options(&s)?;
         Ok(Some((s, ConnectMode::default())))
     }
 }
@@ -519,12 +291,6 @@ pub(crate) struct DaemonArgs {
     /// Seconds a control-socket client has to send each request line [default: 30].
     #[arg(long, value_name = "SECS", value_parser = parse_pos_secs, hide = true)]
     pub(crate) client_timeout: Option<u64>,
-}
-
-pub(crate) fn cores() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
 }
 
 /// Where `read`, `write` and `verify` do their I/O: on a controller the daemon holds (`-d`,

@@ -5,16 +5,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::client::daemon_controller_names;
-use crate::{args::*, control::*, host::*, signals::*};
+use crate::{args::*, host::*, signals::*};
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::cli::support::{run_dir, Health};
-use nvmf_rdma::cli::units::*;
-use nvmf_rdma::export;
+use nvmf_rdma::cli::support::run_dir;
+use nvmf_rdma::daemon::control::{make_run_dir, same_user, serve_control_client, CONTROL_TIMEOUT};
+use nvmf_rdma::daemon::exports::{report_state_changes, start_exports};
+use nvmf_rdma::daemon::stop::{PendingStop, FORCE_WINDOW};
+use nvmf_rdma::daemon::usage::{holders, in_use_message, Probe};
 use nvmf_rdma::harness::hca_perf;
 use nvmf_rdma::reconnect::CtrlState;
-use nvmf_rdma::transport::{ConnectOptions, Controller, CtrlStatus};
-
-use crate::usage::{holders, in_use_message, Probe};
+use nvmf_rdma::transport::{ConnectOptions, CtrlStatus};
 
 pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
     let mut signals = StopSignals::new()?;
@@ -73,7 +73,11 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
         );
     }
     let info = || ctrl_info(&name, &s, &c);
-    let watcher = tokio::spawn(report_state_changes(name.clone(), c.watch_status()));
+    let watcher = tokio::spawn(report_state_changes(
+        name.clone(),
+        c.watch_status(),
+        Arc::new(nvmf_rdma::daemon::Stdout),
+    ));
     let (stop_tx, mut stop_rx) = tokio::sync::mpsc::channel(4);
     let mut clients = tokio::task::JoinSet::new();
     let mut status = c.watch_status();
@@ -198,181 +202,6 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
 async fn in_use(name: &str, p: &Probe) -> Option<(String, String)> {
     let h = holders(p).await;
     (!h.is_empty()).then(|| in_use_message(name, &h))
-}
-
-/// Print the controller's state changes as `connect` holds it: failures, attempts, LIVE
-/// again, given up.
-pub(crate) async fn report_state_changes(
-    name: String,
-    mut rx: tokio::sync::watch::Receiver<nvmf_rdma::transport::CtrlStatus>,
-) {
-    let mut last = (rx.borrow().machine.state, rx.borrow().machine.attempt);
-    while rx.changed().await.is_ok() {
-        let st = *rx.borrow_and_update();
-        let m = st.machine;
-        let (was, _) = last;
-        if (m.state, m.attempt) == last {
-            continue;
-        }
-        last = (m.state, m.attempt);
-        let (state, h) = Health::from_status(&st);
-        match m.state {
-            CtrlState::Live if was != CtrlState::Live => println!(
-                "{name}: live again (recovery {}{})",
-                m.recoveries,
-                st.last_recovery.map_or(String::new(), |d| format!(
-                    ", {} after the failure",
-                    human_dur(d)
-                ))
-            ),
-            CtrlState::Resetting | CtrlState::Connecting => {
-                if matches!(was, CtrlState::Live | CtrlState::New) {
-                    println!(
-                        "{name}: {}; recovering",
-                        m.cause.map_or("failed", |c| c.name())
-                    );
-                }
-                if m.attempt > 0 {
-                    println!("{name}: reconnecting, {}", h.attempts());
-                }
-            }
-            CtrlState::Deleting | CtrlState::Dead if was != m.state => {
-                println!("{name}: {state}: {}", h.describe(&state));
-            }
-            _ => {}
-        }
-    }
-}
-
-/// The exports `connect` runs next to the controller (stopped before it disconnects).
-pub(crate) struct Exports {
-    pub(crate) nbd: Option<tokio::task::JoinHandle<()>>,
-    /// Where the NBD export listens, and its counters (clients connected now).
-    pub(crate) nbd_at: Option<(export::ExportAddr, Arc<export::NbdStats>)>,
-    pub(crate) fuse: Option<export::FuseMount>,
-    /// The namespace the exports serve first.
-    pub(crate) nsid: u32,
-    /// The namespaces both exports serve (`ns<NSID>`: a FUSE file, an NBD export name);
-    /// namespaces the controller reports later join it.
-    pub(crate) set: Option<export::DevSet>,
-}
-
-impl Exports {
-    /// What `connect` prints about the exports once they are ready.
-    pub(crate) fn describe(&self) -> Vec<String> {
-        let mut v = Vec::new();
-        if let Some((a, _)) = &self.nbd_at {
-            v.push(format!(
-                "nbd: serving namespace {} at {a} ({})",
-                self.nsid,
-                a.uri()
-            ));
-        }
-        if let Some(m) = &self.fuse {
-            v.push(format!(
-                "fuse: namespace {} is {}",
-                self.nsid,
-                m.file().display()
-            ));
-        }
-        v
-    }
-
-    /// Take the exports down and delete the controller, whoever still holds it (a lazily
-    /// detached FUSE mount keeps its files until its last user lets go). The exports are
-    /// fenced first: every request from then on fails with EIO at once, and nothing is
-    /// acknowledged after this returns. With `force`, a FUSE mount still in use is detached
-    /// lazily (MNT_DETACH): it leaves the mount table now instead of lingering dead.
-    pub(crate) async fn release(self, c: &Controller, force: bool) {
-        let set = self.set.clone();
-        if let Some(s) = &set {
-            s.close();
-        }
-        self.stop_with(force).await;
-        c.delete().await;
-        if let Some(s) = set {
-            s.fence().await;
-        }
-    }
-
-    /// Stop the NBD server and unmount the FUSE file system (detached lazily when busy and
-    /// `detach_busy`).
-    async fn stop_with(self, detach_busy: bool) {
-        if let Some(t) = self.nbd {
-            t.abort();
-            let _ = t.await;
-        }
-        if let Some(m) = self.fuse {
-            let _ = tokio::task::spawn_blocking(move || {
-                let mp = m.mountpoint().to_path_buf();
-                if let Err(e) = m.unmount() {
-                    eprintln!("{e}");
-                    if detach_busy {
-                        detach(&mp);
-                    }
-                }
-            })
-            .await;
-        }
-    }
-}
-
-/// `umount -l MOUNTPOINT`.
-fn detach(mp: &std::path::Path) {
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(c) = std::ffi::CString::new(mp.as_os_str().as_bytes()) else {
-        return;
-    };
-    // SAFETY: a valid NUL-terminated path; umount2 touches no memory of ours.
-    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
-        eprintln!(
-            "{}: detached (lazy unmount); it goes when its last user lets go",
-            mp.display()
-        );
-    } else {
-        eprintln!(
-            "{}: lazy unmount failed: {}",
-            mp.display(),
-            std::io::Error::last_os_error()
-        );
-    }
-}
-
-pub(crate) async fn start_exports(
-    c: &Arc<Controller>,
-    s: &Subsys,
-    x: &ExportArgs,
-) -> Result<Exports> {
-    let mut out = Exports {
-        nbd: None,
-        nbd_at: None,
-        fuse: None,
-        nsid: s.nsid,
-        set: None,
-    };
-    if x.nbd.is_none() && x.fuse.is_none() {
-        return Ok(out);
-    }
-    let dev = Arc::new(export::BlockDev::new(c.clone(), s.nsid)?);
-    let set = export::DevSet::one(&format!("ns{}", s.nsid), dev)?;
-    out.set = Some(set.clone());
-    if let Some(addr) = &x.nbd {
-        let l =
-            export::NbdListener::bind_with(addr, export::NbdLimits::default(), x.nbd_allow_remote)
-                .await?;
-        out.nbd_at = Some((l.addr().clone(), l.stats()));
-        let set = set.clone();
-        out.nbd = Some(tokio::spawn(async move {
-            if let Err(e) = l.serve_set(set).await {
-                eprintln!("nbd: {e}");
-            }
-        }));
-    }
-    if let Some(mp) = &x.fuse {
-        let m = export::mount_fuse_set(set, tokio::runtime::Handle::current(), mp)?;
-        out.fuse = Some(m);
-    }
-    Ok(out)
 }
 
 /// `discover`: the discovery log of a discovery controller, nvme-cli style.

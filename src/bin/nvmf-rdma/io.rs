@@ -1,15 +1,18 @@
 //! `read`, `write` and `verify`.
 
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::client::Session;
-use crate::proto::{MAX_READ, MAX_WRITE_DATA, MAX_WRITE_PATTERN};
 use crate::{args::*, host::*};
 use anyhow::{bail, Context, Result};
+use nvmf_rdma::daemon::client::Client;
+pub(crate) use nvmf_rdma::daemon::io::verify;
+use nvmf_rdma::daemon::proto::{
+    CopiedReply, ListReply, ReadReply, Request, VerifyReply, WriteReply, MAX_READ,
+    MAX_WRITE_PATTERN,
+};
 use nvmf_rdma::harness::hca_perf;
-use nvmf_rdma::transport::Controller;
-use serde_json::json;
 
 pub(crate) fn hexdump(data: &[u8]) {
     for (i, line) in data.chunks(16).enumerate() {
@@ -26,58 +29,6 @@ pub(crate) fn hexdump(data: &[u8]) {
             .collect();
         println!("{:08x}  {:<47}  {txt}", i * 16, hex.join(" "));
     }
-}
-
-/// Progress of a verify: bytes done, bytes in all, time since it began.
-pub(crate) type Progress<'a> = &'a mut (dyn FnMut(usize, usize, Duration) + Send);
-
-/// Write a seeded random pattern over `size` bytes in `chunk` pieces, read it back, compare.
-/// `progress` hears about it about every half second and at the end.
-pub(crate) async fn verify(
-    c: &Controller,
-    nsid: u32,
-    lba: u64,
-    size: usize,
-    chunk: usize,
-    seed: u64,
-    progress: Progress<'_>,
-) -> Result<()> {
-    use rand::{Rng, SeedableRng};
-    let ns = c.namespace(nsid)?;
-    let bs = ns.block_size as usize;
-    if chunk % bs != 0 || size % bs != 0 {
-        bail!("--size and --chunk must be multiples of the {bs}-byte block size");
-    }
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
-    let t0 = Instant::now();
-    let mut done = 0usize;
-    let mut last = Instant::now();
-    let mut buf = vec![0u8; chunk];
-    while done < size {
-        let n = chunk.min(size - done);
-        rng.fill(&mut buf[..n]);
-        let at = lba + (done / bs) as u64;
-        c.write(nsid, at, &buf[..n]).await?;
-        let back = c.read(nsid, at, n).await?;
-        if back != buf[..n] {
-            let off = back
-                .iter()
-                .zip(&buf[..n])
-                .position(|(a, b)| a != b)
-                .unwrap_or(0);
-            bail!(
-                "MISMATCH at byte {} (lba {})",
-                done + off,
-                at + (off / bs) as u64
-            );
-        }
-        done += n;
-        if last.elapsed() > Duration::from_millis(500) || done == size {
-            last = Instant::now();
-            progress(done, size, t0.elapsed());
-        }
-    }
-    Ok(())
 }
 
 /// The progress line `verify` keeps rewriting on stderr.
@@ -152,6 +103,10 @@ pub(crate) async fn run_read(
 ) -> Result<()> {
     let out = ReadOut::of(output.as_deref(), hex)?;
     let data = match at.sub {
+        None if out != ReadOut::Hex => {
+            let name = at.controller.unwrap_or_default();
+            return daemon_read_to(&name, at.nsid, lba, size, out).await;
+        }
         None => daemon_read(&at.controller.unwrap_or_default(), at.nsid, lba, size).await?,
         Some(sub) => {
             let c = connect(&sub).await?;
@@ -247,19 +202,17 @@ pub(crate) async fn run_verify(
 
 /// The block size of the daemon's controller `name`'s namespace `nsid` (to split I/O on
 /// block boundaries), with the one-line error a wrong name or namespace deserves.
-async fn daemon_block_size(s: &mut Session, name: &str, nsid: u32) -> Result<usize> {
-    let v = s.call(json!({"op": "list"})).await?;
-    let ctrls = v["controllers"].as_array().cloned().unwrap_or_default();
-    let Some(c) = ctrls.iter().find(|c| c["name"] == json!(name)) else {
+async fn daemon_block_size(s: &mut Client, name: &str, nsid: u32) -> Result<usize> {
+    let v: ListReply = s.call(&Request::List {}).await?;
+    let Some(c) = v.controllers.iter().find(|c| c.name == name) else {
         bail!("no controller {name}; `nvmf-rdma list` shows them");
     };
-    let ns = c["namespaces"].as_array().cloned().unwrap_or_default();
-    let Some(ns) = ns.iter().find(|n| n["nsid"] == json!(nsid)) else {
+    let Some(ns) = c.namespaces.iter().find(|n| n.nsid == nsid) else {
         bail!("{name} has no namespace {nsid}; `nvmf-rdma list -o json` shows its namespaces");
     };
-    match ns["block_size"].as_u64() {
-        Some(b) if b > 0 => Ok(b as usize),
-        _ => bail!("the daemon did not say {name}'s block size"),
+    match ns.block_size {
+        0 => bail!("the daemon did not say {name}'s block size"),
+        b => Ok(b as usize),
     }
 }
 
@@ -279,15 +232,19 @@ fn pieces(
 
 async fn daemon_read(name: &str, nsid: u32, lba: u64, size: usize) -> Result<Vec<u8>> {
     use base64::Engine;
-    let mut s = Session::open().await?;
+    let mut s = crate::client::open().await?;
     let bs = daemon_block_size(&mut s, name, nsid).await?;
     let mut data = Vec::with_capacity(size);
     for (at, _, len) in pieces(lba, size, MAX_READ, bs) {
-        let v = s
-            .call(json!({"op": "read", "device": name, "nsid": nsid, "lba": at, "size": len}))
-            .await?;
+        let req = Request::Read {
+            device: name.into(),
+            nsid,
+            lba: at,
+            size: len as u64,
+        };
+        let v: ReadReply = s.call(&req).await?;
         let piece = base64::engine::general_purpose::STANDARD
-            .decode(v["data"].as_str().unwrap_or(""))
+            .decode(v.data)
             .context("the daemon's data is not base64")?;
         if piece.len() != len {
             bail!("the daemon sent {} bytes for {len}", piece.len());
@@ -305,24 +262,91 @@ async fn daemon_write(
     size: Option<usize>,
     pattern: u8,
 ) -> Result<usize> {
-    use base64::Engine;
-    let mut s = Session::open().await?;
+    let mut s = crate::client::open().await?;
     let bs = daemon_block_size(&mut s, name, nsid).await?;
-    if let (None, Some(n)) = (input, size) {
-        // Nothing to send but the byte: the daemon fills.
-        for (at, _, len) in pieces(lba, n, MAX_WRITE_PATTERN, bs) {
-            s.call(json!({"op": "write", "device": name, "nsid": nsid, "lba": at, "size": len, "pattern": pattern}))
-                .await?;
+    if let Some(path) = input {
+        // The daemon reads the file itself, through the descriptor passed to it.
+        let f = std::fs::File::open(path).with_context(|| format!("read {}", path.display()))?;
+        let len = f
+            .metadata()
+            .with_context(|| format!("read {}", path.display()))?
+            .len();
+        if len == 0 {
+            return Ok(0);
         }
-        return Ok(n);
+        let req = Request::WriteFromFd {
+            device: name.into(),
+            nsid,
+            lba,
+            size: len,
+            progress: true,
+        };
+        let t0 = Instant::now();
+        let mut shown = |done: u64, total: u64| show_copy("wrote", done, total, t0.elapsed());
+        let r: Result<CopiedReply> = s.call_with_fd(&req, f.as_fd(), &mut shown).await;
+        eprintln!();
+        return Ok(r?.copied as usize);
     }
-    let data = write_data(input, size, pattern)?;
-    for (at, off, len) in pieces(lba, data.len(), MAX_WRITE_DATA, bs) {
-        let b64 = base64::engine::general_purpose::STANDARD.encode(&data[off..off + len]);
-        s.call(json!({"op": "write", "device": name, "nsid": nsid, "lba": at, "data": b64}))
-            .await?;
+    let Some(n) = size else {
+        bail!("give --input FILE or --size with --pattern");
+    };
+    // Nothing to send but the byte: the daemon fills.
+    for (at, _, len) in pieces(lba, n, MAX_WRITE_PATTERN, bs) {
+        let req = Request::Write {
+            device: name.into(),
+            nsid,
+            lba: at,
+            data: None,
+            size: Some(len as u64),
+            pattern: Some(u64::from(pattern)),
+        };
+        let _: WriteReply = s.call(&req).await?;
     }
-    Ok(data.len())
+    Ok(n)
+}
+
+/// `read -d` into a file or stdout: the daemon writes into the descriptor passed to it.
+async fn daemon_read_to(
+    name: &str,
+    nsid: u32,
+    lba: u64,
+    size: usize,
+    out: ReadOut<'_>,
+) -> Result<()> {
+    let mut s = crate::client::open().await?;
+    daemon_block_size(&mut s, name, nsid).await?;
+    let file;
+    let stdout = std::io::stdout();
+    let fd = match out {
+        ReadOut::File(p) => {
+            file = std::fs::File::create(p).with_context(|| format!("write {}", p.display()))?;
+            file.as_fd()
+        }
+        _ => stdout.as_fd(),
+    };
+    let req = Request::ReadToFd {
+        device: name.into(),
+        nsid,
+        lba,
+        size: size as u64,
+        progress: true,
+    };
+    let t0 = Instant::now();
+    let mut shown = |done: u64, total: u64| show_copy("read", done, total, t0.elapsed());
+    let r: Result<CopiedReply> = s.call_with_fd(&req, fd, &mut shown).await;
+    eprintln!();
+    r.map(|_| ())
+}
+
+/// The progress line `read -d` and `write -d` keep rewriting on stderr.
+fn show_copy(verb: &str, done: u64, total: u64, took: Duration) {
+    eprint!(
+        "\r{verb} {} of {} ({:.0}%), {:.1} MB/s   ",
+        hca_perf::human(done as usize),
+        hca_perf::human(total as usize),
+        done as f64 * 100.0 / total.max(1) as f64,
+        done as f64 / took.as_secs_f64().max(1e-9) / 1e6
+    );
 }
 
 /// `verify -d`: the daemon verifies piece by piece (each piece its own seed), so progress
@@ -335,7 +359,7 @@ async fn daemon_verify(
     chunk: usize,
     seed: u64,
 ) -> Result<()> {
-    let mut s = Session::open().await?;
+    let mut s = crate::client::open().await?;
     let bs = daemon_block_size(&mut s, name, nsid).await?;
     if chunk % bs != 0 || size % bs != 0 {
         bail!("--size and --chunk must be multiples of the {bs}-byte block size");
@@ -344,11 +368,15 @@ async fn daemon_verify(
     // Pieces of about a second's work, whole chunks.
     let piece = (VERIFY_PIECE / chunk).max(1) * chunk;
     for (i, (at, off, len)) in pieces(lba, size, piece, bs).enumerate() {
-        s.call(
-            json!({"op": "verify", "device": name, "nsid": nsid, "lba": at, "size": len,
-            "chunk": chunk, "seed": seed.wrapping_add(i as u64)}),
-        )
-        .await?;
+        let req = Request::Verify {
+            device: name.into(),
+            nsid,
+            lba: at,
+            size: len as u64,
+            chunk: Some(chunk as u64),
+            seed: Some(seed.wrapping_add(i as u64)),
+        };
+        let _: VerifyReply = s.call(&req).await?;
         show_progress(off + len, size, t0.elapsed());
     }
     eprintln!();

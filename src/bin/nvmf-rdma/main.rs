@@ -4,20 +4,16 @@ mod args;
 mod bench;
 mod chaos;
 mod client;
-mod config;
 mod connect;
-mod control;
 mod daemon;
-mod daemon_io;
 mod demo;
-mod host;
 mod io;
 mod manpage;
-mod proto;
 mod sdnotify;
 mod signals;
 mod target;
-mod usage;
+
+use nvmf_rdma::cli::host;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -5,22 +5,19 @@
 
 use std::path::{Path, PathBuf};
 
-use clap::Parser;
-use nvmf_rdma::cli::support::Tmo;
-use nvmf_rdma::nvme::fabrics::DISCOVERY_NQN;
-
-use crate::args::{ConnectMode, ExportArgs, Subsys};
-use crate::proto::ConnectParams;
-use crate::{Cli, Cmd};
+use crate::cli::args::{parse_connect, ConnectMode, ExportArgs, Subsys};
+use crate::cli::support::Tmo;
+use crate::daemon::proto::ConnectParams;
+use crate::nvme::fabrics::DISCOVERY_NQN;
 
 /// The config file's name in the config directory.
-pub(crate) const CONFIG_FILE: &str = "discovery.conf";
+pub const CONFIG_FILE: &str = "discovery.conf";
 /// Longest config file read; past it the file is refused (it is ours, not a peer's, but a
 /// bound costs nothing).
 const MAX_CONFIG: u64 = 1 << 20;
 
 /// `--config-dir`, else `$NVMF_RDMA_CONFIG_DIR`, else `/etc/nvmf-rdma`.
-pub(crate) fn config_dir(flag: Option<&Path>) -> PathBuf {
+pub fn config_dir(flag: Option<&Path>) -> PathBuf {
     if let Some(d) = flag {
         return d.to_path_buf();
     }
@@ -30,7 +27,7 @@ pub(crate) fn config_dir(flag: Option<&Path>) -> PathBuf {
 }
 
 /// The request `connect` sends for these arguments.
-pub(crate) fn params_of(s: &Subsys, x: &ExportArgs, m: &ConnectMode) -> ConnectParams {
+pub fn params_of(s: &Subsys, x: &ExportArgs, m: &ConnectMode) -> ConnectParams {
     let tmo = |t: Option<Tmo>| t.map(|t| t.0.map_or(-1, |d| d.as_secs() as i64));
     let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
     ConnectParams {
@@ -42,7 +39,7 @@ pub(crate) fn params_of(s: &Subsys, x: &ExportArgs, m: &ConnectMode) -> ConnectP
         hostid: s.fabric.hostid.clone(),
         host_traddr: s.fabric.host_traddr.map(|a| a.to_string()),
         device: match &s.fabric.device {
-            nvmf_rdma::cli::device::DeviceChoice::Soft => None,
+            crate::cli::device::DeviceChoice::Soft => None,
             d => Some(d.to_string()),
         },
         nr_io_queues: Some(s.nr_io_queues),
@@ -60,7 +57,7 @@ pub(crate) fn params_of(s: &Subsys, x: &ExportArgs, m: &ConnectMode) -> ConnectP
         nsid: Some(s.nsid),
         // The daemon has another working directory: paths go absolute.
         nbd: x.nbd.as_ref().map(|a| match a {
-            nvmf_rdma::export::ExportAddr::Unix(p) => format!("unix:{}", abs(p).display()),
+            crate::export::ExportAddr::Unix(p) => format!("unix:{}", abs(p).display()),
             a => a.to_string(),
         }),
         nbd_allow_remote: x.nbd_allow_remote,
@@ -69,41 +66,18 @@ pub(crate) fn params_of(s: &Subsys, x: &ExportArgs, m: &ConnectMode) -> ConnectP
     }
 }
 
-/// Parse `connect` arguments (the daemon's way of checking a request, so defaults and
-/// messages are the CLI's). The error is clap's first line.
-pub(crate) fn parse_connect(args: &[String]) -> Result<(Subsys, ExportArgs, ConnectMode), String> {
-    match Cli::try_parse_from(args) {
-        Ok(Cli {
-            cmd: Cmd::Connect { sub, export, mode },
-            ..
-        }) => Ok((sub, export, mode)),
-        Ok(_) => Err("not a connect request".into()),
-        Err(e) => Err(clap_line(&e)),
-    }
-}
-
-/// clap's message without its usage block and `error:` prefix.
-pub(crate) fn clap_line(e: &clap::Error) -> String {
-    let t = e.to_string();
-    let first = t
-        .lines()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("bad arguments");
-    first.trim_start_matches("error: ").trim().to_string()
-}
-
 /// One configured connection: its line number and request.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct ConfigLine {
-    pub(crate) line: usize,
-    pub(crate) params: ConnectParams,
+pub struct ConfigLine {
+    pub line: usize,
+    pub params: ConnectParams,
     /// No `-n`: a discovery controller whose subsystems are all connected.
-    pub(crate) discovery: bool,
+    pub discovery: bool,
 }
 
 /// Read `dir/discovery.conf`: its lines, or `Ok(vec![])` when there is no file. A bad line
 /// is an error naming it.
-pub(crate) fn read_config(dir: &Path) -> Result<Vec<ConfigLine>, String> {
+pub fn read_config(dir: &Path) -> Result<Vec<ConfigLine>, String> {
     let path = dir.join(CONFIG_FILE);
     let meta = match std::fs::metadata(&path) {
         Ok(m) => m,
@@ -117,15 +91,14 @@ pub(crate) fn read_config(dir: &Path) -> Result<Vec<ConfigLine>, String> {
     parse_config(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-pub(crate) fn parse_config(text: &str) -> Result<Vec<ConfigLine>, String> {
+pub fn parse_config(text: &str) -> Result<Vec<ConfigLine>, String> {
     let mut out = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let line = raw.split('#').next().unwrap_or("").trim();
         if line.is_empty() {
             continue;
         }
-        let mut args: Vec<String> = vec!["nvmf-rdma".into(), "connect".into()];
-        args.extend(line.split_whitespace().map(String::from));
+        let mut args: Vec<String> = line.split_whitespace().map(String::from).collect();
         let has_nqn = args
             .iter()
             .any(|a| a == "-n" || a == "--nqn" || a.starts_with("--nqn="));

@@ -9,19 +9,19 @@ use std::time::{Duration, Instant};
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
-use nvmf_rdma::export::{ExportAddr, NbdStats};
+use crate::export::{ExportAddr, NbdStats};
 
-use crate::connect::Exports;
+use crate::daemon::exports::Exports;
 
 /// One holder of an export and the command that lets it go.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Holder {
-    pub(crate) what: String,
-    pub(crate) release: String,
+pub struct Holder {
+    pub what: String,
+    pub release: String,
 }
 
 /// Loop devices whose backing file is `file` (from `/sys/block/loop*/loop/backing_file`).
-pub(crate) fn loop_devices_on(sys_block: &Path, file: &Path) -> Vec<String> {
+pub fn loop_devices_on(sys_block: &Path, file: &Path) -> Vec<String> {
     let want = file.to_string_lossy();
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir(sys_block) else {
@@ -45,7 +45,7 @@ pub(crate) fn loop_devices_on(sys_block: &Path, file: &Path) -> Vec<String> {
 }
 
 /// Where `dev` is mounted, from a mountinfo file (`/proc/self/mountinfo`).
-pub(crate) fn mounts_of(mountinfo: &str, dev: &str) -> Vec<String> {
+pub fn mounts_of(mountinfo: &str, dev: &str) -> Vec<String> {
     mountinfo
         .lines()
         .filter_map(|l| {
@@ -108,14 +108,14 @@ const RELEASE_GRACE: Duration = Duration::from_secs(2);
 /// What it takes to tell whether a controller's exports are in use, cloned out of the
 /// daemon's table so the look (which may wait) holds no lock.
 #[derive(Clone)]
-pub(crate) struct Probe {
+pub struct Probe {
     /// Every file of the FUSE mount, and its count of open handles (all files together).
-    pub(crate) fuse: Option<(Vec<PathBuf>, Arc<AtomicUsize>)>,
-    pub(crate) nbd: Option<(ExportAddr, Arc<NbdStats>)>,
+    pub fuse: Option<(Vec<PathBuf>, Arc<AtomicUsize>)>,
+    pub nbd: Option<(ExportAddr, Arc<NbdStats>)>,
 }
 
 impl Exports {
-    pub(crate) fn probe(&self) -> Probe {
+    pub fn probe(&self) -> Probe {
         Probe {
             fuse: self.fuse.as_ref().map(|m| {
                 let files = m.files().names();
@@ -129,7 +129,7 @@ impl Exports {
 
 impl Probe {
     /// In use at this instant (no waiting, no scan).
-    pub(crate) fn busy_now(&self) -> bool {
+    pub fn busy_now(&self) -> bool {
         self.fuse
             .as_ref()
             .is_some_and(|(_, n)| n.load(Ordering::SeqCst) > 0)
@@ -142,13 +142,24 @@ impl Probe {
 
 /// Who holds the exports of `p` now. With open handles but no loop device, waits up to
 /// [`RELEASE_GRACE`] for releases still on their way before calling the file held.
-pub(crate) async fn holders(p: &Probe) -> Vec<Holder> {
+pub async fn holders(p: &Probe) -> Vec<Holder> {
     let mut out = Vec::new();
     if let Some((addr, stats)) = &p.nbd {
         let n = stats.connections.load(Ordering::SeqCst);
         if n > 0 {
+            let pids = stats
+                .client_pids
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
             out.push(Holder {
-                what: format!("{n} NBD client(s) on {}", addr.uri()),
+                what: nbd_holders(
+                    n,
+                    &pids,
+                    &addr.uri(),
+                    Path::new("/proc"),
+                    Path::new("/sys/block"),
+                ),
                 release: "disconnect them (nbd-client -d /dev/nbdN, or end nbdinfo, nbdcopy, \
                           qemu-nbd)"
                     .into(),
@@ -161,6 +172,44 @@ pub(crate) async fn holders(p: &Probe) -> Vec<Holder> {
     out
 }
 
+/// "N NBD client(s) on URI", naming the processes behind `pids` (from `proc`): the command
+/// and pid, and the kernel NBD device a `nbd-client` set up (`sys_block/nbd*/pid`).
+pub fn nbd_holders(n: usize, pids: &[i32], uri: &str, proc: &Path, sys_block: &Path) -> String {
+    let mut who: Vec<String> = pids
+        .iter()
+        .map(|pid| {
+            let comm = std::fs::read_to_string(proc.join(pid.to_string()).join("comm"))
+                .map(|c| c.trim().to_string());
+            let dev = nbd_device_of(sys_block, *pid);
+            match (comm, dev) {
+                (Ok(c), Some(d)) => format!("{c} (pid {pid}, {d})"),
+                (Ok(c), None) => format!("{c} (pid {pid})"),
+                (Err(_), Some(d)) => format!("{d} (set up by pid {pid}, exited)"),
+                (Err(_), None) => format!("pid {pid} (exited)"),
+            }
+        })
+        .collect();
+    who.sort();
+    let mut s = format!("{n} NBD client(s) on {uri}");
+    if !who.is_empty() {
+        s += &format!(": {}", who.join(", "));
+    }
+    s
+}
+
+/// The kernel NBD device (`/dev/nbdN`) whose `pid` file names `pid`.
+fn nbd_device_of(sys_block: &Path, pid: i32) -> Option<String> {
+    let rd = std::fs::read_dir(sys_block).ok()?;
+    rd.flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("nbd"))
+        .find(|n| {
+            std::fs::read_to_string(sys_block.join(n).join("pid"))
+                .is_ok_and(|p| p.trim() == pid.to_string())
+        })
+        .map(|n| format!("/dev/{n}"))
+}
+
 /// How long a loop device that `losetup -d` already let go may take to detach: the kernel
 /// clears it at its last close (autoclear), and udev's probe after `umount` can hold it open
 /// for seconds.
@@ -168,7 +217,7 @@ const DETACH_GRACE: Duration = Duration::from_secs(5);
 
 /// `dev` (`/dev/loopN`) is detaching: autoclear is set (`losetup -d` on a device still open)
 /// and nothing mounts it. (`mount -o loop` sets autoclear too, but mounts it.)
-pub(crate) fn detaching(sys_block: &Path, dev: &str, mountinfo: &str) -> bool {
+pub fn detaching(sys_block: &Path, dev: &str, mountinfo: &str) -> bool {
     let name = dev.trim_start_matches("/dev/");
     std::fs::read_to_string(sys_block.join(name).join("loop/autoclear"))
         .is_ok_and(|s| s.trim() == "1")
@@ -252,7 +301,7 @@ async fn fuse_holders(files: &[PathBuf], opens: &AtomicUsize) -> Vec<Holder> {
 }
 
 /// One line: what holds `name`'s exports and how to let them go.
-pub(crate) fn in_use_message(name: &str, h: &[Holder]) -> (String, String) {
+pub fn in_use_message(name: &str, h: &[Holder]) -> (String, String) {
     let what: Vec<&str> = h.iter().map(|h| h.what.as_str()).collect();
     let release: Vec<&str> = h.iter().map(|h| h.release.as_str()).collect();
     (
@@ -310,5 +359,31 @@ mod tests {
             "{m}"
         );
         assert!(h.contains("losetup -d /dev/loop0"), "{h}");
+    }
+
+    #[test]
+    fn nbd_clients_are_named_by_command_pid_and_device() {
+        let d = std::env::temp_dir().join(format!("nvmf-nbd-holders-{}", std::process::id()));
+        let (proc, sys) = (d.join("proc"), d.join("sys"));
+        for (pid, comm) in [(41, "nbdinfo"), (42, "qemu-nbd")] {
+            std::fs::create_dir_all(proc.join(pid.to_string())).unwrap();
+            std::fs::write(proc.join(pid.to_string()).join("comm"), format!("{comm}\n")).unwrap();
+        }
+        std::fs::create_dir_all(sys.join("nbd3")).unwrap();
+        std::fs::write(sys.join("nbd3/pid"), "43\n").unwrap();
+        std::fs::create_dir_all(sys.join("nbd4")).unwrap();
+        std::fs::write(sys.join("nbd4/pid"), "42\n").unwrap();
+        let s = nbd_holders(4, &[42, 41, 43, 44], "nbd+unix:///?socket=/s", &proc, &sys);
+        assert_eq!(
+            s,
+            "4 NBD client(s) on nbd+unix:///?socket=/s: /dev/nbd3 (set up by pid 43, exited), \
+             nbdinfo (pid 41), pid 44 (exited), qemu-nbd (pid 42, /dev/nbd4)"
+        );
+        // Clients whose process is not known (over TCP): counted only.
+        assert_eq!(
+            nbd_holders(2, &[], "nbd://h", &proc, &sys),
+            "2 NBD client(s) on nbd://h"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }

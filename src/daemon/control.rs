@@ -5,17 +5,18 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use crate::cli::support::{json_field, run_dir};
+pub use crate::export::same_user;
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::cli::support::{json_field, run_dir};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 /// Longest control-socket request line, and how long a client may take to send it.
-pub(crate) const CONTROL_LINE_MAX: u64 = 1024;
-pub(crate) const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
+pub const CONTROL_LINE_MAX: u64 = 1024;
+pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A `disconnect` asked of `connect` on its control socket: forced or not, and where the
 /// answer goes (`Err` names what holds the exports).
-pub(crate) type StopAsk = (bool, tokio::sync::oneshot::Sender<Result<(), String>>);
+pub type StopAsk = (bool, tokio::sync::oneshot::Sender<Result<(), String>>);
 
 /// The request line that disconnects a `connect --foreground` controller.
 fn disconnect_line(force: bool) -> &'static str {
@@ -28,7 +29,7 @@ fn disconnect_line(force: bool) -> &'static str {
 
 /// One control-socket client: one request line, one answer. Runs in its own task, so a
 /// client that sends nothing (or too much) never holds up the controller or a signal.
-pub(crate) async fn serve_control_client(
+pub async fn serve_control_client(
     stream: tokio::net::UnixStream,
     info: String,
     stop: tokio::sync::mpsc::Sender<StopAsk>,
@@ -46,7 +47,7 @@ pub(crate) async fn serve_control_client(
                 match stop.send((force, tx)).await {
                     Err(_) => "ok".into(),
                     Ok(()) => match rx.await {
-                        Ok(Err(e)) => format!("error: {}", crate::proto::one_line(&e)),
+                        Ok(Err(e)) => format!("error: {}", crate::cli::support::one_line(&e)),
                         _ => "ok".into(),
                     },
                 }
@@ -60,7 +61,7 @@ pub(crate) async fn serve_control_client(
 
 /// The run directory, created 0700 whatever the umask; an existing one of ours is made 0700.
 /// One of another user, or a symlink, is refused.
-pub(crate) fn make_run_dir(dir: &std::path::Path) -> Result<()> {
+pub fn make_run_dir(dir: &std::path::Path) -> Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -91,14 +92,7 @@ pub(crate) fn make_run_dir(dir: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-/// Is the control-socket client our own user (or root)?
-pub(crate) fn same_user(s: &tokio::net::UnixStream) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    s.peer_cred().is_ok_and(|c| c.uid() == euid || c.uid() == 0)
-}
-
-pub(crate) async fn ask(path: &std::path::Path, req: &str) -> Option<String> {
+pub async fn ask(path: &std::path::Path, req: &str) -> Option<String> {
     ask_within(path, req, Duration::from_secs(2)).await
 }
 
@@ -121,7 +115,7 @@ async fn ask_within(path: &std::path::Path, req: &str, answer_within: Duration) 
 }
 
 /// Controllers held by `connect --foreground` processes: their socket and `info` JSON.
-pub(crate) async fn foreground_controllers() -> Vec<(PathBuf, String)> {
+pub async fn foreground_controllers() -> Vec<(PathBuf, String)> {
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir(run_dir()) else {
         return out;
@@ -144,14 +138,11 @@ pub(crate) async fn foreground_controllers() -> Vec<(PathBuf, String)> {
 }
 
 /// How long `disconnect` waits for a controller's `connect` to finish.
-pub(crate) const DISCONNECT_WAIT: Duration = Duration::from_secs(10);
+pub const DISCONNECT_WAIT: Duration = Duration::from_secs(10);
 
 /// Disconnect the `connect --foreground` controllers whose `info` `pick` selects; how many.
 /// One whose export is in use refuses (unless `force`): its error is returned.
-pub(crate) async fn disconnect_foreground(
-    pick: impl Fn(&str) -> bool,
-    force: bool,
-) -> Result<usize> {
+pub async fn disconnect_foreground(pick: impl Fn(&str) -> bool, force: bool) -> Result<usize> {
     let mut n = 0;
     for (p, j) in foreground_controllers().await {
         if !pick(&j) {

@@ -2,20 +2,21 @@
 
 use std::net::SocketAddr;
 
-use crate::args::*;
+pub use crate::cli::args::parse_uuid;
+use crate::cli::args::{Fabric, Subsys};
+use crate::cli::device::{self, DeviceChoice};
+use crate::cli::support::{error_line, host_bind_addr, roce_peer, CtrlInfo, Health};
+use crate::driver::{CmService, DeviceManager, SoftHca};
+use crate::nvme::discovery::DiscoveryLogEntry;
+use crate::nvme::Nqn;
+use crate::transport::{discover, ConnectOptions, Controller};
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::cli::device::{self, DeviceChoice};
-use nvmf_rdma::cli::support::{error_line, host_bind_addr, roce_peer, CtrlInfo, Health};
-use nvmf_rdma::driver::{CmService, DeviceManager, SoftHca};
-use nvmf_rdma::nvme::discovery::DiscoveryLogEntry;
-use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::transport::{discover, ConnectOptions, Controller};
 
 /// A device on `addr`; off loopback its peers may be rxe or NICs (see `roce_peer`).
-pub(crate) use nvmf_rdma::cli::support::soft_device_config as device_config;
+pub use crate::cli::support::soft_device_config as device_config;
 
 /// A host soft-HCA on the local address that routes to `target`.
-pub(crate) async fn host_stack(
+pub async fn host_stack(
     target: SocketAddr,
     host_traddr: Option<SocketAddr>,
 ) -> Result<(SoftHca, CmService)> {
@@ -29,7 +30,7 @@ pub(crate) async fn host_stack(
 
 /// The discovery log of the discovery controller `o` names, through the device `f` names
 /// (`what` says what failed if reading the log does).
-pub(crate) async fn discover_on(
+pub async fn discover_on(
     f: &Fabric,
     o: ConnectOptions,
     what: &'static str,
@@ -48,14 +49,14 @@ pub(crate) async fn discover_on(
     entries.context(what)
 }
 
-pub(crate) fn check_transport(f: &Fabric) -> Result<()> {
+pub fn check_transport(f: &Fabric) -> Result<()> {
     if f.transport != "rdma" {
         bail!("transport '{}' is not supported: only rdma", f.transport);
     }
     Ok(())
 }
 
-pub(crate) fn options(s: &Subsys) -> Result<ConnectOptions> {
+pub fn options(s: &Subsys) -> Result<ConnectOptions> {
     check_transport(&s.fabric)?;
     Nqn::new(&s.nqn).map_err(|e| anyhow::anyhow!("bad subsystem NQN: {e}"))?;
     if !(16..=1024).contains(&s.queue_size) {
@@ -87,13 +88,13 @@ pub(crate) fn options(s: &Subsys) -> Result<ConnectOptions> {
 }
 
 /// Where nvme-cli keeps the system's host NQN and host ID.
-pub(crate) const NVME_CONF_DIR: &str = "/etc/nvme";
+pub const NVME_CONF_DIR: &str = "/etc/nvme";
 
 /// The system's host identity, as nvme-cli has it: `hostnqn` and `hostid` in `dir` (one
 /// line each), when present and valid. A target whose allow-list holds the system host NQN
 /// then lets us in as it lets the kernel host in; `-q` still overrides. A host ID without a
 /// host NQN also names the NQN (`nqn.2014-08.org.nvmexpress:uuid:<hostid>`).
-pub(crate) fn apply_system_host_ids(o: &mut ConnectOptions, dir: &std::path::Path) {
+pub fn apply_system_host_ids(o: &mut ConnectOptions, dir: &std::path::Path) {
     let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
     let id = read("hostid").and_then(|t| parse_uuid(t.trim()));
     if let Some(id) = id {
@@ -108,25 +109,12 @@ pub(crate) fn apply_system_host_ids(o: &mut ConnectOptions, dir: &std::path::Pat
     }
 }
 
-/// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` as 16 bytes.
-pub(crate) fn parse_uuid(t: &str) -> Option<[u8; 16]> {
-    let hex: String = t.chars().filter(|c| *c != '-').collect();
-    if hex.len() != 32 || t.len() != 36 {
-        return None;
-    }
-    let mut id = [0u8; 16];
-    for (i, b) in id.iter_mut().enumerate() {
-        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(id)
-}
-
 /// The name of the host HCA in the device manager of `connect`, `read`, `write`, `verify`.
-pub(crate) const HOST_HCA: &str = "srxe0";
+pub const HOST_HCA: &str = "srxe0";
 
 /// A host soft-HCA plugged into a device manager, on the local address that routes to
 /// `target`. A controller on it comes back after the device is reset or re-plugged.
-pub(crate) async fn host_device(
+pub async fn host_device(
     target: SocketAddr,
     host_traddr: Option<SocketAddr>,
 ) -> Result<DeviceManager> {
@@ -138,13 +126,13 @@ pub(crate) async fn host_device(
     Ok(mgr)
 }
 
-pub(crate) async fn connect(s: &Subsys) -> Result<Controller> {
+pub async fn connect(s: &Subsys) -> Result<Controller> {
     connect_on(s).await.map(|(c, _)| c)
 }
 
 /// As [`connect`], also handing back the soft-HCA's device manager (`None` on a kernel
 /// device), whose counters a command may report.
-pub(crate) async fn connect_on(s: &Subsys) -> Result<(Controller, Option<DeviceManager>)> {
+pub async fn connect_on(s: &Subsys) -> Result<(Controller, Option<DeviceManager>)> {
     let o = options(s)?;
     let c = match &s.fabric.device {
         DeviceChoice::Soft => {
@@ -167,7 +155,7 @@ pub(crate) async fn connect_on(s: &Subsys) -> Result<(Controller, Option<DeviceM
 }
 
 /// What to check when a connect failed, from its error text.
-pub(crate) fn connect_hint(e: &str) -> String {
+pub fn connect_hint(e: &str) -> String {
     if e.contains("invalid host") {
         "the target does not allow this host NQN: pass -q with one it allows".into()
     } else if e.contains("invalid parameters") {
@@ -182,7 +170,7 @@ pub(crate) fn connect_hint(e: &str) -> String {
 /// What `list` shows of controller `c`, connected to `s` under `name`: one builder for the
 /// foreground `connect` and the daemon. `traddr` is the address alone, as nvme-cli shows it;
 /// the port is `trsvcid`.
-pub(crate) fn ctrl_info(name: &str, s: &Subsys, c: &Controller) -> CtrlInfo {
+pub fn ctrl_info(name: &str, s: &Subsys, c: &Controller) -> CtrlInfo {
     let status = c.status();
     let (state, health) = Health::from_status(&status);
     CtrlInfo {
