@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::verbs::{DeviceContext, DeviceSource, Lifecycle, Opened};
+use crate::verbs::{DeviceContext, DeviceSource, Lifecycle, Opened, ResetHook};
 
 pub struct Fixed<D: DeviceContext> {
     dev: D,
@@ -59,7 +59,9 @@ impl<D: DeviceContext> DeviceSource for Fixed<D> {
     fn changed(&self) -> Arc<Notify> {
         self.changed.clone()
     }
+}
 
+impl<D: DeviceContext> ResetHook for Fixed<D> {
     async fn inflict_reset(&self, _name: &str, _down_for: Duration) -> Result<(), String> {
         self.dev.inflict_fatal();
         Err("the controller's device is not managed: it was killed and will not return".into())
