@@ -89,10 +89,6 @@ impl DeviceContext for SoftHca {
         super::local::reaches(self.addr(), peer)
     }
 
-    fn inflict_fatal(&self) {
-        self.fatal()
-    }
-
     fn alloc_pd(&self) -> Result<PdId, VerbsError> {
         self.with_quiet(|d, _| d.alloc_pd())
     }

@@ -4,11 +4,10 @@
 //! through it, not from its death.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::verbs::{DeviceContext, DeviceSource, Lifecycle, Opened, ResetHook};
+use crate::verbs::{DeviceContext, DeviceSource, Lifecycle, Opened};
 
 pub struct Fixed<D: DeviceContext> {
     dev: D,
@@ -58,12 +57,5 @@ impl<D: DeviceContext> DeviceSource for Fixed<D> {
 
     fn changed(&self) -> Arc<Notify> {
         self.changed.clone()
-    }
-}
-
-impl<D: DeviceContext> ResetHook for Fixed<D> {
-    async fn inflict_reset(&self, _name: &str, _down_for: Duration) -> Result<(), String> {
-        self.dev.inflict_fatal();
-        Err("the controller's device is not managed: it was killed and will not return".into())
     }
 }
