@@ -13,6 +13,7 @@ use nvmf_rdma::hw::events::AsyncEvents;
 use nvmf_rdma::hw::source::HwSource;
 use nvmf_rdma::hw::HwError;
 use nvmf_rdma::transport::{ConnectOptions, Controller};
+use nvmf_rdma::verbs::FaultInjector;
 
 #[path = "common/conformance.rs"]
 mod conformance;
@@ -169,7 +170,7 @@ fn target_write_verify_when_configured() {
 
 /// The recovery path on a kernel device allocates nothing in the host's code, as on the
 /// soft-HCA (`tests/recovery_alloc.rs`): from the fault (our context of the device dropped
-/// as on DEVICE_FATAL, [`nvmf_rdma::verbs::DeviceSource::inflict_reset`]) until the
+/// as on DEVICE_FATAL, [`FaultInjector::reset`]) until the
 /// controller is live again with the I/O that was in flight resubmitted. libibverbs,
 /// librdmacm and their bindings are the platform's (`alloc_audit`), as the soft-HCA is.
 #[test]
@@ -196,8 +197,9 @@ fn hw_recovery_allocates_nothing_in_the_host_when_configured() {
         o.connect_timeout = Duration::from_secs(20);
         o.policy.reconnect_delay = Duration::ZERO;
         o.policy.ctrl_loss_tmo = Some(Duration::from_secs(60));
+        let src = FaultInjector::new(HwSource::new());
         let c = Arc::new(
-            Controller::connect_managed(HwSource::new(), &dev, o)
+            Controller::connect_managed(src.clone(), &dev, o)
                 .await
                 .unwrap(),
         );
@@ -224,7 +226,7 @@ fn hw_recovery_allocates_nothing_in_the_host_when_configured() {
         tokio::task::yield_now().await;
         counting_alloc::start();
         Platform::new(async {
-            c.reset_device(Duration::ZERO).await.unwrap();
+            src.reset(&dev, Duration::ZERO).await.unwrap();
             c.wait_status(Duration::from_secs(30), |s| {
                 s.machine.recoveries >= 1 && s.state() == CtrlState::Live
             })

@@ -14,12 +14,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use nvmf_rdma::cli::device::{connect_kernel, DeviceChoice};
+use nvmf_rdma::cli::device::{connect_kernel_with_faults, DeviceChoice};
 use nvmf_rdma::cli::support::{local_ip_for, soft_device_config};
 use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::nvmf_perf::LocalTarget;
 use nvmf_rdma::reconnect::RecoveryLog;
 use nvmf_rdma::transport::{ConnectOptions, Controller};
+use nvmf_rdma::verbs::{DeviceFaults, FaultInjector};
 
 use crate::options::{Chaos, CtrlKey, CtrlOptions, TargetAddr};
 use crate::runtime::{Driver, EngineRt};
@@ -30,6 +31,8 @@ const BUILTIN_LBADS: u8 = 12;
 /// A connected controller and what the engine runs beside it.
 pub struct Ctrl {
     pub ctrl: Arc<Controller>,
+    /// Resets of the host device under `ctrl`, for `chaos_reset_every`.
+    faults: DeviceFaults,
     pub key: CtrlKey,
     chaos: Option<Chaos>,
     chaos_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -133,13 +136,14 @@ impl Engine {
         let addr = self.target_addr(o.key.target)?;
         let n = self.next_dev;
         self.next_dev = self.next_dev.wrapping_add(1);
-        let (c, recoveries) = self.rt.driver.block_on(async {
-            let c = connect(o, addr, n).await?;
+        let (c, faults, recoveries) = self.rt.driver.block_on(async {
+            let (c, faults) = connect(o, addr, n).await?;
             let r = watch_recoveries(&c);
-            Ok::<_, String>((c, r))
+            Ok::<_, String>((c, faults, r))
         })?;
         let c = Arc::new(Ctrl {
             ctrl: Arc::new(c),
+            faults,
             recoveries,
             key: o.key.clone(),
             chaos: o.chaos,
@@ -208,8 +212,13 @@ impl Engine {
 }
 
 /// A host soft-HCA on the local address that routes to the target, and the controller on it.
-/// (The same steps as `nvmf-rdma connect`.)
-async fn connect(o: &CtrlOptions, addr: SocketAddr, n: u8) -> Result<Controller, String> {
+/// (The same steps as `nvmf-rdma connect`.) The host device's source is wrapped in a fault
+/// injector, whose handle comes back for `chaos_reset_every`.
+async fn connect(
+    o: &CtrlOptions,
+    addr: SocketAddr,
+    n: u8,
+) -> Result<(Controller, DeviceFaults), String> {
     let mut c = ConnectOptions::new(addr, &o.key.subnqn);
     c.trsvcid = o.key.trsvcid;
     if let Some(h) = &o.key.hostnqn {
@@ -233,9 +242,12 @@ async fn connect(o: &CtrlOptions, addr: SocketAddr, n: u8) -> Result<Controller,
             mgr.plug(cfg)
                 .await
                 .map_err(|e| format!("cannot start the host soft-HCA: {e}"))?;
-            Controller::connect_managed(mgr, &name, c).await
+            let src = FaultInjector::new(mgr);
+            Controller::connect_managed(src.clone(), &name, c)
+                .await
+                .map(|c| (c, src.device(&name)))
         }
-        DeviceChoice::Kernel(d) => connect_kernel(d, c).await,
+        DeviceChoice::Kernel(d) => connect_kernel_with_faults(d, c).await,
     };
     r.map_err(|e| {
         format!(
@@ -245,10 +257,10 @@ async fn connect(o: &CtrlOptions, addr: SocketAddr, n: u8) -> Result<Controller,
     })
 }
 
-/// Reset the host device under `c`, as a device fault would: the one recovery path holds
-/// the in-flight I/O and resubmits it once the same device is back after `down_for`.
-async fn reset_device(c: &Controller, down_for: Duration) {
-    if let Err(e) = c.reset_device(down_for).await {
+/// Reset the host device, as a device fault would: the one recovery path holds the in-flight
+/// I/O and resubmits it once the same device is back after `down_for`.
+async fn reset_device(faults: &DeviceFaults, down_for: Duration) {
+    if let Err(e) = faults.reset(down_for).await {
         eprintln!("nvmf-rdma: chaos reset failed: {e}");
     }
 }
@@ -262,14 +274,16 @@ impl Ctrl {
             return;
         }
         let ctrl = Arc::downgrade(&self.ctrl);
+        let faults = self.faults.clone();
         let resets = self.resets.clone();
         *t = Some(rt.spawn(async move {
             let mut tick = tokio::time::interval(chaos.every);
             tick.tick().await;
             loop {
                 tick.tick().await;
-                let Some(c) = ctrl.upgrade() else { return };
-                reset_device(&c, chaos.down_for).await;
+                // Only while the controller is still in use.
+                let Some(_c) = ctrl.upgrade() else { return };
+                reset_device(&faults, chaos.down_for).await;
                 resets.fetch_add(1, Ordering::Relaxed);
             }
         }));

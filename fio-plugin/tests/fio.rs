@@ -96,6 +96,11 @@ impl Fio {
     /// Run `job`; every job must succeed and move data in the directions `want` lists
     /// (`(jobname, reads, writes)`).
     fn run_ok(&self, name: &str, job: &str, want: &[(&str, bool, bool)]) -> Value {
+        self.run_ok_stderr(name, job, want).0
+    }
+
+    /// [`Fio::run_ok`], and what the engine told fio's stderr.
+    fn run_ok_stderr(&self, name: &str, job: &str, want: &[(&str, bool, bool)]) -> (Value, String) {
         let r = self.run(name, job);
         assert!(r.ok, "fio failed on {name}:\n{}", r.stderr);
         let v = r
@@ -119,7 +124,7 @@ impl Fio {
             "{name}: the engine saw I/O errors:\n{}",
             r.stderr
         );
-        v
+        (v, r.stderr)
     }
 }
 
@@ -236,7 +241,8 @@ fn bad_options_are_reported() {
 }
 
 /// A verifying 4 KiB random-write job named `name` at QD32 while the host device is reset
-/// every `every`, with reconnect_delay 0: fio must see no verify error and no I/O error.
+/// every `every`, with reconnect_delay 0: fio must see no verify error and no I/O error, and
+/// the resets must have reached the device (the controller recovered from them).
 fn chaos_run(f: &Fio, name: &str, every: &str, ctrl_loss_tmo: u32, runtime: u32) {
     let job = format!(
         "thread=1\nbuiltin_target=256M\nfilename=ns=1\nsize=64M\nbs=4k\niodepth=32\n\
@@ -244,7 +250,11 @@ fn chaos_run(f: &Fio, name: &str, every: &str, ctrl_loss_tmo: u32, runtime: u32)
          verify=crc32c\nverify_backlog=1024\ntime_based=1\nruntime={runtime}\n\
          [{name}]\nrw=randwrite\n"
     );
-    f.run_ok(name, &job, &[(name, true, true)]);
+    let (_, stderr) = f.run_ok_stderr(name, &job, &[(name, true, true)]);
+    assert!(
+        !stderr.contains("chaos reset failed") && !stderr.contains("no recovery"),
+        "{name}: the host device was not reset:\n{stderr}"
+    );
 }
 
 /// The issue's chaos run: the host device is reset every 2 s for 20 s under a verifying

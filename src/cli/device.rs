@@ -11,6 +11,7 @@ use std::str::FromStr;
 
 use crate::nvme::discovery::DiscoveryLogEntry;
 use crate::transport::{ConnectOptions, Controller, HostError};
+use crate::verbs::DeviceFaults;
 
 /// `--device`: the soft-HCA or a kernel RDMA device.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
@@ -75,6 +76,29 @@ pub async fn connect_kernel(sel: &str, o: ConnectOptions) -> Result<Controller, 
         use crate::hw::source::HwSource;
         HwSource::check(sel).map_err(|e| HostError::Connect(e.to_string()))?;
         Controller::connect_managed(HwSource::new(), sel, o).await
+    }
+    #[cfg(not(feature = "hw"))]
+    {
+        let _ = o;
+        Err(no_hw(sel))
+    }
+}
+
+/// [`connect_kernel`] for chaos tools and tests: the device source is wrapped in a
+/// [`FaultInjector`](crate::verbs::FaultInjector), and the handle that resets the device
+/// under the controller comes back beside it.
+pub async fn connect_kernel_with_faults(
+    sel: &str,
+    o: ConnectOptions,
+) -> Result<(Controller, DeviceFaults), HostError> {
+    #[cfg(feature = "hw")]
+    {
+        use crate::hw::source::HwSource;
+        use crate::verbs::FaultInjector;
+        HwSource::check(sel).map_err(|e| HostError::Connect(e.to_string()))?;
+        let src = FaultInjector::new(HwSource::new());
+        let c = Controller::connect_managed(src.clone(), sel, o).await?;
+        Ok((c, src.device(sel)))
     }
     #[cfg(not(feature = "hw"))]
     {

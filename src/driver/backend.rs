@@ -19,8 +19,8 @@ use crate::hca::rc::{create_qp_init, qp_to_rts, RcOptions};
 use crate::hca::HostMem;
 use crate::verbs::{
     Access, CmError, CmListen, CmPort, CqId, DeviceContext, DeviceSource, HostBuffer, Identity,
-    Incoming, Lifecycle, MrInfo, Opened, PdId, PeerInfo, Psn, QpCaps, Qpn, RcAttr, RecvWr, SendWr,
-    VerbsError, WorkCompletion,
+    Incoming, Lifecycle, MrInfo, Opened, PdId, PeerInfo, Psn, QpCaps, Qpn, RcAttr, RecvWr,
+    ResetHook, SendWr, VerbsError, WorkCompletion,
 };
 
 use super::{CmService, DeviceManager, SoftHca};
@@ -87,10 +87,6 @@ impl DeviceContext for SoftHca {
 
     fn reaches_in_memory(&self, peer: std::net::SocketAddr) -> bool {
         super::local::reaches(self.addr(), peer)
-    }
-
-    fn inflict_fatal(&self) {
-        self.fatal()
     }
 
     fn alloc_pd(&self) -> Result<PdId, VerbsError> {
@@ -246,7 +242,9 @@ impl DeviceSource for DeviceManager {
     fn changed(&self) -> Arc<Notify> {
         DeviceManager::changed(self)
     }
+}
 
+impl ResetHook for DeviceManager {
     async fn inflict_reset(&self, name: &str, down_for: Duration) -> Result<(), String> {
         self.reset(name, down_for)
             .await

@@ -13,7 +13,7 @@ use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use crate::nvme::Nqn;
 use crate::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use crate::transport::{ConnectOptions, Controller, HostError};
-use crate::verbs::PciAddr;
+use crate::verbs::{DeviceFaults, FaultInjector, PciAddr};
 
 pub const DEMO_NQN: &str = "nqn.2026-11.io.nvmf-rdma:demo";
 
@@ -116,11 +116,29 @@ pub async fn connect_host(
 
 /// [`connect_host`] with every option.
 pub async fn connect_host_with(o: ConnectOptions) -> Result<Controller, HostError> {
+    Controller::connect_managed(host_manager().await?, HOST_DEV, o).await
+}
+
+/// [`connect_host_with`] for tests that reset the host's device: its device manager is
+/// wrapped in a [`FaultInjector`], and the handle that resets the device comes back beside
+/// the controller.
+pub async fn connect_host_with_faults(
+    o: ConnectOptions,
+) -> Result<(Controller, DeviceFaults), HostError> {
+    let src = FaultInjector::new(host_manager().await?);
+    let c = Controller::connect_managed(src.clone(), HOST_DEV, o).await?;
+    Ok((c, src.device(HOST_DEV)))
+}
+
+const HOST_DEV: &str = "host0";
+
+/// A device manager with the host's soft-HCA plugged in as [`HOST_DEV`].
+async fn host_manager() -> Result<crate::driver::DeviceManager, HostError> {
     let mgr = crate::driver::DeviceManager::new(true);
-    mgr.plug(dev_config("host0", 2, [127, 0, 0, 1]))
+    mgr.plug(dev_config(HOST_DEV, 2, [127, 0, 0, 1]))
         .await
         .map_err(|e| HostError::Connect(e.to_string()))?;
-    Controller::connect_managed(mgr, "host0", o).await
+    Ok(mgr)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

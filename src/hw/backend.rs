@@ -11,7 +11,7 @@ use sideway::ibverbs::queue_pair::{
 };
 
 use super::cm_port::HwCm;
-use super::context::{verr, CqEntry, HwContext, QpEntry, FATAL};
+use super::context::{verr, CqEntry, HwContext, QpEntry};
 use super::device::access_flags;
 use super::map::{ib_mtu, mtu_of};
 use super::mem::HwMem;
@@ -37,10 +37,6 @@ impl DeviceContext for HwContext {
 
     fn same(&self, other: &HwContext) -> bool {
         Arc::ptr_eq(&self.ctx, &other.ctx)
-    }
-
-    fn inflict_fatal(&self) {
-        self.ctx.kill(FATAL)
     }
 
     fn alloc_pd(&self) -> Result<PdId, VerbsError> {

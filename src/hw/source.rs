@@ -14,7 +14,7 @@ use super::device::{list_devices, HwDeviceInfo, Selector};
 use super::reset::HeldDown;
 use super::HwError;
 use crate::harness::alloc_audit;
-use crate::verbs::{DeviceSource, Guid, Opened};
+use crate::verbs::{DeviceSource, Guid, Opened, ResetHook};
 
 /// How often a source reads the device list to see devices come and go (libibverbs has no
 /// notification for it; rdma_cm reports only the removal of a device that holds an id).
@@ -172,7 +172,9 @@ impl DeviceSource for HwSource {
     fn changed(&self) -> Arc<Notify> {
         self.sh.changed.clone()
     }
+}
 
+impl ResetHook for HwSource {
     async fn inflict_reset(&self, name: &str, down_for: Duration) -> Result<(), String> {
         let cur = self
             .sh

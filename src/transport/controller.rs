@@ -259,15 +259,6 @@ impl Controller {
         }
     }
 
-    /// Chaos: reset the HCA under this controller (a fatal error; the device comes back
-    /// after `down_for`). Needs a managed device ([`Controller::connect_managed`]).
-    pub async fn reset_device(&self, down_for: Duration) -> Result<(), HostError> {
-        self.backing
-            .inflict_reset(down_for)
-            .await
-            .map_err(HostError::Invalid)
-    }
-
     /// The device source and device name the controller runs on, if the source is an `S`.
     pub fn device_source<S: DeviceSource>(&self) -> Option<(S, String)> {
         let d = self.backing.as_any().downcast_ref::<DevShared<S>>()?;

@@ -4,7 +4,6 @@
 //! through it, not from its death.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::Notify;
 
@@ -58,10 +57,5 @@ impl<D: DeviceContext> DeviceSource for Fixed<D> {
 
     fn changed(&self) -> Arc<Notify> {
         self.changed.clone()
-    }
-
-    async fn inflict_reset(&self, _name: &str, _down_for: Duration) -> Result<(), String> {
-        self.dev.inflict_fatal();
-        Err("the controller's device is not managed: it was killed and will not return".into())
     }
 }

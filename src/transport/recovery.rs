@@ -18,8 +18,6 @@
 //! [`reconnect::Event`]: crate::reconnect::Event
 
 use std::any::Any;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -56,10 +54,6 @@ pub(super) trait Backing: Send + Sync {
     fn as_any(&self) -> &dyn Any;
     /// The current context, as `&Mutex<D>`.
     fn current(&self) -> &dyn Any;
-    fn inflict_reset(
-        &self,
-        down_for: Duration,
-    ) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send + '_>>;
 }
 
 impl<S: DeviceSource> Backing for DevShared<S> {
@@ -69,13 +63,6 @@ impl<S: DeviceSource> Backing for DevShared<S> {
 
     fn current(&self) -> &dyn Any {
         &self.current
-    }
-
-    fn inflict_reset(
-        &self,
-        down_for: Duration,
-    ) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send + '_>> {
-        Box::pin(self.source.inflict_reset(&self.name, down_for))
     }
 }
 

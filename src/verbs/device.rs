@@ -87,10 +87,6 @@ pub trait DeviceContext: Clone + Send + Sync + 'static {
     fn reaches_in_memory(&self, _peer: std::net::SocketAddr) -> bool {
         false
     }
-    /// Fault injection for chaos tools and tests: a fatal error, as if the device had
-    /// reported DEVICE_FATAL. The context becomes a zombie.
-    fn inflict_fatal(&self);
-
     fn alloc_pd(&self) -> Result<PdId, VerbsError>;
     fn dealloc_pd(&self, pd: PdId);
     /// Register `len` bytes of `mem` from `offset`.

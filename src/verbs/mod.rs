@@ -11,6 +11,8 @@
 //! - [`CmPort`]: the connection manager of a context (active connect with private data,
 //!   abort, disconnect, the peer's disconnect); [`CmListen`] its passive side (listen,
 //!   accept, reject), for the built-in target.
+//! - [`FaultInjector`]: not part of the seam; a wrapper around a source that resets its
+//!   devices by hand ([`ResetHook`]), for chaos tools and tests.
 //!
 //! The vocabulary (QPN, PSN, work requests and completions, access flags, lifecycle, errors,
 //! ...) is defined here, and every backend speaks it.
@@ -19,6 +21,7 @@ mod cm;
 mod device;
 mod error;
 mod event;
+mod fault;
 mod mr;
 mod source;
 mod types;
@@ -29,6 +32,7 @@ pub use cm::{CmError, CmListen, CmPort, Incoming, INCOMING_BACKLOG};
 pub use device::{DeviceContext, HostBuffer, Identity, RcAttr};
 pub use error::VerbsError;
 pub use event::{AsyncEvent, Lifecycle};
+pub use fault::{DeviceFaults, FaultInjector, ResetHook};
 pub use mr::{Access, MrInfo, PdId};
 pub use source::{DeviceSource, Opened};
 pub use types::{Guid, Instant, MemKey, PciAddr, PciAddrParseError, PeerInfo, Psn, Qpn};

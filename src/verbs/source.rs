@@ -1,8 +1,6 @@
 //! Where the host finds a device's context, now and after a reset or a re-plug.
 
-use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::Notify;
 
@@ -33,11 +31,4 @@ pub trait DeviceSource: Clone + Send + Sync + 'static {
     fn cm(&self, dev: &Self::Device) -> <Self::Device as DeviceContext>::Cm;
     /// Notified (`notify_waiters`) whenever a device is plugged, reset or removed.
     fn changed(&self) -> Arc<Notify>;
-    /// Fault injection for chaos tools and tests: a fatal reset of `name`, its new context
-    /// live after `down_for` where the source can bring one back.
-    fn inflict_reset(
-        &self,
-        name: &str,
-        down_for: Duration,
-    ) -> impl Future<Output = Result<(), String>> + Send;
 }

@@ -1,6 +1,6 @@
 //! Shared pieces of the export tests: the built-in target plus a connected host on a
 //! multi-thread runtime, guards that undo mounts and loop devices even when a test fails, and
-//! the soft-HCA reset hook.
+//! resets of the host soft-HCA through a fault injector.
 #![allow(dead_code)]
 
 pub mod model;
@@ -11,14 +11,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nvmf_rdma::export::BlockDev;
-use nvmf_rdma::harness::nvmf_perf::{connect_host_with, LocalTarget, DEMO_NQN};
+use nvmf_rdma::harness::nvmf_perf::{connect_host_with_faults, LocalTarget, DEMO_NQN};
 use nvmf_rdma::transport::{ConnectOptions, Controller};
+use nvmf_rdma::verbs::DeviceFaults;
 
 /// Built-in RAM target and a host controller connected to it. Fields drop in order: the
 /// device and controller, then the host runtime, then the target.
 pub struct Stack {
     pub dev: Arc<BlockDev>,
     pub ctrl: Arc<Controller>,
+    /// Resets of the host's device under `ctrl`.
+    pub faults: DeviceFaults,
     pub rt: tokio::runtime::Runtime,
     pub target: LocalTarget,
 }
@@ -33,14 +36,15 @@ impl Stack {
             .enable_all()
             .build()
             .expect("runtime");
-        let ctrl = Arc::new(
-            rt.block_on(connect_host_with(host_options(target.addr, queues)))
-                .expect("connect host"),
-        );
+        let (ctrl, faults) = rt
+            .block_on(connect_host_with_faults(host_options(target.addr, queues)))
+            .expect("connect host");
+        let ctrl = Arc::new(ctrl);
         let dev = Arc::new(BlockDev::new(ctrl.clone(), 1).expect("namespace 1"));
         Stack {
             dev,
             ctrl,
+            faults,
             rt,
             target,
         }
@@ -51,8 +55,8 @@ impl Stack {
 // Soft-HCA resets during writes.
 //
 // The issue asks for device resets in the middle of file-system writes, invisible to the file
-// system except as latency. The controller runs on a managed device (`connect_host`), so a
-// reset goes through the one recovery path: in-flight writes are held and resubmitted.
+// system except as latency. The controller runs on a managed device behind a fault injector
+// (`connect_host_with_faults`), so a reset goes through the one recovery path: in-flight writes are held and resubmitted.
 // NVMF_EXPORT_RESETS=N changes how many resets fire during the writes.
 
 /// The host's options: a reset is recovered at once (reconnect_delay 0) rather than after
@@ -77,8 +81,8 @@ pub fn resets_during_writes() -> usize {
 
 /// Reset the host's soft-HCA under a live controller (a fatal error; the device comes back
 /// at once) and wait until the reset has happened, from a thread outside the runtime.
-pub fn reset_host_device(ctrl: &Controller, rt: &tokio::runtime::Handle) {
-    rt.block_on(ctrl.reset_device(std::time::Duration::ZERO))
+pub fn reset_host_device(faults: &DeviceFaults, rt: &tokio::runtime::Handle) {
+    rt.block_on(faults.reset(std::time::Duration::ZERO))
         .expect("reset the host device");
 }
 

@@ -55,12 +55,12 @@ fn ext4_roundtrip(stack: &Stack, file: &Path, tmp: &Path) {
     // the end of its fsync).
     let resets = resets_during_writes();
     let (tx, rx) = mpsc::channel::<()>();
-    let ctrl = stack.ctrl.clone();
+    let faults = stack.faults.clone();
     let rt = stack.rt.handle().clone();
     let resetter = std::thread::spawn(move || {
         let mut n = 0;
         while rx.recv().is_ok() {
-            reset_host_device(&ctrl, &rt);
+            reset_host_device(&faults, &rt);
             n += 1;
         }
         n

@@ -10,6 +10,7 @@ use nvmf_rdma::driver::DeviceManager;
 use nvmf_rdma::harness::chaos::{
     connect_host, host_identity, host_options, TargetRig, Verifiers, WorkerReport, HOST_DEV,
 };
+use nvmf_rdma::harness::nvmf_perf::connect_host_with_faults;
 use nvmf_rdma::reconnect::{Cause, CtrlState, FailReason, IdentityMatch, Policy};
 use nvmf_rdma::transport::{Controller, HostError};
 
@@ -109,6 +110,31 @@ async fn resets_mid_io_lose_nothing_acknowledged() {
     for s in c.queue_stats() {
         assert_eq!((s.unknown_cid, s.duplicate_completion), (0, 0), "{s:?}");
     }
+}
+
+/// Whoever builds a controller on a fault injector keeps its handle, and a reset through it
+/// reaches the device under the controller: recovered like any device fault, nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resets_through_a_fault_injector_are_recovered() {
+    let t = TargetRig::start(IP, NS_BYTES).await.unwrap();
+    let (c, faults) = connect_host_with_faults(host_options(t.addr, 1, 32, policy()))
+        .await
+        .unwrap();
+    let c = Arc::new(c);
+    let stop = Arc::new(AtomicBool::new(false));
+    let ws = spawn_workers(&c, 2, &stop);
+    for i in 1..=2 {
+        progress(&c).await;
+        faults.reset(Duration::ZERO).await.unwrap();
+        recovered(&c, i).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let r = join(ws).await;
+    assert_eq!((r.mismatches, r.hangs), (0, 0), "{r:?}");
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let st = c.status();
+    assert_eq!(st.machine.recoveries, 2);
+    assert_eq!(st.machine.cause, Some(Cause::DeviceFatal));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

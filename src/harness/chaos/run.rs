@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 
-use crate::cli::device::{connect_kernel, DeviceChoice};
+use crate::cli::device::{connect_kernel_with_faults, DeviceChoice};
 use crate::cli::support::{host_bind_addr, roce_peer, soft_device_config, Health};
 use crate::driver::DeviceManager;
 use crate::harness::chaos::config::{ChaosConfig, FaultKind, CHAOS_IP};
@@ -18,6 +18,7 @@ use crate::harness::chaos::report::{spread, ChaosSummary, FaultOutcome, Sample};
 use crate::harness::chaos::{self, IoCounters, TargetRig, WorkerReport};
 use crate::reconnect::{CtrlState, Identity, Policy};
 use crate::transport::Controller;
+use crate::verbs::DeviceFaults;
 
 /// What a run tells as it goes.
 pub enum Progress<'a> {
@@ -88,7 +89,7 @@ pub async fn sample(
 /// up or the controller is lost, then stop the workers and judge. `Err` only when the run
 /// could not start; what went wrong during it is in the summary's `problems`.
 pub async fn run(a: &ChaosConfig, progress: OnProgress) -> Result<ChaosSummary> {
-    let (mut target, mgr, c) = connect(a).await?;
+    let (mut target, faults, c) = connect(a).await?;
     let c = Arc::new(c);
     progress(Progress::Connected);
     let p = &a.policy;
@@ -134,7 +135,7 @@ pub async fn run(a: &ChaosConfig, progress: OnProgress) -> Result<ChaosSummary> 
         ended,
     ));
     let run = FaultRun {
-        mgr: mgr.as_ref(),
+        faults: &faults,
         c: &c,
         hang_after,
         other_is_ours,
@@ -192,10 +193,8 @@ pub async fn run(a: &ChaosConfig, progress: OnProgress) -> Result<ChaosSummary> 
 }
 
 /// The host's controller, on the device and against the target `a` names; the built-in
-/// target and the soft-HCA's device manager when the run has them.
-async fn connect(
-    a: &ChaosConfig,
-) -> Result<(Option<TargetRig>, Option<DeviceManager>, Controller)> {
+/// target when the run has one, and how to inflict faults on the host's device.
+async fn connect(a: &ChaosConfig) -> Result<(Option<TargetRig>, HostFaults, Controller)> {
     let options = |traddr| {
         let mut o = chaos::host_options(traddr, a.nr_io_queues, a.queue_size, a.policy);
         o.io_timeout = a.io_timeout;
@@ -211,10 +210,10 @@ async fn connect(
     };
     Ok(match (a.traddr, &a.device) {
         (Some(traddr), DeviceChoice::Kernel(d)) => {
-            let c = connect_kernel(d, external(traddr))
+            let (c, faults) = connect_kernel_with_faults(d, external(traddr))
                 .await
                 .with_context(|| format!("the host cannot connect to {traddr} through {d}"))?;
-            (None, None, c)
+            (None, HostFaults::Kernel(faults), c)
         }
         (None, _) => {
             let target = TargetRig::start(CHAOS_IP, a.size as u64)
@@ -224,7 +223,7 @@ async fn connect(
             let c = chaos::connect_host(&mgr, CHAOS_IP, options(target.addr))
                 .await
                 .context("the host cannot connect to the built-in target")?;
-            (Some(target), Some(mgr), c)
+            (Some(target), HostFaults::Soft(mgr), c)
         }
         (Some(traddr), DeviceChoice::Soft) => {
             let addr =
@@ -238,14 +237,24 @@ async fn connect(
             let c = Controller::connect_managed(mgr.clone(), chaos::HOST_DEV, external(traddr))
                 .await
                 .with_context(|| format!("the host cannot connect to {traddr}"))?;
-            (None, Some(mgr), c)
+            (None, HostFaults::Soft(mgr), c)
         }
     })
 }
 
+/// How chaos reaches the host's device.
+pub enum HostFaults {
+    /// The soft-HCA's device manager: every fault.
+    Soft(DeviceManager),
+    /// A kernel RDMA device, behind a fault injector: the faults of [`KERNEL_FAULTS`].
+    ///
+    /// [`KERNEL_FAULTS`]: crate::harness::chaos::config::KERNEL_FAULTS
+    Kernel(DeviceFaults),
+}
+
 /// What the fault schedule works on.
 struct FaultRun<'a> {
-    mgr: Option<&'a DeviceManager>,
+    faults: &'a HostFaults,
     c: &'a Controller,
     /// How long a fault may take to recover before the run counts it lost.
     hang_after: Duration,
@@ -290,7 +299,7 @@ impl FaultRun<'_> {
             let mut f = inflict(
                 kind,
                 down,
-                self.mgr,
+                self.faults,
                 c,
                 target.as_deref_mut(),
                 self.hang_after,
@@ -362,13 +371,14 @@ fn judge(
     problems
 }
 
-/// Inflict `kind` and wait until the controller is LIVE again (or gives up, or `bound`).
-/// `mgr` is the soft-HCA's device manager; without one (a kernel RDMA device) only the
-/// faults of [`KERNEL_FAULTS`] can be inflicted.
+/// Inflict `kind` through `faults` and wait until the controller is LIVE again (or gives up,
+/// or `bound`). On a kernel RDMA device only the faults of [`KERNEL_FAULTS`] can be inflicted.
+///
+/// [`KERNEL_FAULTS`]: crate::harness::chaos::config::KERNEL_FAULTS
 pub async fn inflict(
     kind: FaultKind,
     down: Duration,
-    mgr: Option<&DeviceManager>,
+    faults: &HostFaults,
     c: &Controller,
     target: Option<&mut TargetRig>,
     bound: Duration,
@@ -389,16 +399,19 @@ pub async fn inflict(
     };
     let mut base = before.machine.recoveries;
     let r: Result<()> = async {
-        let Some(mgr) = mgr else {
-            return match kind {
-                // The device source drops the context as on DEVICE_FATAL and opens it anew.
-                FaultKind::Reset => Ok(c.reset_device(down).await?),
-                FaultKind::UserReset => {
-                    c.reset();
-                    Ok(())
-                }
-                k => bail!("--faults {} needs the soft-HCA", k.name()),
-            };
+        let mgr = match faults {
+            HostFaults::Soft(mgr) => mgr,
+            HostFaults::Kernel(dev) => {
+                return match kind {
+                    // The device source drops the context as on DEVICE_FATAL and opens it anew.
+                    FaultKind::Reset => dev.reset(down).await.map_err(anyhow::Error::msg),
+                    FaultKind::UserReset => {
+                        c.reset();
+                        Ok(())
+                    }
+                    k => bail!("--faults {} needs the soft-HCA", k.name()),
+                };
+            }
         };
         match kind {
             FaultKind::Reset => chaos::Fault::Reset { down }.inflict(mgr, c, target).await,
