@@ -206,6 +206,38 @@ impl TxBatch {
         self.pkts.is_empty()
     }
 
+    /// Up to `runs.len()` runs from packet `first`, written to `runs` as (first packet, one
+    /// past the last, segment size, bytes); returns how many.
+    #[inline]
+    fn cut_runs(&self, first: usize, runs: &mut [(usize, usize, usize, usize)]) -> usize {
+        let mut nruns = 0;
+        let mut i = first;
+        while i < self.pkts.len() && nruns < runs.len() {
+            let (dst, start, seg) = self.pkts[i];
+            let mut j = i + 1;
+            let mut total = seg;
+            if self.gso {
+                // A run is one slice of `buf`: packets back to back (a packet taken by the
+                // loopback path leaves a gap).
+                while j < self.pkts.len() && j - i < GSO_MAX_SEGS {
+                    let (d, s, l) = self.pkts[j];
+                    if d != dst || s != start + total || l > seg || total + l > GSO_MAX_BYTES {
+                        break;
+                    }
+                    total += l;
+                    j += 1;
+                    if l < seg {
+                        break; // only the last segment may be short
+                    }
+                }
+            }
+            runs[nruns] = (i, j, seg, total);
+            nruns += 1;
+            i = j;
+        }
+        nruns
+    }
+
     /// Send everything queued: consecutive packets to one destination with one size (the
     /// last may be shorter) make a run, sent as one GSO datagram; the runs go to the kernel
     /// in one `sendmmsg`. A full socket buffer drops the rest, as a congested link would;
@@ -214,34 +246,8 @@ impl TxBatch {
         let fd = sock.as_raw_fd();
         let mut first = 0;
         'runs: while first < self.pkts.len() {
-            // Up to MMSG_RUNS runs from `first`: (first packet, one past the last, segment
-            // size, bytes).
             let mut runs = [(0usize, 0usize, 0usize, 0usize); MMSG_RUNS];
-            let mut nruns = 0;
-            let mut i = first;
-            while i < self.pkts.len() && nruns < MMSG_RUNS {
-                let (dst, start, seg) = self.pkts[i];
-                let mut j = i + 1;
-                let mut total = seg;
-                if self.gso {
-                    // A run is one slice of `buf`: packets back to back (a packet taken by
-                    // the loopback path leaves a gap).
-                    while j < self.pkts.len() && j - i < GSO_MAX_SEGS {
-                        let (d, s, l) = self.pkts[j];
-                        if d != dst || s != start + total || l > seg || total + l > GSO_MAX_BYTES {
-                            break;
-                        }
-                        total += l;
-                        j += 1;
-                        if l < seg {
-                            break; // only the last segment may be short
-                        }
-                    }
-                }
-                runs[nruns] = (i, j, seg, total);
-                nruns += 1;
-                i = j;
-            }
+            let nruns = self.cut_runs(first, &mut runs);
             let mut names: [libc::sockaddr_storage; MMSG_RUNS] = unsafe { std::mem::zeroed() };
             let mut iovs: [libc::iovec; MMSG_RUNS] = unsafe { std::mem::zeroed() };
             let mut controls = [[0u64; 4]; MMSG_RUNS];

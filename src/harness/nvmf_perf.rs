@@ -293,28 +293,8 @@ pub async fn run_job_ticking(
             (lat, errors)
         }));
     }
-    if let Some((every, f)) = tick {
-        let every = every.max(Duration::from_millis(10));
-        let (mut ios, mut errs, mut last) = (0, 0, Duration::ZERO);
-        let mut n = 1u32;
-        // Whole intervals only; the summary covers the rest.
-        while every * n <= job.runtime {
-            tokio::time::sleep_until(tokio::time::Instant::from_std(start + every * n)).await;
-            let (now_ios, now_errs) = (
-                counts.0.load(Ordering::Relaxed),
-                counts.1.load(Ordering::Relaxed),
-            );
-            let at = start.elapsed();
-            f(&Tick {
-                job,
-                at,
-                span: at - last,
-                ios: now_ios - ios,
-                errors: now_errs - errs,
-            });
-            (ios, errs, last) = (now_ios, now_errs, at);
-            n += 1;
-        }
+    if let Some(tick) = tick {
+        report_intervals(job, start, &counts, tick).await;
     }
     let mut all = Vec::new();
     let mut errors = 0;
@@ -337,6 +317,37 @@ pub async fn run_job_ticking(
         errors,
         copies_per_io: copies as f64 / (all.len() as f64).max(1.0),
         target_copies_per_io: None,
+    }
+}
+
+/// Tell `f` what each whole interval of `every` since `start` did, by the completed and
+/// failed counts `counts`, until `job`'s runtime is up (the summary covers the rest).
+async fn report_intervals(
+    job: Job,
+    start: StdInstant,
+    counts: &(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64),
+    (every, f): Ticker<'_, '_>,
+) {
+    use std::sync::atomic::Ordering;
+    let every = every.max(Duration::from_millis(10));
+    let (mut ios, mut errs, mut last) = (0, 0, Duration::ZERO);
+    let mut n = 1u32;
+    while every * n <= job.runtime {
+        tokio::time::sleep_until(tokio::time::Instant::from_std(start + every * n)).await;
+        let (now_ios, now_errs) = (
+            counts.0.load(Ordering::Relaxed),
+            counts.1.load(Ordering::Relaxed),
+        );
+        let at = start.elapsed();
+        f(&Tick {
+            job,
+            at,
+            span: at - last,
+            ios: now_ios - ios,
+            errors: now_errs - errs,
+        });
+        (ios, errs, last) = (now_ios, now_errs, at);
+        n += 1;
     }
 }
 

@@ -20,7 +20,8 @@
 //!   Registers / Properties).
 //! - `admin.rs`: admin and NVM I/O opcodes, command builders, DSM ranges (Base: Admin
 //!   Command Set; NVM Command Set: Read, Write, Write Zeroes, Dataset Management, Flush).
-//! - `identify.rs`: Identify Controller / Namespace data, active namespace list (Base:
+//! - `identify.rs`: Identify Controller data; `identify/namespace.rs`: Identify Namespace
+//!   data, the active namespace list and namespace identification descriptors (Base:
 //!   Identify command data structures).
 //! - `discovery.rs`: the Discovery Log Page header and entries (Fabrics: Discovery Log Page).
 //! - `ccr.rs`: Cross-Controller Reset: the command, its completion, the CCR log page and its

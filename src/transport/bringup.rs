@@ -17,14 +17,14 @@ use crate::verbs::{
     CmPort, DeviceContext, DeviceSource, Instant, Lifecycle, Opened, PdId, PeerInfo,
 };
 
-use super::controller::{
-    bounded_admin, inline_depth_for, ConnectOptions, Controller, CtrlStatus, RecoveryTrace,
-};
+use super::controller::Controller;
 use super::fixed::Fixed;
 use super::inbox::Inbox;
 use super::namespaces::{identify_namespaces, rescan_after_reconnects, NsTable};
+use super::options::{inline_depth_for, ConnectOptions};
 use super::queue::{self, Clock, QueueCore, QueueSpec};
-use super::recovery::{CtrlMetrics, CtrlShared, DevCtx, DevShared, EventQueue, Supervisor};
+use super::recovery::{CtrlMetrics, DevCtx, EventQueue, Supervisor};
+use super::state::{bounded_admin, CtrlShared, CtrlStatus, DevShared, RecoveryTrace};
 use super::HostError;
 
 impl<S: DeviceSource> Supervisor<S> {

@@ -3,7 +3,6 @@
 //! cause, and its executor) in [`super::recovery`], namespaces and Asynchronous Events in
 //! [`super::namespaces`].
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,188 +11,15 @@ use tokio::sync::watch;
 
 use crate::nvme::admin;
 use crate::nvme::fabrics;
-use crate::nvme::{DiscoveryLogEntry, DiscoveryLogHeader, DsmRange, IdentifyController, Nqn, Sqe};
-use crate::reconnect::{Cause, CtrlState, Event, Policy, Status};
-use crate::verbs::{roce_peer, DeviceContext, DeviceSource, Instant, Mtu};
+use crate::nvme::{DiscoveryLogEntry, DiscoveryLogHeader, DsmRange, IdentifyController};
+use crate::reconnect::{Cause, CtrlState, Event};
+use crate::verbs::{DeviceContext, DeviceSource, Instant};
 
-use super::namespaces::{NsInfo, NsTable};
-use super::queue::{self, IoBuffer, QueueHandle, QueueStats};
-use super::recovery::{Backing, CtrlShared, DevShared};
+use super::namespaces::{AsyncEvent, NsInfo, NsTable};
+use super::options::ConnectOptions;
+use super::queue::{IoBuffer, QueueHandle, QueueStats};
+use super::state::{Backing, CtrlShared, CtrlStatus, DevShared};
 use super::HostError;
-
-/// Everything `connect` needs, with nvme-cli's names where there is one.
-#[derive(Debug, Clone)]
-pub struct ConnectOptions {
-    /// The target device's address (`-a`, with the soft-HCA's UDP port).
-    pub traddr: SocketAddr,
-    /// NVMe-oF service port (`-s`, default 4420).
-    pub trsvcid: u16,
-    /// Subsystem NQN (`-n`).
-    pub subnqn: String,
-    /// Host NQN (`-q`).
-    pub hostnqn: String,
-    /// Host ID (`-I`), a UUID.
-    pub hostid: [u8; 16],
-    /// I/O queues (`-i`, default: one per core).
-    pub nr_io_queues: usize,
-    /// Entries per I/O queue (`-Q`, default 128, 16..=1024). One is reserved for the
-    /// controller's own commands, as in Linux.
-    pub queue_size: usize,
-    /// Keep-alive timeout (`-k`, default 5 s; zero turns keep-alive off).
-    pub keep_alive_tmo: Duration,
-    /// Largest transfer per command we set up buffers for.
-    pub max_io: usize,
-    pub mtu: Mtu,
-    /// Bound on one CM connect and on each bring-up command.
-    pub connect_timeout: Duration,
-    /// Reconnect policy (`-l`, `-c`, `--fast_io_fail_tmo`, replug window, identity).
-    /// Its `keep_alive_tmo` is taken from the field above.
-    pub policy: Policy,
-    /// A command with no response after this long starts recovery (Linux `io_timeout`).
-    pub io_timeout: Duration,
-    /// How often a command failing with a retryable status (DNR clear) is sent again.
-    pub max_retries: u8,
-    /// A write that fits the target's in-capsule data size goes inside its command capsule
-    /// while at most this many commands are in flight on its queue, and as a keyed SGL
-    /// (the target reads the data) when the queue is deeper. In the capsule saves a round
-    /// trip, which is what a shallow queue waits on. On a soft-HCA it also makes each write
-    /// a full packet plus a short one, and since only a run of equal-size packets leaves in
-    /// one GSO send, deep queues of such writes cost a kernel send per write; as keyed SGLs
-    /// the commands, data and responses of many writes go out in a few sends each
-    /// (4 KiB randwrite at QD32 through fio: about 170 K -> 290 K IOPS).
-    /// `None` (the default) chooses by the path, when the queues are made: unlimited
-    /// (Linux's rule: always in the capsule when it fits) towards RoCEv2 devices and towards
-    /// a peer the host's device reaches in memory (a target in this process, on the
-    /// soft-HCA's loopback path, where there are no GSO runs to keep and the round trip is
-    /// what costs: 4 KiB randwrite QD32 through fio 205-213 K -> 268-305 K IOPS), and
-    /// [`SOFT_INLINE_DEPTH`] towards other soft-HCAs.
-    pub inline_depth: Option<usize>,
-}
-
-/// In-flight commands up to which a soft-HCA host puts fitting writes in the capsule
-/// towards a soft-HCA reached over UDP ([`ConnectOptions::inline_depth`]). fio 4 KiB
-/// randwrite through the plugin: in the capsule wins at QD2 and QD4, keyed SGLs from QD8.
-pub const SOFT_INLINE_DEPTH: usize = 4;
-
-/// [`ConnectOptions::inline_depth`]'s choice by the path, for a host whose device reaches
-/// the target over a network (`in_memory` false) or in memory.
-pub(super) fn inline_depth_for(traddr: SocketAddr, in_memory: bool) -> usize {
-    if roce_peer(traddr.ip()) || in_memory {
-        usize::MAX
-    } else {
-        SOFT_INLINE_DEPTH
-    }
-}
-
-impl ConnectOptions {
-    pub fn new(traddr: SocketAddr, subnqn: &str) -> ConnectOptions {
-        let hostid = default_hostid();
-        ConnectOptions {
-            traddr,
-            trsvcid: 4420,
-            subnqn: subnqn.to_string(),
-            hostnqn: Nqn::from_uuid(&hostid).as_str().to_string(),
-            hostid,
-            nr_io_queues: std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1),
-            queue_size: 128,
-            keep_alive_tmo: Duration::from_secs(5),
-            max_io: 128 << 10,
-            // rxe on 1500-byte Ethernet uses 1024; soft-HCAs on loopback take 4096.
-            mtu: if roce_peer(traddr.ip()) {
-                Mtu::Mtu1024
-            } else {
-                Mtu::Mtu4096
-            },
-            connect_timeout: Duration::from_secs(5),
-            policy: Policy::default(),
-            io_timeout: crate::reconnect::policy::DEFAULT_IO_TIMEOUT,
-            max_retries: crate::reconnect::policy::DEFAULT_MAX_RETRIES,
-            inline_depth: None,
-        }
-    }
-}
-
-/// A stable host ID for this machine: from /etc/machine-id when there is one.
-pub fn default_hostid() -> [u8; 16] {
-    let mut id = [0u8; 16];
-    if let Ok(s) = std::fs::read_to_string("/etc/machine-id") {
-        let hex: Vec<u8> = s.trim().bytes().collect();
-        for (i, chunk) in hex.chunks(2).take(16).enumerate() {
-            if let Ok(b) = u8::from_str_radix(std::str::from_utf8(chunk).unwrap_or("0"), 16) {
-                id[i] = b;
-            }
-        }
-    }
-    if id == [0u8; 16] {
-        id = *b"nvmf-rdma-host-1";
-    }
-    id[6] = (id[6] & 0x0F) | 0x40; // UUID version 4 layout
-    id[8] = (id[8] & 0x3F) | 0x80;
-    id
-}
-
-/// What `list` and the metrics show.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CtrlStatus {
-    pub machine: Status,
-    pub cntlid: u16,
-    /// When `machine` was taken, on the controller's clock.
-    pub at: Instant,
-    /// Duration of the last completed recovery (failure → LIVE).
-    pub last_recovery: Option<Duration>,
-    /// Where the last completed recovery's time went.
-    pub last_trace: Option<RecoveryTrace>,
-}
-
-/// Where the time of one recovery went: instants on the controller's clock, taken by the
-/// supervisor as each step ends (the marks of the attempt that connected; earlier attempts
-/// are counted). Fixed size, so recording allocates nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct RecoveryTrace {
-    /// The cause the executor acted on: the first report that took the controller out of
-    /// LIVE.
-    pub cause: Option<Cause>,
-    /// The failure reached the supervisor (it started tearing down).
-    pub failed: Option<Instant>,
-    /// Every HCA resource was dropped.
-    pub torn_down: Option<Instant>,
-    /// The attempt that connected started.
-    pub attempt_start: Option<Instant>,
-    /// It had the device open.
-    pub device_open: Option<Instant>,
-    /// Its admin queue's CM connection was established.
-    pub admin_cm: Option<Instant>,
-    /// Its admin queue was connected (Fabrics Connect) and the controller enabled.
-    pub admin_ready: Option<Instant>,
-    /// Every I/O queue was connected and held I/O resubmitted: LIVE.
-    pub live: Option<Instant>,
-    /// Attempts in the episode (the last one connected).
-    pub attempts: u32,
-}
-
-impl CtrlStatus {
-    pub fn state(&self) -> CtrlState {
-        self.machine.state
-    }
-}
-
-impl RecoveryTrace {
-    /// The marks of the one path in the order it takes them: failed, torn down, attempt
-    /// started, device open, admin CM connection, admin ready, LIVE.
-    pub fn steps(&self) -> [Option<Instant>; 7] {
-        [
-            self.failed,
-            self.torn_down,
-            self.attempt_start,
-            self.device_open,
-            self.admin_cm,
-            self.admin_ready,
-            self.live,
-        ]
-    }
-}
 
 /// A connected NVMe-oF controller that survives its HCA.
 pub struct Controller {
@@ -548,6 +374,79 @@ impl Controller {
             let _ = t.await;
         }
     }
+
+    /// Read the namespaces again (after a Namespace Attribute Changed event; the controller
+    /// does it itself after each reconnect): added ones appear in
+    /// [`namespaces`](Self::namespaces), removed ones go, sizes and identities are updated.
+    pub async fn rescan_namespaces(&self) -> Result<Vec<NsInfo>, HostError> {
+        self.namespaces
+            .rescan(&self.admin, self.opts.connect_timeout, &self.opts.subnqn)
+            .await
+    }
+
+    /// A receiver that sees each rescan that changed the namespaces (a count of them).
+    pub fn watch_namespaces(&self) -> watch::Receiver<u64> {
+        self.namespaces.watch()
+    }
+
+    /// Wait for the controller's next Asynchronous Event: one Async Event Request stays
+    /// outstanding on the admin queue (exempt from the I/O timeout) until the target has
+    /// something to say. For a Notice, the log page it names is read, as the spec asks
+    /// before the controller reports that kind of event again. Fails when the controller
+    /// is deleted.
+    pub async fn next_async_event(&self) -> Result<AsyncEvent, HostError> {
+        let r = self
+            .admin
+            .submit(admin::async_event_request(0), None, 0)
+            .await?;
+        let ev = AsyncEvent::from_result(r.cqe.result as u32);
+        if ev.kind == 2 && ev.log_page != 0 && ev.log_page != crate::nvme::admin::lid::DISCOVERY {
+            // Re-arms the event; its contents (the changed namespaces) are not needed, as
+            // the caller rescans.
+            let _ = tokio::time::timeout(
+                self.opts.connect_timeout,
+                self.admin.submit(
+                    admin::get_log_page(0, 0xFFFF_FFFF, ev.log_page, 0, 4096)?,
+                    None,
+                    4096,
+                ),
+            )
+            .await;
+        }
+        Ok(ev)
+    }
+
+    /// The active namespaces (a copy: a rescan may change them).
+    pub fn namespaces(&self) -> Vec<NsInfo> {
+        self.namespaces.get().clone()
+    }
+
+    pub fn namespace(&self, nsid: u32) -> Result<NsInfo, HostError> {
+        self.namespaces
+            .get()
+            .iter()
+            .find(|n| n.nsid == nsid)
+            .copied()
+            .ok_or_else(|| HostError::Invalid(format!("no namespace {nsid}")))
+    }
+
+    /// The namespace `ns` as it is now (its size may have changed), if it is still behind
+    /// its NSID: a user that opened `ns` checks here before each request, so that after a
+    /// rescan found it removed or replaced by a different namespace (another identity) the
+    /// user gets errors, never the other namespace's blocks.
+    pub fn same_namespace(&self, ns: &NsInfo) -> Result<NsInfo, HostError> {
+        let nsid = ns.nsid;
+        match self.namespace(nsid) {
+            Ok(now) if now.same_as(ns) => Ok(now),
+            Ok(_) => Err(HostError::NamespaceGone(format!(
+                "namespace {nsid} was replaced by a different namespace (its identity \
+                 changed): open it again to use the new one"
+            ))),
+            Err(_) => Err(HostError::NamespaceGone(format!(
+                "namespace {nsid} was removed from the controller"
+            ))),
+        }
+    }
 }
 
 impl Drop for Controller {
@@ -560,27 +459,6 @@ impl Drop for Controller {
             self.shared.inbox.request_delete();
         }
     }
-}
-
-/// An admin command bounded by `timeout` (a bring-up step, or a rescan).
-pub(super) async fn bounded_admin(
-    admin: &QueueHandle,
-    timeout: Duration,
-    sqe: Sqe,
-    data_in: usize,
-) -> Result<queue::Response, HostError> {
-    let what = match sqe.opcode {
-        admin::opcode::admin::IDENTIFY => "Identify",
-        _ => "an admin command",
-    };
-    tokio::time::timeout(timeout, admin.submit(sqe, None, data_in))
-        .await
-        .map_err(|_| {
-            HostError::Timeout(format!(
-                "{what} got no answer within the connect timeout ({} ms)",
-                timeout.as_millis()
-            ))
-        })?
 }
 
 /// Ask a discovery controller which subsystems it offers.

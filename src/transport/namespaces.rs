@@ -2,7 +2,7 @@
 //! after every reconnect (once LIVE, outside the recovery path; Linux scans on every
 //! reconnect too) and whenever the caller asks (after a Namespace Attribute Changed event).
 //! Each carries its identity (NGUID, EUI-64, UUID): a namespace whose identity changed
-//! behind the same NSID is a different one, and [`Controller::same_namespace`] fails for
+//! behind the same NSID is a different one, and [`Controller::same_namespace`](super::Controller::same_namespace) fails for
 //! users of the old one.
 
 use std::sync::Arc;
@@ -14,8 +14,8 @@ use crate::nvme::admin;
 use crate::nvme::{IdentifyNamespace, NsIdentity};
 use crate::reconnect::CtrlState;
 
-use super::controller::{bounded_admin, Controller, CtrlStatus};
 use super::queue::QueueHandle;
+use super::state::{bounded_admin, CtrlStatus};
 use super::HostError;
 
 /// A namespace as the host sees it.
@@ -58,13 +58,18 @@ impl NsTable {
         }
     }
 
+    /// A receiver that sees each rescan that changed the list (a count of them).
+    pub(super) fn watch(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
+    }
+
     pub(super) fn get(&self) -> std::sync::RwLockReadGuard<'_, Vec<NsInfo>> {
         self.list.read().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Read the namespaces from the controller behind `admin` and keep them; say what
     /// changed (logged, and by `version`).
-    async fn rescan(
+    pub(super) async fn rescan(
         &self,
         admin: &QueueHandle,
         timeout: Duration,
@@ -150,81 +155,6 @@ impl AsyncEvent {
 
     pub fn discovery_changed(&self) -> bool {
         self.kind == Self::NOTICE && self.info == Self::DISCOVERY_LOG_CHANGED
-    }
-}
-
-impl Controller {
-    /// Read the namespaces again (after a Namespace Attribute Changed event; the controller
-    /// does it itself after each reconnect): added ones appear in
-    /// [`namespaces`](Self::namespaces), removed ones go, sizes and identities are updated.
-    pub async fn rescan_namespaces(&self) -> Result<Vec<NsInfo>, HostError> {
-        self.namespaces
-            .rescan(&self.admin, self.opts.connect_timeout, &self.opts.subnqn)
-            .await
-    }
-
-    /// A receiver that sees each rescan that changed the namespaces (a count of them).
-    pub fn watch_namespaces(&self) -> watch::Receiver<u64> {
-        self.namespaces.version.subscribe()
-    }
-
-    /// Wait for the controller's next Asynchronous Event: one Async Event Request stays
-    /// outstanding on the admin queue (exempt from the I/O timeout) until the target has
-    /// something to say. For a Notice, the log page it names is read, as the spec asks
-    /// before the controller reports that kind of event again. Fails when the controller
-    /// is deleted.
-    pub async fn next_async_event(&self) -> Result<AsyncEvent, HostError> {
-        let r = self
-            .admin
-            .submit(admin::async_event_request(0), None, 0)
-            .await?;
-        let ev = AsyncEvent::from_result(r.cqe.result as u32);
-        if ev.kind == 2 && ev.log_page != 0 && ev.log_page != crate::nvme::admin::lid::DISCOVERY {
-            // Re-arms the event; its contents (the changed namespaces) are not needed, as
-            // the caller rescans.
-            let _ = tokio::time::timeout(
-                self.opts.connect_timeout,
-                self.admin.submit(
-                    admin::get_log_page(0, 0xFFFF_FFFF, ev.log_page, 0, 4096)?,
-                    None,
-                    4096,
-                ),
-            )
-            .await;
-        }
-        Ok(ev)
-    }
-
-    /// The active namespaces (a copy: a rescan may change them).
-    pub fn namespaces(&self) -> Vec<NsInfo> {
-        self.namespaces.get().clone()
-    }
-
-    pub fn namespace(&self, nsid: u32) -> Result<NsInfo, HostError> {
-        self.namespaces
-            .get()
-            .iter()
-            .find(|n| n.nsid == nsid)
-            .copied()
-            .ok_or_else(|| HostError::Invalid(format!("no namespace {nsid}")))
-    }
-
-    /// The namespace `ns` as it is now (its size may have changed), if it is still behind
-    /// its NSID: a user that opened `ns` checks here before each request, so that after a
-    /// rescan found it removed or replaced by a different namespace (another identity) the
-    /// user gets errors, never the other namespace's blocks.
-    pub fn same_namespace(&self, ns: &NsInfo) -> Result<NsInfo, HostError> {
-        let nsid = ns.nsid;
-        match self.namespace(nsid) {
-            Ok(now) if now.same_as(ns) => Ok(now),
-            Ok(_) => Err(HostError::NamespaceGone(format!(
-                "namespace {nsid} was replaced by a different namespace (its identity \
-                 changed): open it again to use the new one"
-            ))),
-            Err(_) => Err(HostError::NamespaceGone(format!(
-                "namespace {nsid} was removed from the controller"
-            ))),
-        }
     }
 }
 

@@ -17,11 +17,10 @@
 //!
 //! [`reconnect::Event`]: crate::reconnect::Event
 
-use std::any::Any;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 
 use crate::cm::ConnId;
 use crate::nvme::admin;
@@ -30,41 +29,10 @@ use crate::nvme::{Cc, FabricsCmd};
 use crate::reconnect::{Action, Cause, CtrlState, Event, Identity, Machine};
 use crate::verbs::{CmPort, DeviceContext, DeviceSource, Instant, Lifecycle, PdId};
 
-use super::controller::{ConnectOptions, CtrlStatus, RecoveryTrace};
 use super::inbox::Inbox;
+use super::options::ConnectOptions;
 use super::queue::{Clock, QueueCtl, QueueStats};
-
-/// What the controller and its supervisor share.
-pub(super) struct CtrlShared {
-    pub(super) inbox: Arc<Inbox>,
-    pub(super) status: watch::Sender<CtrlStatus>,
-    pub(super) clock: Clock,
-}
-
-/// Where the controller finds its device, and the context it runs on now.
-pub(super) struct DevShared<S: DeviceSource> {
-    pub(super) source: S,
-    pub(super) name: String,
-    pub(super) current: Mutex<S::Device>,
-}
-
-/// [`DevShared`] without its backend type: the public [`Controller`] has none, so exports and
-/// the fio plugin hold one controller type whatever the backend.
-pub(super) trait Backing: Send + Sync {
-    fn as_any(&self) -> &dyn Any;
-    /// The current context, as `&Mutex<D>`.
-    fn current(&self) -> &dyn Any;
-}
-
-impl<S: DeviceSource> Backing for DevShared<S> {
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-
-    fn current(&self) -> &dyn Any {
-        &self.current
-    }
-}
+use super::state::{CtrlShared, CtrlStatus, DevShared, RecoveryTrace};
 
 /// The device context the controller currently runs on.
 pub(super) struct DevCtx<D: DeviceContext> {

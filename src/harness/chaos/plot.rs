@@ -112,38 +112,9 @@ fn draw(
     series: &[Sample],
     elapsed: Duration,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let end = series
-        .iter()
-        .map(|s| s.at)
-        .chain(faults.iter().map(|f| f.at + f.to_live.unwrap_or_default()))
-        .fold(elapsed, Duration::max)
-        .as_secs_f64()
-        .max(0.1);
+    let end = time_end(faults, series, elapsed);
     let rate_max = series.iter().map(Sample::iops).fold(0.0, f64::max).max(1.0) * 1.15;
-    let lats: Vec<f64> = series
-        .iter()
-        .flat_map(|s| [s.lat_mean(), s.lat_max()])
-        .flatten()
-        .map(ms)
-        .filter(|&v| v > 0.0)
-        .collect();
-    let lat_lo = lats.iter().copied().fold(f64::INFINITY, f64::min);
-    let lat_hi = lats.iter().copied().fold(0.0, f64::max);
-    let (lat_lo, lat_hi) = if lats.is_empty() {
-        (0.01, 1.0)
-    } else {
-        // Room above the highest for the legend.
-        (lat_lo / 2.0, lat_hi * 10.0)
-    };
-    // Where each fault's recovery ends: live again, or (not recovered) the end of the run.
-    let window = |f: &FaultOutcome| {
-        let at = f.at.as_secs_f64();
-        match (&f.error, f.to_live) {
-            (Some(_), _) => None,
-            (None, Some(d)) => Some((at, at + d.as_secs_f64())),
-            (None, None) => Some((at, end)),
-        }
-    };
+    let (lat_lo, lat_hi) = latency_range(series);
 
     let full = SVGBackend::with_string(out, (WIDTH, HEIGHT)).into_drawing_area();
     full.fill(&WHITE)?;
@@ -180,7 +151,7 @@ fn draw(
         .draw()?;
 
     let shade = MARKER.mix(0.13).filled();
-    for (x0, x1) in faults.iter().filter_map(window) {
+    for (x0, x1) in faults.iter().filter_map(|f| recovery_window(f, end)) {
         rate.draw_series([Rectangle::new([(x0, 0.0), (x1, rate_max)], shade)])?;
         lat.draw_series([Rectangle::new([(x0, lat_lo), (x1, lat_hi)], shade)])?;
     }
@@ -227,14 +198,59 @@ fn draw(
             continue;
         }
         last_label = x;
-        let label = match (&f.error, f.to_live) {
-            (Some(_), _) => format!("{}: not inflicted", f.kind.name()),
-            (None, Some(d)) => format!("{} {:.0} ms", f.kind.name(), ms(d)),
-            (None, None) => format!("{}: NOT RECOVERED", f.kind.name()),
-        };
         // Rotated a quarter turn clockwise: the text runs down beside the line.
+        let label = fault_label(f);
         full.draw(&Text::new(label, (x + 16, y_top + 4), label_style.clone()))?;
     }
     full.present()?;
     Ok(())
+}
+
+/// The time axis's end, in seconds: the run's, or the last sample's or recovery's if later.
+fn time_end(faults: &[FaultOutcome], series: &[Sample], elapsed: Duration) -> f64 {
+    series
+        .iter()
+        .map(|s| s.at)
+        .chain(faults.iter().map(|f| f.at + f.to_live.unwrap_or_default()))
+        .fold(elapsed, Duration::max)
+        .as_secs_f64()
+        .max(0.1)
+}
+
+/// The latency axis (ms, log scale) over every sample's mean and max, with room above the
+/// highest for the legend.
+fn latency_range(series: &[Sample]) -> (f64, f64) {
+    let lats: Vec<f64> = series
+        .iter()
+        .flat_map(|s| [s.lat_mean(), s.lat_max()])
+        .flatten()
+        .map(ms)
+        .filter(|&v| v > 0.0)
+        .collect();
+    if lats.is_empty() {
+        return (0.01, 1.0);
+    }
+    let lo = lats.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = lats.iter().copied().fold(0.0, f64::max);
+    (lo / 2.0, hi * 10.0)
+}
+
+/// From fault `f` to where its recovery ends: live again, or (not recovered) `end`, the end
+/// of the run. None for a fault that was not inflicted.
+fn recovery_window(f: &FaultOutcome, end: f64) -> Option<(f64, f64)> {
+    let at = f.at.as_secs_f64();
+    match (&f.error, f.to_live) {
+        (Some(_), _) => None,
+        (None, Some(d)) => Some((at, at + d.as_secs_f64())),
+        (None, None) => Some((at, end)),
+    }
+}
+
+/// What the marker of fault `f` says.
+fn fault_label(f: &FaultOutcome) -> String {
+    match (&f.error, f.to_live) {
+        (Some(_), _) => format!("{}: not inflicted", f.kind.name()),
+        (None, Some(d)) => format!("{} {:.0} ms", f.kind.name(), ms(d)),
+        (None, None) => format!("{}: NOT RECOVERED", f.kind.name()),
+    }
 }

@@ -17,7 +17,7 @@ use crate::harness::chaos::config::{ChaosConfig, FaultKind, CHAOS_IP};
 use crate::harness::chaos::report::{spread, ChaosSummary, FaultOutcome, Sample};
 use crate::harness::chaos::{self, IoCounters, TargetRig, WorkerReport};
 use crate::reconnect::{CtrlState, Identity, Policy};
-use crate::transport::Controller;
+use crate::transport::{Controller, NsInfo};
 use crate::verbs::DeviceFaults;
 
 /// What a run tells as it goes.
@@ -93,36 +93,15 @@ pub async fn run(a: &ChaosConfig, progress: OnProgress) -> Result<ChaosSummary> 
     let c = Arc::new(c);
     progress(Progress::Connected);
     let p = &a.policy;
-    let ns = c.namespaces()[0];
-    // Against an external target, only the first --size bytes of its namespace.
-    let blocks = ns.blocks.min(a.size as u64 / ns.block_size as u64);
-    let per = blocks / a.workers;
-    if per == 0 {
-        bail!("the namespace is too small for {} workers", a.workers);
-    }
-    let max_blocks = (a.max_io as u64 / ns.block_size as u64).clamp(1, per);
-    // An I/O may wait as long as the policy lets the controller try, and then some.
-    let hang_after = p.ctrl_loss_tmo.unwrap_or(Duration::from_secs(120)) + Duration::from_secs(10);
-    let [ours, other] = [0, 1].map(|v| {
-        let id = chaos::host_identity(v);
-        Identity {
-            guid: id.guid,
-            pci: id.pci,
-        }
-    });
-    let other_is_ours = p.identity.accepts(&ours, &other);
+    let verifiers = verifiers(a, &c.namespaces()[0])?;
+    let hang_after = verifiers.hang_after;
+    let other_is_ours = other_device_is_ours(p);
 
     let stop = Arc::new(AtomicBool::new(false));
     let counters = Arc::new(IoCounters::default());
     let t0 = Instant::now();
     let seed = a.seed;
-    let workers = chaos::Verifiers {
-        workers: a.workers,
-        blocks: per,
-        max_blocks,
-        hang_after,
-    }
-    .spawn_counted(&c, &stop, Some(&counters), |w| {
+    let workers = verifiers.spawn_counted(&c, &stop, Some(&counters), |w| {
         (seed ^ (w + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15), None)
     });
     let (end_sampler, ended) = tokio::sync::oneshot::channel();
@@ -190,6 +169,37 @@ pub async fn run(a: &ChaosConfig, progress: OnProgress) -> Result<ChaosSummary> 
     }
     drop(target);
     Ok(s)
+}
+
+/// The verifying workers `a` asks for, each over its own share of namespace `ns`.
+fn verifiers(a: &ChaosConfig, ns: &NsInfo) -> Result<chaos::Verifiers> {
+    // Against an external target, only the first --size bytes of its namespace.
+    let blocks = ns.blocks.min(a.size as u64 / ns.block_size as u64);
+    let per = blocks / a.workers;
+    if per == 0 {
+        bail!("the namespace is too small for {} workers", a.workers);
+    }
+    Ok(chaos::Verifiers {
+        workers: a.workers,
+        blocks: per,
+        max_blocks: (a.max_io as u64 / ns.block_size as u64).clamp(1, per),
+        // An I/O may wait as long as the policy lets the controller try, and then some.
+        hang_after: a.policy.ctrl_loss_tmo.unwrap_or(Duration::from_secs(120))
+            + Duration::from_secs(10),
+    })
+}
+
+/// Does policy `p` take another card in the host's slot (other GUID and PCI address) for the
+/// host's own?
+fn other_device_is_ours(p: &Policy) -> bool {
+    let [ours, other] = [0, 1].map(|v| {
+        let id = chaos::host_identity(v);
+        Identity {
+            guid: id.guid,
+            pci: id.pci,
+        }
+    });
+    p.identity.accepts(&ours, &other)
 }
 
 /// The host's controller, on the device and against the target `a` names; the built-in

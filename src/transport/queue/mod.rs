@@ -43,7 +43,6 @@ mod region;
 mod submit;
 
 pub use handle::{spawn, Clock, IoBuffer, QueueCtl, QueueHandle};
-use region::{deregister_region, register_region};
 
 pub const SQE_LEN: usize = 64;
 pub const CQE_LEN: usize = 16;
@@ -455,7 +454,7 @@ impl<D: DeviceContext> QueueCore<D> {
             }
         }
         for r in self.regions.iter_mut().flatten() {
-            if let Err(e) = register_region(&v, r) {
+            if let Err(e) = r.register(&v) {
                 return Err(bad(v, e));
             }
         }
@@ -515,7 +514,7 @@ impl<D: DeviceContext> QueueCore<D> {
                 d.dereg_mr(m);
             }
             for r in self.regions.iter_mut().flatten() {
-                deregister_region(d, r);
+                r.deregister(d);
             }
         }
     }

@@ -43,8 +43,8 @@ impl<D: DeviceContext> QueueCore<D> {
             orphan: false,
         };
         if let Some(v) = &self.verbs {
-            if let Err(e) = register_region(v, &mut r) {
-                deregister_region(&v.dev, &mut r);
+            if let Err(e) = r.register(v) {
+                r.deregister(&v.dev);
                 return Err(e.into());
             }
         }
@@ -73,7 +73,7 @@ impl<D: DeviceContext> QueueCore<D> {
             return;
         }
         if let Some(v) = &self.verbs {
-            deregister_region(&v.dev, r);
+            r.deregister(&v.dev);
         }
         *slot = None;
     }
@@ -106,35 +106,37 @@ impl<D: DeviceContext> QueueCore<D> {
     }
 }
 
-/// Register `r` on `v`: a local key over all of it, and one MR per chunk, reachable by no
-/// one until a command hands out a key for it (where keys are per use). On error what was
-/// made is recorded in `r` for [`deregister_region`].
-pub(super) fn register_region<D: DeviceContext>(
-    v: &Verbs<D>,
-    r: &mut Region<D::Mem>,
-) -> Result<(), VerbsError> {
-    let d = &v.dev;
-    r.local = d.reg_mr(v.pd, &r.mem, 0, r.mem.len(), Access::empty())?;
-    let rw = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
-    for k in 0..r.mrs.len() {
-        let m = d.reg_mr(v.pd, &r.mem, r.pad + k * r.chunk, r.chunk, rw)?;
-        if v.per_use_keys {
-            d.invalidate_mr(&m);
+impl<M: HostBuffer> Region<M> {
+    /// Register on `v`: a local key over all of it, and one MR per chunk, reachable by no
+    /// one until a command hands out a key for it (where keys are per use). On error what
+    /// was made is recorded for [`Region::deregister`].
+    pub(super) fn register<D: DeviceContext<Mem = M>>(
+        &mut self,
+        v: &Verbs<D>,
+    ) -> Result<(), VerbsError> {
+        let d = &v.dev;
+        self.local = d.reg_mr(v.pd, &self.mem, 0, self.mem.len(), Access::empty())?;
+        let rw = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+        for k in 0..self.mrs.len() {
+            let m = d.reg_mr(v.pd, &self.mem, self.pad + k * self.chunk, self.chunk, rw)?;
+            if v.per_use_keys {
+                d.invalidate_mr(&m);
+            }
+            self.mrs[k] = m;
+            self.nreg = k + 1;
         }
-        r.mrs[k] = m;
-        r.nreg = k + 1;
+        Ok(())
     }
-    Ok(())
-}
 
-/// Drop `r`'s MRs on `d` (all of them succeed on a dead device).
-pub(super) fn deregister_region<D: DeviceContext>(d: &D, r: &mut Region<D::Mem>) {
-    if r.local.lkey.0 != 0 {
-        d.dereg_mr(&r.local);
+    /// Drop the MRs on `d` (all of them succeed on a dead device).
+    pub(super) fn deregister<D: DeviceContext<Mem = M>>(&mut self, d: &D) {
+        if self.local.lkey.0 != 0 {
+            d.dereg_mr(&self.local);
+        }
+        for m in &self.mrs[..self.nreg] {
+            d.dereg_mr(m);
+        }
+        self.local = MrInfo::default();
+        self.nreg = 0;
     }
-    for m in &r.mrs[..r.nreg] {
-        d.dereg_mr(m);
-    }
-    r.local = MrInfo::default();
-    r.nreg = 0;
 }
