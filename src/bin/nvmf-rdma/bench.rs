@@ -3,8 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{args::*, host::*};
+use crate::args::*;
 use anyhow::{bail, Result};
+use nvmf_rdma::cli::host::*;
 use nvmf_rdma::cli::support::parse_duration;
 use nvmf_rdma::harness::hca_perf;
 use nvmf_rdma::harness::nvmf_perf::{self, JobResult, Tick, DEMO_NQN};

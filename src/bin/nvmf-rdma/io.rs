@@ -4,8 +4,9 @@ use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::{args::*, host::*};
+use crate::args::*;
 use anyhow::{bail, Context, Result};
+use nvmf_rdma::cli::host::*;
 pub(crate) use nvmf_rdma::daemon::io::verify;
 use nvmf_rdma::harness::hca_perf;
 
