@@ -7,6 +7,7 @@ use crate::args::*;
 use anyhow::{bail, Result};
 use nvmf_rdma::cli::host::*;
 use nvmf_rdma::cli::support::parse_duration;
+use nvmf_rdma::harness::hca_peer;
 use nvmf_rdma::harness::hca_perf;
 use nvmf_rdma::harness::nvmf_perf::{self, JobResult, Tick, DEMO_NQN};
 
@@ -153,12 +154,12 @@ fn peer_table(duration: Duration, show: &Rows) -> Result<()> {
             "rsp pkts/CPU"
         );
     }
-    for (w, offload) in hca_perf::peer_workloads(duration) {
+    for (w, offload) in hca_peer::peer_workloads(duration) {
         let mut responder = std::process::Command::new(&exe);
         responder
             .arg(format!("--busy-poll={}us", busy_poll.as_micros()))
             .args(["bench", "--serve-peer"]);
-        let row = hca_perf::run_peer_row(&mut responder, w, offload)?;
+        let row = hca_peer::run_peer_row(&mut responder, w, offload)?;
         let (r, req_cpu, rsp_cpu) = (&row.report, row.requester_cpu, row.responder_cpu);
         let per_cpu = |cpu: f64| r.packets as f64 / cpu.max(1e-9);
         if show.output == ListFormat::Json {
