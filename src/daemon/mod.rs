@@ -6,6 +6,7 @@
 
 mod answers;
 pub mod client;
+mod client_io;
 pub mod config;
 mod connect_all;
 pub mod control;

@@ -6,5 +6,6 @@
 pub mod alloc_audit;
 pub mod chaos;
 pub mod ghost_write;
+pub mod hca_peer;
 pub mod hca_perf;
 pub mod nvmf_perf;

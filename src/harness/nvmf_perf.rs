@@ -351,7 +351,25 @@ async fn report_intervals(
     }
 }
 
-/// The table: 4 KiB random read/write at QD1 and QD32, 128 KiB sequential.
+/// The jobs of `tests/vm/run.sh bench` against a remote target: 4 KiB random reads at QD1
+/// and QD32, 128 KiB sequential reads at QD16.
+pub fn remote_jobs(runtime: Duration) -> Vec<Job> {
+    [
+        (Pattern::RandRead, 4096, 1),
+        (Pattern::RandRead, 4096, 32),
+        (Pattern::SeqRead, 128 << 10, 16),
+    ]
+    .into_iter()
+    .map(|(pattern, bs, iodepth)| Job {
+        pattern,
+        bs,
+        iodepth,
+        runtime,
+    })
+    .collect()
+}
+
+/// The standard table: 4 KiB random read/write at QD1 and QD32, 128 KiB sequential.
 pub fn standard_jobs(runtime: Duration) -> Vec<Job> {
     let mut v = Vec::new();
     for (pattern, bs, qd) in [

@@ -20,7 +20,7 @@ use crate::verbs::{CqId, DeviceContext, Instant, Mtu, PdId, PeerInfo, Psn, Qpn, 
 use super::backend::{Finished, Pool};
 use super::budget::{Ledger, Shares, Usage};
 use super::command::{Core, AEN_DISCOVERY_CHANGED, AEN_NS_CHANGED};
-use super::late::{LateWrite, NO_WAKE};
+use super::quiesce::{LateWrite, NO_WAKE};
 use super::rdma::{Io, NsRegions, TQueue};
 use super::stats::{TargetStats, COUNTERS};
 use super::{Namespace, Subsystem, TargetConfig, MAX_NAMESPACES};

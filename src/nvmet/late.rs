@@ -5,7 +5,6 @@
 //! their source. What runs, is dropped or waits is [`super::quiesce::Quiesce`]'s call.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use crate::nvme::admin::opcode;
 use crate::nvme::ccr::{self, CcrState, CtrlInstance};
@@ -16,25 +15,8 @@ use super::backend::Op;
 use super::command::{Ctrl, Done, SQE_LEN};
 use super::engine::Engine;
 use super::io::{lba, nlb};
-use super::quiesce::{Death, Reset, Verdict};
+use super::quiesce::{Death, LateWrite, Reset, Verdict, NO_WAKE};
 use super::rdma::{Io, Stage};
-use super::Namespace;
-
-/// A write of a dead controller held for the late-writes fault: its data stays in its
-/// queue's staging (kept alive by this reference), and it runs at `due` unless a CCR or
-/// CQT stops it first.
-pub(super) struct LateWrite<M> {
-    pub inst: CtrlInstance,
-    pub due: Instant,
-    pub ns: Arc<Namespace>,
-    pub off: u64,
-    pub len: usize,
-    pub staging: Arc<M>,
-    pub at: usize,
-}
-
-/// No wake-up wanted (the engine's `late_wake`).
-pub(super) const NO_WAKE: u64 = u64::MAX;
 
 impl<D: DeviceContext> Engine<D> {
     /// Controller `id` (`ctrl`, just taken out of the registry) died: with the late-writes

@@ -16,6 +16,9 @@ use rustc_hash::FxHashMap;
 
 use crate::nvme::ccr::{CcrLogEntry, CcrState, CtrlInstance, CCRF_CTRL_RESET, CCRF_VALIDATED};
 use crate::verbs::Instant;
+use std::sync::Arc;
+
+use super::Namespace;
 
 /// How many CCRs one source controller may have in progress at once (CCRL).
 pub(super) const CCR_LIMIT: u8 = 4;
@@ -292,6 +295,22 @@ pub(super) fn entry(source: u16, inst: CtrlInstance, state: CcrState) -> CcrLogE
         flags: CCRF_VALIDATED | CCRF_CTRL_RESET,
     }
 }
+
+/// A write of a dead controller held for the late-writes fault: its data stays in its
+/// queue's staging (kept alive by this reference), and it runs at `due` unless a CCR or
+/// CQT stops it first.
+pub(super) struct LateWrite<M> {
+    pub inst: CtrlInstance,
+    pub due: Instant,
+    pub ns: Arc<Namespace>,
+    pub off: u64,
+    pub len: usize,
+    pub staging: Arc<M>,
+    pub at: usize,
+}
+
+/// No wake-up wanted (the engine's `late_wake`).
+pub(super) const NO_WAKE: u64 = u64::MAX;
 
 #[cfg(test)]
 mod tests {

@@ -3,11 +3,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{args::*, host::*};
-use anyhow::{bail, Context, Result};
+use crate::args::*;
+use anyhow::{bail, Result};
+use nvmf_rdma::cli::host::*;
 use nvmf_rdma::cli::support::parse_duration;
+use nvmf_rdma::harness::hca_peer;
 use nvmf_rdma::harness::hca_perf;
-use nvmf_rdma::harness::nvmf_perf::{self, Job, JobResult, Pattern, Tick, DEMO_NQN};
+use nvmf_rdma::harness::nvmf_perf::{self, JobResult, Tick, DEMO_NQN};
 
 /// `nvmf-rdma bench`'s flags.
 #[derive(clap::Args)]
@@ -130,8 +132,6 @@ fn hca_json(r: &hca_perf::Report) -> serde_json::Value {
 
 /// `bench --hca --peer-process`: each row against a responder in a child process.
 fn peer_table(duration: Duration, show: &Rows) -> Result<()> {
-    use nvmf_rdma::verbs::Mtu;
-    use std::process::{Command, Stdio};
     let exe = std::env::current_exe()?;
     let busy_poll = nvmf_rdma::driver::default_busy_poll();
     if show.output != ListFormat::Json {
@@ -154,58 +154,29 @@ fn peer_table(duration: Duration, show: &Rows) -> Result<()> {
             "rsp pkts/CPU"
         );
     }
-    for (op, size, depth) in [
-        (hca_perf::Op::Write, 128 << 10, 16),
-        (hca_perf::Op::Read, 128 << 10, 16),
-        (hca_perf::Op::Write, 4096, 64),
-        (hca_perf::Op::Read, 4096, 16),
-    ] {
-        for offload in [true, false] {
-            let w = hca_perf::Workload {
-                op,
-                msg_size: size,
-                depth,
-                duration,
-                mtu: Mtu::Mtu4096,
-                region: 0,
-            };
-            let mut child = Command::new(&exe)
-                .arg(format!("--busy-poll={}us", busy_poll.as_micros()))
-                .args(["bench", "--serve-peer"])
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .spawn()
-                .with_context(|| format!("cannot start the responder {}", exe.display()))?;
-            let (Some(to_peer), Some(from_peer)) = (child.stdin.take(), child.stdout.take()) else {
-                bail!("the responder process has no stdin/stdout pipes");
-            };
-            let self0 = cpu_seconds(libc::RUSAGE_SELF);
-            let children0 = cpu_seconds(libc::RUSAGE_CHILDREN);
-            let r =
-                hca_perf::run_with_peer(w, offload, std::io::BufReader::new(from_peer), to_peer);
-            let status = child.wait()?;
-            let req_cpu = cpu_seconds(libc::RUSAGE_SELF) - self0;
-            let rsp_cpu = cpu_seconds(libc::RUSAGE_CHILDREN) - children0;
-            let r = r.context("the two-process run failed")?;
-            if !status.success() {
-                bail!("the responder process failed ({status}); its errors are above");
-            }
-            let per_cpu = |cpu: f64| r.packets as f64 / cpu.max(1e-9);
-            if show.output == ListFormat::Json {
-                let mut v = hca_json(&r);
-                v["path"] = "udp-two-process".into();
-                v["offload"] = offload.into();
-                v["packets"] = r.packets.into();
-                v["packets_per_s"] = r.packets_per_sec().round().into();
-                v["requester_cpu_s"] = ((req_cpu * 1e4).round() / 1e4).into();
-                v["responder_cpu_s"] = ((rsp_cpu * 1e4).round() / 1e4).into();
-                println!("{v}");
-            } else {
-                println!(
+    for (w, offload) in hca_peer::peer_workloads(duration) {
+        let mut responder = std::process::Command::new(&exe);
+        responder
+            .arg(format!("--busy-poll={}us", busy_poll.as_micros()))
+            .args(["bench", "--serve-peer"]);
+        let row = hca_peer::run_peer_row(&mut responder, w, offload)?;
+        let (r, req_cpu, rsp_cpu) = (&row.report, row.requester_cpu, row.responder_cpu);
+        let per_cpu = |cpu: f64| r.packets as f64 / cpu.max(1e-9);
+        if show.output == ListFormat::Json {
+            let mut v = hca_json(r);
+            v["path"] = "udp-two-process".into();
+            v["offload"] = offload.into();
+            v["packets"] = r.packets.into();
+            v["packets_per_s"] = r.packets_per_sec().round().into();
+            v["requester_cpu_s"] = ((req_cpu * 1e4).round() / 1e4).into();
+            v["responder_cpu_s"] = ((rsp_cpu * 1e4).round() / 1e4).into();
+            println!("{v}");
+        } else {
+            println!(
                     "{:<11} {:>9} {:>6} {:>8} {:>8.3} {:>10.0} {:>12.0} {:>8.2} {:>8.2} {:>13.0} {:>13.0}",
-                    op.name(),
-                    hca_perf::human(size),
-                    depth,
+                    w.op.name(),
+                    hca_perf::human(w.msg_size),
+                    w.depth,
                     if offload { "on" } else { "off" },
                     r.gbytes_per_sec(),
                     r.msgs_per_sec(),
@@ -215,21 +186,9 @@ fn peer_table(duration: Duration, show: &Rows) -> Result<()> {
                     per_cpu(req_cpu),
                     per_cpu(rsp_cpu),
                 );
-            }
         }
     }
     Ok(())
-}
-
-/// User + system CPU seconds of this process or of its waited-for children.
-fn cpu_seconds(who: libc::c_int) -> f64 {
-    // SAFETY: getrusage fills the struct it is given.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    if unsafe { libc::getrusage(who, &mut u) } != 0 {
-        return 0.0;
-    }
-    let s = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    s(u.ru_utime) + s(u.ru_stime)
 }
 
 fn secs(d: Duration) -> f64 {
@@ -245,17 +204,7 @@ pub(crate) fn remote_bench(sub: &Subsys, runtime: Duration, show: &Rows) -> Resu
     rt.block_on(async {
         let c = Arc::new(connect(sub).await?);
         let mut rows = Vec::new();
-        for (pattern, bs, iodepth) in [
-            (Pattern::RandRead, 4096, 1),
-            (Pattern::RandRead, 4096, 32),
-            (Pattern::SeqRead, 128 << 10, 16),
-        ] {
-            let job = Job {
-                pattern,
-                bs,
-                iodepth,
-                runtime,
-            };
+        for job in nvmf_perf::remote_jobs(runtime) {
             let mut f = |t: &Tick| show.tick(t);
             rows.push(
                 nvmf_perf::run_job_ticking(c.clone(), job, Some((show.interval, &mut f))).await,
@@ -342,6 +291,25 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     if peer_process {
         return peer_table(Duration::from_secs_f64(seconds), &show);
     }
+    in_process(
+        hca,
+        region,
+        &jobs,
+        queues,
+        Duration::from_secs_f64(seconds),
+        &show,
+    )
+}
+
+/// The rows with host and target (or both soft-HCA ends) in this process.
+fn in_process(
+    hca: bool,
+    region: Option<usize>,
+    jobs: &[String],
+    queues: usize,
+    runtime: Duration,
+    show: &Rows,
+) -> Result<()> {
     // Both ends are in this process: say which way their packets go.
     let path = if nvmf_rdma::driver::local::enabled() {
         "loopback"
@@ -363,7 +331,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
         v
     };
     if hca {
-        let rows = hca_perf::standard_table(Duration::from_secs_f64(seconds), region.unwrap_or(0))?;
+        let rows = hca_perf::standard_table(runtime, region.unwrap_or(0))?;
         if show.output == ListFormat::Json {
             for r in &rows {
                 println!("{}", json_path(hca_json(r)));
@@ -372,7 +340,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
             hca_perf::print_table(&rows);
         }
     } else {
-        let jobs = nvmf_perf::select_jobs(Duration::from_secs_f64(seconds), &jobs)?;
+        let jobs = nvmf_perf::select_jobs(runtime, jobs)?;
         let mut f = |t: &Tick| show.tick(t);
         let rows =
             nvmf_perf::bench_ticking(jobs, queues.clamp(1, 64), Some((show.interval, &mut f)))?;

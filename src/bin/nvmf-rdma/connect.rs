@@ -5,8 +5,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::client::daemon_controller_names;
-use crate::{args::*, host::*, signals::*};
+use crate::{args::*, signals::*};
 use anyhow::{bail, Context, Result};
+use nvmf_rdma::cli::host::*;
 use nvmf_rdma::cli::support::run_dir;
 use nvmf_rdma::daemon::control::{make_run_dir, same_user, serve_control_client, CONTROL_TIMEOUT};
 use nvmf_rdma::daemon::exports::{report_state_changes, start_exports};

@@ -4,14 +4,10 @@ use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::{args::*, host::*};
+use crate::args::*;
 use anyhow::{bail, Context, Result};
-use nvmf_rdma::daemon::client::Client;
+use nvmf_rdma::cli::host::*;
 pub(crate) use nvmf_rdma::daemon::io::verify;
-use nvmf_rdma::daemon::proto::{
-    CopiedReply, ListReply, ReadReply, Request, VerifyReply, WriteReply, MAX_READ,
-    MAX_WRITE_PATTERN,
-};
 use nvmf_rdma::harness::hca_perf;
 
 pub(crate) fn hexdump(data: &[u8]) {
@@ -200,58 +196,9 @@ pub(crate) async fn run_verify(
     Ok(())
 }
 
-/// The block size of the daemon's controller `name`'s namespace `nsid` (to split I/O on
-/// block boundaries), with the one-line error a wrong name or namespace deserves.
-async fn daemon_block_size(s: &mut Client, name: &str, nsid: u32) -> Result<usize> {
-    let v: ListReply = s.call(&Request::List {}).await?;
-    let Some(c) = v.controllers.iter().find(|c| c.name == name) else {
-        bail!("no controller {name}; `nvmf-rdma list` shows them");
-    };
-    let Some(ns) = c.namespaces.iter().find(|n| n.nsid == nsid) else {
-        bail!("{name} has no namespace {nsid}; `nvmf-rdma list -o json` shows its namespaces");
-    };
-    match ns.block_size {
-        0 => bail!("the daemon did not say {name}'s block size"),
-        b => Ok(b as usize),
-    }
-}
-
-/// Pieces of at most `max` bytes (whole blocks of `bs`) covering `size` bytes from `lba`:
-/// `(lba, offset, len)`.
-fn pieces(
-    lba: u64,
-    size: usize,
-    max: usize,
-    bs: usize,
-) -> impl Iterator<Item = (u64, usize, usize)> {
-    let step = (max / bs).max(1) * bs;
-    (0..size)
-        .step_by(step)
-        .map(move |off| (lba + (off / bs) as u64, off, step.min(size - off)))
-}
-
 async fn daemon_read(name: &str, nsid: u32, lba: u64, size: usize) -> Result<Vec<u8>> {
-    use base64::Engine;
     let mut s = crate::client::open().await?;
-    let bs = daemon_block_size(&mut s, name, nsid).await?;
-    let mut data = Vec::with_capacity(size);
-    for (at, _, len) in pieces(lba, size, MAX_READ, bs) {
-        let req = Request::Read {
-            device: name.into(),
-            nsid,
-            lba: at,
-            size: len as u64,
-        };
-        let v: ReadReply = s.call(&req).await?;
-        let piece = base64::engine::general_purpose::STANDARD
-            .decode(v.data)
-            .context("the daemon's data is not base64")?;
-        if piece.len() != len {
-            bail!("the daemon sent {} bytes for {len}", piece.len());
-        }
-        data.extend_from_slice(&piece);
-    }
-    Ok(data)
+    s.read_blocks(name, nsid, lba, size).await
 }
 
 async fn daemon_write(
@@ -263,45 +210,18 @@ async fn daemon_write(
     pattern: u8,
 ) -> Result<usize> {
     let mut s = crate::client::open().await?;
-    let bs = daemon_block_size(&mut s, name, nsid).await?;
     if let Some(path) = input {
-        // The daemon reads the file itself, through the descriptor passed to it.
         let f = std::fs::File::open(path).with_context(|| format!("read {}", path.display()))?;
-        let len = f
-            .metadata()
-            .with_context(|| format!("read {}", path.display()))?
-            .len();
-        if len == 0 {
-            return Ok(0);
-        }
-        let req = Request::WriteFromFd {
-            device: name.into(),
-            nsid,
-            lba,
-            size: len,
-            progress: true,
-        };
         let t0 = Instant::now();
         let mut shown = |done: u64, total: u64| show_copy("wrote", done, total, t0.elapsed());
-        let r: Result<CopiedReply> = s.call_with_fd(&req, f.as_fd(), &mut shown).await;
+        let r = s.write_file(name, nsid, lba, &f, &mut shown).await;
         eprintln!();
-        return Ok(r?.copied as usize);
+        return r;
     }
     let Some(n) = size else {
         bail!("give --input FILE or --size with --pattern");
     };
-    // Nothing to send but the byte: the daemon fills.
-    for (at, _, len) in pieces(lba, n, MAX_WRITE_PATTERN, bs) {
-        let req = Request::Write {
-            device: name.into(),
-            nsid,
-            lba: at,
-            data: None,
-            size: Some(len as u64),
-            pattern: Some(u64::from(pattern)),
-        };
-        let _: WriteReply = s.call(&req).await?;
-    }
+    s.write_pattern(name, nsid, lba, n, pattern).await?;
     Ok(n)
 }
 
@@ -314,7 +234,6 @@ async fn daemon_read_to(
     out: ReadOut<'_>,
 ) -> Result<()> {
     let mut s = crate::client::open().await?;
-    daemon_block_size(&mut s, name, nsid).await?;
     let file;
     let stdout = std::io::stdout();
     let fd = match out {
@@ -324,18 +243,11 @@ async fn daemon_read_to(
         }
         _ => stdout.as_fd(),
     };
-    let req = Request::ReadToFd {
-        device: name.into(),
-        nsid,
-        lba,
-        size: size as u64,
-        progress: true,
-    };
     let t0 = Instant::now();
     let mut shown = |done: u64, total: u64| show_copy("read", done, total, t0.elapsed());
-    let r: Result<CopiedReply> = s.call_with_fd(&req, fd, &mut shown).await;
+    let r = s.read_to(name, nsid, lba, size, fd, &mut shown).await;
     eprintln!();
-    r.map(|_| ())
+    r
 }
 
 /// The progress line `read -d` and `write -d` keep rewriting on stderr.
@@ -360,28 +272,11 @@ async fn daemon_verify(
     seed: u64,
 ) -> Result<()> {
     let mut s = crate::client::open().await?;
-    let bs = daemon_block_size(&mut s, name, nsid).await?;
-    if chunk % bs != 0 || size % bs != 0 {
-        bail!("--size and --chunk must be multiples of the {bs}-byte block size");
-    }
     let t0 = Instant::now();
-    // Pieces of about a second's work, whole chunks.
-    let piece = (VERIFY_PIECE / chunk).max(1) * chunk;
-    for (i, (at, off, len)) in pieces(lba, size, piece, bs).enumerate() {
-        let req = Request::Verify {
-            device: name.into(),
-            nsid,
-            lba: at,
-            size: len as u64,
-            chunk: Some(chunk as u64),
-            seed: Some(seed.wrapping_add(i as u64)),
-        };
-        let _: VerifyReply = s.call(&req).await?;
-        show_progress(off + len, size, t0.elapsed());
-    }
+    let mut shown = |done: usize, total: usize| show_progress(done, total, t0.elapsed());
+    let r = s
+        .verify_pieces(name, nsid, lba, size, chunk, seed, &mut shown)
+        .await;
     eprintln!();
-    Ok(())
+    r
 }
-
-/// Bytes per `verify` request of `verify -d` (progress is shown between them).
-const VERIFY_PIECE: usize = 16 << 20;

@@ -13,8 +13,6 @@ mod sdnotify;
 mod signals;
 mod target;
 
-use nvmf_rdma::cli::host;
-
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;

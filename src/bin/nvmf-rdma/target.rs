@@ -3,9 +3,10 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::{args::*, host::*, signals::*};
+use crate::{args::*, signals::*};
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::device::{start_target_kernel, DeviceChoice};
+use nvmf_rdma::cli::host::*;
 use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::nvme::Nqn;
 use nvmf_rdma::nvmet::control::{self, AddNamespace};

@@ -5,9 +5,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::host::*;
 use anyhow::Result;
 use clap::Parser;
+use nvmf_rdma::cli::host::*;
 use nvmf_rdma::cli::metrics_http;
 use nvmf_rdma::cli::support::Tmo;
 use nvmf_rdma::export::ExportAddr;
