@@ -42,7 +42,7 @@ impl Faults {
         latency_ns: 2_000,
         byte_ns: 0,
     };
-    /// The "10% loss, duplication and reordering".
+    /// A lossy link: 10% loss, with duplication and reordering.
     pub const LOSSY: Faults = Faults {
         drop: 0.10,
         duplicate: 0.10,

@@ -159,8 +159,8 @@ mod tests {
         assert_ne!(icrc(&ctx(), &pkt[..12]), a, "length is covered");
     }
 
-    /// A captured rxe packet would be the best vector; until the qemu interop issue lands
-    /// one, pin an independently computed value (python: zlib.crc32 over the same bytes).
+    /// A captured rxe packet would be the best vector (tests/rxe_wire.rs checks against rxe);
+    /// here, pin an independently computed value (python: zlib.crc32 over the same bytes).
     #[test]
     fn known_vector() {
         let mut pkt = [0u8; 12];
