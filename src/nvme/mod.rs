@@ -34,6 +34,7 @@
 //! A completion status is data ([`Status`]), never an `Err` of these parsers.
 
 pub mod admin;
+pub mod ana;
 pub mod ccr;
 pub mod cqe;
 pub mod discovery;
