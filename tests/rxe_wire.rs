@@ -143,6 +143,12 @@ fn a_device_checks_rxes_icrc_against_the_ipv4_header_it_came_with() {
         p.payload,
     );
     assert_eq!(v.stats().rx_icrc_errors, 1);
+    // The same bytes from a loopback address (the kernel's loopback, no wire): not checked.
+    v.handle_host_datagram(Instant(0), "127.0.0.1:64908".parse().unwrap(), p.payload);
+    assert_eq!(
+        (v.stats().rx_icrc_errors, v.stats().rx_icrc_unchecked),
+        (1, 1)
+    );
 }
 
 /// The REP nvmet-rdma's rxe answered our REQ with (BTH + DETH + MAD; the capture stopped at

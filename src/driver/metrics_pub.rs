@@ -5,7 +5,8 @@
 //! QP's peer, for a QP that is gone, the loopback path's inbox full, other), remote access
 //! errors (a peer touching memory it may not), and completion / MAD queue overflows. ICRCs: packets verified
 //! (`softhca_rx_icrc_verified_total`), accepted unchecked (`softhca_rx_icrc_unchecked_total`:
-//! `IcrcCheck::Skip`, or an IPv4 RoCEv2 peer without the raw socket), and mismatches, which
+//! `IcrcCheck::Skip`, an IPv4 RoCEv2 peer without the raw socket, or a datagram from a
+//! loopback address, which crossed no wire), and mismatches, which
 //! are drops (`softhca_rx_dropped_by_reason_total{reason="icrc"}`). Packets from a context
 //! of the same process by the loopback path (`driver::local`) are counted apart
 //! (`softhca_rx_loopback_total`): they never crossed a wire and are not checked.

@@ -460,6 +460,7 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         for i in 0..n {
             match port.get(i) {
                 port::Received::Udp(src, data) => d.handle_datagram(now, src, data),
+                port::Received::HostUdp(src, data) => d.handle_host_datagram(now, src, data),
                 port::Received::Ipv4(datagram) => d.handle_ipv4(now, datagram),
                 port::Received::Loopback(src, data) => d.handle_loopback(now, src, data),
             }

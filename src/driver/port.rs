@@ -18,6 +18,9 @@ use crate::hca::IcrcCheck;
 pub(crate) enum Received<'a> {
     /// A UDP payload from `src` (the IP header stayed in the kernel).
     Udp(SocketAddr, &'a [u8]),
+    /// A UDP payload from a loopback address `src`: it went through this machine's memory
+    /// only, never a wire ([`crate::hca::Device::handle_host_datagram`]).
+    HostUdp(SocketAddr, &'a [u8]),
     /// A whole IPv4 datagram, header included (a raw socket).
     Ipv4(&'a [u8]),
     /// A packet from a context of this process by the loopback path, from `src`.
@@ -208,6 +211,7 @@ impl PacketPort for UdpPort {
         let (src, data) = self.rx.get(i - self.local_n);
         match self.raw {
             Some(_) => Received::Ipv4(data),
+            None if src.ip().is_loopback() => Received::HostUdp(src, data),
             None => Received::Udp(src, data),
         }
     }
