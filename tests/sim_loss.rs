@@ -555,3 +555,46 @@ fn slow_long_reads_are_not_resent() {
     let b = p.sim.devices[1].stats();
     assert_eq!(b.rx_duplicates, before_b.rx_duplicates, "{b:?}");
 }
+
+/// 128 KiB READs eight at a time, as the target fetches a host's writes, over a link that
+/// delays a few packets by up to 3 ms (a thread descheduled on a busy machine) and loses
+/// none: a delay is not a loss, so nothing may wait for the 67 ms local ACK timeout.
+#[test]
+fn delayed_long_reads_never_wait_for_the_local_ack_timeout() {
+    let delayed = Faults {
+        reorder: 0.002,
+        reorder_window_ns: 3_000_000,
+        byte_ns: 1,
+        ..Faults::NONE
+    };
+    for seed in 740..746 {
+        let mut p = pair(seed, delayed, opts());
+        warm_up(&mut p);
+        let len = 128 << 10;
+        let slots = 8usize;
+        let want = fill(&p.b.mem, 0, slots * len, seed);
+        let before = p.sim.devices[0].stats().clone();
+        let n = 200u64;
+        let (mut posted, mut done) = (0u64, 0u64);
+        while done < n {
+            while posted < n && posted - done < slots as u64 {
+                let off = (posted as usize % slots) * len;
+                let wr = send_wr(posted, read_op(&p.b, off), &p.a, off, len);
+                post_send(&mut p.sim, 0, p.a.qpn, wr);
+                posted += 1;
+            }
+            let wcs = wait_wcs(&mut p.sim, 0, p.a.cq, 1, Duration::from_secs(30));
+            for wc in wcs {
+                assert_eq!(
+                    (wc.wr_id, wc.status),
+                    (done, WcStatus::Success),
+                    "seed {seed}"
+                );
+                done += 1;
+            }
+        }
+        assert!(read(&p.a.mem, 0, slots * len) == want, "seed {seed}");
+        let a = p.sim.devices[0].stats();
+        assert_eq!(a.timeouts, before.timeouts, "seed {seed}: {a:?}");
+    }
+}
