@@ -1,0 +1,320 @@
+//! A controller held by a process of its own (`connect --foreground`) instead of the daemon:
+//! a control socket of its own in the run directory (`list` and `disconnect` find it there),
+//! its exports, and the daemon's stop rule. A stop (a stop signal or `disconnect`) is refused
+//! while an export is in use unless forced; a refused stop signal stays pending and completes
+//! once the exports are released; a controller that gave up is kept while its export is in
+//! use.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use tokio::net::UnixListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
+
+use crate::cli::args::{ExportArgs, Subsys};
+use crate::cli::host::ctrl_info;
+use crate::daemon::control::{
+    make_run_dir, same_user, serve_control_client, StopAsk, CONTROL_TIMEOUT,
+};
+use crate::daemon::exports::{report_state_changes, start_exports, Exports};
+use crate::daemon::local::daemon_names;
+use crate::daemon::stop::{PendingStop, FORCE_WINDOW};
+use crate::daemon::usage::{holders, in_use_message, Probe};
+use crate::daemon::{say, Report};
+use crate::reconnect::CtrlState;
+use crate::transport::{Controller, CtrlStatus};
+
+/// A controller, its exports and its control socket, held until a stop.
+pub struct Foreground {
+    name: String,
+    path: PathBuf,
+    listener: UnixListener,
+    ctrl: Arc<Controller>,
+    sub: Subsys,
+    exports: Exports,
+}
+
+/// How the hold ended: `forced` when an export was still in use (its users get I/O errors).
+struct Stop {
+    forced: bool,
+}
+
+/// What the hold carries from one turn to the next.
+struct Holding {
+    out: Report,
+    probe: Probe,
+    pending: PendingStop,
+    /// The controller gave up (ctrl_loss_tmo): its last status, kept while an export is used.
+    dead: Option<Option<CtrlStatus>>,
+    clients: JoinSet<()>,
+    stop_tx: mpsc::Sender<StopAsk>,
+}
+
+impl Foreground {
+    /// Hold `ctrl` (connected to `sub`) under the first free name of `run_dir` (`nvmf0`,
+    /// `nvmf1`, ...: not one the daemon there holds, nor one a live `connect --foreground`
+    /// serves), its control socket bound (0600), and the exports `x` asks for started.
+    pub async fn start(
+        ctrl: Arc<Controller>,
+        sub: &Subsys,
+        x: &ExportArgs,
+        run_dir: &Path,
+    ) -> Result<Foreground> {
+        // The control socket first: once the exports serve, clients may take every file
+        // descriptor the process has (the NBD listener outlives that; a bind would not).
+        make_run_dir(run_dir)?;
+        let (name, path) = free_name(run_dir, &daemon_names(run_dir).await).await;
+        let listener =
+            UnixListener::bind(&path).with_context(|| format!("bind {}", path.display()))?;
+        // Whoever can open the socket can disconnect the controller: ours alone, whatever the
+        // umask (and the directory is 0700 too).
+        let held = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("chmod 0600 {}", path.display()));
+        let exports = match held {
+            Ok(()) => start_exports(&ctrl, sub, x).await,
+            Err(e) => Err(e),
+        };
+        match exports {
+            Ok(exports) => Ok(Foreground {
+                name,
+                path,
+                listener,
+                ctrl,
+                sub: sub.clone(),
+                exports,
+            }),
+            Err(e) => {
+                drop(listener);
+                let _ = std::fs::remove_file(&path);
+                Err(e)
+            }
+        }
+    }
+
+    /// The name `list` and `disconnect -d` know the controller by.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn controller(&self) -> &Arc<Controller> {
+        &self.ctrl
+    }
+
+    pub fn exports(&self) -> &Exports {
+        &self.exports
+    }
+
+    /// Hold the controller until a stop: a stop signal (by name, from `signals`), a
+    /// `disconnect` on the control socket, or its death once nothing uses its exports; then
+    /// release the exports, delete the controller and remove the socket. State changes and
+    /// refusals go to `out`. An error when the controller died (its pending I/O failed), or
+    /// when another stop signal cut the disconnect short.
+    pub async fn run(self, signals: &mut mpsc::Receiver<&'static str>, out: Report) -> Result<()> {
+        let watcher = tokio::spawn(report_state_changes(
+            self.name.clone(),
+            self.ctrl.watch_status(),
+            out.clone(),
+        ));
+        let (stop_tx, mut stop_rx) = mpsc::channel(4);
+        let mut h = Holding {
+            out,
+            probe: self.exports.probe(),
+            pending: PendingStop::default(),
+            dead: None,
+            clients: JoinSet::new(),
+            stop_tx,
+        };
+        let Stop { forced } = self.hold(signals, &mut stop_rx, &mut h).await;
+        // The client that asked for the disconnect writes its "ok" now: let it (and any other,
+        // each bounded by its own read timeout) finish rather than cut the answer off.
+        let _ = tokio::time::timeout(CONTROL_TIMEOUT, async {
+            while h.clients.join_next().await.is_some() {}
+        })
+        .await;
+        h.clients.abort_all();
+        watcher.abort();
+        let Foreground {
+            name,
+            path,
+            listener,
+            ctrl,
+            exports,
+            ..
+        } = self;
+        // Deleting ends at once whatever recovery is doing; a second signal still wins.
+        tokio::select! {
+            _ = exports.release(&ctrl, forced) => {}
+            Some(sig) = signals.recv() => {
+                let _ = std::fs::remove_file(&path);
+                bail!("{sig}: stopped before {name} finished disconnecting")
+            }
+        }
+        // Last: `nvmf-rdma disconnect` waits for the socket to go as the sign that it is done.
+        drop(listener);
+        let _ = std::fs::remove_file(&path);
+        match h.dead {
+            None => {
+                say!(h.out, "{name}: disconnected");
+                Ok(())
+            }
+            // Like Linux deleting a controller that gave up: the holder ends, with an error.
+            Some(st) => {
+                let why = st
+                    .and_then(|s| s.machine.fail_reason)
+                    .map_or("it gave up", |r| r.name());
+                bail!("{name}: the controller is dead ({why}); its pending I/O failed. Connect again once the target is reachable")
+            }
+        }
+    }
+
+    /// The turns of the hold, each handled by one of the `on_*` functions, until one stops.
+    async fn hold(
+        &self,
+        signals: &mut mpsc::Receiver<&'static str>,
+        stop_rx: &mut mpsc::Receiver<StopAsk>,
+        h: &mut Holding,
+    ) -> Stop {
+        let mut status = self.ctrl.watch_status();
+        loop {
+            let end = tokio::select! {
+                Some(sig) = signals.recv() => self.on_signal(sig, h).await,
+                Some((force, reply)) = stop_rx.recv() => self.on_disconnect(force, reply, h).await,
+                _ = h.pending.tick() => self.on_tick(h).await,
+                st = status.wait_for(|s| s.state() == CtrlState::Dead), if h.dead.is_none() => {
+                    self.on_dead(st.map(|s| *s).ok(), h)
+                }
+                conn = self.listener.accept() => {
+                    let Ok((stream, _)) = conn else {
+                        // Out of descriptors and the like: pause rather than spin; a signal
+                        // that comes meanwhile waits in its channel.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    if same_user(&stream) {
+                        let info = ctrl_info(&self.name, &self.sub, &self.ctrl).to_json();
+                        h.clients.spawn(serve_control_client(stream, info, h.stop_tx.clone()));
+                    }
+                    None
+                }
+                Some(_) = h.clients.join_next(), if !h.clients.is_empty() => None,
+            };
+            if let Some(end) = end {
+                return end;
+            }
+        }
+    }
+
+    /// A stop signal: stop, or refuse (an export is in use) and keep the stop pending; a
+    /// second signal within [`FORCE_WINDOW`] of a refusal forces it.
+    async fn on_signal(&self, sig: &str, h: &mut Holding) -> Option<Stop> {
+        let name = &self.name;
+        let now = Instant::now();
+        let force = h.pending.forces(now);
+        match in_use(name, &h.probe).await {
+            Some((m, _)) if force => {
+                say!(
+                    h.out,
+                    "{name}: {sig}: forced while in use: {m}; its users get I/O errors from now on"
+                );
+                Some(Stop { forced: true })
+            }
+            Some((m, r)) => {
+                h.pending.refused(now);
+                say!(h.out, "{name}: {sig}: not stopping: {m}; {r}; the stop completes once it is released; another stop signal within {} s forces it", FORCE_WINDOW.as_secs());
+                None
+            }
+            None => {
+                say!(h.out, "{name}: {sig}: disconnecting");
+                Some(Stop { forced: false })
+            }
+        }
+    }
+
+    /// `disconnect` on the control socket: refused (the answer names the holders) while an
+    /// export is in use, unless forced.
+    async fn on_disconnect(
+        &self,
+        force: bool,
+        reply: oneshot::Sender<Result<(), String>>,
+        h: &mut Holding,
+    ) -> Option<Stop> {
+        let name = &self.name;
+        match in_use(name, &h.probe).await {
+            Some((m, _)) if force => {
+                say!(h.out, "{name}: disconnect forced while in use: {m}; its users get I/O errors from now on");
+                let _ = reply.send(Ok(()));
+                Some(Stop { forced: true })
+            }
+            Some((m, r)) => {
+                let _ = reply.send(Err(format!("{m} ({r}; or disconnect --force)")));
+                None
+            }
+            None => {
+                let _ = reply.send(Ok(()));
+                Some(Stop { forced: false })
+            }
+        }
+    }
+
+    /// A pending stop looks again whether the exports were released: the counters first;
+    /// the scan of holders runs once they read zero, or when it is time to say again who
+    /// holds the exports.
+    async fn on_tick(&self, h: &mut Holding) -> Option<Stop> {
+        let name = &self.name;
+        let due = h.pending.report_due(Instant::now());
+        if h.probe.busy_now() && !due {
+            return None;
+        }
+        match in_use(name, &h.probe).await {
+            None => {
+                say!(h.out, "{name}: exports released; disconnecting");
+                Some(Stop { forced: false })
+            }
+            Some((m, r)) if due => {
+                say!(h.out, "{name}: stop pending: {m}; {r}");
+                None
+            }
+            Some(_) => None,
+        }
+    }
+
+    /// The controller gave up: it goes now, or once its exports are released.
+    fn on_dead(&self, st: Option<CtrlStatus>, h: &mut Holding) -> Option<Stop> {
+        h.dead = Some(st);
+        if !h.probe.busy_now() {
+            return Some(Stop { forced: false });
+        }
+        h.pending.hold(Instant::now());
+        say!(h.out, "{}: dead; kept while its export is in use (its users get I/O errors), until it is released or `disconnect --force`", self.name);
+        None
+    }
+}
+
+/// The first `nvmfN` of `run_dir` not in `taken` whose socket no live process serves (a
+/// stale socket file is removed), with that socket's path.
+async fn free_name(run_dir: &Path, taken: &[String]) -> (String, PathBuf) {
+    let mut n = 0;
+    loop {
+        let name = format!("nvmf{n}");
+        let p = run_dir.join(format!("{name}.sock"));
+        n += 1;
+        if taken.contains(&name) {
+            continue;
+        }
+        if !p.exists() || tokio::net::UnixStream::connect(&p).await.is_err() {
+            let _ = std::fs::remove_file(&p);
+            return (name, p);
+        }
+    }
+}
+
+/// Who holds the exports `p` looks at, as one line naming them and one saying how to
+/// release them; `None` when nothing does.
+async fn in_use(name: &str, p: &Probe) -> Option<(String, String)> {
+    let h = holders(p).await;
+    (!h.is_empty()).then(|| in_use_message(name, &h))
+}
