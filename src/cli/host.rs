@@ -49,6 +49,19 @@ pub async fn discover_on(
     entries.context(what)
 }
 
+/// The discovery log of the discovery controller at `f`, asked as this host (the system's
+/// host IDs, or `-q`).
+pub async fn discover_at(f: &Fabric) -> Result<Vec<DiscoveryLogEntry>> {
+    check_transport(f)?;
+    let mut o = ConnectOptions::new(f.traddr, crate::nvme::fabrics::DISCOVERY_NQN);
+    o.trsvcid = f.trsvcid;
+    apply_system_host_ids(&mut o, std::path::Path::new(NVME_CONF_DIR));
+    if let Some(h) = &f.hostnqn {
+        o.hostnqn = h.clone();
+    }
+    discover_on(f, o, "discovery failed").await
+}
+
 pub fn check_transport(f: &Fabric) -> Result<()> {
     if f.transport != "rdma" {
         bail!("transport '{}' is not supported: only rdma", f.transport);

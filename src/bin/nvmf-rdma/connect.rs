@@ -10,7 +10,6 @@ use nvmf_rdma::cli::support::run_dir;
 use nvmf_rdma::daemon::foreground::Foreground;
 use nvmf_rdma::daemon::Stdout;
 use nvmf_rdma::harness::hca_perf;
-use nvmf_rdma::transport::ConnectOptions;
 
 pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
     let mut signals = StopSignals::new()?.forward(|sig| sig);
@@ -44,14 +43,7 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
 
 /// `discover`: the discovery log of a discovery controller, nvme-cli style.
 pub(crate) async fn run_discover(f: Fabric, output: ListFormat) -> Result<()> {
-    check_transport(&f)?;
-    let mut o = ConnectOptions::new(f.traddr, nvmf_rdma::nvme::fabrics::DISCOVERY_NQN);
-    o.trsvcid = f.trsvcid;
-    apply_system_host_ids(&mut o, std::path::Path::new(NVME_CONF_DIR));
-    if let Some(h) = &f.hostnqn {
-        o.hostnqn = h.clone();
-    }
-    let entries = discover_on(&f, o, "discovery failed").await?;
+    let entries = discover_at(&f).await?;
     if output == ListFormat::Json {
         // nvme-cli's field names and words.
         let records: Vec<serde_json::Value> = entries
