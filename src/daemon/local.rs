@@ -28,6 +28,26 @@ pub async fn try_call<T: DeserializeOwned>(run_dir: &Path, req: &Request) -> Res
     }
 }
 
+/// `req` to the daemon of `run_dir`, started by `start` when none answers. Another front end
+/// may start one at the same moment: when `start` fails but a daemon answers after all, that
+/// one serves.
+pub async fn call_starting<T: DeserializeOwned>(
+    run_dir: &Path,
+    req: &Request,
+    start: impl std::future::Future<Output = Result<()>>,
+) -> Result<T> {
+    if let Some(v) = try_call(run_dir, req).await? {
+        return Ok(v);
+    }
+    if let Err(e) = start.await {
+        let status = try_call::<serde_json::Value>(run_dir, &Request::Status {}).await;
+        if !matches!(status, Ok(Some(_))) {
+            return Err(e);
+        }
+    }
+    Client::open(run_dir).await?.call(req).await
+}
+
 /// Names the daemon of `run_dir` holds (a `connect --foreground` avoids them); none when no
 /// daemon answers in time.
 pub async fn daemon_names(run_dir: &Path) -> Vec<String> {
@@ -131,6 +151,58 @@ pub async fn stop_daemon(run_dir: &Path, force: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::pid_lock::PidLock;
+    use crate::daemon::proto::StatusReply;
+    use crate::daemon::{Daemon, DaemonConfig, Reporter, Signal, CLIENT_TIMEOUT};
+    use std::sync::Arc;
+
+    struct Quiet;
+
+    impl Reporter for Quiet {
+        fn say(&self, _: &str) {}
+    }
+
+    /// Two front ends start a daemon at the same moment: the one whose start fails is served
+    /// by the other's daemon; with none, its own failure is the error.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_front_end_that_loses_the_start_race_is_served_by_the_winner() {
+        let dir = std::env::temp_dir().join(format!("nvmf-race-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let status = Request::Status {};
+        let failed = async { anyhow::bail!("cannot start the daemon") };
+        let e = call_starting::<StatusReply>(&dir, &status, failed).await;
+        assert!(e.unwrap_err().to_string().contains("cannot start"));
+        let d = Arc::new(Daemon::new(DaemonConfig {
+            run_dir: dir.clone(),
+            config_dir: dir.join("etc"),
+            client_timeout: CLIENT_TIMEOUT,
+            report: Arc::new(Quiet),
+        }));
+        let (stop, mut signals) = tokio::sync::mpsc::channel(1);
+        let winner = {
+            let (d, dir) = (d.clone(), dir.clone());
+            async move {
+                tokio::spawn(async move { d.serve_run_dir(&mut signals, false).await });
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !socket_in(&dir).exists() && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                // Ours finds the lock taken.
+                Err(PidLock::take(&dir)
+                    .err()
+                    .expect("the winner holds the lock"))
+            }
+        };
+        let v = call_starting::<StatusReply>(&dir, &status, winner).await;
+        assert!(v.is_ok(), "{v:?}");
+        stop.send(Signal::Stop("SIGTERM")).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while socket_in(&dir).exists() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!socket_in(&dir).exists() && PidLock::holder(&dir).is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn subsystems_group_their_paths_in_first_seen_order() {

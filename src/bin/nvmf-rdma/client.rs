@@ -6,9 +6,7 @@ use anyhow::{bail, Result};
 use nvmf_rdma::cli::support::run_dir;
 use nvmf_rdma::daemon::client::Client;
 use nvmf_rdma::daemon::config::params_of;
-use nvmf_rdma::daemon::local::{
-    all_controllers, by_subsystem, disconnect, disconnect_all, try_call,
-};
+use nvmf_rdma::daemon::local::{self, all_controllers, by_subsystem, disconnect, disconnect_all};
 use nvmf_rdma::daemon::proto::{ControllerInfo, ExportInfo, LineStatus, Request};
 use serde::de::DeserializeOwned;
 use serde_json::json;
@@ -23,33 +21,18 @@ pub(crate) async fn open() -> Result<Client> {
 
 /// `req` on a connection of its own, starting a daemon in the background when none runs.
 async fn call_starting<T: DeserializeOwned>(req: &Request, global: Vec<String>) -> Result<T> {
-    match try_call(&run_dir(), req).await? {
-        Some(v) => Ok(v),
-        None => {
-            start_daemon(global).await?;
-            open().await?.call(req).await
-        }
-    }
+    local::call_starting(&run_dir(), req, start_daemon(global)).await
 }
 
-/// Start a daemon in the background for a command that needs one. Another command may
-/// start one at the same moment: if ours loses that race, the winner serves us.
+/// Start a daemon in the background for a command that needs one.
 async fn start_daemon(global: Vec<String>) -> Result<()> {
-    let r = tokio::task::spawn_blocking(move || start_background(&DaemonArgs::default(), &global))
-        .await?;
-    match r {
-        Ok(pid) => {
-            eprintln!(
-                "started nvmf-rdma daemon (pid {pid}; log {})",
-                run_dir().join("daemon.log").display()
-            );
-            Ok(())
-        }
-        Err(e) => match try_call::<serde_json::Value>(&run_dir(), &Request::Status {}).await {
-            Ok(Some(_)) => Ok(()),
-            _ => Err(e),
-        },
-    }
+    let start = move || start_background(&DaemonArgs::default(), &global);
+    let pid = tokio::task::spawn_blocking(start).await??;
+    eprintln!(
+        "started nvmf-rdma daemon (pid {pid}; log {})",
+        run_dir().join("daemon.log").display()
+    );
+    Ok(())
 }
 
 /// `connect` through the daemon, starting one in the background when none runs. Returns

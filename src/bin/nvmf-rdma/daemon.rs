@@ -14,7 +14,6 @@ use nvmf_rdma::daemon::local::stop_daemon;
 use nvmf_rdma::daemon::pid_lock::PidLock;
 use nvmf_rdma::daemon::proto::{one_line, SOCKET_NAME};
 use nvmf_rdma::daemon::{Daemon, DaemonConfig, Reporter, Signal, CLIENT_TIMEOUT};
-use nvmf_rdma::export::bind_listener;
 
 use crate::args::DaemonArgs;
 use crate::sdnotify;
@@ -101,27 +100,18 @@ async fn serve(a: DaemonArgs) -> Result<()> {
     if std::env::var_os(LOG_TIME_ENV).is_some() {
         LOG_TIME.store(true, Ordering::Relaxed);
     }
-    let dir = run_dir();
-    make_run_dir(&dir)?;
-    let _pid = PidLock::take(&dir)?;
-    let sock = dir.join(SOCKET_NAME);
-    // A crashed daemon's socket is taken over; the file goes when `_sock_file` drops.
-    let (listener, _sock_file) =
-        bind_listener(&sock).with_context(|| format!("bind {}", sock.display()))?;
     // SIGHUP reloads the config file; SIGINT and SIGTERM stop.
-    let mut sig_rx = StopSignals::new()?.forward(|sig| match sig {
+    let mut signals = StopSignals::new()?.forward(|sig| match sig {
         "SIGHUP" => Signal::Reload,
         stop => Signal::Stop(stop),
     });
     let d = Daemon::new(DaemonConfig {
-        run_dir: dir,
+        run_dir: run_dir(),
         config_dir: config_dir(a.config_dir.as_deref()),
         client_timeout: a.client_timeout.map_or(CLIENT_TIMEOUT, Duration::from_secs),
         report: std::sync::Arc::new(Log),
     });
-    let r = d.serve(&listener, &mut sig_rx, a.connect_all).await;
-    drop(listener);
-    r
+    d.serve_run_dir(&mut signals, a.connect_all).await
 }
 
 /// `daemon --background`: start `nvmf-rdma daemon` detached (new session, log file) and wait
