@@ -184,9 +184,10 @@ impl Foreground {
                 Some(sig) = signals.recv() => self.on_signal(sig, h).await,
                 Some((force, reply)) = stop_rx.recv() => self.on_disconnect(force, reply, h).await,
                 _ = h.pending.tick() => self.on_tick(h).await,
-                st = status.wait_for(|s| s.state() == CtrlState::Dead), if h.dead.is_none() => {
-                    self.on_dead(st.map(|s| *s).ok(), h)
-                }
+                // The status is copied out at once: a watch guard held across the other arms'
+                // awaits would keep this future from moving between threads.
+                st = async { status.wait_for(|s| s.state() == CtrlState::Dead).await.map(|s| *s).ok() },
+                    if h.dead.is_none() => self.on_dead(st, h),
                 conn = self.listener.accept() => {
                     let Ok((stream, _)) = conn else {
                         // Out of descriptors and the like: pause rather than spin; a signal
@@ -317,4 +318,74 @@ async fn free_name(run_dir: &Path, taken: &[String]) -> (String, PathBuf) {
 async fn in_use(name: &str, p: &Probe) -> Option<(String, String)> {
     let h = holders(p).await;
     (!h.is_empty()).then(|| in_use_message(name, &h))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::args::{Fabric, PolicyArgs};
+    use crate::cli::device::DeviceChoice;
+    use crate::cli::support::json_field;
+    use crate::daemon::control::ask;
+    use crate::daemon::Reporter;
+    use crate::harness::nvmf_perf::{connect_host, LocalTarget, DEMO_NQN};
+    use std::sync::Mutex;
+
+    #[derive(Default)]
+    struct Lines(Mutex<Vec<String>>);
+
+    impl Reporter for Lines {
+        fn say(&self, line: &str) {
+            self.0.lock().unwrap().push(line.to_string());
+        }
+    }
+
+    /// In process, no child: the hold takes the first free name (a stale socket file does
+    /// not keep one), answers `info` and `disconnect` on its socket, and removes it at the end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_held_controller_answers_on_its_socket_until_disconnect_ends_the_hold() {
+        let t = LocalTarget::start(16 << 20, 9).unwrap();
+        let dir = std::env::temp_dir().join(format!("nvmf-fg-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        make_run_dir(&dir).unwrap();
+        std::fs::write(dir.join("nvmf0.sock"), "").unwrap();
+        let sub = Subsys {
+            fabric: Fabric {
+                transport: "rdma".into(),
+                traddr: t.addr,
+                trsvcid: 4420,
+                hostnqn: None,
+                hostid: None,
+                host_traddr: None,
+                device: DeviceChoice::Soft,
+            },
+            nqn: DEMO_NQN.into(),
+            nr_io_queues: 1,
+            queue_size: 32,
+            policy: PolicyArgs::default(),
+            nsid: 1,
+        };
+        let c = Arc::new(connect_host(t.addr, DEMO_NQN, 1, 32).await.unwrap());
+        let held = Foreground::start(c, &sub, &ExportArgs::default(), &dir)
+            .await
+            .unwrap();
+        assert_eq!(held.name(), "nvmf0");
+        let sock = dir.join("nvmf0.sock");
+        let lines = Arc::new(Lines::default());
+        let (_signal, mut signals) = mpsc::channel(1);
+        let out: Report = lines.clone();
+        let run = tokio::spawn(async move { held.run(&mut signals, out).await });
+        let info = ask(&sock, "info").await.expect("an info answer");
+        assert_eq!(json_field(&info, "name"), Some("nvmf0"), "{info}");
+        assert_eq!(json_field(&info, "subnqn"), Some(DEMO_NQN), "{info}");
+        assert_eq!(
+            ask(&sock, "what").await.as_deref(),
+            Some("error: unknown request")
+        );
+        assert_eq!(ask(&sock, "disconnect").await.as_deref(), Some("ok"));
+        run.await.unwrap().unwrap();
+        assert!(!sock.exists());
+        assert_eq!(*lines.0.lock().unwrap(), ["nvmf0: disconnected"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
