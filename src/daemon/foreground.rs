@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tokio::net::UnixListener;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::cli::args::{ExportArgs, Subsys};
@@ -22,6 +22,7 @@ use crate::daemon::control::{
 };
 use crate::daemon::exports::{report_state_changes, start_exports, Exports};
 use crate::daemon::local::daemon_names;
+use crate::daemon::server::MAX_CLIENTS;
 use crate::daemon::stop::{PendingStop, FORCE_WINDOW};
 use crate::daemon::usage::{holders, in_use_message, Probe};
 use crate::daemon::{say, Report};
@@ -51,6 +52,8 @@ struct Holding {
     /// The controller gave up (ctrl_loss_tmo): its last status, kept while an export is used.
     dead: Option<Option<CtrlStatus>>,
     clients: JoinSet<()>,
+    /// One permit per client served now, at most [`MAX_CLIENTS`].
+    slots: Arc<Semaphore>,
     stop_tx: mpsc::Sender<StopAsk>,
 }
 
@@ -126,6 +129,7 @@ impl Foreground {
             pending: PendingStop::default(),
             dead: None,
             clients: JoinSet::new(),
+            slots: Arc::new(Semaphore::new(MAX_CLIENTS)),
             stop_tx,
         };
         let Stop { forced } = self.hold(signals, &mut stop_rx, &mut h).await;
@@ -196,8 +200,7 @@ impl Foreground {
                         continue;
                     };
                     if same_user(&stream) {
-                        let info = ctrl_info(&self.name, &self.sub, &self.ctrl).to_json();
-                        h.clients.spawn(serve_control_client(stream, info, h.stop_tx.clone()));
+                        self.serve_client(stream, h);
                     }
                     None
                 }
@@ -207,6 +210,23 @@ impl Foreground {
                 return end;
             }
         }
+    }
+
+    /// A control client in a task of its own, up to [`MAX_CLIENTS`] at once; one more is told
+    /// it is busy (a fresh socket's buffer takes the line) and closed, so a flood of clients
+    /// costs nothing that stays.
+    fn serve_client(&self, stream: tokio::net::UnixStream, h: &mut Holding) {
+        let Ok(permit) = h.slots.clone().try_acquire_owned() else {
+            let busy = format!("error: busy: {MAX_CLIENTS} clients already; try again\n");
+            let _ = stream.try_write(busy.as_bytes());
+            return;
+        };
+        let info = ctrl_info(&self.name, &self.sub, &self.ctrl).to_json();
+        let stop = h.stop_tx.clone();
+        h.clients.spawn(async move {
+            serve_control_client(stream, info, stop).await;
+            drop(permit);
+        });
     }
 
     /// A stop signal: stop, or refuse (an export is in use) and keep the stop pending; a
@@ -340,15 +360,12 @@ mod tests {
         }
     }
 
-    /// In process, no child: the hold takes the first free name (a stale socket file does
-    /// not keep one), answers `info` and `disconnect` on its socket, and removes it at the end.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_held_controller_answers_on_its_socket_until_disconnect_ends_the_hold() {
-        let t = LocalTarget::start(16 << 20, 9).unwrap();
-        let dir = std::env::temp_dir().join(format!("nvmf-fg-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        make_run_dir(&dir).unwrap();
-        std::fs::write(dir.join("nvmf0.sock"), "").unwrap();
+    /// A controller of `t` held in `dir`, its hold running with `out`.
+    async fn hold_in(
+        t: &LocalTarget,
+        dir: &Path,
+        out: Report,
+    ) -> (PathBuf, tokio::task::JoinHandle<Result<()>>) {
         let sub = Subsys {
             fabric: Fabric {
                 transport: "rdma".into(),
@@ -366,15 +383,34 @@ mod tests {
             nsid: 1,
         };
         let c = Arc::new(connect_host(t.addr, DEMO_NQN, 1, 32).await.unwrap());
-        let held = Foreground::start(c, &sub, &ExportArgs::default(), &dir)
+        let held = Foreground::start(c, &sub, &ExportArgs::default(), dir)
             .await
             .unwrap();
-        assert_eq!(held.name(), "nvmf0");
-        let sock = dir.join("nvmf0.sock");
+        let sock = dir.join(format!("{}.sock", held.name()));
+        let run = tokio::spawn(async move {
+            let (_signal, mut signals) = mpsc::channel(1);
+            held.run(&mut signals, out).await
+        });
+        (sock, run)
+    }
+
+    fn run_dir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("nvmf-fg-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        make_run_dir(&dir).unwrap();
+        dir
+    }
+
+    /// In process, no child: the hold takes the first free name (a stale socket file does
+    /// not keep one), answers `info` and `disconnect` on its socket, and removes it at the end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_held_controller_answers_on_its_socket_until_disconnect_ends_the_hold() {
+        let t = LocalTarget::start(16 << 20, 9).unwrap();
+        let dir = run_dir("answers");
+        std::fs::write(dir.join("nvmf0.sock"), "").unwrap();
         let lines = Arc::new(Lines::default());
-        let (_signal, mut signals) = mpsc::channel(1);
-        let out: Report = lines.clone();
-        let run = tokio::spawn(async move { held.run(&mut signals, out).await });
+        let (sock, run) = hold_in(&t, &dir, lines.clone()).await;
+        assert_eq!(sock, dir.join("nvmf0.sock"));
         let info = ask(&sock, "info").await.expect("an info answer");
         assert_eq!(json_field(&info, "name"), Some("nvmf0"), "{info}");
         assert_eq!(json_field(&info, "subnqn"), Some(DEMO_NQN), "{info}");
@@ -386,6 +422,40 @@ mod tests {
         run.await.unwrap().unwrap();
         assert!(!sock.exists());
         assert_eq!(*lines.0.lock().unwrap(), ["nvmf0: disconnected"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Clients that connect and send nothing hold a task each until their line times out:
+    /// past [`MAX_CLIENTS`] of them, the next is told at once and closed, and the hold
+    /// still answers once they have gone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_control_clients_past_the_limit_are_told_busy_at_once() {
+        use tokio::io::AsyncReadExt;
+        let t = LocalTarget::start(16 << 20, 9).unwrap();
+        let dir = run_dir("busy");
+        let (sock, run) = hold_in(&t, &dir, Arc::new(Lines::default())).await;
+        let mut idle = Vec::new();
+        for _ in 0..MAX_CLIENTS {
+            idle.push(tokio::net::UnixStream::connect(&sock).await.unwrap());
+        }
+        let mut s = tokio::net::UnixStream::connect(&sock).await.unwrap();
+        let mut line = String::new();
+        let read = s.read_to_string(&mut line);
+        let closed = tokio::time::timeout(CONTROL_TIMEOUT / 2, read)
+            .await
+            .is_ok();
+        assert!(
+            closed && line.starts_with("error: busy"),
+            "{closed} {line:?}"
+        );
+        // Gone, they free their places as their tasks end.
+        drop(idle);
+        let deadline = Instant::now() + 2 * CONTROL_TIMEOUT;
+        while ask(&sock, "disconnect").await.as_deref() != Some("ok") {
+            assert!(Instant::now() < deadline, "still busy");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        run.await.unwrap().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -36,7 +36,7 @@ use crate::daemon::stop::{PendingStop, FORCE_WINDOW};
 use crate::export::bind_listener;
 
 /// Clients served at once; one more gets a `busy` answer and is closed.
-const MAX_CLIENTS: usize = 64;
+pub(crate) const MAX_CLIENTS: usize = 64;
 /// Time a client has to send each complete request line.
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 
