@@ -343,8 +343,6 @@ async fn in_use(name: &str, p: &Probe) -> Option<(String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::args::{Fabric, PolicyArgs};
-    use crate::cli::device::DeviceChoice;
     use crate::cli::support::json_field;
     use crate::daemon::control::ask;
     use crate::daemon::Reporter;
@@ -366,22 +364,7 @@ mod tests {
         dir: &Path,
         out: Report,
     ) -> (PathBuf, tokio::task::JoinHandle<Result<()>>) {
-        let sub = Subsys {
-            fabric: Fabric {
-                transport: "rdma".into(),
-                traddr: t.addr,
-                trsvcid: 4420,
-                hostnqn: None,
-                hostid: None,
-                host_traddr: None,
-                device: DeviceChoice::Soft,
-            },
-            nqn: DEMO_NQN.into(),
-            nr_io_queues: 1,
-            queue_size: 32,
-            policy: PolicyArgs::default(),
-            nsid: 1,
-        };
+        let sub = t.subsys();
         let c = Arc::new(connect_host(t.addr, DEMO_NQN, 1, 32).await.unwrap());
         let held = Foreground::start(c, &sub, &ExportArgs::default(), dir)
             .await

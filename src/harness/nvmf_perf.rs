@@ -8,7 +8,8 @@ use std::time::{Duration, Instant as StdInstant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::cli::args::Subsys;
+use crate::cli::args::{Fabric, PolicyArgs, Subsys};
+use crate::cli::device::DeviceChoice;
 use crate::daemon::io::{verify, Progress};
 use crate::driver::{CmService, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
@@ -87,6 +88,28 @@ impl LocalTarget {
             stop: Some(stop_tx),
             thread: Some(thread),
         })
+    }
+}
+
+impl LocalTarget {
+    /// The fabrics flags a front end would give to reach this target's subsystem.
+    pub fn subsys(&self) -> Subsys {
+        Subsys {
+            fabric: Fabric {
+                transport: "rdma".into(),
+                traddr: self.addr,
+                trsvcid: 4420,
+                hostnqn: None,
+                hostid: None,
+                host_traddr: None,
+                device: DeviceChoice::Soft,
+            },
+            nqn: DEMO_NQN.into(),
+            nr_io_queues: 1,
+            queue_size: 128,
+            policy: PolicyArgs::default(),
+            nsid: 1,
+        }
     }
 }
 
@@ -554,28 +577,11 @@ pub fn bench_ticking(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::args::{Fabric, PolicyArgs};
-    use crate::cli::device::DeviceChoice;
 
     #[test]
     fn remote_bench_runs_the_remote_jobs_on_the_target_it_is_given_and_ticks() {
         let t = LocalTarget::start(16 << 20, 9).unwrap();
-        let sub = Subsys {
-            fabric: Fabric {
-                transport: "rdma".into(),
-                traddr: t.addr,
-                trsvcid: 4420,
-                hostnqn: None,
-                hostid: None,
-                host_traddr: None,
-                device: DeviceChoice::Soft,
-            },
-            nqn: DEMO_NQN.into(),
-            nr_io_queues: 1,
-            queue_size: 128,
-            policy: PolicyArgs::default(),
-            nsid: 1,
-        };
+        let sub = t.subsys();
         let runtime = Duration::from_millis(100);
         let mut ticks = 0;
         let mut tick = |_: &Tick| ticks += 1;
