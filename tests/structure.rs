@@ -24,12 +24,6 @@ const LONG_FILES: &[(&str, &str)] = &[];
 /// each: a declared table or a dispatch with one short arm per case reads best whole.
 const LONG_FNS: &[(&str, &str)] = &[
     (
-        "src/bin/nvmf-rdma/connect.rs: run_connect",
-        "connect --foreground's select loop (stop signals, disconnect requests, the pending \
-         stop's tick, the controller's death, control clients) with the stop state carried \
-         across turns; its decisions belong in the library beside the daemon's",
-    ),
-    (
         "src/driver/mod.rs: drive",
         "the soft-HCA's per-turn loop (receive, timers, transmit, publish, wake) holds the \
          device lock across steps and its busy-poll state across turns; read whole, the \

@@ -49,6 +49,19 @@ pub async fn discover_on(
     entries.context(what)
 }
 
+/// The discovery log of the discovery controller at `f`, asked as this host (the system's
+/// host IDs, or `-q`).
+pub async fn discover_at(f: &Fabric) -> Result<Vec<DiscoveryLogEntry>> {
+    check_transport(f)?;
+    let mut o = ConnectOptions::new(f.traddr, crate::nvme::fabrics::DISCOVERY_NQN);
+    o.trsvcid = f.trsvcid;
+    apply_system_host_ids(&mut o, std::path::Path::new(NVME_CONF_DIR));
+    if let Some(h) = &f.hostnqn {
+        o.hostnqn = h.clone();
+    }
+    discover_on(f, o, "discovery failed").await
+}
+
 pub fn check_transport(f: &Fabric) -> Result<()> {
     if f.transport != "rdma" {
         bail!("transport '{}' is not supported: only rdma", f.transport);
@@ -191,5 +204,155 @@ pub fn ctrl_info(name: &str, s: &Subsys, c: &Controller) -> CtrlInfo {
         model: c.ident.mn.text().trim().to_string(),
         serial: c.ident.sn.text().trim().to_string(),
         health,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::args::ExportArgs;
+    use crate::export::ExportAddr;
+    use crate::reconnect::{IdentityMatch, Policy};
+    use clap::Parser;
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    /// `connect`'s fabrics, policy and export flags, as a command line takes them.
+    #[derive(Parser)]
+    struct Connect {
+        #[command(flatten)]
+        sub: Subsys,
+        #[command(flatten)]
+        export: ExportArgs,
+    }
+
+    fn parse(extra: &[&str]) -> Result<Connect, clap::Error> {
+        let base = ["connect", "-a", "127.0.0.1", "-n", "nqn.a:b"];
+        Connect::try_parse_from(base.iter().chain(extra))
+    }
+
+    fn options_of(extra: &[&str]) -> ConnectOptions {
+        options(&parse(extra).unwrap().sub).unwrap()
+    }
+
+    #[test]
+    fn system_host_ids_as_nvme_cli_keeps_them() {
+        let dir = std::env::temp_dir().join(format!("nvmf-hostids-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fresh = || ConnectOptions::new("127.0.0.1:4791".parse().unwrap(), "nqn.x:y");
+        let applied = || {
+            let mut o = fresh();
+            apply_system_host_ids(&mut o, &dir);
+            o
+        };
+        // Nothing there: our defaults stand.
+        assert_eq!(applied().hostnqn, fresh().hostnqn);
+        // A host ID alone names the NQN too.
+        std::fs::write(dir.join("hostid"), "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0\n").unwrap();
+        let o = applied();
+        assert_eq!(o.hostid[..4], [0x0f, 0x1e, 0x2d, 0x3c]);
+        assert_eq!(
+            o.hostnqn,
+            "nqn.2014-08.org.nvmexpress:uuid:0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+        );
+        // The host NQN file wins for the NQN; a bad one is ignored.
+        std::fs::write(dir.join("hostnqn"), "nqn.2014-08.org.nvmexpress:uuid:sys\n").unwrap();
+        assert_eq!(applied().hostnqn, "nqn.2014-08.org.nvmexpress:uuid:sys");
+        std::fs::write(dir.join("hostnqn"), "not an nqn").unwrap();
+        std::fs::write(dir.join("hostid"), "zz").unwrap();
+        let o = applied();
+        assert_eq!((o.hostnqn, o.hostid), (fresh().hostnqn, fresh().hostid));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn connect_flags_with_nvme_cli_names_fill_the_options() {
+        // Linux's defaults when nothing is given.
+        let o = options_of(&[]);
+        assert_eq!(
+            (o.policy, o.io_timeout),
+            (Policy::default(), Duration::from_secs(30))
+        );
+        let c = parse(&["-t", "rdma", "-s", "4420", "-i", "2", "-Q", "64"]).unwrap();
+        assert_eq!(c.sub.fabric.traddr, "127.0.0.1:4791".parse().unwrap());
+        assert_eq!((c.sub.nr_io_queues, c.sub.queue_size), (2, 64));
+        let o = options_of(&["-k", "5", "-c", "1", "-l", "-1", "--fast_io_fail_tmo", "3"]);
+        assert_eq!(o.policy.ctrl_loss_tmo, None, "-1 = forever");
+        assert_eq!(o.policy.fast_io_fail_tmo, Some(Duration::from_secs(3)));
+        assert_eq!(o.policy.reconnect_delay, Duration::from_secs(1));
+        assert_eq!(o.policy.keep_alive_tmo, Duration::from_secs(5));
+        assert_eq!(o.keep_alive_tmo, Duration::from_secs(5));
+        let o = options_of(&[
+            "-c",
+            "0",
+            "-l",
+            "60",
+            "--fast-io-fail-tmo",
+            "-1",
+            "--replug-window",
+            "5",
+            "--identity",
+            "pci",
+            "--io-timeout",
+            "7",
+            "-k",
+            "0",
+        ]);
+        let want = Policy {
+            ctrl_loss_tmo: Some(Duration::from_secs(60)),
+            reconnect_delay: Duration::ZERO,
+            fast_io_fail_tmo: None,
+            keep_alive_tmo: Duration::ZERO,
+            replug_window: Duration::from_secs(5),
+            identity: IdentityMatch::Pci,
+        };
+        assert_eq!((o.policy, o.io_timeout), (want, Duration::from_secs(7)));
+        // A caller's defaults (chaos's) apply only where no flag was given.
+        let r = parse(&["-l", "-1"])
+            .unwrap()
+            .sub
+            .policy
+            .resolve(Duration::ZERO, Some(Duration::from_secs(60)));
+        assert_eq!(r.policy.ctrl_loss_tmo, None);
+        assert_eq!(r.policy.reconnect_delay, Duration::ZERO);
+        let tcp = parse(&["-t", "tcp"]).unwrap();
+        assert!(options(&tcp.sub)
+            .unwrap_err()
+            .to_string()
+            .contains("only rdma"));
+    }
+
+    #[test]
+    fn export_flags_parse_an_nbd_address_and_a_mountpoint() {
+        let c = parse(&["--nbd", "unix:/run/n.sock", "--fuse", "/mnt/x"]).unwrap();
+        assert_eq!(c.export.nbd, Some(ExportAddr::Unix("/run/n.sock".into())));
+        assert_eq!(c.export.fuse, Some(PathBuf::from("/mnt/x")));
+        assert!(parse(&["--nbd", "127.0.0.1:10809"]).is_ok());
+    }
+
+    #[test]
+    fn bad_connect_flags_are_clap_errors_that_say_what_is_wanted() {
+        for (args, want) in [
+            (&["-l", "-2"][..], "forever"),
+            (&["-l", "ten"][..], "whole number"),
+            (&["--fast_io_fail_tmo", "-5"][..], "forever"),
+            (&["-c", "-1"][..], ">= 0"),
+            (&["-k", "-1"][..], ">= 0"),
+            (&["--identity", "serial"][..], "possible values"),
+            (&["--io-timeout", "0"][..], ">= 1"),
+            (&["--replug-window", "x"][..], "whole number"),
+            (&["--nbd", "10809"][..], "10809"),
+        ] {
+            let Err(e) = parse(args) else {
+                panic!("{args:?} accepted")
+            };
+            let msg = e.to_string();
+            assert!(
+                msg.contains(want) && msg.contains("invalid value"),
+                "{args:?}: {msg}"
+            );
+        }
+        let e = Connect::try_parse_from(["connect", "-a", "nowhere", "-n", "x"]);
+        assert!(e.is_err_and(|e| e.to_string().contains("invalid value")));
     }
 }

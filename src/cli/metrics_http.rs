@@ -120,3 +120,83 @@ fn describe() {
         "CM MADs dropped because the QP1 queue was full"
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::harness::nvmf_perf::{self, LocalTarget, DEMO_NQN};
+    use std::time::{Duration, Instant};
+
+    /// GET `addr` over plain HTTP/1.1; the body.
+    fn scrape(addr: SocketAddr) -> String {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        out
+    }
+
+    /// The only test of the library that installs the (process-global) recorder.
+    #[test]
+    fn the_listener_serves_the_controller_and_device_metrics() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        install(addr).unwrap();
+        // A second install is refused: the port is taken (and a recorder is in place).
+        assert!(install(addr).is_err());
+        let t = LocalTarget::start(16 << 20, 9).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let body = rt.block_on(async {
+            let c = nvmf_perf::connect_host(t.addr, DEMO_NQN, 1, 32)
+                .await
+                .unwrap();
+            c.write(1, 0, &[1u8; 4096]).await.unwrap();
+            let body = tokio::task::spawn_blocking(move || scrape(addr))
+                .await
+                .unwrap();
+            c.disconnect().await;
+            body
+        });
+        let live = format!("nvmf_ctrl_state{{subnqn=\"{DEMO_NQN}\"}} 1");
+        assert!(body.contains(&live), "{body}");
+        for name in [
+            "# HELP nvmf_ctrl_recoveries_total",
+            "nvmf_ctrl_reconnect_attempts_total",
+            "softhca_tx_packets_total",
+        ] {
+            assert!(body.contains(name), "no {name}: {body}");
+        }
+        // Junk at the target's port is dropped and counted by reason.
+        let junk = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        for _ in 0..3 {
+            junk.send_to(b"not a RoCEv2 packet", t.addr).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let malformed = loop {
+            let n: u64 = scrape(addr)
+                .lines()
+                .filter(|l| {
+                    l.starts_with("softhca_rx_dropped_by_reason_total")
+                        && l.contains("reason=\"malformed\"")
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+                .sum();
+            if n >= 3 || Instant::now() > deadline {
+                break n;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(malformed >= 3, "malformed drops counted: {malformed}");
+    }
+}

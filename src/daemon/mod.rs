@@ -1,8 +1,10 @@
 //! The daemon as a library: the registry that owns controllers, their recovery and their
 //! exports ([`Daemon`]), `discovery.conf` ([`config`]), the control protocol's typed requests
 //! and answers ([`proto`], `docs/control-protocol.md`), its socket server and a typed client
-//! ([`client`]). The `nvmf-rdma daemon` process is one front end over it: it parses its
-//! flags, takes the run directory's lock, forwards signals and writes the log.
+//! ([`client`]), the run directory's controllers wherever they are held ([`local`]), its lock
+//! ([`pid_lock`]), and a controller held by a process of its own ([`foreground`]). The
+//! `nvmf-rdma` binary is one front end over it: it parses flags, forwards signals, prints,
+//! and writes the log.
 
 mod answers;
 pub mod client;
@@ -12,7 +14,10 @@ mod connect_all;
 pub mod control;
 pub mod exports;
 pub mod fdpass;
+pub mod foreground;
 pub mod io;
+pub mod local;
+pub mod pid_lock;
 pub mod proto;
 mod registry;
 mod server;

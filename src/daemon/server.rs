@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
 
@@ -22,8 +22,9 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Semaphore;
 
 use crate::daemon::connect_all::op_connect_all;
-use crate::daemon::control::same_user;
+use crate::daemon::control::{make_run_dir, same_user};
 use crate::daemon::fdpass::recv_with_fds;
+use crate::daemon::pid_lock::PidLock;
 use crate::daemon::proto::{
     err_line, ok_line, parse_request, progress_line, ErrorCode, Progress, ProtoError, Reply,
     Request, MAX_LINE, PROTOCOL_VERSION, SOCKET_NAME,
@@ -32,9 +33,10 @@ use crate::daemon::registry::{lock, op_disconnect, State, StopAsk};
 use crate::daemon::say;
 use crate::daemon::service::{dispatch, Daemon};
 use crate::daemon::stop::{PendingStop, FORCE_WINDOW};
+use crate::export::bind_listener;
 
 /// Clients served at once; one more gets a `busy` answer and is closed.
-const MAX_CLIENTS: usize = 64;
+pub(crate) const MAX_CLIENTS: usize = 64;
 /// Time a client has to send each complete request line.
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -66,6 +68,25 @@ impl Daemon {
         let r = serve_until_stopped(self, listener, signals, &mut stop_rx, connect_all).await;
         // The controllers are gone (the stop went through); the watchers and retries go too.
         let _ = self.shutdown(true).await;
+        r
+    }
+
+    /// [`Daemon::serve`] in the run directory of its config: the directory made if missing
+    /// (0700), its lock taken (one daemon per run directory), its socket bound (a crashed
+    /// daemon's is taken over; the file goes when this returns).
+    pub async fn serve_run_dir(
+        &self,
+        signals: &mut tokio::sync::mpsc::Receiver<Signal>,
+        connect_all: bool,
+    ) -> Result<()> {
+        let dir = &self.st.cfg.run_dir;
+        make_run_dir(dir)?;
+        let _lock = PidLock::take(dir)?;
+        let sock = dir.join(SOCKET_NAME);
+        let (listener, _sock_file) =
+            bind_listener(&sock).with_context(|| format!("bind {}", sock.display()))?;
+        let r = self.serve(&listener, signals, connect_all).await;
+        drop(listener);
         r
     }
 }

@@ -8,6 +8,9 @@ use std::time::{Duration, Instant as StdInstant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use crate::cli::args::{Fabric, PolicyArgs, Subsys};
+use crate::cli::device::DeviceChoice;
+use crate::daemon::io::{verify, Progress};
 use crate::driver::{CmService, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use crate::nvme::Nqn;
@@ -85,6 +88,28 @@ impl LocalTarget {
             stop: Some(stop_tx),
             thread: Some(thread),
         })
+    }
+}
+
+impl LocalTarget {
+    /// The fabrics flags a front end would give to reach this target's subsystem.
+    pub fn subsys(&self) -> Subsys {
+        Subsys {
+            fabric: Fabric {
+                transport: "rdma".into(),
+                traddr: self.addr,
+                trsvcid: 4420,
+                hostnqn: None,
+                hostid: None,
+                host_traddr: None,
+                device: DeviceChoice::Soft,
+            },
+            nqn: DEMO_NQN.into(),
+            nr_io_queues: 1,
+            queue_size: 128,
+            policy: PolicyArgs::default(),
+            nsid: 1,
+        }
     }
 }
 
@@ -369,6 +394,87 @@ pub fn remote_jobs(runtime: Duration) -> Vec<Job> {
     .collect()
 }
 
+/// The jobs of [`remote_jobs`] on namespace 1 of the controller `sub` names (a target of
+/// someone else's), one after the other on a runtime of their own; `tick` hears each
+/// interval. The controller is disconnected at the end.
+pub fn remote_bench(
+    sub: &Subsys,
+    runtime: Duration,
+    mut tick: Option<Ticker<'_, '_>>,
+) -> anyhow::Result<Vec<JobResult>> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let c = Arc::new(crate::cli::host::connect(sub).await?);
+        let mut rows = Vec::new();
+        for job in remote_jobs(runtime) {
+            let t = tick.as_mut().map(|(d, f)| (*d, &mut **f));
+            rows.push(run_job_ticking(c.clone(), job, t).await);
+        }
+        if let Ok(c) = Arc::try_unwrap(c) {
+            c.disconnect().await;
+        }
+        Ok(rows)
+    })
+}
+
+/// What [`demo`] tells as it goes.
+pub enum DemoStep<'a> {
+    /// The target is about to serve a RAM namespace of this many bytes.
+    Starting { ns_bytes: u64 },
+    /// The host is connected to the target's subsystem [`DEMO_NQN`].
+    Connected(&'a Controller),
+    /// The verify wrote and read back `bytes` and every byte matched, in `took`.
+    Verified { bytes: usize, took: Duration },
+}
+
+/// `demo`: the built-in target with a RAM namespace (256 MiB, or `size` if larger), a host
+/// on loopback, a write and read-back of `size` bytes (whole 4 KiB blocks) in 128 KiB
+/// pieces, then `seconds` of 4 KiB random reads at QD32: their row.
+pub fn demo(
+    size: usize,
+    seconds: f64,
+    progress: Progress<'_>,
+    step: &mut dyn FnMut(DemoStep<'_>),
+) -> anyhow::Result<JobResult> {
+    let ns_bytes = (size as u64).max(256 << 20);
+    step(DemoStep::Starting { ns_bytes });
+    let t = LocalTarget::start(ns_bytes, 9)?;
+    let addr = t.addr;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let row = rt.block_on(async move {
+        let c = connect_host(addr, DEMO_NQN, 1, 128).await;
+        let c = Arc::new(anyhow::Context::context(c, "connect")?);
+        step(DemoStep::Connected(&c));
+        let t0 = StdInstant::now();
+        let n = size - size % 4096;
+        verify(&c, 1, 0, n, 128 << 10, 42, progress).await?;
+        step(DemoStep::Verified {
+            bytes: n,
+            took: t0.elapsed(),
+        });
+        let job = Job {
+            pattern: Pattern::RandRead,
+            bs: 4096,
+            iodepth: 32,
+            runtime: Duration::from_secs_f64(seconds),
+        };
+        let r = run_job(c.clone(), job).await;
+        match Arc::try_unwrap(c) {
+            Ok(c) => c.disconnect().await,
+            Err(_) => tracing::warn!("controller still shared; not disconnecting cleanly"),
+        }
+        anyhow::Ok(r)
+    })?;
+    tracing::debug!("stopping the target");
+    drop(t);
+    Ok(row)
+}
+
 /// The standard table: 4 KiB random read/write at QD1 and QD32, 128 KiB sequential.
 pub fn standard_jobs(runtime: Duration) -> Vec<Job> {
     let mut v = Vec::new();
@@ -466,4 +572,25 @@ pub fn bench_ticking(
     })?;
     drop(t);
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_bench_runs_the_remote_jobs_on_the_target_it_is_given_and_ticks() {
+        let t = LocalTarget::start(16 << 20, 9).unwrap();
+        let sub = t.subsys();
+        let runtime = Duration::from_millis(100);
+        let mut ticks = 0;
+        let mut tick = |_: &Tick| ticks += 1;
+        let rows =
+            remote_bench(&sub, runtime, Some((Duration::from_millis(20), &mut tick))).unwrap();
+        let names = |jobs: Vec<Job>| jobs.iter().map(Job::name).collect::<Vec<_>>();
+        let ran = names(rows.iter().map(|r| r.job).collect());
+        assert_eq!(ran, names(remote_jobs(runtime)));
+        assert!(rows.iter().all(|r| r.ios > 0 && r.errors == 0), "{rows:?}");
+        assert!(ticks >= rows.len(), "{ticks} ticks");
+    }
 }

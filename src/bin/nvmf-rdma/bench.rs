@@ -1,11 +1,9 @@
 //! `bench`.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::args::*;
 use anyhow::{bail, Result};
-use nvmf_rdma::cli::host::*;
 use nvmf_rdma::cli::support::parse_duration;
 use nvmf_rdma::harness::hca_peer;
 use nvmf_rdma::harness::hca_perf;
@@ -196,30 +194,15 @@ fn secs(d: Duration) -> f64 {
 }
 
 /// `bench --traddr`: the fio jobs of `tests/vm/run.sh bench` through our host.
-pub(crate) fn remote_bench(sub: &Subsys, runtime: Duration, show: &Rows) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let c = Arc::new(connect(sub).await?);
-        let mut rows = Vec::new();
-        for job in nvmf_perf::remote_jobs(runtime) {
-            let mut f = |t: &Tick| show.tick(t);
-            rows.push(
-                nvmf_perf::run_job_ticking(c.clone(), job, Some((show.interval, &mut f))).await,
-            );
-        }
-        show.summary(&rows, "remote");
-        let errors: u64 = rows.iter().map(|r| r.errors).sum();
-        if let Ok(c) = Arc::try_unwrap(c) {
-            c.disconnect().await;
-        }
-        if errors > 0 {
-            bail!("{errors} I/O errors");
-        }
-        Ok(())
-    })
+fn remote_bench(sub: &Subsys, runtime: Duration, show: &Rows) -> Result<()> {
+    let mut f = |t: &Tick| show.tick(t);
+    let rows = nvmf_perf::remote_bench(sub, runtime, Some((show.interval, &mut f)))?;
+    show.summary(&rows, "remote");
+    let errors: u64 = rows.iter().map(|r| r.errors).sum();
+    if errors > 0 {
+        bail!("{errors} I/O errors");
+    }
+    Ok(())
 }
 
 /// Most memory `--region` may name (each end of the pair takes that much).

@@ -2,16 +2,12 @@
 //! `disconnect`, `disconnect-all`. Controllers held by `connect --foreground` (one socket each
 //! in the run directory) are listed and disconnected too.
 
-use std::time::Duration;
-
 use anyhow::{bail, Result};
-use nvmf_rdma::cli::support::{json_field, run_dir};
-use nvmf_rdma::daemon::client::{socket_in, Client};
+use nvmf_rdma::cli::support::run_dir;
+use nvmf_rdma::daemon::client::Client;
 use nvmf_rdma::daemon::config::params_of;
-use nvmf_rdma::daemon::control::{disconnect_foreground, foreground_controllers};
-use nvmf_rdma::daemon::proto::{
-    ControllerInfo, ErrorCode, ExportInfo, LineStatus, ProtoError, Request,
-};
+use nvmf_rdma::daemon::local::{self, all_controllers, by_subsystem, disconnect, disconnect_all};
+use nvmf_rdma::daemon::proto::{ControllerInfo, ExportInfo, LineStatus, Request};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
@@ -19,61 +15,24 @@ use crate::args::{ConnectMode, DaemonArgs, ExportArgs, ListFormat, Subsys};
 use crate::daemon::start_background;
 use nvmf_rdma::cli::units::human_bytes;
 
-/// A connection to the daemon of the run directory; `Ok(None)`: none answers.
-pub(crate) async fn try_open() -> Result<Option<Client>> {
-    Client::try_open(&socket_in(&run_dir())).await
-}
-
 pub(crate) async fn open() -> Result<Client> {
     Client::open(&run_dir()).await
 }
 
-/// One request on a connection of its own. `Ok(None)`: no daemon answers on the socket.
-async fn try_call<T: DeserializeOwned>(req: &Request) -> Result<Option<T>> {
-    match try_open().await? {
-        Some(mut c) => c.call(req).await.map(Some),
-        None => Ok(None),
-    }
-}
-
 /// `req` on a connection of its own, starting a daemon in the background when none runs.
 async fn call_starting<T: DeserializeOwned>(req: &Request, global: Vec<String>) -> Result<T> {
-    match try_call(req).await? {
-        Some(v) => Ok(v),
-        None => {
-            start_daemon(global).await?;
-            open().await?.call(req).await
-        }
-    }
+    local::call_starting(&run_dir(), req, start_daemon(global)).await
 }
 
-/// Names the daemon holds (for `connect --foreground` to avoid them); none without a daemon.
-pub(crate) async fn daemon_controller_names() -> Vec<String> {
-    let list = try_call::<nvmf_rdma::daemon::proto::ListReply>(&Request::List {});
-    match tokio::time::timeout(Duration::from_secs(2), list).await {
-        Ok(Ok(Some(v))) => v.controllers.into_iter().map(|c| c.name).collect(),
-        _ => Vec::new(),
-    }
-}
-
-/// Start a daemon in the background for a command that needs one. Another command may
-/// start one at the same moment: if ours loses that race, the winner serves us.
+/// Start a daemon in the background for a command that needs one.
 async fn start_daemon(global: Vec<String>) -> Result<()> {
-    let r = tokio::task::spawn_blocking(move || start_background(&DaemonArgs::default(), &global))
-        .await?;
-    match r {
-        Ok(pid) => {
-            eprintln!(
-                "started nvmf-rdma daemon (pid {pid}; log {})",
-                run_dir().join("daemon.log").display()
-            );
-            Ok(())
-        }
-        Err(e) => match try_call::<serde_json::Value>(&Request::Status {}).await {
-            Ok(Some(_)) => Ok(()),
-            _ => Err(e),
-        },
-    }
+    let start = move || start_background(&DaemonArgs::default(), &global);
+    let pid = tokio::task::spawn_blocking(start).await??;
+    eprintln!(
+        "started nvmf-rdma daemon (pid {pid}; log {})",
+        run_dir().join("daemon.log").display()
+    );
+    Ok(())
 }
 
 /// `connect` through the daemon, starting one in the background when none runs. Returns
@@ -109,25 +68,8 @@ pub(crate) async fn run_connect_daemon(
     Ok(())
 }
 
-/// Every controller: the daemon's, then `connect --foreground` ones.
-async fn all_controllers() -> Result<(bool, Vec<ControllerInfo>)> {
-    let mut out = Vec::new();
-    let daemon = try_call::<nvmf_rdma::daemon::proto::ListReply>(&Request::List {}).await?;
-    let have_daemon = daemon.is_some();
-    if let Some(v) = daemon {
-        out.extend(v.controllers);
-    }
-    for (_, j) in foreground_controllers().await {
-        if let Ok(mut c) = serde_json::from_str::<ControllerInfo>(&j) {
-            c.foreground = true;
-            out.push(c);
-        }
-    }
-    Ok((have_daemon, out))
-}
-
 pub(crate) async fn run_list(output: ListFormat) -> Result<()> {
-    let (have_daemon, ctrls) = all_controllers().await?;
+    let (have_daemon, ctrls) = all_controllers(&run_dir()).await?;
     if output == ListFormat::Json {
         println!("{}", json!({ "controllers": ctrls }));
         return Ok(());
@@ -194,14 +136,8 @@ fn list_rows(c: &ControllerInfo) -> Vec<String> {
 
 /// `list-subsys`: controllers grouped by subsystem, as nvme-cli shows them.
 pub(crate) async fn run_list_subsys(output: ListFormat) -> Result<()> {
-    let (_, ctrls) = all_controllers().await?;
-    let mut subs: Vec<(String, Vec<&ControllerInfo>)> = Vec::new();
-    for c in &ctrls {
-        match subs.iter_mut().find(|(n, _)| *n == c.subnqn) {
-            Some((_, v)) => v.push(c),
-            None => subs.push((c.subnqn.clone(), vec![c])),
-        }
-    }
+    let (_, ctrls) = all_controllers(&run_dir()).await?;
+    let subs = by_subsystem(&ctrls);
     let address = |c: &ControllerInfo| format!("traddr={},trsvcid={}", c.traddr, c.trsvcid);
     if output == ListFormat::Json {
         let v: Vec<serde_json::Value> = subs
@@ -242,29 +178,7 @@ pub(crate) async fn run_disconnect(
         (None, Some(d)) => format!("Device:{d}"),
         (None, None) => bail!("give -n NQN or -d DEVICE"),
     };
-    let mut n = 0;
-    let req = Request::Disconnect {
-        device: device.clone(),
-        nqn: nqn.clone(),
-        force,
-    };
-    match try_call::<nvmf_rdma::daemon::proto::DisconnectReply>(&req).await {
-        Ok(Some(v)) => n += v.disconnected.len(),
-        Ok(None) => {}
-        // Nothing of the daemon's matched: the foreground ones may.
-        Err(e)
-            if e.downcast_ref::<ProtoError>()
-                .is_some_and(|r| r.code == ErrorCode::NotFound) => {}
-        Err(e) => return Err(e),
-    }
-    let pick = |j: &str| {
-        nqn.as_deref()
-            .is_some_and(|q| json_field(j, "subnqn") == Some(q))
-            || device
-                .as_deref()
-                .is_some_and(|d| json_field(j, "name") == Some(d))
-    };
-    n += disconnect_foreground(pick, force).await?;
+    let n = disconnect(&run_dir(), nqn.as_deref(), device.as_deref(), force).await?;
     if n == 0 {
         let given = match (&nqn, &device) {
             (Some(q), _) => format!("-n {q}"),
@@ -278,12 +192,7 @@ pub(crate) async fn run_disconnect(
 
 /// `disconnect-all [--force]`.
 pub(crate) async fn run_disconnect_all(force: bool) -> Result<()> {
-    let mut n = 0;
-    let req = Request::DisconnectAll { force };
-    if let Some(v) = try_call::<nvmf_rdma::daemon::proto::DisconnectReply>(&req).await? {
-        n += v.disconnected.len();
-    }
-    n += disconnect_foreground(|_| true, force).await?;
+    let n = disconnect_all(&run_dir(), force).await?;
     println!("disconnected {n} controller(s)");
     Ok(())
 }

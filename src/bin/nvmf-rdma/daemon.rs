@@ -2,18 +2,18 @@
 //! per run directory (a lock), its socket, signals forwarded (SIGINT and SIGTERM stop it,
 //! SIGHUP reloads the config file), the log with times, sd_notify, and `--background`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::cli::support::run_dir;
-use nvmf_rdma::daemon::client::{socket_in, Client};
 use nvmf_rdma::daemon::config::config_dir;
 use nvmf_rdma::daemon::control::make_run_dir;
-use nvmf_rdma::daemon::proto::{one_line, Request, StopReply, SOCKET_NAME};
-use nvmf_rdma::daemon::{Daemon, DaemonConfig, Reporter, CLIENT_TIMEOUT};
-use nvmf_rdma::export::bind_listener;
+use nvmf_rdma::daemon::local::stop_daemon;
+use nvmf_rdma::daemon::pid_lock::PidLock;
+use nvmf_rdma::daemon::proto::{one_line, SOCKET_NAME};
+use nvmf_rdma::daemon::{Daemon, DaemonConfig, Reporter, Signal, CLIENT_TIMEOUT};
 
 use crate::args::DaemonArgs;
 use crate::sdnotify;
@@ -52,69 +52,6 @@ impl Reporter for Log {
 /// How long `daemon --background` waits for the daemon it started to be ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// The lock that makes one daemon per run directory: held (flock) for the daemon's life.
-struct PidLock {
-    path: PathBuf,
-    _file: std::fs::File,
-}
-
-impl PidLock {
-    fn take(dir: &Path) -> Result<PidLock> {
-        use std::io::Write;
-        use std::os::fd::AsRawFd;
-        use std::os::unix::fs::OpenOptionsExt;
-        let path = dir.join("daemon.pid");
-        let mut f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            // A link in our directory is not ours to truncate.
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .with_context(|| format!("open {}", path.display()))?;
-        // SAFETY: flock on a descriptor we own.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let pid = std::fs::read_to_string(&path).unwrap_or_default();
-            bail!(
-                "a daemon already runs in {} (pid {}); set NVMF_RDMA_RUN_DIR for another",
-                dir.display(),
-                pid.trim()
-            );
-        }
-        f.set_len(0)?;
-        writeln!(f, "{}", std::process::id())?;
-        Ok(PidLock { path, _file: f })
-    }
-}
-
-impl PidLock {
-    /// The pid of the daemon that holds the lock in `dir`, if one does.
-    fn holder(dir: &Path) -> Option<String> {
-        use std::os::fd::AsRawFd;
-        use std::os::unix::fs::OpenOptionsExt;
-        let path = dir.join("daemon.pid");
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .ok()?;
-        // SAFETY: flock on a descriptor we own; a shared lock taken here goes with `f`.
-        let free = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0;
-        if free {
-            return None;
-        }
-        Some(std::fs::read_to_string(&path).ok()?.trim().to_string())
-    }
-}
-
-impl Drop for PidLock {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
 /// `nvmf-rdma daemon`.
 pub(crate) fn run_daemon(a: DaemonArgs, global: Vec<String>) -> Result<()> {
     if a.stop {
@@ -149,59 +86,32 @@ pub(crate) fn run_daemon(a: DaemonArgs, global: Vec<String>) -> Result<()> {
     r
 }
 
-/// `daemon --stop`: ask the daemon to stop and wait until its socket is gone.
+/// `daemon --stop`: ask the daemon to stop and wait until it is gone.
 fn stop_running(force: bool) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let sock = socket_in(&run_dir());
-        let _: StopReply = Client::open(&run_dir())
-            .await?
-            .call(&Request::Stop { force })
-            .await?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while sock.exists() {
-            if Instant::now() > deadline {
-                bail!("the daemon accepted the stop but its socket is still there after 30 s");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        println!("daemon stopped");
-        Ok(())
-    })
+        .build()?
+        .block_on(stop_daemon(&run_dir(), force))?;
+    println!("daemon stopped");
+    Ok(())
 }
 
 async fn serve(a: DaemonArgs) -> Result<()> {
     if std::env::var_os(LOG_TIME_ENV).is_some() {
         LOG_TIME.store(true, Ordering::Relaxed);
     }
-    let dir = run_dir();
-    make_run_dir(&dir)?;
-    let _pid = PidLock::take(&dir)?;
-    let sock = dir.join(SOCKET_NAME);
-    // A crashed daemon's socket is taken over; the file goes when `_sock_file` drops.
-    let (listener, _sock_file) =
-        bind_listener(&sock).with_context(|| format!("bind {}", sock.display()))?;
-    let mut signals = StopSignals::new()?;
-    let (sig_tx, mut sig_rx) = tokio::sync::mpsc::channel(4);
-    let forward = tokio::spawn(async move {
-        loop {
-            if sig_tx.send(signals.recv_daemon().await).await.is_err() {
-                return;
-            }
-        }
+    // SIGHUP reloads the config file; SIGINT and SIGTERM stop.
+    let mut signals = StopSignals::new()?.forward(|sig| match sig {
+        "SIGHUP" => Signal::Reload,
+        stop => Signal::Stop(stop),
     });
     let d = Daemon::new(DaemonConfig {
-        run_dir: dir,
+        run_dir: run_dir(),
         config_dir: config_dir(a.config_dir.as_deref()),
         client_timeout: a.client_timeout.map_or(CLIENT_TIMEOUT, Duration::from_secs),
         report: std::sync::Arc::new(Log),
     });
-    let r = d.serve(&listener, &mut sig_rx, a.connect_all).await;
-    forward.abort();
-    drop(listener);
-    r
+    d.serve_run_dir(&mut signals, a.connect_all).await
 }
 
 /// `daemon --background`: start `nvmf-rdma daemon` detached (new session, log file) and wait

@@ -1,77 +1,54 @@
 //! `demo` and `hca-demo`.
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::io::*;
 use anyhow::{bail, Context, Result};
 use nvmf_rdma::harness::hca_perf;
-use nvmf_rdma::harness::nvmf_perf::{self, Job, LocalTarget, Pattern, DEMO_NQN};
+use nvmf_rdma::harness::nvmf_perf::{self, DemoStep, DEMO_NQN};
 
 pub(crate) fn demo(size: usize, seconds: f64) -> Result<()> {
     if size > 1 << 30 {
         bail!("--size at most 1G");
     }
-    let ns_bytes = (size as u64).max(256 << 20);
-    println!(
-        "nvmf-rdma demo: built-in target ({} RAM namespace) and host, each on its own soft RoCEv2 HCA on 127.0.0.1 ({})",
-        hca_perf::human(ns_bytes as usize),
-        if nvmf_rdma::driver::local::enabled() {
-            "one process: packets take the in-memory loopback path; NVMF_RDMA_LOOPBACK=udp for UDP"
-        } else {
-            "packets over UDP"
+    let mut step = |s: DemoStep<'_>| {
+        match s {
+        DemoStep::Starting { ns_bytes } => println!(
+            "nvmf-rdma demo: built-in target ({} RAM namespace) and host, each on its own soft RoCEv2 HCA on 127.0.0.1 ({})",
+            hca_perf::human(ns_bytes as usize),
+            if nvmf_rdma::driver::local::enabled() {
+                "one process: packets take the in-memory loopback path; NVMF_RDMA_LOOPBACK=udp for UDP"
+            } else {
+                "packets over UDP"
+            }
+        ),
+        DemoStep::Connected(c) => {
+            let ns = c.namespaces()[0];
+            println!(
+                "connected: {} cntlid {} model '{}', namespace 1: {} blocks of {} B",
+                DEMO_NQN,
+                c.cntlid,
+                c.ident.mn.text().trim(),
+                ns.blocks,
+                ns.block_size
+            );
         }
-    );
-    let t = LocalTarget::start(ns_bytes, 9)?;
-    let addr = t.addr;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async move {
-        let c = Arc::new(
-            nvmf_perf::connect_host(addr, DEMO_NQN, 1, 128)
-                .await
-                .context("connect")?,
-        );
-        let ns = c.namespaces()[0];
-        println!(
-            "connected: {} cntlid {} model '{}', namespace 1: {} blocks of {} B",
-            DEMO_NQN,
-            c.cntlid,
-            c.ident.mn.text().trim(),
-            ns.blocks,
-            ns.block_size
-        );
-        let t0 = Instant::now();
-        let n = size - size % 4096;
-        verify(&c, 1, 0, n, 128 << 10, 42, &mut show_progress).await?;
-        eprintln!();
-        println!("verified {n} bytes: every byte read back matches");
-        println!(
-            "write+read-back of {} took {:.3} s",
-            hca_perf::human(size),
-            t0.elapsed().as_secs_f64()
-        );
-        let job = Job {
-            pattern: Pattern::RandRead,
-            bs: 4096,
-            iodepth: 32,
-            runtime: Duration::from_secs_f64(seconds),
-        };
-        let r = nvmf_perf::run_job(c.clone(), job).await;
-        nvmf_perf::print_results(std::slice::from_ref(&r));
-        if r.errors > 0 {
-            bail!("{} I/O errors", r.errors);
+        DemoStep::Verified { bytes, took } => {
+            eprintln!();
+            println!("verified {bytes} bytes: every byte read back matches");
+            println!(
+                "write+read-back of {} took {:.3} s",
+                hca_perf::human(size),
+                took.as_secs_f64()
+            );
         }
-        match Arc::try_unwrap(c) {
-            Ok(c) => c.disconnect().await,
-            Err(_) => tracing::warn!("controller still shared; not disconnecting cleanly"),
-        }
-        anyhow::Ok(())
-    })?;
-    tracing::debug!("stopping the target");
-    drop(t);
-    tracing::debug!("done");
+    }
+    };
+    let r = nvmf_perf::demo(size, seconds, &mut show_progress, &mut step)?;
+    nvmf_perf::print_results(std::slice::from_ref(&r));
+    if r.errors > 0 {
+        bail!("{} I/O errors", r.errors);
+    }
     Ok(())
 }
 

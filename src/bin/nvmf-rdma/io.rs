@@ -27,14 +27,19 @@ pub(crate) fn hexdump(data: &[u8]) {
     }
 }
 
-/// The progress line `verify` keeps rewriting on stderr.
+/// The progress line `verify` keeps rewriting on stderr (each byte is written and read).
 pub(crate) fn show_progress(done: usize, size: usize, took: Duration) {
+    show_rate("verified", done, size, 2 * done, took);
+}
+
+/// A progress line: `done` of `total` bytes, at the rate of `moved` bytes in `took`.
+fn show_rate(verb: &str, done: usize, total: usize, moved: usize, took: Duration) {
     eprint!(
-        "\rverified {} of {} ({:.0}%), {:.1} MB/s   ",
+        "\r{verb} {} of {} ({:.0}%), {:.1} MB/s   ",
         hca_perf::human(done),
-        hca_perf::human(size),
-        done as f64 * 100.0 / size.max(1) as f64,
-        2.0 * done as f64 / took.as_secs_f64().max(1e-9) / 1e6
+        hca_perf::human(total),
+        done as f64 * 100.0 / total.max(1) as f64,
+        moved as f64 / took.as_secs_f64().max(1e-9) / 1e6
     );
 }
 
@@ -252,13 +257,7 @@ async fn daemon_read_to(
 
 /// The progress line `read -d` and `write -d` keep rewriting on stderr.
 fn show_copy(verb: &str, done: u64, total: u64, took: Duration) {
-    eprint!(
-        "\r{verb} {} of {} ({:.0}%), {:.1} MB/s   ",
-        hca_perf::human(done as usize),
-        hca_perf::human(total as usize),
-        done as f64 * 100.0 / total.max(1) as f64,
-        done as f64 / took.as_secs_f64().max(1e-9) / 1e6
-    );
+    show_rate(verb, done as usize, total as usize, done as usize, took);
 }
 
 /// `verify -d`: the daemon verifies piece by piece (each piece its own seed), so progress

@@ -2,7 +2,6 @@
 //! busy elsewhere waits here and is never lost.
 
 use anyhow::{Context, Result};
-use nvmf_rdma::daemon::Signal;
 
 /// SIGINT, SIGTERM and SIGHUP.
 pub(crate) struct StopSignals {
@@ -31,12 +30,13 @@ impl StopSignals {
         }
     }
 
-    /// The next signal as the daemon takes it: SIGHUP reloads its config file.
-    pub(crate) async fn recv_daemon(&mut self) -> Signal {
-        tokio::select! {
-            _ = self.int.recv() => Signal::Stop("SIGINT"),
-            _ = self.term.recv() => Signal::Stop("SIGTERM"),
-            _ = self.hup.recv() => Signal::Reload,
-        }
+    /// Every signal from now on into a channel, as `pick` names it, until the receiver goes.
+    pub(crate) fn forward<T: Send + 'static>(
+        mut self,
+        pick: fn(&'static str) -> T,
+    ) -> tokio::sync::mpsc::Receiver<T> {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move { while tx.send(pick(self.recv().await)).await.is_ok() {} });
+        rx
     }
 }
