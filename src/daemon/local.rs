@@ -204,6 +204,35 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// An embedding application that stops forwarding signals (the sender dropped) can still
+    /// stop its daemon with a stop request.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stop_request_is_served_after_the_signal_channel_closes() {
+        let dir = std::env::temp_dir().join(format!("nvmf-nosig-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let d = Arc::new(Daemon::new(DaemonConfig {
+            run_dir: dir.clone(),
+            config_dir: dir.join("etc"),
+            client_timeout: CLIENT_TIMEOUT,
+            report: Arc::new(Quiet),
+        }));
+        let (signal_tx, mut signals) = tokio::sync::mpsc::channel(1);
+        drop(signal_tx);
+        let served = tokio::spawn(async move { d.serve_run_dir(&mut signals, false).await });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !socket_in(&dir).exists() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let stopped = tokio::time::timeout(Duration::from_secs(10), stop_daemon(&dir, false)).await;
+        assert!(
+            matches!(stopped, Ok(Ok(()))),
+            "stop request not served: {stopped:?}"
+        );
+        let end = tokio::time::timeout(Duration::from_secs(10), served).await;
+        assert!(matches!(end, Ok(Ok(Ok(())))), "daemon did not end: {end:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn subsystems_group_their_paths_in_first_seen_order() {
         let c = |name: &str, nqn: &str| ControllerInfo {

@@ -288,6 +288,7 @@ async fn serve_until_stopped(
     // Serve clients while the configured controllers connect (list shows them as they come).
     tokio::pin!(startup);
     let mut started = false;
+    let mut signals_open = true;
     let mut pending = PendingStop::default();
     say!(
         report,
@@ -302,7 +303,7 @@ async fn serve_until_stopped(
                 report.notify(&format!("READY=1\nSTATUS=serving {} controller(s)", lock(&st.inner).ctrls.len()));
                 say!(report, "ready");
             }
-            sig = signals.recv() => {
+            sig = signals.recv(), if signals_open => {
                 match sig {
                     Some(Signal::Stop(name)) => {
                         if on_stop_signal(st, name, &mut pending).await {
@@ -315,7 +316,7 @@ async fn serve_until_stopped(
                         d.reload().await;
                     }
                     // The process stopped forwarding signals: a stop request still stops.
-                    None => std::future::pending().await,
+                    None => signals_open = false,
                 }
             }
             _ = pending.tick() => {
