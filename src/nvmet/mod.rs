@@ -16,6 +16,7 @@
 //! handlers). A new admin command or log page is a row in a table of `admin`.
 
 mod admin;
+pub mod ana;
 mod backend;
 mod budget;
 mod command;
@@ -38,8 +39,9 @@ mod tests;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+pub use command::PortInfo;
 pub use engine::{ConnParams, ConnReject, Target};
-pub use listen::serve_cm;
+pub use listen::{serve_cm, serve_cm_on};
 pub use namespace::{Namespace, NoMemory, MAX_NAMESPACES};
 pub use stats::TargetStats;
 
@@ -137,6 +139,9 @@ pub struct TargetConfig {
     /// dies run this long after the death instead of being dropped, as a slow backend's
     /// would; a CCR or CQT still stops them. `None`: they are dropped with the controller.
     pub late_writes_ms: Option<u32>,
+    /// ANA Transition Time reported in Identify Controller, seconds: how long a host waits
+    /// for a group in the change state before it gives up on the path.
+    pub anatt_s: u8,
 }
 
 impl Default for TargetConfig {
@@ -162,6 +167,7 @@ impl Default for TargetConfig {
             cntlid_max: 0xFFEF,
             cqt_ms: DEFAULT_CQT_MS,
             late_writes_ms: None,
+            anatt_s: ana::DEFAULT_ANATT_S,
         }
     }
 }
