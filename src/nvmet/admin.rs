@@ -445,7 +445,7 @@ fn ana_log(core: &mut Core, slot: &dyn Slot, sqe: &Sqe) -> Result<Vec<u8>, Statu
     let sub = core
         .subsystem(ctrl)
         .ok_or(Status::INVALID_LOG_PAGE.with_dnr())?;
-    let groups = core.ana.groups(&core.cfg.subsystems);
+    let groups = core.ana_groups();
     let nsids: Vec<Vec<u32>> = groups
         .iter()
         .map(|g| {

@@ -11,8 +11,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::nvme::ana::{status, AnaState};
 use crate::nvme::Status;
 
-use super::Subsystem;
-
 /// The group a namespace is in unless put in another (nvmet `NVMET_DEFAULT_ANA_GRPID`).
 pub const DEFAULT_GROUP: u32 = 1;
 /// Group IDs are 1..=this (Identify Controller ANAGRPMAX and NANAGRPID; nvmet
@@ -73,13 +71,10 @@ impl AnaTable {
         }
     }
 
-    /// The groups there are, in order: the default one, every group a namespace is in, and
-    /// every group a state was set for.
-    pub fn groups(&self, subsystems: &[Subsystem]) -> BTreeSet<u32> {
-        let mut g: BTreeSet<u32> = subsystems
-            .iter()
-            .flat_map(|s| s.namespaces.iter().map(|n| n.anagrpid))
-            .collect();
+    /// The groups there are, in order: the default one, every group a namespace is in
+    /// (`in_use`), and every group a state was set for.
+    pub fn groups(&self, in_use: impl IntoIterator<Item = u32>) -> BTreeSet<u32> {
+        let mut g: BTreeSet<u32> = in_use.into_iter().collect();
         g.insert(DEFAULT_GROUP);
         g.extend(self.set.keys().map(|(_, grp)| *grp));
         g
@@ -102,6 +97,7 @@ mod tests {
         assert!(t.set(1, 0, AnaState::Change).is_err());
         assert!(t.set(1, MAX_GROUPS + 1, AnaState::Change).is_err());
         assert_eq!(t.chgcnt, 1);
-        assert_eq!(t.groups(&[]).into_iter().collect::<Vec<_>>(), vec![1]);
+        assert_eq!(t.groups([]).into_iter().collect::<Vec<_>>(), vec![1]);
+        assert_eq!(t.groups([3, 3]).into_iter().collect::<Vec<_>>(), vec![1, 3]);
     }
 }

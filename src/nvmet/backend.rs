@@ -23,7 +23,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use crate::nvme::Status;
 use crate::verbs::HostBuffer;
 
-use super::command::QRef;
+use super::port::QRef;
 
 use super::Namespace;
 

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use crate::nvme::{Cap, Cc, Csts, Sqe, Status};
-use crate::verbs::Qpn;
 
 use super::ana::AnaTable;
 use super::backend::Op;
+use super::port::{PortInfo, QRef};
 use super::quiesce::Quiesce;
 use super::stats::TargetStats;
 use super::{Namespace, Subsystem, TargetConfig};
@@ -39,14 +39,6 @@ pub(super) const DISCOVERY_OAES: u32 = 1 << 31;
 const DISCOVERY_KATO_MS: u32 = 120_000;
 /// `Ctrl::subsys` of a discovery controller (it belongs to no configured subsystem).
 pub(super) const DISCOVERY: usize = usize::MAX;
-
-/// A queue, as the registry names it: the port it came through and its QP there (QPNs
-/// are a device's own, so two ports may each have a QP 17).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(super) struct QRef {
-    pub port: u16,
-    pub qpn: Qpn,
-}
 
 /// One controller: the host that made it, its registers and its queues.
 pub(super) struct Ctrl {
@@ -206,15 +198,6 @@ pub(super) fn kato(asked: u32, discovery: bool, max_kato_ms: u32) -> Option<u32>
     }
 }
 
-/// One port of the target: a device (and address) hosts connect through.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PortInfo {
-    /// Its port ID (Discovery Log PORTID), from 1.
-    pub id: u16,
-    /// The address hosts reach it at, reported in the discovery log.
-    pub addr: Option<std::net::SocketAddr>,
-}
-
 /// Configuration, controllers and counters: everything a command handler changes.
 pub(super) struct Core {
     pub cfg: Arc<TargetConfig>,
@@ -323,6 +306,16 @@ impl Core {
         let id = u16::try_from(self.ports.len() + 1).ok()?;
         self.ports.push(PortInfo { id, addr });
         Some(id)
+    }
+
+    /// Every ANA group there is: see [`AnaTable::groups`].
+    pub fn ana_groups(&self) -> std::collections::BTreeSet<u32> {
+        let in_use = self
+            .cfg
+            .subsystems
+            .iter()
+            .flat_map(|s| s.namespaces.iter().map(|n| n.anagrpid));
+        self.ana.groups(in_use)
     }
 
     /// Set ANA group `grpid`'s state through port `port`. The subsystem controllers of

@@ -19,7 +19,8 @@ use crate::verbs::{CqId, DeviceContext, Instant, Mtu, PdId, PeerInfo, Psn, Qpn, 
 
 use super::backend::{Finished, Pool};
 use super::budget::{Ledger, Shares, Usage};
-use super::command::{Core, PortInfo, QRef, AEN_DISCOVERY_CHANGED, AEN_NS_CHANGED};
+use super::command::{Core, AEN_DISCOVERY_CHANGED, AEN_NS_CHANGED};
+use super::port::{port_index, PortInfo, QRef};
 use super::quiesce::{LateWrite, NO_WAKE};
 use super::rdma::{Io, NsRegions, TQueue};
 use super::stats::{TargetStats, COUNTERS};
@@ -132,11 +133,6 @@ pub(super) struct PortRes {
     /// Queues the engine dropped on its own (keep-alive expiry, transport error): the
     /// port's CM side forgets their connections.
     pub dropped: Option<tokio::sync::mpsc::UnboundedSender<Qpn>>,
-}
-
-/// Where port `port` is in the per-port lists (ports are numbered from 1).
-pub(super) fn port_index(port: u16) -> usize {
-    usize::from(port.max(1)) - 1
 }
 
 impl PortRes {
@@ -330,7 +326,7 @@ impl<D: DeviceContext> Target<D> {
     pub fn ana_states(&self) -> Vec<(u16, u32, AnaState)> {
         let g = self.lock();
         let core = &g.e.core;
-        let groups = core.ana.groups(&core.cfg.subsystems);
+        let groups = core.ana_groups();
         core.ports
             .iter()
             .flat_map(|p| groups.iter().map(move |grp| (p.id, *grp)))

@@ -4,9 +4,8 @@
 use crate::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use crate::nvme::{Cc, ConnectData, Csts, FabricsCmd, Sqe, Status, Vs};
 
-use super::command::{
-    kato, Admit, Core, Ctrl, Done, Join, QRef, Slot, DISCOVERY, DISCOVERY_OAES, OAES,
-};
+use super::command::{kato, Admit, Core, Ctrl, Done, Join, Slot, DISCOVERY, DISCOVERY_OAES, OAES};
+use super::port::QRef;
 
 /// Length of the Connect data.
 pub(super) const CONNECT_DATA: usize = 1024;

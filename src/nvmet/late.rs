@@ -12,9 +12,10 @@ use crate::nvme::{Sqe, Status};
 use crate::verbs::{DeviceContext, HostBuffer, Instant};
 
 use super::backend::Op;
-use super::command::{Ctrl, Done, QRef, SQE_LEN};
+use super::command::{Ctrl, Done, SQE_LEN};
 use super::engine::Engine;
 use super::io::{lba, nlb};
+use super::port::QRef;
 use super::quiesce::{Death, LateWrite, Reset, Verdict, NO_WAKE};
 use super::rdma::{Io, Stage};
 

@@ -29,6 +29,7 @@ mod late;
 pub mod listen;
 pub mod namespace;
 mod pipeline;
+mod port;
 mod queues;
 mod quiesce;
 mod rdma;
@@ -39,10 +40,10 @@ mod tests;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-pub use command::PortInfo;
 pub use engine::{ConnParams, ConnReject, Target};
 pub use listen::{serve_cm, serve_cm_on};
 pub use namespace::{Namespace, NoMemory, MAX_NAMESPACES};
+pub use port::PortInfo;
 pub use stats::TargetStats;
 
 use crate::nvme::Nqn;

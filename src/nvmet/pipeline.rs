@@ -10,10 +10,11 @@ use crate::verbs::{
 };
 
 use super::backend::Job;
-use super::command::{Done, QRef, CQE_LEN, SQE_LEN};
-use super::engine::{port_index, Engine};
+use super::command::{Done, CQE_LEN, SQE_LEN};
+use super::engine::Engine;
 use super::exec::{self, Fetch};
 use super::io::{lba, nlb};
+use super::port::{port_index, QRef};
 use super::rdma::{
     release_boot_recv, repost, send_response, wr_id, Io, SlotRef, Stage, WR_RDMA_READ,
     WR_RDMA_WRITE, WR_RECV, WR_SEND,

@@ -13,9 +13,10 @@ use crate::nvme::Status;
 use crate::verbs::{Access, DeviceContext, Instant, QpCaps, Qpn, RecvWr, Sgl};
 
 use super::budget::{Holder, Usage};
-use super::command::{QRef, SQE_LEN};
-use super::engine::{port_index, ConnParams, ConnReject, Engine, CQES_PER_SLOT};
+use super::command::SQE_LEN;
+use super::engine::{ConnParams, ConnReject, Engine, CQES_PER_SLOT};
 use super::fabrics::CONNECT_DATA;
+use super::port::{port_index, QRef};
 use super::rdma::{alloc_rings, rc_attr, repost, wr_id, Io, TQueue, WR_RECV};
 
 /// Admin queues carry no in-capsule data (as Linux sets up).

@@ -14,8 +14,8 @@ use crate::verbs::{
 };
 
 use super::budget::Usage;
-use super::command::{Bytes, QRef, Slot, CQE_LEN};
-use super::engine::port_index;
+use super::command::{Bytes, Slot, CQE_LEN};
+use super::port::{port_index, QRef};
 use super::Namespace;
 
 pub(super) const WR_RECV: u64 = 1;

@@ -37,6 +37,12 @@ fn on_port(core: &mut Core, port: u16, qpn: u32) -> Fake {
     admin
 }
 
+/// The multipath fields of Identify Controller of `admin`'s controller.
+fn ctrl_ana(core: &mut Core, admin: &mut Fake) -> CtrlAna {
+    let sqe = keyed(cmd::identify_controller(1), 4096);
+    CtrlAna::parse(submit(core, admin, sqe, &[]).data()).expect("identify")
+}
+
 /// The ANA log page as `admin`'s controller reads it.
 fn ana_log(core: &mut Core, admin: &mut Fake, groups_only: bool) -> Vec<u8> {
     let sqe = ana::get_ana_log(5, 4096, groups_only).expect("sqe");
@@ -62,13 +68,7 @@ fn identify_reports_multipath_ana_and_each_namespaces_group() {
     );
     let mut core = Core::new(cfg);
     let mut admin = on_port(&mut core, 1, 100);
-    let out = submit(
-        &mut core,
-        &mut admin,
-        keyed(cmd::identify_controller(1), 4096),
-        &[],
-    );
-    let id = CtrlAna::parse(out.data()).expect("identify");
+    let id = ctrl_ana(&mut core, &mut admin);
     assert_eq!(
         id,
         CtrlAna {
@@ -100,13 +100,7 @@ fn a_discovery_controller_reports_no_ana_and_has_no_ana_log() {
     let mut core = Core::new(config());
     let mut admin = Fake::new(1, 0, ADMIN_STAGING);
     connect_admin(&mut core, &mut admin, DISCOVERY_NQN).result();
-    let out = submit(
-        &mut core,
-        &mut admin,
-        keyed(cmd::identify_controller(1), 4096),
-        &[],
-    );
-    let id = CtrlAna::parse(out.data()).expect("identify");
+    let id = ctrl_ana(&mut core, &mut admin);
     assert_eq!((id.cmic, id.anagrpmax, id.oaes), (0, 0, 1 << 31));
     let sqe = ana::get_ana_log(5, 4096, false).expect("sqe");
     let st = submit(&mut core, &mut admin, keyed(sqe, 4096), &[]).status();

@@ -15,8 +15,9 @@ use crate::nvme::{ConnectData, Cqe, FabricsCmd, Nqn, SglDescriptor, Sqe, Status}
 use crate::verbs::Qpn;
 
 use super::backend::Op;
-use super::command::{Bytes, Core, Done, QRef, Slot};
+use super::command::{Bytes, Core, Done, Slot};
 use super::exec::{self, Fetch};
+use super::port::QRef;
 use super::{Namespace, Subsystem, TargetConfig};
 
 const SUBNQN: &str = "nqn.2024-01.io.nvmf-rdma:test";
