@@ -381,7 +381,8 @@ impl Core {
     }
 
     /// Namespace `nsid` was added to subsystem `subsys`: it goes on the Changed Namespace
-    /// List of each of its controllers, whose IDs come back (each is owed an event).
+    /// List of each of its controllers; the IDs of those that want Namespace Attribute
+    /// notices (Asynchronous Event Configuration) come back, each owed an event.
     pub fn namespace_added(&mut self, subsys: usize, nsid: u32) -> Vec<u16> {
         let mut ids = Vec::new();
         for (id, c) in self.ctrls.iter_mut().filter(|(_, c)| c.subsys == subsys) {
@@ -390,7 +391,9 @@ impl Core {
             } else {
                 c.changed_ns = vec![0xFFFF_FFFF];
             }
-            ids.push(*id);
+            if c.aen_enabled & ana::id_ctrl::OAES_NS_ATTR != 0 {
+                ids.push(*id);
+            }
         }
         ids
     }
