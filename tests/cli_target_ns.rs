@@ -174,8 +174,9 @@ fn ana(ctl: &Path, args: &[&str]) -> Output {
 }
 
 /// A target with two --listen addresses has two ports; `target-ana status` lists them with
-/// their ANA group, `target-ana set` changes the group's state through one port only, and
-/// a port that is not there is refused in one line.
+/// their ANA groups, `target-ana set` changes a group's state through one port only, a
+/// namespace added in a group of its own brings that group to every port, and a port, group
+/// or state that is not there is refused in one line.
 #[test]
 fn two_listen_addresses_are_two_ports_whose_ana_state_is_set_at_run_time() {
     let dir = Dir::new("ana");
@@ -208,15 +209,51 @@ fn two_listen_addresses_are_two_ports_whose_ana_state_is_set_at_run_time() {
         assert_eq!(
             lines,
             vec![
-                format!("port 1 {}: group 1 {}", addrs[0], want[0]),
-                format!("port 2 {}: group 1 {}", addrs[1], want[1]),
+                format!("port 1 {}: {}", addrs[0], want[0]),
+                format!("port 2 {}: {}", addrs[1], want[1]),
             ],
         );
     };
-    status(["optimized", "optimized"]);
+    status(["group 1 optimized", "group 1 optimized"]);
     let o = ana(&ctl, &["set", "--port", "2", "inaccessible"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    status(["optimized", "inaccessible"]);
+    status(["group 1 optimized", "group 1 inaccessible"]);
+    // A namespace in a group of its own: the group appears on every port.
+    let mut c = Command::new(BIN);
+    c.args(["target-ns", "add", "--control"]).arg(&ctl).args([
+        "-n",
+        NQN,
+        "--nsid",
+        "2",
+        "--ram",
+        "1M",
+        "--ana-group",
+        "2",
+    ]);
+    let o = proc::run(c);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = ana(
+        &ctl,
+        &["set", "--port", "1", "--group", "2", "non-optimized"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    status([
+        "group 1 optimized, group 2 non-optimized",
+        "group 1 inaccessible, group 2 optimized",
+    ]);
+    let mut c = Command::new(BIN);
+    c.args(["target-ns", "add", "--control"]).arg(&ctl).args([
+        "-n",
+        NQN,
+        "--nsid",
+        "3",
+        "--ram",
+        "1M",
+        "--ana-group",
+        "129",
+    ]);
+    let e = one_line_error(&proc::run(c));
+    assert!(e.contains("ANA group 129 does not exist"), "{e}");
     let o = ana(&ctl, &["set", "--port", "3", "optimized"]);
     assert!(!o.status.success());
     let e = one_line_error(&o);

@@ -3,7 +3,8 @@
 //! per line each way on a unix socket (0600, clients of the target's own user or root):
 //!
 //! `{"op":"add-namespace","nqn":NQN,"nsid":N,"ram":BYTES}` or with `"file":PATH` (and
-//! `"file_size":BYTES` to create or grow it), `"block_size"` 512 (default) or 4096. The
+//! `"file_size":BYTES` to create or grow it), `"block_size"` 512 (default) or 4096, and
+//! `"ana_group":G` (1..=128, default 1). The
 //! answer is `{"ok":true,"nsid":N,"blocks":B}` or `{"ok":false,"error":...,"hint":...}`.
 //! A RAM namespace must fit in the memory available now (MemAvailable, or less under a
 //! cgroup memory.max or RLIMIT_AS) and, with the target's other RAM namespaces, in the
@@ -90,6 +91,9 @@ pub struct AddNamespace {
     pub file_size: Option<u64>,
     #[serde(default = "default_block_size")]
     pub block_size: u32,
+    /// Its ANA group (1..=128); group 1 when not given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ana_group: Option<u32>,
 }
 
 fn default_block_size() -> u32 {
@@ -431,6 +435,10 @@ async fn add<D: DeviceContext>(
     let fail = |e: String, hint: &str| Answer::refused(&e, Some(hint));
     let _one = adding.lock().await;
     // What the target would refuse anyway, before any memory is taken for it.
+    let group = a.ana_group.unwrap_or(super::ana::DEFAULT_GROUP);
+    if let Err(e) = super::ana::check_group(group) {
+        return fail(e, "leave ana_group out for group 1");
+    }
     let cfg = t.config();
     if let Some(s) = cfg.subsystems.iter().find(|s| s.nqn.as_str() == a.nqn) {
         if s.namespaces.iter().any(|n| n.nsid == a.nsid) {
@@ -465,7 +473,10 @@ async fn add<D: DeviceContext>(
     })
     .await;
     let ns = match made {
-        Ok(Ok(ns)) => ns,
+        Ok(Ok(ns)) => match ns.in_ana_group(group) {
+            Ok(ns) => ns,
+            Err(e) => return fail(e, "leave ana_group out for group 1"),
+        },
         Ok(Err(e)) => return fail(format!("{e:#}"), "check the size, file and block size"),
         Err(e) => return fail(format!("adding the namespace failed: {e}"), "try again"),
     };
@@ -571,6 +582,18 @@ mod tests {
             panic!("{a:?}")
         };
         assert_eq!((a.nsid, a.ram, a.block_size), (2, Some(1 << 20), 512));
+        assert_eq!(a.ana_group, None);
+        let g: Request = serde_json::from_str(
+            r#"{"op":"add-namespace","nqn":"nqn.a:b","nsid":2,"ana_group":3}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            g,
+            Request::AddNamespace(AddNamespace {
+                ana_group: Some(3),
+                ..
+            })
+        ));
         let s: Request =
             serde_json::from_str(r#"{"op":"ana-state","port":2,"group":1,"state":"inaccessible"}"#)
                 .unwrap();

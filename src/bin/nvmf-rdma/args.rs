@@ -189,6 +189,10 @@ pub(crate) struct NsArgs {
     /// Logical block size: 512 or 4096.
     #[arg(long, default_value_t = 512)]
     pub(crate) block_size: u32,
+    /// ANA group of the namespace (1..=128): its access state through each port is that
+    /// group's there (`target-ana set`).
+    #[arg(long = "ana-group", value_name = "G", default_value_t = 1)]
+    pub(crate) ana_group: u32,
 }
 
 impl NsArgs {
@@ -201,7 +205,9 @@ impl NsArgs {
             self.file_size.map(|s| s as u64),
             self.block_size,
             0,
-        )
+        )?
+        .in_ana_group(self.ana_group)
+        .map_err(anyhow::Error::msg)
     }
 }
 

@@ -131,6 +131,7 @@ pub(crate) async fn run_target_ns_add(a: TargetNsAdd) -> Result<()> {
         file: a.ns.file.map(|f| std::path::absolute(&f).unwrap_or(f)),
         file_size: a.ns.file_size.map(|s| s as u64),
         block_size: a.ns.block_size,
+        ana_group: Some(a.ns.ana_group),
     };
     let blocks = control::add_namespace(&a.control, &req).await?;
     println!(

@@ -235,7 +235,9 @@ fn a_controller_that_turned_namespace_notices_off_gets_none_but_keeps_the_list()
     let id = admin.cntlid.expect("id");
     assert_eq!(core.namespace_added(0, 7), vec![id]);
     let aec = cmd::set_features(1, feature::ASYNC_EVENT_CONFIG, 1 << 11);
-    assert!(submit(&mut core, &mut admin, aec, &[]).status().is_success());
+    assert!(submit(&mut core, &mut admin, aec, &[])
+        .status()
+        .is_success());
     assert_eq!(core.namespace_added(0, 9), Vec::<u16>::new());
     let out = log_page(&mut core, &mut admin, lid::CHANGED_NS_LIST, 0, 8);
     assert_eq!(out.data(), &[7, 0, 0, 0, 9, 0, 0, 0][..]);
