@@ -100,6 +100,9 @@ pub(super) struct Engine<D: DeviceContext> {
     pub ending: FxHashMap<u64, (crate::nvme::ccr::CtrlInstance, usize)>,
     /// When the engine's task next looks at `late`, on its clock (`NO_WAKE`: never).
     pub late_wake: Arc<AtomicU64>,
+    /// Ports whose device still serves completions: the engine's own work (keep-alive,
+    /// namespace workers, late writes) goes on until the last one dies.
+    pub live_ports: usize,
     /// A test's trap: after the target has executed this many commands in all, wake the
     /// test (and freeze, if asked) before anything else happens.
     pub trap: Option<(u64, bool, Arc<tokio::sync::Notify>)>,
@@ -251,6 +254,7 @@ impl<D: DeviceContext> Target<D> {
             late: Vec::new(),
             ending: FxHashMap::default(),
             late_wake: late_wake.clone(),
+            live_ports: 1,
             trap: None,
             now: Instant(0),
             batching: false,
@@ -295,6 +299,7 @@ impl<D: DeviceContext> Target<D> {
                 return Err("no more ports: port IDs are 16 bits".into());
             };
             e.ports.push(res);
+            e.live_ports += 1;
             d.add(dev.clone());
             id
         };
@@ -549,6 +554,7 @@ impl<D: DeviceContext> Target<D> {
         }
         let _close = Close(self.clone());
         let cq = self.lock().e.port(1).cq;
+        let mut first_live = true;
         let mut batch = Vec::with_capacity(256);
         // Keep-alive expiry is checked on this tick; KATO is at least a second in practice.
         let mut tick = tokio::time::interval(KATO_CHECK);
@@ -567,13 +573,22 @@ impl<D: DeviceContext> Target<D> {
                     e.now = now;
                     e.expire_controllers(d, now);
                     e.metrics.publish(&e.core.stats);
+                    if e.live_ports == 0 {
+                        return;
+                    }
                 }
                 _ = self.pool.ready.notified() => self.turn(|e, d| e.answer_finished(d)),
                 _ = tokio::time::sleep_until(self.epoch + std::time::Duration::from_nanos(wake)),
                     if wake != NO_WAKE => self.turn(|e, d| e.run_late(d)),
-                n = self.dev.wait_cq(cq, 256, &mut batch) => {
+                n = self.dev.wait_cq(cq, 256, &mut batch), if first_live => {
                     if n == 0 {
-                        return; // the device died
+                        // The first port's device died: the target ends with it unless
+                        // another port still serves.
+                        first_live = false;
+                        if self.port_died(1) == 0 {
+                            return;
+                        }
+                        continue;
                     }
                     self.turn(|e, d| {
                         for wc in &batch {
@@ -596,7 +611,7 @@ impl<D: DeviceContext> Target<D> {
         loop {
             batch.clear();
             if dev.wait_cq(cq, 256, &mut batch).await == 0 {
-                tracing::warn!(port, "port's device died: its queues go as their hosts do");
+                self.port_died(port);
                 return;
             }
             self.turn(|e, d| {
@@ -606,5 +621,16 @@ impl<D: DeviceContext> Target<D> {
             });
             tokio::task::yield_now().await;
         }
+    }
+
+    /// Port `port`'s device died: its queues go as their hosts do. How many ports still
+    /// serve.
+    fn port_died(&self, port: u16) -> usize {
+        let mut g = self.lock();
+        g.e.live_ports = g.e.live_ports.saturating_sub(1);
+        if g.e.live_ports > 0 {
+            tracing::warn!(port, "port's device died: the other ports serve on");
+        }
+        g.e.live_ports
     }
 }

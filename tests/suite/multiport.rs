@@ -163,3 +163,38 @@ async fn one_subsystem_through_two_ports_with_ana_and_a_reset_across_them() {
     assert_eq!(a.read(1, 40, data.len()).await.unwrap(), data);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The first port's device dies; the other port serves on, work of the target's own
+/// included: a file namespace's I/O (run on the target's workers) through port 2 completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_other_port_serves_on_when_the_first_ports_device_dies() {
+    let dir = std::env::temp_dir().join(format!("nvmf-multiport-dies-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (ta, tb) = (hca("tgtA", 5).await, hca("tgtB", 6).await);
+    let ns = Namespace::file(1, &dir.join("ns1.img"), Some(4 << 20), 9).unwrap();
+    let tc = TargetConfig {
+        subsystems: vec![Subsystem::new(Nqn::new(NQN).unwrap(), vec![Arc::new(ns)])],
+        ..TargetConfig::default()
+    };
+    let t = Target::start(ta.clone(), tc).unwrap();
+    assert_eq!(t.add_port(tb.clone(), Some(tb.addr())), Ok(2));
+    serve_cm(t.clone(), CmService::for_device(&ta)).unwrap();
+    serve_cm_on(t.clone(), 2, CmService::for_device(&tb)).unwrap();
+    let b = host("hostB", 7, tb.addr()).await;
+    let data: Vec<u8> = (0..4096).map(|i| (i * 3 + 1) as u8).collect();
+    b.write(1, 8, &data).await.unwrap();
+
+    ta.fatal();
+    ta.stopped().await;
+    let more: Vec<u8> = data.iter().map(|x| x ^ 0xFF).collect();
+    crate::rig::within(10, "write through port 2", b.write(1, 16, &more))
+        .await
+        .unwrap();
+    let got = crate::rig::within(10, "read through port 2", b.read(1, 8, 4096))
+        .await
+        .unwrap();
+    assert_eq!(got, data);
+    assert_eq!(b.read(1, 16, 4096).await.unwrap(), more);
+    let _ = std::fs::remove_dir_all(&dir);
+}
