@@ -36,10 +36,16 @@ impl Drop for Dir {
 
 /// `nvmf-rdma target-ns add` to the end (bounded).
 fn add(ctl: &Path, nsid: u32, ram: &str) -> Output {
+    add_with(ctl, nsid, ram, &[])
+}
+
+/// [`add`] with more flags.
+fn add_with(ctl: &Path, nsid: u32, ram: &str, extra: &[&str]) -> Output {
     let mut c = Command::new(BIN);
     c.args(["target-ns", "add", "--control"])
         .arg(ctl)
         .args(["-n", NQN, "--nsid", &nsid.to_string(), "--ram", ram])
+        .args(extra)
         .env("RUST_BACKTRACE", "1");
     proc::run(c)
 }
@@ -219,18 +225,7 @@ fn two_listen_addresses_are_two_ports_whose_ana_state_is_set_at_run_time() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     status(["group 1 optimized", "group 1 inaccessible"]);
     // A namespace in a group of its own: the group appears on every port.
-    let mut c = Command::new(BIN);
-    c.args(["target-ns", "add", "--control"]).arg(&ctl).args([
-        "-n",
-        NQN,
-        "--nsid",
-        "2",
-        "--ram",
-        "1M",
-        "--ana-group",
-        "2",
-    ]);
-    let o = proc::run(c);
+    let o = add_with(&ctl, 2, "1M", &["--ana-group", "2"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let o = ana(
         &ctl,
@@ -241,18 +236,7 @@ fn two_listen_addresses_are_two_ports_whose_ana_state_is_set_at_run_time() {
         "group 1 optimized, group 2 non-optimized",
         "group 1 inaccessible, group 2 optimized",
     ]);
-    let mut c = Command::new(BIN);
-    c.args(["target-ns", "add", "--control"]).arg(&ctl).args([
-        "-n",
-        NQN,
-        "--nsid",
-        "3",
-        "--ram",
-        "1M",
-        "--ana-group",
-        "129",
-    ]);
-    let e = one_line_error(&proc::run(c));
+    let e = one_line_error(&add_with(&ctl, 3, "1M", &["--ana-group", "129"]));
     assert!(e.contains("ANA group 129 does not exist"), "{e}");
     let o = ana(&ctl, &["set", "--port", "3", "optimized"]);
     assert!(!o.status.success());
