@@ -1,8 +1,10 @@
 //! The built-in NVMe-oF target, on any device behind the backend seam (the soft-HCA, or a
 //! kernel RDMA device with `--features hw`): RAM- or file-backed namespaces, one or more
-//! subsystems, the discovery subsystem, and host allow-lists.
+//! subsystems, the discovery subsystem, host allow-lists, and several ports (devices) with
+//! ANA groups whose state is per port.
 //!
-//! One engine per target device owns every queue on it. A queue is an RC QP with three
+//! One engine owns every queue on every port of the target (a queue is named by its port
+//! and QPN), so controllers, namespaces and Cross-Controller Reset span the ports. A queue is an RC QP with three
 //! registered rings: receive capsules (64-byte SQE + in-capsule data), responses (16-byte
 //! CQEs), and one data staging area per command slot for RDMA READ (host → target data) and
 //! RDMA WRITE (target → host data). Every command follows the same path: capsule in → fetch
@@ -11,7 +13,8 @@
 //! The files, by concern: [`engine`] (the running target and its task), `queues` (queue
 //! admission and lifetime), `pipeline` (a command's way through a queue), `rdma` (rings
 //! and work requests); and, with no device and no clock, `command` (the controller
-//! registry and the `Slot` a handler sees of its queue), `exec` (fetch,
+//! registry and the `Slot` a handler sees of its queue), `port` (ports and the queue
+//! names), [`ana`] (ANA group states per port), `exec` (fetch,
 //! run, push decisions), `fabrics`, `admin` and `io` (the commands, as tables of
 //! handlers). A new admin command or log page is a row in a table of `admin`.
 
@@ -94,7 +97,8 @@ pub struct TargetConfig {
     pub max_transfer: u32,
     /// Most I/O queues per controller.
     pub max_io_queues: u16,
-    /// The address hosts reach us at, reported in the discovery log.
+    /// The address hosts reach the first port at, reported in the discovery log (the
+    /// others' come with [`Target::add_port`]).
     pub advertise: Option<SocketAddr>,
     /// Most queues (admin and I/O) on the target once their connection is established (the
     /// CM RTU arrived). A CM REQ beyond it is refused with an NVMe-oF CM reject "no
