@@ -36,10 +36,16 @@ impl Drop for Dir {
 
 /// `nvmf-rdma target-ns add` to the end (bounded).
 fn add(ctl: &Path, nsid: u32, ram: &str) -> Output {
+    add_with(ctl, nsid, ram, &[])
+}
+
+/// [`add`] with more flags.
+fn add_with(ctl: &Path, nsid: u32, ram: &str, extra: &[&str]) -> Output {
     let mut c = Command::new(BIN);
     c.args(["target-ns", "add", "--control"])
         .arg(ctl)
         .args(["-n", NQN, "--nsid", &nsid.to_string(), "--ram", ram])
+        .args(extra)
         .env("RUST_BACKTRACE", "1");
     proc::run(c)
 }
@@ -160,4 +166,83 @@ fn a_subsystem_takes_as_many_namespaces_as_a_host_can_list() {
         "{e}"
     );
     t.expect("namespace 1024 added", Duration::from_secs(5));
+}
+
+/// `nvmf-rdma target-ana` to the end (bounded).
+fn ana(ctl: &Path, args: &[&str]) -> Output {
+    let mut c = Command::new(BIN);
+    c.args(["target-ana"])
+        .args(args)
+        .arg("--control")
+        .arg(ctl)
+        .env("RUST_BACKTRACE", "1");
+    proc::run(c)
+}
+
+/// A target with two --listen addresses has two ports; `target-ana status` lists them with
+/// their ANA groups, `target-ana set` changes a group's state through one port only, a
+/// namespace added in a group of its own brings that group to every port, and a port, group
+/// or state that is not there is refused in one line.
+#[test]
+fn two_listen_addresses_are_two_ports_whose_ana_state_is_set_at_run_time() {
+    let dir = Dir::new("ana");
+    let ctl = dir.0.join("target.ctl");
+    let cmd = proc::target_cmd(
+        NQN,
+        "1M",
+        &dir.0.join("run"),
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--control",
+            ctl.to_str().unwrap(),
+        ],
+    );
+    let t = proc::Proc::spawn(cmd);
+    let line = t.expect("listening on", Duration::from_secs(30));
+    let addrs: Vec<&str> = line
+        .split(" on ")
+        .nth(1)
+        .and_then(|s| s.split(" (").next())
+        .map(|s| s.split(", ").collect())
+        .unwrap_or_default();
+    assert_eq!(addrs.len(), 2, "{line}");
+    let status = |want: [&str; 2]| {
+        let o = ana(&ctl, &["status"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = String::from_utf8_lossy(&o.stdout).to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines,
+            vec![
+                format!("port 1 {}: {}", addrs[0], want[0]),
+                format!("port 2 {}: {}", addrs[1], want[1]),
+            ],
+        );
+    };
+    status(["group 1 optimized", "group 1 optimized"]);
+    let o = ana(&ctl, &["set", "--port", "2", "inaccessible"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    status(["group 1 optimized", "group 1 inaccessible"]);
+    // A namespace in a group of its own: the group appears on every port.
+    let o = add_with(&ctl, 2, "1M", &["--ana-group", "2"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = ana(
+        &ctl,
+        &["set", "--port", "1", "--group", "2", "non-optimized"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    status([
+        "group 1 optimized, group 2 non-optimized",
+        "group 1 inaccessible, group 2 optimized",
+    ]);
+    let e = one_line_error(&add_with(&ctl, 3, "1M", &["--ana-group", "129"]));
+    assert!(e.contains("ANA group 129 does not exist"), "{e}");
+    let o = ana(&ctl, &["set", "--port", "3", "optimized"]);
+    assert!(!o.status.success());
+    let e = one_line_error(&o);
+    assert!(e.contains("no port 3") && e.contains("1, 2"), "{e}");
+    let o = ana(&ctl, &["set", "--port", "1", "fast"]);
+    let e = one_line_error(&o);
+    assert!(e.contains("unknown ANA state"), "{e}");
 }

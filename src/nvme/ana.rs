@@ -11,9 +11,10 @@
 //!   descriptors.
 //! - Group descriptor: ANAGRPID le32 at 0, NNSIDS le32 at 4, CHGCNT le64 at 8, state (bits
 //!   3:0) at 16, 15 reserved bytes, then NNSIDS namespace IDs (le32 each).
-//! - Identify Controller: CMIC at 76 (bit 3: ANA reporting), OAES bit 11 (ANA change
-//!   notices), ANATT at 519 (seconds), ANACAP at 520, ANAGRPMAX le32 at 521, NANAGRPID le32
-//!   at 525. Identify Namespace: NMIC at 30 (bit 0: shared), ANAGRPID le32 at 92.
+//! - Identify Controller: CMIC at 76 (bit 3: ANA reporting), OAES le32 at 92 (bit 11: ANA
+//!   change notices), ANATT at 342 (seconds), ANACAP at 343, ANAGRPMAX le32 at 344,
+//!   NANAGRPID le32 at 348 (libnvme `struct nvme_id_ctrl`, after ENDGIDMAX at 340).
+//!   Identify Namespace: NMIC at 30 (bit 0: shared), ANAGRPID le32 at 92.
 
 use super::sqe::Sqe;
 use super::status::Status;
@@ -36,21 +37,25 @@ pub mod id_ctrl {
     pub const CMIC_MULTI_CTRL: u8 = 1 << 1;
     /// CMIC bit 3: the controller reports ANA.
     pub const CMIC_ANA: u8 = 1 << 3;
+    /// Optional Asynchronous Events Supported (le32).
+    pub const OAES: usize = 92;
+    /// OAES bit 8: Namespace Attribute Changed notices.
+    pub const OAES_NS_ATTR: u32 = 1 << 8;
     /// OAES bit 11: ANA change notices.
     pub const OAES_ANA_CHANGE: u32 = 1 << 11;
     /// ANA Transition Time, seconds.
-    pub const ANATT: usize = 519;
+    pub const ANATT: usize = 342;
     /// ANA Capabilities.
-    pub const ANACAP: usize = 520;
+    pub const ANACAP: usize = 343;
     /// ANACAP bits 0..4: the states the controller can report (optimized, non-optimized,
     /// inaccessible, persistent loss, change).
     pub const ANACAP_ALL_STATES: u8 = 0x1F;
     /// ANACAP bit 6: ANAGRPID does not change while the namespace is attached.
     pub const ANACAP_GRPID_STATIC: u8 = 1 << 6;
     /// ANA Group Identifier Maximum (le32).
-    pub const ANAGRPMAX: usize = 521;
+    pub const ANAGRPMAX: usize = 344;
     /// Number of ANA Group Identifiers (le32).
-    pub const NANAGRPID: usize = 525;
+    pub const NANAGRPID: usize = 348;
 }
 
 /// Identify Namespace byte offsets.
@@ -136,6 +141,67 @@ impl std::str::FromStr for AnaState {
                 "unknown ANA state {s:?}: use optimized, non-optimized, inaccessible, persistent-loss or change"
             )
         })
+    }
+}
+
+/// The multipath and ANA fields of Identify Controller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CtrlAna {
+    pub cmic: u8,
+    pub oaes: u32,
+    /// ANA Transition Time, seconds.
+    pub anatt: u8,
+    pub anacap: u8,
+    pub anagrpmax: u32,
+    pub nanagrpid: u32,
+}
+
+impl CtrlAna {
+    /// Read the fields from an Identify Controller page (4096 bytes).
+    pub fn parse(page: &[u8]) -> Result<CtrlAna, NvmeWireError> {
+        check_len("Identify Controller", page, id_ctrl::NANAGRPID + 4)?;
+        Ok(CtrlAna {
+            cmic: page[id_ctrl::CMIC],
+            oaes: le32(page, id_ctrl::OAES),
+            anatt: page[id_ctrl::ANATT],
+            anacap: page[id_ctrl::ANACAP],
+            anagrpmax: le32(page, id_ctrl::ANAGRPMAX),
+            nanagrpid: le32(page, id_ctrl::NANAGRPID),
+        })
+    }
+
+    /// Write the fields into an Identify Controller page the rest of which is emitted.
+    pub fn emit(&self, page: &mut [u8; 4096]) {
+        page[id_ctrl::CMIC] = self.cmic;
+        put32(page, id_ctrl::OAES, self.oaes);
+        page[id_ctrl::ANATT] = self.anatt;
+        page[id_ctrl::ANACAP] = self.anacap;
+        put32(page, id_ctrl::ANAGRPMAX, self.anagrpmax);
+        put32(page, id_ctrl::NANAGRPID, self.nanagrpid);
+    }
+}
+
+/// The multipath and ANA fields of Identify Namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NsAna {
+    pub nmic: u8,
+    pub anagrpid: u32,
+}
+
+impl NsAna {
+    /// Read the fields from an Identify Namespace page (4096 bytes).
+    pub fn parse(page: &[u8]) -> Result<NsAna, NvmeWireError> {
+        check_len("Identify Namespace", page, id_ns::ANAGRPID + 4)?;
+        Ok(NsAna {
+            nmic: page[id_ns::NMIC],
+            anagrpid: le32(page, id_ns::ANAGRPID),
+        })
+    }
+
+    /// Write the fields into an Identify Namespace page the rest of which is emitted.
+    pub fn emit(&self, page: &mut [u8; 4096]) {
+        page[id_ns::NMIC] = self.nmic;
+        put32(page, id_ns::ANAGRPID, self.anagrpid);
     }
 }
 
@@ -390,6 +456,34 @@ mod tests {
         let mut bad = buf;
         bad[16 + 16] = 0x5;
         assert!(AnaLog::new_checked(&bad[..n]).is_err(), "reserved state");
+    }
+
+    #[test]
+    fn identify_fields_round_trip_and_a_short_page_is_refused() {
+        let c = CtrlAna {
+            cmic: id_ctrl::CMIC_ANA | id_ctrl::CMIC_MULTI_PORT,
+            oaes: id_ctrl::OAES_ANA_CHANGE,
+            anatt: 10,
+            anacap: id_ctrl::ANACAP_ALL_STATES,
+            anagrpmax: 128,
+            nanagrpid: 128,
+        };
+        let mut page = [0u8; 4096];
+        c.emit(&mut page);
+        assert_eq!(page[76], c.cmic);
+        assert_eq!(page[342], 10);
+        assert_eq!(&page[348..352], &128u32.to_le_bytes());
+        assert_eq!(CtrlAna::parse(&page).unwrap(), c);
+        assert!(CtrlAna::parse(&page[..351]).is_err());
+        let n = NsAna {
+            nmic: id_ns::NMIC_SHARED,
+            anagrpid: 7,
+        };
+        let mut page = [0u8; 4096];
+        n.emit(&mut page);
+        assert_eq!(&page[92..96], &7u32.to_le_bytes());
+        assert_eq!(NsAna::parse(&page).unwrap(), n);
+        assert!(NsAna::parse(&page[..95]).is_err());
     }
 
     #[test]

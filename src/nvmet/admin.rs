@@ -11,9 +11,13 @@ use crate::nvme::{
 
 use crate::nvme::ccr::{self, CcrLogEntry, CcrResult, CcrState};
 
-use super::command::{kato, lookup, Core, Ctrl, Done, Slot, AER_LIMIT, SQE_LEN};
+use super::ana::MAX_GROUPS;
+use super::command::{
+    kato, lookup, Core, Ctrl, Done, Slot, AER_LIMIT, DISCOVERY_OAES, OAES, SQE_LEN,
+};
 use super::quiesce::{Refusal, CCR_LIMIT, CCR_LOG_MAX};
 use super::{Namespace, Subsystem};
+use crate::nvme::ana::{self, CtrlAna, GroupDesc, NsAna};
 
 type Handler = fn(&mut Core, &mut dyn Slot, &Sqe) -> Result<Done, Status>;
 
@@ -27,6 +31,9 @@ const ADMIN: &[(u8, Handler)] = &[
     (opcode::admin::KEEP_ALIVE, keep_alive),
     (opcode::admin::CROSS_CTRL_RESET, cross_ctrl_reset),
 ];
+
+/// Asynchronous Event Configuration bits 4:0: SMART / health critical warnings.
+const SMART_WARNINGS: u32 = 0x1F;
 
 /// Length of an Identify data structure.
 const IDENTIFY_LEN: usize = 4096;
@@ -51,6 +58,7 @@ const LOG_PAGES: &[(u8, LogFn)] = &[
     (0x03, zeroes),
     (lid::CHANGED_NS_LIST, changed_namespaces),
     (lid::CROSS_CTRL_RESET, ccr_log),
+    (ana::LID_ANA, ana_log),
     (lid::DISCOVERY, discovery_log),
 ];
 
@@ -97,6 +105,12 @@ fn identify_namespace(
     id.nguid = ns.ident.nguid;
     id.eui64 = ns.ident.eui64;
     id.emit(page);
+    // Every port reaches every namespace: each is shared, in one ANA group.
+    NsAna {
+        nmic: ana::id_ns::NMIC_SHARED,
+        anagrpid: ns.anagrpid,
+    }
+    .emit(page);
     Ok(())
 }
 
@@ -177,6 +191,24 @@ fn identify_controller(
         ..IdentifyController::default()
     };
     id.emit(page);
+    let multipath = if ctrl.is_discovery() {
+        CtrlAna {
+            oaes: DISCOVERY_OAES,
+            ..CtrlAna::default()
+        }
+    } else {
+        CtrlAna {
+            cmic: ana::id_ctrl::CMIC_MULTI_PORT
+                | ana::id_ctrl::CMIC_MULTI_CTRL
+                | ana::id_ctrl::CMIC_ANA,
+            oaes: OAES,
+            anatt: cfg.anatt_s,
+            anacap: ana::id_ctrl::ANACAP_ALL_STATES | ana::id_ctrl::ANACAP_GRPID_STATIC,
+            anagrpmax: MAX_GROUPS,
+            nanagrpid: MAX_GROUPS,
+        }
+    };
+    multipath.emit(page);
     Ok(())
 }
 
@@ -207,7 +239,21 @@ fn set_features(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done,
                 .ok_or(Status::KEEP_ALIVE_INVALID.with_dnr())?;
             Ok(Done::OK)
         }
-        feature::ASYNC_EVENT_CONFIG | feature::VOLATILE_WRITE_CACHE => Ok(Done::OK),
+        feature::ASYNC_EVENT_CONFIG => {
+            // nvmet_set_feat_async_event: the SMART critical warnings (bits 4:0) and the
+            // notices the controller reports, nothing else.
+            let offered = if ctrl.is_discovery() {
+                DISCOVERY_OAES
+            } else {
+                SMART_WARNINGS | OAES
+            };
+            if sqe.cdw11 & !offered != 0 {
+                return Err(Status::INVALID_FIELD.with_dnr());
+            }
+            ctrl.aen_enabled = sqe.cdw11;
+            Ok(Done::result(sqe.cdw11 as u64))
+        }
+        feature::VOLATILE_WRITE_CACHE => Ok(Done::OK),
         _ => Err(Status::INVALID_FIELD.with_dnr()),
     }
 }
@@ -220,7 +266,8 @@ fn get_features(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<Done,
             n | (n << 16)
         }
         feature::KEEP_ALIVE_TIMER => ctrl.kato_ms,
-        feature::ASYNC_EVENT_CONFIG | feature::VOLATILE_WRITE_CACHE => 0,
+        feature::ASYNC_EVENT_CONFIG => ctrl.aen_enabled,
+        feature::VOLATILE_WRITE_CACHE => 0,
         _ => return Err(Status::INVALID_FIELD.with_dnr()),
     };
     Ok(Done::result(v as u64))
@@ -285,7 +332,8 @@ fn changed_namespaces(core: &mut Core, slot: &dyn Slot, _: &Sqe) -> Result<Vec<u
 }
 
 /// The discovery log as the controller's host sees it: only subsystems that allow it
-/// (nvmet `nvmet_host_allowed`), so the log does not tell anyone what exists beyond that.
+/// (nvmet `nvmet_host_allowed`), so the log does not tell anyone what exists beyond that;
+/// one entry per subsystem and port.
 fn discovery_log(core: &mut Core, slot: &dyn Slot, _: &Sqe) -> Result<Vec<u8>, Status> {
     let hostnqn = core.ctrl_of(slot, true)?.hostnqn.as_str();
     let cfg = &core.cfg;
@@ -294,7 +342,7 @@ fn discovery_log(core: &mut Core, slot: &dyn Slot, _: &Sqe) -> Result<Vec<u8>, S
         .iter()
         .filter(|s| s.allows(hostnqn))
         .collect();
-    let recs = visible.len();
+    let recs = visible.len() * core.ports.len();
     let mut page = vec![0u8; 1024 * (recs + 1)];
     let hdr = DiscoveryLogHeader {
         genctr: 1,
@@ -304,14 +352,18 @@ fn discovery_log(core: &mut Core, slot: &dyn Slot, _: &Sqe) -> Result<Vec<u8>, S
     let mut h = [0u8; 1024];
     hdr.emit(&mut h);
     page[..1024].copy_from_slice(&h);
-    let addr = cfg
-        .advertise
-        .map(|a| a.ip().to_string())
-        .unwrap_or_else(|| "127.0.0.1".into());
-    let port = cfg.port.to_string();
-    let ipv6 = cfg.advertise.is_some_and(|a| a.is_ipv6());
-    for (i, s) in visible.iter().enumerate() {
-        if let Ok(e) = DiscoveryLogEntry::rdma(&s.nqn, &addr, &port, ipv6, 1) {
+    let trsvcid = cfg.port.to_string();
+    let entries = core
+        .ports
+        .iter()
+        .flat_map(|p| visible.iter().map(move |s| (p, s)));
+    for (i, (p, s)) in entries.enumerate() {
+        let addr = p
+            .addr
+            .map(|a| a.ip().to_string())
+            .unwrap_or_else(|| "127.0.0.1".into());
+        let ipv6 = p.addr.is_some_and(|a| a.is_ipv6());
+        if let Ok(e) = DiscoveryLogEntry::rdma(&s.nqn, &addr, &trsvcid, ipv6, p.id) {
             page[1024 * (i + 1)..1024 * (i + 2)].copy_from_slice(&e.to_bytes());
         }
     }
@@ -378,6 +430,47 @@ fn ccr_log(core: &mut Core, slot: &dyn Slot, sqe: &Sqe) -> Result<Vec<u8>, Statu
     ccr::emit_log(&ctrl.ccr_log, &mut page).map_err(|_| Status::INTERNAL_ERROR)?;
     if lsp & ccr::LSP_REMOVE_COMPLETED != 0 {
         ctrl.ccr_log.retain(|e| e.state == CcrState::InProgress);
+    }
+    Ok(page)
+}
+
+/// The ANA log page as the controller's port sees it: every group, its state there and
+/// (unless Return Groups Only, LSP bit 0) the subsystem's namespaces in it. Read without
+/// Retain Asynchronous Event (CDW10 bit 15), it lets the next ANA change notice through.
+fn ana_log(core: &mut Core, slot: &dyn Slot, sqe: &Sqe) -> Result<Vec<u8>, Status> {
+    let lsp = ((sqe.cdw10 >> 8) & 0x7F) as u8;
+    let groups_only = lsp & ana::LSP_GROUPS_ONLY != 0;
+    let retain = sqe.cdw10 & (1 << 15) != 0;
+    let ctrl = core.ctrl_of(slot, true)?;
+    let sub = core
+        .subsystem(ctrl)
+        .ok_or(Status::INVALID_LOG_PAGE.with_dnr())?;
+    let groups = core.ana_groups();
+    let nsids: Vec<Vec<u32>> = groups
+        .iter()
+        .map(|g| {
+            sub.namespaces
+                .iter()
+                .filter(|n| n.anagrpid == *g)
+                .map(|n| n.nsid)
+                .collect()
+        })
+        .collect();
+    let descs: Vec<GroupDesc> = groups
+        .iter()
+        .zip(&nsids)
+        .map(|(g, ids)| GroupDesc {
+            grpid: *g,
+            chgcnt: core.ana.chgcnt,
+            state: core.ana.state(ctrl.port, *g),
+            nsids: ids,
+        })
+        .collect();
+    let mut page = vec![0u8; ana::log_len(&descs, groups_only)];
+    ana::emit_log(core.ana.chgcnt, &descs, groups_only, &mut page)
+        .map_err(|_| Status::INTERNAL_ERROR)?;
+    if !retain {
+        core.ctrl_mut(slot)?.ana_masked = false;
     }
     Ok(page)
 }

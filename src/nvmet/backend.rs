@@ -21,7 +21,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::nvme::Status;
-use crate::verbs::{HostBuffer, Qpn};
+use crate::verbs::HostBuffer;
+
+use super::port::QRef;
 
 use super::Namespace;
 
@@ -47,7 +49,7 @@ pub(super) enum Op {
 
 /// One command's backend work.
 pub(super) struct Job<M> {
-    pub qpn: Qpn,
+    pub qpn: QRef,
     /// Which incarnation of the queue asked (QPNs can come back).
     pub token: u64,
     pub slot: usize,
@@ -62,7 +64,7 @@ pub(super) struct Job<M> {
 
 /// A job's outcome, for the engine to answer with.
 pub(super) struct Finished {
-    pub qpn: Qpn,
+    pub qpn: QRef,
     pub token: u64,
     pub slot: usize,
     /// Bytes staged for the host (a read), or the error status.

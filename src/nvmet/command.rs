@@ -7,12 +7,14 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use crate::nvme::{Cap, Cc, Csts, Sqe, Status};
-use crate::verbs::Qpn;
 
+use super::ana::AnaTable;
 use super::backend::Op;
+use super::port::{PortInfo, QRef};
 use super::quiesce::Quiesce;
 use super::stats::TargetStats;
 use super::{Namespace, Subsystem, TargetConfig};
+use crate::nvme::ana::{self, AnaState};
 use crate::nvme::ccr::{CcrLogEntry, CtrlInstance};
 
 pub(super) const SQE_LEN: usize = 64;
@@ -26,6 +28,11 @@ pub(super) const CHANGED_NS_MAX: usize = 1024;
 pub(super) const AEN_NS_CHANGED: u32 = 0x2 | (0x04 << 16);
 /// Notice, discovery log page changed (0xF0), log page 0x70.
 pub(super) const AEN_DISCOVERY_CHANGED: u32 = 0x2 | (0xF0 << 8) | (0x70 << 16);
+/// The optional asynchronous events a subsystem controller reports (Identify Controller
+/// OAES), and the ones a new controller has enabled (nvmet `NVMET_AEN_CFG_OPTIONAL`).
+pub(super) const OAES: u32 = ana::id_ctrl::OAES_NS_ATTR | ana::id_ctrl::OAES_ANA_CHANGE;
+/// The one a discovery controller reports: Discovery Log Page Change.
+pub(super) const DISCOVERY_OAES: u32 = 1 << 31;
 /// Keep-alive of a discovery controller whose host asked for none (nvmet
 /// `NVMET_DISC_KATO_MS`), and the most one may ask for: one left open must not live for
 /// ever.
@@ -36,6 +43,8 @@ pub(super) const DISCOVERY: usize = usize::MAX;
 /// One controller: the host that made it, its registers and its queues.
 pub(super) struct Ctrl {
     pub subsys: usize,
+    /// The port its admin queue came through; its I/O queues come through the same one.
+    pub port: u16,
     pub hostnqn: String,
     pub hostid: [u8; 16],
     pub cc: Cc,
@@ -43,7 +52,7 @@ pub(super) struct Ctrl {
     pub kato_ms: u32,
     pub io_queues: u16,
     /// Its queues by QPN, with their queue ID (the admin queue first).
-    pub queues: Vec<(Qpn, u16)>,
+    pub queues: Vec<(QRef, u16)>,
     pub aers: usize,
     /// Asynchronous events not yet reported (no AER was outstanding), as completion Dword
     /// 0 values; at most one of each kind, so bounded by the kinds there are.
@@ -61,6 +70,12 @@ pub(super) struct Ctrl {
     /// The CCR log page of this controller as a source: the resets it ran (at most
     /// [`super::quiesce::CCR_LOG_MAX`]).
     pub ccr_log: Vec<CcrLogEntry>,
+    /// Asynchronous Event Configuration (Set Features 0Bh): the notices the host wants.
+    pub aen_enabled: u32,
+    /// An ANA change notice was raised and the host has not read the ANA log page since
+    /// (without Retain Asynchronous Event): no other is raised until it does (nvmet's
+    /// `aen_masked`).
+    pub ana_masked: bool,
 }
 
 impl Ctrl {
@@ -135,6 +150,8 @@ pub(super) type Bytes<'a> = &'a mut dyn FnMut(&mut [u8]) -> Result<(), Status>;
 /// What a command handler sees of the queue its command came on: who the queue is, and the
 /// command's data, wherever the transport keeps it.
 pub(super) trait Slot {
+    /// The port the queue came through.
+    fn port(&self) -> u16;
     fn qid(&self) -> u16;
     fn cntlid(&self) -> Option<u16>;
     /// The queue size the host asked for.
@@ -184,6 +201,10 @@ pub(super) fn kato(asked: u32, discovery: bool, max_kato_ms: u32) -> Option<u32>
 /// Configuration, controllers and counters: everything a command handler changes.
 pub(super) struct Core {
     pub cfg: Arc<TargetConfig>,
+    /// The ports, in the order they were added (port `i` has ID `i + 1`).
+    pub ports: Vec<PortInfo>,
+    /// The state of each ANA group through each port.
+    pub ana: AnaTable,
     pub ctrls: FxHashMap<u16, Ctrl>,
     pub next_cntlid: u16,
     pub stats: TargetStats,
@@ -199,7 +220,13 @@ pub(super) struct Core {
 impl Core {
     pub fn new(cfg: TargetConfig) -> Core {
         let cfg_cqt = cfg.cqt_ms;
+        let first = PortInfo {
+            id: 1,
+            addr: cfg.advertise,
+        };
         Core {
+            ports: vec![first],
+            ana: AnaTable::default(),
             cfg: Arc::new(cfg),
             ctrls: FxHashMap::default(),
             next_cntlid: 1,
@@ -262,11 +289,74 @@ impl Core {
         let subsys = self
             .subsystem(ctrl)
             .ok_or(Status::INVALID_OPCODE.with_dnr())?;
-        subsys
+        let ns = subsys
             .namespaces
             .iter()
             .find(|n| n.nsid == sqe.nsid)
-            .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())
+            .ok_or(Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr())?;
+        // nvmet_check_ana_state: a path whose group cannot serve I/O says so before the
+        // command is looked at further.
+        self.ana.check_io(ctrl.port, ns.anagrpid)?;
+        Ok(ns)
+    }
+
+    /// A new port reached at `addr`: its ID. `None` past the most ports there may be
+    /// (port IDs are 16 bits).
+    pub fn add_port(&mut self, addr: Option<std::net::SocketAddr>) -> Option<u16> {
+        let id = u16::try_from(self.ports.len() + 1).ok()?;
+        self.ports.push(PortInfo { id, addr });
+        Some(id)
+    }
+
+    /// Every ANA group there is: see [`AnaTable::groups`].
+    pub fn ana_groups(&self) -> std::collections::BTreeSet<u32> {
+        let in_use = self
+            .cfg
+            .subsystems
+            .iter()
+            .flat_map(|s| s.namespaces.iter().map(|n| n.anagrpid));
+        self.ana.groups(in_use)
+    }
+
+    /// Set ANA group `grpid`'s state through port `port`. The subsystem controllers of
+    /// that port that want ANA change notices (and have read the log page since the last
+    /// one) come back: each is owed [`ana::ana_change_aen_dw0`]. None when the state was
+    /// that already.
+    pub fn set_ana_state(
+        &mut self,
+        port: u16,
+        grpid: u32,
+        state: AnaState,
+    ) -> Result<Vec<u16>, String> {
+        if !self.ports.iter().any(|p| p.id == port) {
+            let ids: Vec<String> = self.ports.iter().map(|p| p.id.to_string()).collect();
+            return Err(format!(
+                "no port {port}: the target's ports are {}",
+                ids.join(", ")
+            ));
+        }
+        if !self.ana.set(port, grpid, state)? {
+            return Ok(Vec::new());
+        }
+        tracing::info!(
+            port,
+            group = grpid,
+            state = state.name(),
+            "ANA state changed"
+        );
+        let mut owed = Vec::new();
+        for (id, c) in self.ctrls.iter_mut() {
+            if c.port == port
+                && !c.is_discovery()
+                && c.aen_enabled & ana::id_ctrl::OAES_ANA_CHANGE != 0
+                && !c.ana_masked
+            {
+                c.ana_masked = true;
+                owed.push(*id);
+            }
+        }
+        owed.sort_unstable();
+        Ok(owed)
     }
 
     /// A controller ID in `cntlid_min..=cntlid_max` that no live controller has (nor a dead
@@ -291,7 +381,8 @@ impl Core {
     }
 
     /// Namespace `nsid` was added to subsystem `subsys`: it goes on the Changed Namespace
-    /// List of each of its controllers, whose IDs come back (each is owed an event).
+    /// List of each of its controllers; the IDs of those that want Namespace Attribute
+    /// notices (Asynchronous Event Configuration) come back, each owed an event.
     pub fn namespace_added(&mut self, subsys: usize, nsid: u32) -> Vec<u16> {
         let mut ids = Vec::new();
         for (id, c) in self.ctrls.iter_mut().filter(|(_, c)| c.subsys == subsys) {
@@ -300,7 +391,9 @@ impl Core {
             } else {
                 c.changed_ns = vec![0xFFFF_FFFF];
             }
-            ids.push(*id);
+            if c.aen_enabled & ana::id_ctrl::OAES_NS_ATTR != 0 {
+                ids.push(*id);
+            }
         }
         ids
     }

@@ -3,7 +3,8 @@
 //! per line each way on a unix socket (0600, clients of the target's own user or root):
 //!
 //! `{"op":"add-namespace","nqn":NQN,"nsid":N,"ram":BYTES}` or with `"file":PATH` (and
-//! `"file_size":BYTES` to create or grow it), `"block_size"` 512 (default) or 4096. The
+//! `"file_size":BYTES` to create or grow it), `"block_size"` 512 (default) or 4096, and
+//! `"ana_group":G` (1..=128, default 1). The
 //! answer is `{"ok":true,"nsid":N,"blocks":B}` or `{"ok":false,"error":...,"hint":...}`.
 //! A RAM namespace must fit in the memory available now (MemAvailable, or less under a
 //! cgroup memory.max or RLIMIT_AS) and, with the target's other RAM namespaces, in the
@@ -12,6 +13,16 @@
 //! hosts' queues; adds run one at a time.
 //! Connected hosts get a Namespace Attribute Changed event (the daemon rescans and exports
 //! it). [`add_namespace`] is the client (`nvmf-rdma target-ns add`).
+//!
+//! `{"op":"ana-state","port":P,"group":G,"state":S}` sets ANA group G's state through port
+//! P (S: optimized, non-optimized, inaccessible, persistent-loss or change; G 1..=128);
+//! the answer is `{"ok":true}`. The port's controllers get an ANA change event, as nvmet's
+//! do when `ports/P/ana_groups/G/ana_state` is written. [`set_ana_state`] is the client
+//! (`nvmf-rdma target-ana set`).
+//!
+//! `{"op":"status"}` answers `{"ok":true,"ports":[{"id":1,"addr":"IP:PORT","groups":
+//! [{"group":1,"state":"optimized"}]}]}`: each port, its address, and each ANA group's
+//! state through it. [`status`] is the client (`nvmf-rdma target-ana status`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,6 +34,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 use crate::cli::support::one_line;
 use crate::export::{bind_listener, same_user};
+use crate::nvme::ana::AnaState;
 use crate::nvmet::{Namespace, Target, MAX_NAMESPACES};
 use crate::verbs::DeviceContext;
 
@@ -35,6 +47,34 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
 #[serde(tag = "op", rename_all = "kebab-case")]
 pub enum Request {
     AddNamespace(AddNamespace),
+    AnaState(SetAnaState),
+    Status,
+}
+
+/// An ANA group's state to set through a port.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetAnaState {
+    pub port: u16,
+    pub group: u32,
+    /// optimized, non-optimized, inaccessible, persistent-loss or change (Linux's names).
+    pub state: String,
+}
+
+/// One port in a status answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PortStatus {
+    pub id: u16,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addr: Option<String>,
+    pub groups: Vec<GroupStatus>,
+}
+
+/// One ANA group's state through a port.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GroupStatus {
+    pub group: u32,
+    pub state: String,
 }
 
 /// A namespace to add.
@@ -51,6 +91,9 @@ pub struct AddNamespace {
     pub file_size: Option<u64>,
     #[serde(default = "default_block_size")]
     pub block_size: u32,
+    /// Its ANA group (1..=128); group 1 when not given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ana_group: Option<u32>,
 }
 
 fn default_block_size() -> u32 {
@@ -72,6 +115,9 @@ pub struct Answer {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nsid: Option<u32>,
     pub ok: bool,
+    /// The ports (a status answer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ports: Option<Vec<PortStatus>>,
 }
 
 impl Answer {
@@ -82,6 +128,18 @@ impl Answer {
             hint: None,
             nsid: Some(nsid),
             ok: true,
+            ports: None,
+        }
+    }
+
+    fn done() -> Answer {
+        Answer {
+            blocks: None,
+            error: None,
+            hint: None,
+            nsid: None,
+            ok: true,
+            ports: None,
         }
     }
 
@@ -92,6 +150,7 @@ impl Answer {
             hint: hint.map(str::to_string),
             nsid: None,
             ok: false,
+            ports: None,
         }
     }
 
@@ -323,18 +382,63 @@ async fn handle<D: DeviceContext>(
     added: &OnAdded,
 ) -> Answer {
     let fail = |e: String, hint: &str| Answer::refused(&e, Some(hint));
-    let a = match serde_json::from_str::<Request>(line) {
-        Ok(Request::AddNamespace(a)) => a,
-        Err(e) => {
-            return fail(
-                format!("bad request: {e}"),
-                "one JSON object per line: op add-namespace, with nqn, nsid, ram or file \
-                 (file_size), block_size",
-            )
+    match serde_json::from_str::<Request>(line) {
+        Ok(Request::AddNamespace(a)) => add(t, adding, a, added).await,
+        Ok(Request::AnaState(s)) => {
+            let set = s
+                .state
+                .parse::<AnaState>()
+                .and_then(|st| t.set_ana_state(s.port, s.group, st));
+            match set {
+                Ok(()) => Answer::done(),
+                Err(e) => fail(e, "see the ports and groups with op status"),
+            }
         }
-    };
+        Ok(Request::Status) => Answer {
+            ports: Some(port_status(t)),
+            ..Answer::done()
+        },
+        Err(e) => fail(
+            format!("bad request: {e}"),
+            "one JSON object per line: op add-namespace (nqn, nsid, ram or file, file_size, \
+             block_size), ana-state (port, group, state) or status",
+        ),
+    }
+}
+
+/// Each port of `t` with the state of each ANA group through it.
+fn port_status<D: DeviceContext>(t: &Target<D>) -> Vec<PortStatus> {
+    let states = t.ana_states();
+    t.ports()
+        .into_iter()
+        .map(|p| PortStatus {
+            id: p.id,
+            addr: p.addr.map(|a| a.to_string()),
+            groups: states
+                .iter()
+                .filter(|(port, _, _)| *port == p.id)
+                .map(|(_, group, st)| GroupStatus {
+                    group: *group,
+                    state: st.name().to_string(),
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+async fn add<D: DeviceContext>(
+    t: &Arc<Target<D>>,
+    adding: &tokio::sync::Mutex<()>,
+    a: AddNamespace,
+    added: &OnAdded,
+) -> Answer {
+    let fail = |e: String, hint: &str| Answer::refused(&e, Some(hint));
     let _one = adding.lock().await;
     // What the target would refuse anyway, before any memory is taken for it.
+    let group = a.ana_group.unwrap_or(super::ana::DEFAULT_GROUP);
+    if let Err(e) = super::ana::check_group(group) {
+        return fail(e, "leave ana_group out for group 1");
+    }
     let cfg = t.config();
     if let Some(s) = cfg.subsystems.iter().find(|s| s.nqn.as_str() == a.nqn) {
         if s.namespaces.iter().any(|n| n.nsid == a.nsid) {
@@ -369,7 +473,10 @@ async fn handle<D: DeviceContext>(
     })
     .await;
     let ns = match made {
-        Ok(Ok(ns)) => ns,
+        Ok(Ok(ns)) => match ns.in_ana_group(group) {
+            Ok(ns) => ns,
+            Err(e) => return fail(e, "leave ana_group out for group 1"),
+        },
         Ok(Err(e)) => return fail(format!("{e:#}"), "check the size, file and block size"),
         Err(e) => return fail(format!("adding the namespace failed: {e}"), "try again"),
     };
@@ -388,6 +495,30 @@ async fn handle<D: DeviceContext>(
 
 /// Ask the target whose control socket is `control` to add the namespace `a`; its blocks.
 pub async fn add_namespace(control: &Path, a: &AddNamespace) -> Result<u64> {
+    match ask(control, &Request::AddNamespace(a.clone())).await? {
+        Answer {
+            blocks: Some(blocks),
+            ..
+        } => Ok(blocks),
+        _ => bail!("the target's answer has no blocks"),
+    }
+}
+
+/// Ask the target whose control socket is `control` to set an ANA group's state.
+pub async fn set_ana_state(control: &Path, s: &SetAnaState) -> Result<()> {
+    ask(control, &Request::AnaState(s.clone())).await.map(drop)
+}
+
+/// The ports of the target whose control socket is `control`, with their ANA groups.
+pub async fn status(control: &Path) -> Result<Vec<PortStatus>> {
+    Ok(ask(control, &Request::Status)
+        .await?
+        .ports
+        .unwrap_or_default())
+}
+
+/// Send `req` to the target whose control socket is `control`: its answer if it is ok.
+async fn ask(control: &Path, req: &Request) -> Result<Answer> {
     let s = tokio::net::UnixStream::connect(control)
         .await
         .with_context(|| {
@@ -398,7 +529,7 @@ pub async fn add_namespace(control: &Path, a: &AddNamespace) -> Result<u64> {
             )
         })?;
     let (r, mut w) = s.into_split();
-    let req = serde_json::to_string(&Request::AddNamespace(a.clone()))?;
+    let req = serde_json::to_string(req)?;
     w.write_all(format!("{req}\n").as_bytes()).await?;
     let mut line = String::new();
     BufReader::new(r.take(64 << 10))
@@ -407,11 +538,7 @@ pub async fn add_namespace(control: &Path, a: &AddNamespace) -> Result<u64> {
         .context("read the target's answer")?;
     let v: Answer = serde_json::from_str(line.trim()).context("the target's answer is not JSON")?;
     match v {
-        Answer {
-            ok: true,
-            blocks: Some(blocks),
-            ..
-        } => Ok(blocks),
+        Answer { ok: true, .. } => Ok(v),
         v => bail!(
             "{} ({})",
             v.error.as_deref().unwrap_or("refused"),
@@ -451,13 +578,40 @@ mod tests {
             r#"{"op":"add-namespace","nqn":"nqn.a:b","nsid":2,"ram":1048576}"#,
         )
         .unwrap();
-        let Request::AddNamespace(a) = a;
+        let Request::AddNamespace(a) = a else {
+            panic!("{a:?}")
+        };
         assert_eq!((a.nsid, a.ram, a.block_size), (2, Some(1 << 20), 512));
+        assert_eq!(a.ana_group, None);
+        let g: Request = serde_json::from_str(
+            r#"{"op":"add-namespace","nqn":"nqn.a:b","nsid":2,"ana_group":3}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            g,
+            Request::AddNamespace(AddNamespace {
+                ana_group: Some(3),
+                ..
+            })
+        ));
+        let s: Request =
+            serde_json::from_str(r#"{"op":"ana-state","port":2,"group":1,"state":"inaccessible"}"#)
+                .unwrap();
+        let Request::AnaState(s) = s else {
+            panic!("{s:?}")
+        };
+        assert_eq!((s.port, s.group, s.state.as_str()), (2, 1, "inaccessible"));
+        assert!(matches!(
+            serde_json::from_str(r#"{"op":"status"}"#).unwrap(),
+            Request::Status
+        ));
         for bad in [
             r#"{"op":"remove-namespace","nqn":"n","nsid":2}"#,
             r#"{"op":"add-namespace","nqn":"n","nsid":2,"colour":"red"}"#,
             r#"{"nqn":"n","nsid":2}"#,
             r#"{"op":"add-namespace","nqn":"n"}"#,
+            r#"{"op":"ana-state","port":1,"group":1}"#,
+            r#"{"op":"ana-state","port":1,"group":1,"state":"x","colour":"red"}"#,
             "not json",
         ] {
             assert!(serde_json::from_str::<Request>(bad).is_err(), "{bad}");
@@ -467,6 +621,21 @@ mod tests {
         assert_eq!(
             Answer::added(2, 2048).line(),
             "{\"blocks\":2048,\"nsid\":2,\"ok\":true}\n"
+        );
+        let status = Answer {
+            ports: Some(vec![PortStatus {
+                id: 1,
+                addr: Some("127.0.0.1:4791".into()),
+                groups: vec![GroupStatus {
+                    group: 1,
+                    state: "optimized".into(),
+                }],
+            }]),
+            ..Answer::done()
+        };
+        assert_eq!(
+            status.line(),
+            "{\"ok\":true,\"ports\":[{\"id\":1,\"addr\":\"127.0.0.1:4791\",\"groups\":[{\"group\":1,\"state\":\"optimized\"}]}]}\n"
         );
         assert_eq!(
             Answer::refused("no\nroom", Some("ask for less")).line(),

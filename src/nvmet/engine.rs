@@ -9,7 +9,7 @@
 //! [`HostBuffer`], and time is tokio's clock (virtual on a simulated network), read once per
 //! turn, so the state machines themselves read no clock.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -20,10 +20,12 @@ use crate::verbs::{CqId, DeviceContext, Instant, Mtu, PdId, PeerInfo, Psn, Qpn, 
 use super::backend::{Finished, Pool};
 use super::budget::{Ledger, Shares, Usage};
 use super::command::{Core, AEN_DISCOVERY_CHANGED, AEN_NS_CHANGED};
+use super::port::{port_index, PortInfo, QRef};
 use super::quiesce::{LateWrite, NO_WAKE};
 use super::rdma::{Io, NsRegions, TQueue};
 use super::stats::{TargetStats, COUNTERS};
 use super::{Namespace, Subsystem, TargetConfig, MAX_NAMESPACES};
+use crate::nvme::ana::{self, AnaState};
 use crate::published::Publisher;
 
 /// Parameters of an incoming queue connection (from the CM REQ and its private data).
@@ -72,13 +74,9 @@ impl ConnReject {
 /// transport's queues and budgets.
 pub(super) struct Engine<D: DeviceContext> {
     pub core: Core,
-    pub pd: PdId,
-    pub cq: CqId,
-    /// Depth of `cq`, and how much of it the queues' slots can fill
-    /// ([`CQES_PER_SLOT`] each): a queue that would overrun the CQ is refused.
-    pub cqes: usize,
-    pub cqes_used: usize,
-    pub queues: FxHashMap<Qpn, TQueue<D::Mem>>,
+    /// Each port's PD, CQ and CM side (port `p` at `p - 1`).
+    pub ports: Vec<PortRes>,
+    pub queues: FxHashMap<QRef, TQueue<D::Mem>>,
     /// Established queues without a controller (no Fabrics Connect yet) per peer IP
     /// address, for `max_unconnected_per_ip`.
     pub per_ip: FxHashMap<IpAddr, usize>,
@@ -93,7 +91,7 @@ pub(super) struct Engine<D: DeviceContext> {
     pub frozen: bool,
     /// A stalled backend: I/O commands are held until the stall ends, then executed.
     pub stall_io: bool,
-    pub stalled: Vec<(Qpn, usize)>,
+    pub stalled: Vec<(QRef, usize)>,
     /// The late-writes fault ([`TargetConfig::late_writes_ms`]), and the writes it holds.
     pub late_writes_ms: Option<u32>,
     pub late: Vec<LateWrite<D::Mem>>,
@@ -102,20 +100,20 @@ pub(super) struct Engine<D: DeviceContext> {
     pub ending: FxHashMap<u64, (crate::nvme::ccr::CtrlInstance, usize)>,
     /// When the engine's task next looks at `late`, on its clock (`NO_WAKE`: never).
     pub late_wake: Arc<AtomicU64>,
+    /// Ports whose device still serves completions: the engine's own work (keep-alive,
+    /// namespace workers, late writes) goes on until the last one dies.
+    pub live_ports: usize,
     /// A test's trap: after the target has executed this many commands in all, wake the
     /// test (and freeze, if asked) before anything else happens.
     pub trap: Option<(u64, bool, Arc<tokio::sync::Notify>)>,
     /// The engine's clock as of the current turn.
     pub now: Instant,
-    /// Queues the engine dropped on its own (keep-alive expiry, transport error): the CM
-    /// side forgets their connections.
-    pub dropped: Option<tokio::sync::mpsc::UnboundedSender<Qpn>>,
     /// Inside a batch of completions: response SENDs wait in `responses` until the batch
     /// ends, so the batch's RDMA WRITEs leave back to back, then its responses (each
     /// response still after its own data). Runs of equal-sized packets go out as one
     /// segmented send instead of alternating data/response sends.
     pub batching: bool,
-    pub responses: Vec<(Qpn, usize)>,
+    pub responses: Vec<(QRef, usize)>,
     /// Namespace work off the engine's task.
     pub pool: Arc<Pool<D::Mem>>,
     pub next_token: u64,
@@ -127,13 +125,63 @@ pub(super) struct Engine<D: DeviceContext> {
     pub regions: NsRegions,
 }
 
-/// The engine and the device it posts to, under one lock.
+/// What a port has of its own: its device's PD and CQ, and its CM side.
+pub(super) struct PortRes {
+    pub pd: PdId,
+    pub cq: CqId,
+    /// Depth of `cq`, and how much of it the port's queues' slots can fill
+    /// ([`CQES_PER_SLOT`] each): a queue that would overrun the CQ is refused.
+    pub cqes: usize,
+    pub cqes_used: usize,
+    /// Queues the engine dropped on its own (keep-alive expiry, transport error): the
+    /// port's CM side forgets their connections.
+    pub dropped: Option<tokio::sync::mpsc::UnboundedSender<Qpn>>,
+}
+
+impl PortRes {
+    /// A PD and the largest CQ `dev` gives (down to [`MIN_CQ`]).
+    fn open<D: DeviceContext>(dev: &D) -> Result<PortRes, VerbsError> {
+        let pd = dev.alloc_pd()?;
+        let mut depth = MAX_CQ;
+        let cq = loop {
+            match dev.create_cq(depth) {
+                Ok(cq) => break cq,
+                Err(e) if depth <= MIN_CQ || e == VerbsError::DeviceGone => {
+                    dev.dealloc_pd(pd);
+                    return Err(e);
+                }
+                Err(_) => depth /= 2,
+            }
+        };
+        Ok(PortRes {
+            pd,
+            cq,
+            cqes: depth,
+            cqes_used: 0,
+            dropped: None,
+        })
+    }
+}
+
+impl<D: DeviceContext> Engine<D> {
+    /// The resources of port `port` (one the engine has: queues name only those).
+    pub fn port(&self, port: u16) -> &PortRes {
+        &self.ports[port_index(port)]
+    }
+
+    pub fn port_mut(&mut self, port: u16) -> &mut PortRes {
+        &mut self.ports[port_index(port)]
+    }
+}
+
+/// The engine and the devices it posts to, under one lock.
 struct Locked<D: DeviceContext> {
     e: Engine<D>,
     d: Io<D>,
 }
 
-/// A running target on one device context. Cheap to clone.
+/// A running target: its first port's device context, and any others added. Cheap to
+/// clone.
 pub struct Target<D: DeviceContext> {
     dev: D,
     engine: Arc<Mutex<Locked<D>>>,
@@ -168,20 +216,11 @@ const IO_WORKERS: usize = 4;
 const KATO_CHECK: std::time::Duration = std::time::Duration::from_millis(250);
 
 impl<D: DeviceContext> Target<D> {
-    /// Set up the target's PD and CQ on `dev` and start the task that serves completions.
+    /// Set up the target's first port (ID 1, at `cfg.advertise`) on `dev`, its PD and CQ,
+    /// and start the task that serves completions.
     pub fn start(dev: D, cfg: TargetConfig) -> Result<Target<D>, VerbsError> {
-        let pd = dev.alloc_pd()?;
-        let mut depth = MAX_CQ;
-        let cq = loop {
-            match dev.create_cq(depth) {
-                Ok(cq) => break cq,
-                Err(e) if depth <= MIN_CQ || e == VerbsError::DeviceGone => {
-                    dev.dealloc_pd(pd);
-                    return Err(e);
-                }
-                Err(_) => depth /= 2,
-            }
-        };
+        let first = PortRes::open(&dev)?;
+        let depth = first.cqes;
         let pool = Pool::new(IO_WORKERS);
         let metrics = Publisher::new(COUNTERS, "port", &cfg.port.to_string());
         // Queues waiting for their RTU have their CQ entries set aside, so that however
@@ -201,10 +240,7 @@ impl<D: DeviceContext> Target<D> {
         let late_writes_ms = cfg.late_writes_ms;
         let e = Engine {
             core: Core::new(cfg),
-            pd,
-            cq,
-            cqes: depth,
-            cqes_used: 0,
+            ports: vec![first],
             queues: FxHashMap::default(),
             per_ip: FxHashMap::default(),
             pre_rtu_per_ip: FxHashMap::default(),
@@ -218,9 +254,9 @@ impl<D: DeviceContext> Target<D> {
             late: Vec::new(),
             ending: FxHashMap::default(),
             late_wake: late_wake.clone(),
+            live_ports: 1,
             trap: None,
             now: Instant(0),
-            dropped: None,
             batching: false,
             responses: Vec::with_capacity(256),
             pool: pool.clone(),
@@ -242,9 +278,65 @@ impl<D: DeviceContext> Target<D> {
         Ok(t)
     }
 
-    /// The device context the target runs on.
+    /// The device context of the target's first port.
     pub fn device(&self) -> &D {
         &self.dev
+    }
+
+    /// Serve the same subsystems through `dev` as well: a new port, reached at `addr` (the
+    /// discovery log's address for it), with its own PD, CQ and queues. Controllers on it
+    /// share the target's controller IDs, namespaces and Cross-Controller Reset. Returns
+    /// its port ID; its CM is served with [`super::serve_cm_on`].
+    pub fn add_port(&self, dev: D, addr: Option<SocketAddr>) -> Result<u16, String> {
+        let res = PortRes::open(&dev).map_err(|e| format!("cannot open the port's device: {e}"))?;
+        let cq = res.cq;
+        let id = {
+            let mut g = self.lock();
+            let Locked { e, d } = &mut *g;
+            let Some(id) = e.core.add_port(addr) else {
+                dev.destroy_cq(cq);
+                dev.dealloc_pd(res.pd);
+                return Err("no more ports: port IDs are 16 bits".into());
+            };
+            e.ports.push(res);
+            e.live_ports += 1;
+            d.add(dev.clone());
+            id
+        };
+        tracing::info!(port = id, addr = ?addr, "port added");
+        let task = self.clone();
+        tokio::spawn(async move { task.serve_port(id, dev, cq).await });
+        Ok(id)
+    }
+
+    /// The target's ports, in order.
+    pub fn ports(&self) -> Vec<PortInfo> {
+        self.lock().e.core.ports.clone()
+    }
+
+    /// Set ANA group `grpid`'s state through port `port`. The port's controllers that want
+    /// ANA change notices get one (an outstanding Async Event Request completes, or the
+    /// next one does). An unknown port or group is refused.
+    pub fn set_ana_state(&self, port: u16, grpid: u32, state: AnaState) -> Result<(), String> {
+        let mut g = self.lock();
+        let Locked { e, d } = &mut *g;
+        for id in e.core.set_ana_state(port, grpid, state)? {
+            e.raise(d, id, ana::ana_change_aen_dw0());
+        }
+        Ok(())
+    }
+
+    /// Every ANA group and its state through each port: (port, group, state), by port
+    /// then group.
+    pub fn ana_states(&self) -> Vec<(u16, u32, AnaState)> {
+        let g = self.lock();
+        let core = &g.e.core;
+        let groups = core.ana_groups();
+        core.ports
+            .iter()
+            .flat_map(|p| groups.iter().map(move |grp| (p.id, *grp)))
+            .map(|(p, grp)| (p, grp, core.ana.state(p, grp)))
+            .collect()
     }
 
     pub fn config(&self) -> Arc<TargetConfig> {
@@ -268,30 +360,34 @@ impl<D: DeviceContext> Target<D> {
     /// the receive ring. Returns our QPN and the receive queue size (crqsize).
     pub fn accept(
         &self,
+        port: u16,
         p: ConnParams,
         bind: impl FnOnce(Qpn) -> bool,
     ) -> Result<(Qpn, u16), ConnReject> {
         let now = self.now();
         let mut g = self.lock();
         let Locked { e, d } = &mut *g;
+        if usize::from(port) > e.ports.len() || port == 0 {
+            return Err(ConnReject::NoResources);
+        }
         e.now = now;
-        e.add_queue(d, p, bind)
+        e.add_queue(d, port, p, bind)
     }
 
-    /// The peer of `qpn` sent its CM RTU: the queue leaves the pre-RTU table and counts
-    /// against its address's budgets (it goes if that is past them).
-    pub fn established(&self, qpn: Qpn) {
+    /// The peer of `qpn` on port `port` sent its CM RTU: the queue leaves the pre-RTU
+    /// table and counts against its address's budgets (it goes if that is past them).
+    pub fn established(&self, port: u16, qpn: Qpn) {
         let mut g = self.lock();
         let Locked { e, d } = &mut *g;
-        e.establish(d, qpn);
+        e.establish(d, QRef { port, qpn });
     }
 
     /// The host went away (CM disconnect, transport error): drop the queue and, for an
     /// admin queue, its controller and every queue of it.
-    pub fn drop_queue(&self, qpn: Qpn) {
+    pub fn drop_queue(&self, port: u16, qpn: Qpn) {
         let mut g = self.lock();
         let Locked { e, d } = &mut *g;
-        e.remove_queue(d, qpn);
+        e.remove_queue(d, QRef { port, qpn });
     }
 
     /// Add namespace `ns` to the running subsystem `subnqn`. Its controllers are told with a
@@ -409,10 +505,13 @@ impl<D: DeviceContext> Target<D> {
         self.lock().e.stalled.len()
     }
 
-    /// Be told the QPN of every queue that goes away (the CM side uses it to forget the
-    /// connection of a queue the engine dropped by itself).
-    pub fn on_drop(&self, tx: tokio::sync::mpsc::UnboundedSender<Qpn>) {
-        self.lock().e.dropped = Some(tx);
+    /// Be told the QPN of every queue of port `port` that goes away (its CM side uses it
+    /// to forget the connection of a queue the engine dropped by itself).
+    pub fn on_drop(&self, port: u16, tx: tokio::sync::mpsc::UnboundedSender<Qpn>) {
+        let mut g = self.lock();
+        if let Some(p) = g.e.ports.get_mut(port_index(port)) {
+            p.dropped = Some(tx);
+        }
     }
 
     /// Number of live queues.
@@ -454,7 +553,8 @@ impl<D: DeviceContext> Target<D> {
             }
         }
         let _close = Close(self.clone());
-        let cq = self.lock().e.cq;
+        let cq = self.lock().e.port(1).cq;
+        let mut first_live = true;
         let mut batch = Vec::with_capacity(256);
         // Keep-alive expiry is checked on this tick; KATO is at least a second in practice.
         let mut tick = tokio::time::interval(KATO_CHECK);
@@ -473,17 +573,26 @@ impl<D: DeviceContext> Target<D> {
                     e.now = now;
                     e.expire_controllers(d, now);
                     e.metrics.publish(&e.core.stats);
+                    if e.live_ports == 0 {
+                        return;
+                    }
                 }
                 _ = self.pool.ready.notified() => self.turn(|e, d| e.answer_finished(d)),
                 _ = tokio::time::sleep_until(self.epoch + std::time::Duration::from_nanos(wake)),
                     if wake != NO_WAKE => self.turn(|e, d| e.run_late(d)),
-                n = self.dev.wait_cq(cq, 256, &mut batch) => {
+                n = self.dev.wait_cq(cq, 256, &mut batch), if first_live => {
                     if n == 0 {
-                        return; // the device died
+                        // The first port's device died: the target ends with it unless
+                        // another port still serves.
+                        first_live = false;
+                        if self.port_died(1) == 0 {
+                            return;
+                        }
+                        continue;
                     }
                     self.turn(|e, d| {
                         for wc in &batch {
-                            e.on_completion(d, wc);
+                            e.on_completion(d, 1, wc);
                         }
                     });
                     // The driver first: it was poked with what this turn posted, and on a
@@ -493,5 +602,35 @@ impl<D: DeviceContext> Target<D> {
                 }
             }
         }
+    }
+
+    /// Serve the completions of port `port` (one added after the first) until its device
+    /// dies.
+    async fn serve_port(self, port: u16, dev: D, cq: CqId) {
+        let mut batch = Vec::with_capacity(256);
+        loop {
+            batch.clear();
+            if dev.wait_cq(cq, 256, &mut batch).await == 0 {
+                self.port_died(port);
+                return;
+            }
+            self.turn(|e, d| {
+                for wc in &batch {
+                    e.on_completion(d, port, wc);
+                }
+            });
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Port `port`'s device died: its queues go as their hosts do. How many ports still
+    /// serve.
+    fn port_died(&self, port: u16) -> usize {
+        let mut g = self.lock();
+        g.e.live_ports = g.e.live_ports.saturating_sub(1);
+        if g.e.live_ports > 0 {
+            tracing::warn!(port, "port's device died: the other ports serve on");
+        }
+        g.e.live_ports
     }
 }

@@ -3,9 +3,9 @@
 
 use crate::nvme::fabrics::{self, ConnectResult, CNTLID_DYNAMIC};
 use crate::nvme::{Cc, ConnectData, Csts, FabricsCmd, Sqe, Status, Vs};
-use crate::verbs::Qpn;
 
-use super::command::{kato, Admit, Core, Ctrl, Done, Join, Slot, DISCOVERY};
+use super::command::{kato, Admit, Core, Ctrl, Done, Join, Slot, DISCOVERY, DISCOVERY_OAES, OAES};
+use super::port::QRef;
 
 /// Length of the Connect data.
 pub(super) const CONNECT_DATA: usize = 1024;
@@ -111,9 +111,9 @@ fn connect(
     }
     let listed = subsys != DISCOVERY && core.cfg.subsystems[subsys].allowed_hosts.is_some();
     let join = if qid == 0 {
-        new_controller(core, &cd, subsys, kato_ms)?
+        new_controller(core, &cd, subsys, kato_ms, slot.port())?
     } else {
-        join_controller(core, &cd, subsys, qid)?
+        join_controller(core, &cd, subsys, qid, slot.port())?
     };
     Ok(Done::Connect(Admit {
         host: cd.hostnqn.as_str().to_string(),
@@ -129,6 +129,7 @@ fn new_controller(
     cd: &ConnectData,
     subsys: usize,
     kato_ms: u32,
+    port: u16,
 ) -> Result<Join, Status> {
     if cd.cntlid != CNTLID_DYNAMIC {
         return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
@@ -142,6 +143,7 @@ fn new_controller(
     let (ciu, cirn) = core.new_instance(id);
     let ctrl = Ctrl {
         subsys,
+        port,
         hostnqn: cd.hostnqn.as_str().to_string(),
         hostid: cd.hostid,
         cc: Cc(0),
@@ -156,18 +158,34 @@ fn new_controller(
         ciu,
         cirn,
         ccr_log: Vec::new(),
+        aen_enabled: if subsys == DISCOVERY {
+            DISCOVERY_OAES
+        } else {
+            OAES
+        },
+        ana_masked: false,
     };
     Ok(Join::New(id, Box::new(ctrl)))
 }
 
-/// An I/O queue's Connect: the controller it names must be this host's, enabled, and
-/// without a queue of that ID.
-fn join_controller(core: &Core, cd: &ConnectData, subsys: usize, qid: u16) -> Result<Join, Status> {
+/// An I/O queue's Connect: the controller it names must be this host's, reached through
+/// the same port, enabled, and without a queue of that ID.
+fn join_controller(
+    core: &Core,
+    cd: &ConnectData,
+    subsys: usize,
+    qid: u16,
+    port: u16,
+) -> Result<Join, Status> {
     let ctrl = core
         .ctrls
         .get(&cd.cntlid)
         .ok_or(Status::CONNECT_INVALID_PARAMETERS.with_dnr())?;
-    if ctrl.hostnqn != cd.hostnqn.as_str() || ctrl.hostid != cd.hostid || ctrl.subsys != subsys {
+    if ctrl.hostnqn != cd.hostnqn.as_str()
+        || ctrl.hostid != cd.hostid
+        || ctrl.subsys != subsys
+        || ctrl.port != port
+    {
         return Err(Status::CONNECT_INVALID_PARAMETERS.with_dnr());
     }
     // A discovery controller has no I/O queues (nvmet: the discovery subsystem's max_qid
@@ -191,7 +209,7 @@ fn join_controller(core: &Core, cd: &ConnectData, subsys: usize, qid: u16) -> Re
 impl Core {
     /// The queue `qpn` got its full rings for `a`: it joins its controller (a new one for
     /// an admin queue). Returns the controller ID and the Connect's result.
-    pub(super) fn install(&mut self, qpn: Qpn, peer: std::net::IpAddr, a: Admit) -> (u16, u64) {
+    pub(super) fn install(&mut self, qpn: QRef, peer: std::net::IpAddr, a: Admit) -> (u16, u64) {
         let cntlid = match a.join {
             Join::New(id, mut ctrl) => {
                 tracing::info!(

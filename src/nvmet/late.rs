@@ -9,12 +9,13 @@ use std::sync::atomic::Ordering;
 use crate::nvme::admin::opcode;
 use crate::nvme::ccr::{self, CcrState, CtrlInstance};
 use crate::nvme::{Sqe, Status};
-use crate::verbs::{DeviceContext, HostBuffer, Instant, Qpn};
+use crate::verbs::{DeviceContext, HostBuffer, Instant};
 
 use super::backend::Op;
 use super::command::{Ctrl, Done, SQE_LEN};
 use super::engine::Engine;
 use super::io::{lba, nlb};
+use super::port::QRef;
 use super::quiesce::{Death, LateWrite, Reset, Verdict, NO_WAKE};
 use super::rdma::{Io, Stage};
 
@@ -106,7 +107,7 @@ impl<D: DeviceContext> Engine<D> {
     /// in its capsule (that data is in its staging; a keyed write's never arrived).
     fn late_write(
         &self,
-        qpn: Qpn,
+        qpn: QRef,
         c: usize,
         subsys: &super::Subsystem,
         inst: CtrlInstance,
@@ -206,7 +207,7 @@ impl<D: DeviceContext> Engine<D> {
     pub(super) fn after_ccr(
         &mut self,
         d: &mut Io<D>,
-        qpn: Qpn,
+        qpn: QRef,
         sqe: &Sqe,
         r: &mut Result<Done, Status>,
     ) {

@@ -12,17 +12,31 @@ use crate::verbs::{CmError, CmListen, CmPort, DeviceContext, Qpn};
 
 use super::{ConnParams, Target};
 
-/// Serve the connection manager for `target` until the device dies: listen on the
-/// advertised address (any address of the device if none) at the configured port. Fails if
-/// the listen does (an address that is not the device's, a port in use).
+/// Serve the connection manager of `target`'s first port until its device dies: see
+/// [`serve_cm_on`].
 pub fn serve_cm<D>(target: Target<D>, cm: D::Cm) -> Result<(), CmError>
 where
     D: DeviceContext,
     D::Cm: CmListen,
 {
+    serve_cm_on(target, 1, cm)
+}
+
+/// Serve the connection manager of port `port` of `target` (`cm` on that port's device)
+/// until the device dies: listen on the port's address (any address of the device if
+/// none) at the configured service port. Fails if the listen does (an address that is not
+/// the device's, a port in use).
+pub fn serve_cm_on<D>(target: Target<D>, port: u16, cm: D::Cm) -> Result<(), CmError>
+where
+    D: DeviceContext,
+    D::Cm: CmListen,
+{
     let cfg = target.config();
-    let ip = cfg
-        .advertise
+    let ip = target
+        .ports()
+        .iter()
+        .find(|p| p.id == port)
+        .and_then(|p| p.addr)
         .map(|a| a.ip())
         .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
     let mut requests = cm.listen(SocketAddr::new(ip, cfg.port))?;
@@ -30,7 +44,7 @@ where
         let (gone_tx, mut gone_rx) = mpsc::unbounded_channel::<ConnId>();
         let (drop_tx, mut drop_rx) = mpsc::unbounded_channel::<Qpn>();
         let (rtu_tx, mut rtu_rx) = mpsc::unbounded_channel::<ConnId>();
-        target.on_drop(drop_tx);
+        target.on_drop(port, drop_tx);
         let mut by_conn: BTreeMap<ConnId, Qpn> = BTreeMap::new();
         loop {
             // Biased so that a simulated run replays (tokio's unbiased choice is random).
@@ -41,7 +55,7 @@ where
                 // weighed.
                 id = rtu_rx.recv() => {
                     if let Some(qpn) = id.and_then(|id| by_conn.get(&id)) {
-                        target.established(*qpn);
+                        target.established(port, *qpn);
                     }
                 }
                 req = requests.recv() => {
@@ -61,7 +75,7 @@ where
                         path_mtu: req.path_mtu,
                         local_psn: req.local_psn,
                     };
-                    match target.accept(p, |qpn| cm.attach(req.id, qpn).is_ok()) {
+                    match target.accept(port, p, |qpn| cm.attach(req.id, qpn).is_ok()) {
                         Ok((qpn, crqsize)) => {
                             let ap = AcceptParams::new(qpn);
                             let private = NvmeCmAccept { crqsize }.emit();
@@ -71,7 +85,7 @@ where
                                 by_conn.insert(req.id, qpn);
                             } else {
                                 cm.abort(req.id);
-                                target.drop_queue(qpn);
+                                target.drop_queue(port, qpn);
                             }
                         }
                         Err(r) => {
@@ -83,7 +97,7 @@ where
                 id = gone_rx.recv() => {
                     if let Some(id) = id {
                         if let Some(qpn) = by_conn.remove(&id) {
-                            target.drop_queue(qpn);
+                            target.drop_queue(port, qpn);
                         }
                     }
                 }

@@ -1,8 +1,10 @@
 //! The built-in NVMe-oF target, on any device behind the backend seam (the soft-HCA, or a
 //! kernel RDMA device with `--features hw`): RAM- or file-backed namespaces, one or more
-//! subsystems, the discovery subsystem, and host allow-lists.
+//! subsystems, the discovery subsystem, host allow-lists, and several ports (devices) with
+//! ANA groups whose state is per port.
 //!
-//! One engine per target device owns every queue on it. A queue is an RC QP with three
+//! One engine owns every queue on every port of the target (a queue is named by its port
+//! and QPN), so controllers, namespaces and Cross-Controller Reset span the ports. A queue is an RC QP with three
 //! registered rings: receive capsules (64-byte SQE + in-capsule data), responses (16-byte
 //! CQEs), and one data staging area per command slot for RDMA READ (host → target data) and
 //! RDMA WRITE (target → host data). Every command follows the same path: capsule in → fetch
@@ -11,11 +13,13 @@
 //! The files, by concern: [`engine`] (the running target and its task), `queues` (queue
 //! admission and lifetime), `pipeline` (a command's way through a queue), `rdma` (rings
 //! and work requests); and, with no device and no clock, `command` (the controller
-//! registry and the `Slot` a handler sees of its queue), `exec` (fetch,
+//! registry and the `Slot` a handler sees of its queue), `port` (ports and the queue
+//! names), [`ana`] (ANA group states per port), `exec` (fetch,
 //! run, push decisions), `fabrics`, `admin` and `io` (the commands, as tables of
 //! handlers). A new admin command or log page is a row in a table of `admin`.
 
 mod admin;
+pub mod ana;
 mod backend;
 mod budget;
 mod command;
@@ -28,6 +32,7 @@ mod late;
 pub mod listen;
 pub mod namespace;
 mod pipeline;
+mod port;
 mod queues;
 mod quiesce;
 mod rdma;
@@ -39,8 +44,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 pub use engine::{ConnParams, ConnReject, Target};
-pub use listen::serve_cm;
+pub use listen::{serve_cm, serve_cm_on};
 pub use namespace::{Namespace, NoMemory, MAX_NAMESPACES};
+pub use port::PortInfo;
 pub use stats::TargetStats;
 
 use crate::nvme::Nqn;
@@ -91,7 +97,8 @@ pub struct TargetConfig {
     pub max_transfer: u32,
     /// Most I/O queues per controller.
     pub max_io_queues: u16,
-    /// The address hosts reach us at, reported in the discovery log.
+    /// The address hosts reach the first port at, reported in the discovery log (the
+    /// others' come with [`Target::add_port`]).
     pub advertise: Option<SocketAddr>,
     /// Most queues (admin and I/O) on the target once their connection is established (the
     /// CM RTU arrived). A CM REQ beyond it is refused with an NVMe-oF CM reject "no
@@ -137,6 +144,9 @@ pub struct TargetConfig {
     /// dies run this long after the death instead of being dropped, as a slow backend's
     /// would; a CCR or CQT still stops them. `None`: they are dropped with the controller.
     pub late_writes_ms: Option<u32>,
+    /// ANA Transition Time reported in Identify Controller, seconds: how long a host waits
+    /// for a group in the change state before it gives up on the path.
+    pub anatt_s: u8,
 }
 
 impl Default for TargetConfig {
@@ -162,6 +172,7 @@ impl Default for TargetConfig {
             cntlid_max: 0xFFEF,
             cqt_ms: DEFAULT_CQT_MS,
             late_writes_ms: None,
+            anatt_s: ana::DEFAULT_ANATT_S,
         }
     }
 }

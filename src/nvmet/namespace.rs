@@ -107,6 +107,9 @@ pub struct Namespace {
     /// log2 of the block size (9 = 512 B, 12 = 4 KiB).
     pub lbads: u8,
     pub blocks: u64,
+    /// The ANA group it belongs to (Identify Namespace ANAGRPID), fixed while it is
+    /// attached: its access state through a port is that group's there.
+    pub anagrpid: u32,
     backend: Backend,
 }
 
@@ -149,6 +152,7 @@ impl Namespace {
             ident: random_identity(),
             lbads,
             blocks,
+            anagrpid: super::ana::DEFAULT_GROUP,
             backend: Backend::Ram(Box::new(mem)),
         })
     }
@@ -186,8 +190,17 @@ impl Namespace {
             ident,
             lbads,
             blocks: len >> lbads,
+            anagrpid: super::ana::DEFAULT_GROUP,
             backend: Backend::File { file, direct },
         })
+    }
+
+    /// This namespace in ANA group `anagrpid` (1..=[`super::ana::MAX_GROUPS`]) instead of
+    /// the default group.
+    pub fn in_ana_group(mut self, anagrpid: u32) -> Result<Namespace, String> {
+        super::ana::check_group(anagrpid)?;
+        self.anagrpid = anagrpid;
+        Ok(self)
     }
 
     pub fn block_size(&self) -> u32 {

@@ -6,7 +6,7 @@
 use crate::nvme::admin::opcode;
 use crate::nvme::{Cqe, Sqe, Status};
 use crate::verbs::{
-    DeviceContext, HostBuffer, MemKey, Qpn, SendOp, SendWr, Sgl, WcOpcode, WcStatus, WorkCompletion,
+    DeviceContext, HostBuffer, MemKey, SendOp, SendWr, Sgl, WcOpcode, WcStatus, WorkCompletion,
 };
 
 use super::backend::Job;
@@ -14,6 +14,7 @@ use super::command::{Done, CQE_LEN, SQE_LEN};
 use super::engine::Engine;
 use super::exec::{self, Fetch};
 use super::io::{lba, nlb};
+use super::port::{port_index, QRef};
 use super::rdma::{
     release_boot_recv, repost, send_response, wr_id, Io, SlotRef, Stage, WR_RDMA_READ,
     WR_RDMA_WRITE, WR_RECV, WR_SEND,
@@ -29,31 +30,32 @@ use super::rdma::{
 const DIRECT_WRITE_MIN: usize = 64 << 10;
 
 impl<D: DeviceContext> Engine<D> {
-    pub(super) fn on_completion(&mut self, d: &mut Io<D>, wc: &WorkCompletion) {
+    pub(super) fn on_completion(&mut self, d: &mut Io<D>, port: u16, wc: &WorkCompletion) {
+        let qpn = QRef { port, qpn: wc.qpn };
         let kind = wc.wr_id >> 32;
         let slot = (wc.wr_id & 0xFFFF_FFFF) as usize;
         if wc.status != WcStatus::Success {
             // A transport error ends the queue (and, for an admin queue, its controller);
             // the host's recovery reconnects.
-            if let Some(q) = self.queues.get_mut(&wc.qpn) {
+            if let Some(q) = self.queues.get_mut(&qpn) {
                 if !q.dead {
                     q.dead = true;
-                    self.remove_queue(d, wc.qpn);
+                    self.remove_queue(d, qpn);
                 }
             }
             return;
         }
         match (kind, wc.opcode) {
-            (WR_RECV, WcOpcode::Recv) => self.on_capsule(d, wc.qpn, slot, wc.byte_len as usize),
-            (WR_RDMA_READ, _) => self.execute(d, wc.qpn, slot),
+            (WR_RECV, WcOpcode::Recv) => self.on_capsule(d, qpn, slot, wc.byte_len as usize),
+            (WR_RDMA_READ, _) => self.execute(d, qpn, slot),
             (WR_SEND, _) => {
-                if let Some(q) = self.queues.get_mut(&wc.qpn) {
+                if let Some(q) = self.queues.get_mut(&qpn) {
                     if let Some(c) = q.cmds.get_mut(slot) {
                         if c.stage == Stage::Responding {
                             c.stage = Stage::Free;
                             q.free.push(slot);
                             if let Some((r, len)) = q.held.pop_front() {
-                                self.on_capsule(d, wc.qpn, r, len);
+                                self.on_capsule(d, qpn, r, len);
                             }
                         }
                     }
@@ -63,7 +65,7 @@ impl<D: DeviceContext> Engine<D> {
         }
     }
 
-    fn on_capsule(&mut self, d: &mut Io<D>, qpn: Qpn, r: usize, len: usize) {
+    fn on_capsule(&mut self, d: &mut Io<D>, qpn: QRef, r: usize, len: usize) {
         let Some(q) = self.queues.get_mut(&qpn) else {
             return;
         };
@@ -177,7 +179,7 @@ impl<D: DeviceContext> Engine<D> {
     }
 
     /// Begin a command: fetch host data if it brings any, else execute now.
-    pub(super) fn start(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize) {
+    pub(super) fn start(&mut self, d: &mut Io<D>, qpn: QRef, c: usize) {
         let Some(q) = self.queues.get_mut(&qpn) else {
             return;
         };
@@ -187,7 +189,7 @@ impl<D: DeviceContext> Engine<D> {
             q,
             c,
             d,
-            pd: self.pd,
+            pd: self.ports[port_index(qpn.port)].pd,
             regions: &mut self.regions,
         };
         let (addr, key, want) = match exec::fetch(&self.core, &slot, &sqe) {
@@ -246,7 +248,7 @@ impl<D: DeviceContext> Engine<D> {
     fn direct_write(
         &mut self,
         d: &mut Io<D>,
-        qpn: Qpn,
+        qpn: QRef,
         sqe: &Sqe,
     ) -> Result<Option<(u64, MemKey)>, Status> {
         let Some(q) = self.queues.get(&qpn) else {
@@ -256,7 +258,7 @@ impl<D: DeviceContext> Engine<D> {
         let (off, _) = ns.range(lba(sqe), nlb(sqe))?;
         Ok(self
             .regions
-            .direct(d, self.pd, q.mtu, ns)
+            .direct(d, qpn.port, self.ports[port_index(qpn.port)].pd, q.mtu, ns)
             .map(|mr| (mr.addr + off, mr.lkey)))
     }
 
@@ -292,7 +294,7 @@ impl<D: DeviceContext> Engine<D> {
     }
 
     /// Run the command whose data (if any) sits in its staging slot.
-    pub(super) fn execute(&mut self, d: &mut Io<D>, qpn: Qpn, c: usize) {
+    pub(super) fn execute(&mut self, d: &mut Io<D>, qpn: QRef, c: usize) {
         let Some(q) = self.queues.get_mut(&qpn) else {
             return;
         };
@@ -301,7 +303,7 @@ impl<D: DeviceContext> Engine<D> {
             q,
             c,
             d,
-            pd: self.pd,
+            pd: self.ports[port_index(qpn.port)].pd,
             regions: &mut self.regions,
         };
         let mut r = match exec::run(&mut self.core, &mut slot, &sqe) {
@@ -349,7 +351,7 @@ impl<D: DeviceContext> Engine<D> {
     fn connect(
         &mut self,
         d: &mut Io<D>,
-        qpn: Qpn,
+        qpn: QRef,
         a: super::command::Admit,
     ) -> Result<Done, Status> {
         self.grow(d, qpn, &a.host, a.listed)?;
@@ -402,7 +404,7 @@ impl<D: DeviceContext> Engine<D> {
     pub(super) fn respond(
         &mut self,
         d: &mut Io<D>,
-        qpn: Qpn,
+        qpn: QRef,
         c: usize,
         mut status: Status,
         result: u64,

@@ -16,6 +16,7 @@ use super::budget::{Holder, Usage};
 use super::command::SQE_LEN;
 use super::engine::{ConnParams, ConnReject, Engine, CQES_PER_SLOT};
 use super::fabrics::CONNECT_DATA;
+use super::port::{port_index, QRef};
 use super::rdma::{alloc_rings, rc_attr, repost, wr_id, Io, TQueue, WR_RECV};
 
 /// Admin queues carry no in-capsule data (as Linux sets up).
@@ -56,7 +57,7 @@ impl<D: DeviceContext> Engine<D> {
         }
         // A queue whose host never sent Fabrics Connect (it died mid-connect) belongs to no
         // controller that could expire; give it the longest KATO we allow.
-        let orphans: Vec<Qpn> = self
+        let orphans: Vec<QRef> = self
             .queues
             .iter()
             .filter(|(_, q)| q.cntlid.is_none() && now.0.saturating_sub(q.born.0) > ORPHAN_QUEUE_NS)
@@ -82,11 +83,13 @@ impl<D: DeviceContext> Engine<D> {
     pub(super) fn add_queue(
         &mut self,
         d: &mut Io<D>,
+        port: u16,
         p: ConnParams,
         bind: impl FnOnce(Qpn) -> bool,
     ) -> Result<(Qpn, u16), ConnReject> {
         let size = p.hsqsize as usize + 1;
-        self.admit_req(d, &p, size)?;
+        self.admit_req(d, port, &p, size)?;
+        let (pd, cq) = (self.port(port).pd, self.port(port).cq);
         let ip = p.peer.addr.ip();
         let admin = p.qid == 0;
         let capsule_len = if admin {
@@ -99,7 +102,7 @@ impl<D: DeviceContext> Engine<D> {
         } else {
             self.core.cfg.max_transfer as usize
         };
-        let Some((rings, cmds)) = alloc_rings(d, self.pd, 1, capsule_len, CONNECT_DATA) else {
+        let Some((rings, cmds)) = alloc_rings(d, port, pd, 1, capsule_len, CONNECT_DATA) else {
             self.core.stats.refused_queues += 1;
             return Err(ConnReject::NoResources);
         };
@@ -111,10 +114,10 @@ impl<D: DeviceContext> Engine<D> {
         let mrs = [recv.1, rsp.1, data.1];
         let cleanup = |d: &mut Io<D>| {
             for mr in &mrs {
-                d.dev.dereg_mr(mr);
+                d.dev(port).dereg_mr(mr);
             }
         };
-        let qpn = match d.dev.create_rc_qp(self.pd, self.cq, caps, Access::empty()) {
+        let qpn = match d.dev(port).create_rc_qp(pd, cq, caps, Access::empty()) {
             Ok(q) => q,
             Err(_) => {
                 cleanup(d);
@@ -127,20 +130,22 @@ impl<D: DeviceContext> Engine<D> {
             wr_id: wr_id(WR_RECV, 0),
             sgl: Sgl::one(recv.1.addr, capsule_len as u32, recv.1.lkey),
         };
+        let key = QRef { port, qpn };
         let ok = bind(qpn)
-            && d.dev
+            && d.dev(port)
                 .rc_to_rts(qpn, p.peer, psn, &rc_attr(p.path_mtu))
                 .is_ok()
-            && d.post_recv(qpn, recv_wr).is_ok();
+            && d.post_recv(key, recv_wr).is_ok();
         if !ok {
-            d.dev.destroy_qp(qpn);
+            d.dev(port).destroy_qp(qpn);
             cleanup(d);
             self.core.stats.refused_queues += 1;
             return Err(ConnReject::NoResources);
         }
         self.queues.insert(
-            qpn,
+            key,
             TQueue {
+                port,
                 qid: p.qid,
                 mtu: p.path_mtu.bytes(),
                 size,
@@ -170,7 +175,7 @@ impl<D: DeviceContext> Engine<D> {
         self.next_token += 1;
         *self.pre_rtu_per_ip.entry(ip).or_insert(0) += 1;
         self.pre_rtu += 1;
-        self.cqes_used += CQES_PER_SLOT;
+        self.port_mut(port).cqes_used += CQES_PER_SLOT;
         self.core.stats.queues_connected += 1;
         Ok((qpn, size as u16))
     }
@@ -179,7 +184,13 @@ impl<D: DeviceContext> Engine<D> {
     /// A REQ costs a queue of one slot in the pre-RTU table, never a share of the budgets:
     /// its source address may be forged. A peer already holding its share of established
     /// queues is refused here rather than after its RTU.
-    fn admit_req(&mut self, d: &mut Io<D>, p: &ConnParams, size: usize) -> Result<(), ConnReject> {
+    fn admit_req(
+        &mut self,
+        d: &mut Io<D>,
+        port: u16,
+        p: &ConnParams,
+        size: usize,
+    ) -> Result<(), ConnReject> {
         if p.qid == 0 && !(fabrics::MIN_ADMIN_SQ_ENTRIES as usize..=MAX_ADMIN_QUEUE).contains(&size)
         {
             return Err(ConnReject::InvalidHsqsize);
@@ -204,7 +215,8 @@ impl<D: DeviceContext> Engine<D> {
         if self.pre_rtu >= self.pre_rtu_cap {
             self.evict_oldest_pre_rtu(d);
         }
-        if self.cqes_used + CQES_PER_SLOT > self.cqes {
+        let res = self.port(port);
+        if res.cqes_used + CQES_PER_SLOT > res.cqes {
             self.core.stats.refused_queues += 1;
             return Err(ConnReject::NoResources);
         }
@@ -230,7 +242,7 @@ impl<D: DeviceContext> Engine<D> {
     /// send only after reading the REP): the queue leaves the pre-RTU table and counts
     /// against its address's share and `max_unconnected_per_ip`. Past them it goes, and
     /// `false` says so.
-    pub(super) fn establish(&mut self, d: &mut Io<D>, qpn: Qpn) -> bool {
+    pub(super) fn establish(&mut self, d: &mut Io<D>, qpn: QRef) -> bool {
         let Some(q) = self.queues.get(&qpn) else {
             return false;
         };
@@ -275,12 +287,12 @@ impl<D: DeviceContext> Engine<D> {
     pub(super) fn grow(
         &mut self,
         d: &mut Io<D>,
-        qpn: Qpn,
+        qpn: QRef,
         host: &str,
         listed: bool,
     ) -> Result<(), Status> {
         let no_mem = Status::INTERNAL_ERROR;
-        let pd = self.pd;
+        let pd = self.port(qpn.port).pd;
         let q = self.queues.get(&qpn).ok_or(no_mem)?;
         if q.grown {
             return Ok(());
@@ -303,14 +315,17 @@ impl<D: DeviceContext> Engine<D> {
             self.core.stats.refused_queues += 1;
             return Err(Status::CONNECT_CONTROLLER_BUSY);
         }
+        let res = &self.ports[port_index(qpn.port)];
+        let (cqes_used, cqes) = (res.cqes_used, res.cqes);
         let q = self.queues.get_mut(&qpn).ok_or(no_mem)?;
         let (size, old) = (q.size, q.cmds.len());
-        // The CQ is shared by every queue: one that could overrun it is not grown.
+        // The CQ is shared by every queue of the port: one that could overrun it is not
+        // grown.
         let more = (size - q.slots) * CQES_PER_SLOT;
-        if self.cqes_used + more > self.cqes {
+        if cqes_used + more > cqes {
             return Err(no_mem);
         }
-        let (rings, extra) = alloc_rings(d, pd, size, q.capsule_len, q.io_staging_len)
+        let (rings, extra) = alloc_rings(d, qpn.port, pd, size, q.capsule_len, q.io_staging_len)
             .map(|(r, c)| (r, c.into_iter().skip(old)))
             .ok_or(no_mem)?;
         let mut free = Vec::new();
@@ -320,7 +335,7 @@ impl<D: DeviceContext> Engine<D> {
         let [recv, rsp, data] = rings;
         if !fits {
             for mr in [recv.1, rsp.1, data.1] {
-                d.dev.dereg_mr(&mr);
+                d.dev(qpn.port).dereg_mr(&mr);
             }
             return Err(no_mem);
         }
@@ -330,10 +345,10 @@ impl<D: DeviceContext> Engine<D> {
         q.free = free;
         for (now, new) in [(&mut q.recv, recv), (&mut q.rsp, rsp), (&mut q.data, data)] {
             let gone = std::mem::replace(now, new);
-            d.dev.dereg_mr(&gone.1);
+            d.dev(qpn.port).dereg_mr(&gone.1);
         }
         q.slots = size;
-        self.cqes_used += more;
+        self.ports[port_index(qpn.port)].cqes_used += more;
         q.staging_len = q.io_staging_len;
         q.grown = true;
         q.charged = full;
@@ -358,17 +373,18 @@ impl<D: DeviceContext> Engine<D> {
         }
     }
 
-    pub(super) fn remove_queue(&mut self, d: &mut Io<D>, qpn: Qpn) {
+    pub(super) fn remove_queue(&mut self, d: &mut Io<D>, qpn: QRef) {
         let Some(q) = self.queues.remove(&qpn) else {
             return;
         };
         q.alive.store(false, Ordering::Release);
         drop(self.pool.purge(q.token));
-        d.dev.destroy_qp(qpn);
+        d.dev(qpn.port).destroy_qp(qpn.qpn);
         for mr in [q.recv.1, q.rsp.1, q.data.1] {
-            d.dev.dereg_mr(&mr);
+            d.dev(qpn.port).dereg_mr(&mr);
         }
-        self.cqes_used = self.cqes_used.saturating_sub(q.slots * CQES_PER_SLOT);
+        let res = self.port_mut(qpn.port);
+        res.cqes_used = res.cqes_used.saturating_sub(q.slots * CQES_PER_SLOT);
         if !q.established {
             self.leave_pre_rtu(q.peer_ip);
         } else {
@@ -383,8 +399,8 @@ impl<D: DeviceContext> Engine<D> {
             }
         }
         self.core.stats.queues_dropped += 1;
-        if let Some(tx) = &self.dropped {
-            let _ = tx.send(qpn);
+        if let Some(tx) = &self.port(qpn.port).dropped {
+            let _ = tx.send(qpn.qpn);
         }
         if let Some(c) = q.cntlid {
             if q.qid == 0 {

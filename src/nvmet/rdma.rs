@@ -9,12 +9,13 @@ use std::sync::Arc;
 
 use crate::nvme::{SglDescriptor, Sqe, Status};
 use crate::verbs::{
-    Access, DeviceContext, HostBuffer, Instant, MemKey, MrInfo, Mtu, PdId, Qpn, RcAttr, RecvWr,
-    SendOp, SendWr, Sgl, VerbsError,
+    Access, DeviceContext, HostBuffer, Instant, MemKey, MrInfo, Mtu, PdId, RcAttr, RecvWr, SendOp,
+    SendWr, Sgl, VerbsError,
 };
 
 use super::budget::Usage;
 use super::command::{Bytes, Slot, CQE_LEN};
+use super::port::{port_index, QRef};
 use super::Namespace;
 
 pub(super) const WR_RECV: u64 = 1;
@@ -65,6 +66,8 @@ pub(super) struct Cmd {
 /// carried is answered, and never after a Connect that succeeds, so when the rings are
 /// replaced nothing posted (receive, READ or SEND) still points into the old ones.
 pub(super) struct TQueue<M> {
+    /// The port (device) it is on.
+    pub port: u16,
     pub qid: u16,
     /// Path MTU of its QP, bytes: the most one packet carries.
     pub mtu: u32,
@@ -145,10 +148,10 @@ pub(super) fn rc_attr(mtu: Mtu) -> RcAttr {
     }
 }
 
-/// The device as the engine uses it, with the lists a post goes through (kept, so that
-/// posting allocates nothing).
+/// The devices as the engine uses them (one per port, port `p` at `p - 1`), with the lists
+/// a post goes through (kept, so that posting allocates nothing).
 pub(super) struct Io<D> {
-    pub dev: D,
+    devs: Vec<D>,
     recvs: Vec<RecvWr>,
     sends: Vec<SendWr>,
     /// While a batch of completions is handled, work requests wait here and go to the device
@@ -156,7 +159,7 @@ pub(super) struct Io<D> {
     /// driver wake-up per QP and turn, not three per command.
     deferring: bool,
     /// Held requests with their QP and the order they were made in.
-    pending: Vec<(Qpn, u32, Wr)>,
+    pending: Vec<(QRef, u32, Wr)>,
 }
 
 enum Wr {
@@ -167,7 +170,7 @@ enum Wr {
 impl<D: DeviceContext> Io<D> {
     pub fn new(dev: D) -> Io<D> {
         Io {
-            dev,
+            devs: vec![dev],
             recvs: Vec::with_capacity(1),
             sends: Vec::with_capacity(1),
             deferring: false,
@@ -175,26 +178,39 @@ impl<D: DeviceContext> Io<D> {
         }
     }
 
+    /// The device of port `port`.
+    pub fn dev(&self, port: u16) -> &D {
+        // Ports are only ever added, and a queue names one that exists.
+        &self.devs[port_index(port)]
+    }
+
+    /// Add the device of the next port.
+    pub fn add(&mut self, dev: D) {
+        self.devs.push(dev);
+    }
+
     /// Post `wr` on `qpn` (at the end of the turn while deferring: a QP that refuses it then
     /// is broken, and its queue goes with the completions that say so).
-    pub fn post_send(&mut self, qpn: Qpn, wr: SendWr) -> Result<(), VerbsError> {
+    pub fn post_send(&mut self, q: QRef, wr: SendWr) -> Result<(), VerbsError> {
         if self.deferring {
             let n = self.pending.len() as u32;
-            self.pending.push((qpn, n, Wr::Send(wr)));
+            self.pending.push((q, n, Wr::Send(wr)));
             return Ok(());
         }
         self.sends.push(wr);
-        self.dev.post(qpn, &mut self.recvs, &mut self.sends)
+        let dev = &self.devs[port_index(q.port)];
+        dev.post(q.qpn, &mut self.recvs, &mut self.sends)
     }
 
-    pub fn post_recv(&mut self, qpn: Qpn, wr: RecvWr) -> Result<(), VerbsError> {
+    pub fn post_recv(&mut self, q: QRef, wr: RecvWr) -> Result<(), VerbsError> {
         if self.deferring {
             let n = self.pending.len() as u32;
-            self.pending.push((qpn, n, Wr::Recv(wr)));
+            self.pending.push((q, n, Wr::Recv(wr)));
             return Ok(());
         }
         self.recvs.push(wr);
-        self.dev.post(qpn, &mut self.recvs, &mut self.sends)
+        let dev = &self.devs[port_index(q.port)];
+        dev.post(q.qpn, &mut self.recvs, &mut self.sends)
     }
 
     /// Hold work requests until [`Io::flush`].
@@ -208,12 +224,11 @@ impl<D: DeviceContext> Io<D> {
         // By QP, then in the order made (an RDMA WRITE before its response); an unstable
         // sort on both keys keeps that order without the merge buffer a stable sort
         // allocates every turn.
-        self.pending
-            .sort_unstable_by_key(|(qpn, n, _)| (qpn.get(), *n));
+        self.pending.sort_unstable_by_key(|(q, n, _)| (*q, *n));
         let mut i = 0;
         while i < self.pending.len() {
-            let qpn = self.pending[i].0;
-            while i < self.pending.len() && self.pending[i].0 == qpn {
+            let q = self.pending[i].0;
+            while i < self.pending.len() && self.pending[i].0 == q {
                 match &self.pending[i].2 {
                     Wr::Send(w) => self.sends.push(*w),
                     Wr::Recv(w) => self.recvs.push(*w),
@@ -221,7 +236,8 @@ impl<D: DeviceContext> Io<D> {
                 i += 1;
             }
             // A refusal means the QP is broken: its queue goes with its error completions.
-            let _ = self.dev.post(qpn, &mut self.recvs, &mut self.sends);
+            let dev = &self.devs[port_index(q.port)];
+            let _ = dev.post(q.qpn, &mut self.recvs, &mut self.sends);
             self.recvs.clear();
             self.sends.clear();
         }
@@ -238,7 +254,7 @@ impl<D: DeviceContext> Io<D> {
 /// invalidate answers with a plain SEND: the host then invalidates the key itself.
 pub(super) fn send_response<D: DeviceContext>(
     d: &mut Io<D>,
-    qpn: Qpn,
+    qpn: QRef,
     q: &mut TQueue<D::Mem>,
     c: usize,
 ) {
@@ -247,7 +263,7 @@ pub(super) fn send_response<D: DeviceContext>(
             key,
             invalidate: true,
             ..
-        }) if d.dev.send_with_invalidate() => SendOp::SendWithInv(MemKey(key)),
+        }) if d.dev(qpn.port).send_with_invalidate() => SendOp::SendWithInv(MemKey(key)),
         _ => SendOp::Send,
     };
     let wr = SendWr::signaled(
@@ -268,7 +284,7 @@ pub(super) fn send_response<D: DeviceContext>(
 /// Post receive buffer `r` again; false if the QP refused it.
 pub(super) fn repost<D: DeviceContext>(
     d: &mut Io<D>,
-    qpn: Qpn,
+    qpn: QRef,
     q: &TQueue<D::Mem>,
     r: usize,
 ) -> bool {
@@ -288,7 +304,11 @@ pub(super) fn repost<D: DeviceContext>(
 }
 
 /// Before Connect: the one receive buffer goes back once its command is answered.
-pub(super) fn release_boot_recv<D: DeviceContext>(d: &mut Io<D>, qpn: Qpn, q: &mut TQueue<D::Mem>) {
+pub(super) fn release_boot_recv<D: DeviceContext>(
+    d: &mut Io<D>,
+    qpn: QRef,
+    q: &mut TQueue<D::Mem>,
+) {
     if !q.grown && q.boot_held {
         q.boot_held = false;
         repost(d, qpn, q, 0);
@@ -303,6 +323,7 @@ pub(super) type Rings<M> = ([Ring<M>; 3], Vec<Cmd>);
 /// slot; `None` (nothing left allocated or registered) if memory or the device refuses.
 pub(super) fn alloc_rings<D: DeviceContext>(
     d: &mut Io<D>,
+    port: u16,
     pd: PdId,
     slots: usize,
     capsule_len: usize,
@@ -335,14 +356,14 @@ pub(super) fn alloc_rings<D: DeviceContext>(
             D::Mem::try_alloc(len)
         };
         let mr = mem.and_then(|m| {
-            let mr = d.dev.reg_mr(pd, &m, 0, len, access).ok()?;
+            let mr = d.dev(port).reg_mr(pd, &m, 0, len, access).ok()?;
             Some((Arc::new(m), mr))
         });
         match mr {
             Some(r) => rings.push(r),
             None => {
                 for (_, mr) in rings {
-                    d.dev.dereg_mr(&mr);
+                    d.dev(port).dereg_mr(&mr);
                 }
                 return None;
             }
@@ -352,12 +373,12 @@ pub(super) fn alloc_rings<D: DeviceContext>(
     Some((rings, cmds))
 }
 
-/// RAM namespaces read so far, with their memory region on the target's PD where the
-/// device registers their memory (`None`: it cannot, reads copy through staging).
-/// Registered on first use, deregistered when the namespace is gone from every subsystem
-/// or the engine closes.
+/// RAM namespaces read so far through each port, with their memory region on that port's
+/// PD where its device registers their memory (`None`: it cannot, reads copy through
+/// staging). Registered on first use, deregistered when the namespace is gone from every
+/// subsystem or the engine closes.
 #[derive(Default)]
-pub(super) struct NsRegions(Vec<(Arc<Namespace>, Option<MrInfo>)>);
+pub(super) struct NsRegions(Vec<(u16, Arc<Namespace>, Option<MrInfo>)>);
 
 impl NsRegions {
     /// The memory region of RAM namespace `ns` on `pd`, registered the first time it is
@@ -368,26 +389,42 @@ impl NsRegions {
     fn get<D: DeviceContext>(
         &mut self,
         d: &mut Io<D>,
+        port: u16,
         pd: PdId,
         ns: &Arc<Namespace>,
     ) -> Option<MrInfo> {
-        if let Some((_, mr)) = self.0.iter().find(|(n, _)| Arc::ptr_eq(n, ns)) {
+        if let Some((_, _, mr)) = self
+            .0
+            .iter()
+            .find(|(p, n, _)| *p == port && Arc::ptr_eq(n, ns))
+        {
             return *mr;
         }
         // A namespace no subsystem has any more (only this list holds it) gives its
         // region back, so the list is bounded by the namespaces that exist.
-        self.0.retain(|(n, mr)| {
-            let gone = Arc::strong_count(n) == 1;
+        let held = |n: &Arc<Namespace>| self.0.iter().filter(|(_, x, _)| Arc::ptr_eq(x, n)).count();
+        let gone: Vec<bool> = self
+            .0
+            .iter()
+            .map(|(_, n, _)| Arc::strong_count(n) == held(n))
+            .collect();
+        let mut gone = gone.into_iter();
+        self.0.retain(|(p, _, mr)| {
+            let gone = gone.next().unwrap_or(false);
             if let (true, Some(mr)) = (gone, mr) {
-                d.dev.dereg_mr(mr);
+                d.dev(*p).dereg_mr(mr);
             }
             !gone
         });
         let mem = ns
             .ram_store()
             .and_then(|s| s.as_any().downcast_ref::<D::Mem>());
-        let mr = mem.and_then(|m| d.dev.reg_mr(pd, m, 0, m.len(), Access::LOCAL_WRITE).ok());
-        self.0.push((ns.clone(), mr));
+        let mr = mem.and_then(|m| {
+            d.dev(port)
+                .reg_mr(pd, m, 0, m.len(), Access::LOCAL_WRITE)
+                .ok()
+        });
+        self.0.push((port, ns.clone(), mr));
         mr
     }
 
@@ -401,6 +438,7 @@ impl NsRegions {
     pub fn direct<D: DeviceContext>(
         &mut self,
         d: &mut Io<D>,
+        port: u16,
         pd: PdId,
         mtu: u32,
         ns: &Arc<Namespace>,
@@ -408,14 +446,14 @@ impl NsRegions {
         if !ns.is_ram() || mtu < ns.block_size() {
             return None;
         }
-        self.get(d, pd, ns)
+        self.get(d, port, pd, ns)
     }
 
     /// Deregister every region (the engine closes).
     pub fn close<D: DeviceContext>(&mut self, d: &mut Io<D>) {
-        for (_, mr) in self.0.drain(..) {
+        for (port, _, mr) in self.0.drain(..) {
             if let Some(mr) = mr {
-                d.dev.dereg_mr(&mr);
+                d.dev(port).dereg_mr(&mr);
             }
         }
     }
@@ -431,6 +469,10 @@ pub(super) struct SlotRef<'a, D: DeviceContext> {
 }
 
 impl<D: DeviceContext> Slot for SlotRef<'_, D> {
+    fn port(&self) -> u16 {
+        self.q.port
+    }
+
     fn qid(&self) -> u16 {
         self.q.qid
     }
@@ -489,7 +531,10 @@ impl<D: DeviceContext> Slot for SlotRef<'_, D> {
     }
 
     fn send_from(&mut self, ns: &Arc<Namespace>, off: u64) -> bool {
-        match self.regions.direct(self.d, self.pd, self.q.mtu, ns) {
+        match self
+            .regions
+            .direct(self.d, self.q.port, self.pd, self.q.mtu, ns)
+        {
             Some(mr) => {
                 self.q.cmds[self.c].src = Some((mr.addr + off, mr.lkey));
                 true

@@ -104,8 +104,10 @@ pub(crate) enum OutputFormat {
 pub(crate) struct TargetArgs {
     /// Address of the target's soft-HCA (IP or IP:PORT; RoCEv2 port 4791 by default); with
     /// a kernel --device, the IP of that device's network interface rdma_cm listens on.
+    /// Repeat for more ports (soft-HCA only): each address is a soft-HCA of its own serving
+    /// the same subsystem, port IDs 1, 2, ... in the order given.
     #[arg(long, default_value = "127.0.0.1", value_parser = parse_traddr)]
-    pub(crate) listen: SocketAddr,
+    pub(crate) listen: Vec<SocketAddr>,
     /// RDMA device the target runs on: soft (the built-in soft-HCA), or a kernel RDMA device
     /// (rxe0, guid:<GUID>, pci:<address>; needs a build with `--features hw`).
     #[arg(long, default_value = "soft")]
@@ -147,6 +149,27 @@ pub(crate) struct TargetArgs {
     /// as a slow backend's would, unless a Cross-Controller Reset or CQT stops them first.
     #[arg(long = "fault-late-writes", value_name = "MS")]
     pub(crate) fault_late_writes: Option<u32>,
+    /// ANA Transition Time the target reports (Identify ANATT), in seconds: how long a host
+    /// waits on a path whose ANA group is changing.
+    #[arg(long = "anatt", value_name = "SECS", default_value_t = nvmf_rdma::nvmet::ana::DEFAULT_ANATT_S,
+          value_parser = clap::value_parser!(u8).range(1..))]
+    pub(crate) anatt: u8,
+}
+
+/// `target-ana set`: an ANA group's state through a port of a running `target --control`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct TargetAnaSet {
+    /// The target's control socket (its --control).
+    #[arg(long, value_name = "SOCKET")]
+    pub(crate) control: PathBuf,
+    /// Port ID (1 for the first --listen, 2 for the second, ...).
+    #[arg(long)]
+    pub(crate) port: u16,
+    /// ANA group ID (1 unless the namespace was put in another).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) group: u32,
+    /// optimized, non-optimized, inaccessible, persistent-loss or change.
+    pub(crate) state: String,
 }
 
 /// A namespace of the built-in target: `target`'s first, `target-ns add`'s.
@@ -166,6 +189,10 @@ pub(crate) struct NsArgs {
     /// Logical block size: 512 or 4096.
     #[arg(long, default_value_t = 512)]
     pub(crate) block_size: u32,
+    /// ANA group of the namespace (1..=128): its access state through each port is that
+    /// group's there (`target-ana set`).
+    #[arg(long = "ana-group", value_name = "G", default_value_t = 1)]
+    pub(crate) ana_group: u32,
 }
 
 impl NsArgs {
@@ -178,7 +205,9 @@ impl NsArgs {
             self.file_size.map(|s| s as u64),
             self.block_size,
             0,
-        )
+        )?
+        .in_ana_group(self.ana_group)
+        .map_err(anyhow::Error::msg)
     }
 }
 

@@ -126,6 +126,10 @@ enum Cmd {
     /// Attribute Changed event; the daemon rescans and exports it).
     #[command(subcommand)]
     TargetNs(TargetNsCmd),
+    /// ANA groups of a running `target --control SOCKET`: set one's state through a port
+    /// (its hosts get an ANA change event), or show every port's.
+    #[command(subcommand)]
+    TargetAna(TargetAnaCmd),
     /// Hardware verbs backend (built with `--features hw`): kernel RDMA devices through
     /// libibverbs/librdmacm instead of the soft-HCA.
     #[cfg(feature = "hw")]
@@ -269,6 +273,18 @@ enum Cmd {
 }
 
 #[derive(Subcommand)]
+enum TargetAnaCmd {
+    /// Set an ANA group's state through a port.
+    Set(TargetAnaSet),
+    /// Each port, its address and its ANA groups' states.
+    Status {
+        /// The target's control socket (its --control).
+        #[arg(long, value_name = "SOCKET")]
+        control: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
 enum TargetNsCmd {
     /// Add a RAM or file namespace.
     Add(TargetNsAdd),
@@ -387,6 +403,8 @@ async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
     match cmd {
         Cmd::Target(t) => run_target(t).await,
         Cmd::TargetNs(TargetNsCmd::Add(a)) => run_target_ns_add(a).await,
+        Cmd::TargetAna(TargetAnaCmd::Set(a)) => run_target_ana_set(a).await,
+        Cmd::TargetAna(TargetAnaCmd::Status { control }) => run_target_ana_status(&control).await,
         #[cfg(feature = "hw")]
         Cmd::Hw(a) => Ok(nvmf_rdma::hw::cli::run(a).await?),
         Cmd::Discover { fabric, output } => run_discover(fabric, output).await,

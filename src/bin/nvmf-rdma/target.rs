@@ -1,4 +1,5 @@
-//! `target`: the built-in NVMe-oF target until a stop signal; `target-ns add`, its client.
+//! `target`: the built-in NVMe-oF target until a stop signal; `target-ns add` and
+//! `target-ana`, its clients.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,8 +10,8 @@ use nvmf_rdma::cli::device::{start_target_kernel, DeviceChoice};
 use nvmf_rdma::cli::host::*;
 use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::nvmet::control::{self, AddNamespace};
-use nvmf_rdma::nvmet::{serve_cm, Subsystem, Target, TargetConfig};
+use nvmf_rdma::nvmet::control::{self, AddNamespace, SetAnaState};
+use nvmf_rdma::nvmet::{serve_cm, serve_cm_on, Subsystem, Target, TargetConfig};
 
 pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
     let nqn = Nqn::new(&a.nqn).map_err(|e| anyhow::anyhow!("bad --nqn: {e}"))?;
@@ -25,6 +26,7 @@ pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
         max_kato_ms: a.max_kato * 1000,
         cqt_ms: a.cqt,
         late_writes_ms: a.fault_late_writes,
+        anatt_s: a.anatt,
         ..TargetConfig::default()
     };
     match a.device.clone() {
@@ -33,19 +35,33 @@ pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
     }
 }
 
+/// The target on one soft-HCA per --listen address, each a port.
 async fn run_soft(a: TargetArgs, cfg: TargetConfig) -> Result<()> {
-    let hca = SoftHca::start_with(
-        device_config("tgt0", a.listen, 9),
-        a.listen.ip().is_loopback(),
-    )
-    .await
-    .with_context(|| format!("cannot bind {}", a.listen))?;
+    let mut hcas = Vec::new();
+    for (i, addr) in a.listen.iter().enumerate() {
+        let n = u8::try_from(9 + i).context("at most 200 --listen addresses")?;
+        let hca = SoftHca::start_with(
+            device_config(&format!("tgt{i}"), *addr, n),
+            addr.ip().is_loopback(),
+        )
+        .await
+        .with_context(|| format!("cannot bind {addr}"))?;
+        hcas.push(hca);
+    }
+    let first = hcas[0].clone();
     let cfg = TargetConfig {
-        advertise: Some(hca.addr()),
+        advertise: Some(first.addr()),
         ..cfg
     };
-    let t = Target::start(hca.clone(), cfg)?;
-    serve_cm(t.clone(), CmService::for_device(&hca))?;
+    let t = Target::start(first.clone(), cfg)?;
+    serve_cm(t.clone(), CmService::for_device(&first))?;
+    for hca in &hcas[1..] {
+        let port = t
+            .add_port(hca.clone(), Some(hca.addr()))
+            .map_err(anyhow::Error::msg)
+            .with_context(|| format!("port {}", hca.addr()))?;
+        serve_cm_on(t.clone(), port, CmService::for_device(hca))?;
+    }
     let _control = match &a.control {
         Some(p) => Some(control::serve(
             p,
@@ -56,10 +72,11 @@ async fn run_soft(a: TargetArgs, cfg: TargetConfig) -> Result<()> {
         )?),
         None => None,
     };
+    let addrs: Vec<String> = hcas.iter().map(|h| h.addr().to_string()).collect();
     println!(
         "target {} listening on {} (trsvcid {}); Ctrl-C stops it",
         a.nqn,
-        hca.addr(),
+        addrs.join(", "),
         a.trsvcid
     );
     let sig = StopSignals::new()?.recv().await;
@@ -70,6 +87,13 @@ async fn run_soft(a: TargetArgs, cfg: TargetConfig) -> Result<()> {
 /// The target on a kernel RDMA device: until a stop signal, or until the device dies (one
 /// line, exit status 1).
 async fn run_kernel(sel: &str, a: TargetArgs, cfg: TargetConfig) -> Result<()> {
+    if a.listen.len() > 1 {
+        bail!(
+            "--listen given {} times: several ports need the soft-HCA for now; give one \
+             --listen with --device {sel}, or run one target per device",
+            a.listen.len()
+        );
+    }
     if let Some(p) = &a.control {
         bail!(
             "--control {}: namespaces can be added at run time to the soft-HCA target only, \
@@ -77,16 +101,15 @@ async fn run_kernel(sel: &str, a: TargetArgs, cfg: TargetConfig) -> Result<()> {
             p.display()
         );
     }
+    let ip = a.listen[0].ip();
     let cfg = TargetConfig {
-        advertise: Some(SocketAddr::new(a.listen.ip(), a.trsvcid)),
+        advertise: Some(SocketAddr::new(ip, a.trsvcid)),
         ..cfg
     };
     let t = start_target_kernel(sel, cfg).map_err(anyhow::Error::msg)?;
     println!(
         "target {} listening on {} (trsvcid {}) through RDMA device {sel}; Ctrl-C stops it",
-        a.nqn,
-        a.listen.ip(),
-        a.trsvcid
+        a.nqn, ip, a.trsvcid
     );
     let mut signals = StopSignals::new()?;
     tokio::select! {
@@ -108,11 +131,45 @@ pub(crate) async fn run_target_ns_add(a: TargetNsAdd) -> Result<()> {
         file: a.ns.file.map(|f| std::path::absolute(&f).unwrap_or(f)),
         file_size: a.ns.file_size.map(|s| s as u64),
         block_size: a.ns.block_size,
+        ana_group: Some(a.ns.ana_group),
     };
     let blocks = control::add_namespace(&a.control, &req).await?;
     println!(
         "namespace {} added to {} ({blocks} blocks)",
         req.nsid, req.nqn
     );
+    Ok(())
+}
+
+/// `target-ana set`: an ANA group's state through a port of a running target.
+pub(crate) async fn run_target_ana_set(a: TargetAnaSet) -> Result<()> {
+    let req = SetAnaState {
+        port: a.port,
+        group: a.group,
+        state: a.state,
+    };
+    control::set_ana_state(&a.control, &req).await?;
+    println!(
+        "ANA group {} is {} through port {}",
+        req.group, req.state, req.port
+    );
+    Ok(())
+}
+
+/// `target-ana status`: each port of a running target and its ANA groups.
+pub(crate) async fn run_target_ana_status(control: &std::path::Path) -> Result<()> {
+    for p in control::status(control).await? {
+        let groups: Vec<String> = p
+            .groups
+            .iter()
+            .map(|g| format!("group {} {}", g.group, g.state))
+            .collect();
+        println!(
+            "port {} {}: {}",
+            p.id,
+            p.addr.as_deref().unwrap_or("-"),
+            groups.join(", ")
+        );
+    }
     Ok(())
 }

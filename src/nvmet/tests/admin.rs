@@ -135,13 +135,27 @@ fn keep_alive_timer_is_set_within_the_most_and_read_back() {
 }
 
 #[test]
-fn accepted_features_read_zero_and_others_are_refused() {
+fn accepted_features_read_back_and_others_are_refused() {
     let (mut core, mut admin) = enabled();
-    for fid in [feature::ASYNC_EVENT_CONFIG, feature::VOLATILE_WRITE_CACHE] {
-        submit(&mut core, &mut admin, cmd::set_features(1, fid, 1), &[]).result();
-        let out = submit(&mut core, &mut admin, cmd::get_features(2, fid), &[]);
-        assert_eq!(out.result(), 0, "fid {fid:#x}");
-    }
+    let vwc = feature::VOLATILE_WRITE_CACHE;
+    submit(&mut core, &mut admin, cmd::set_features(1, vwc, 1), &[]).result();
+    let out = submit(&mut core, &mut admin, cmd::get_features(2, vwc), &[]);
+    assert_eq!(out.result(), 0);
+    // Async Event Configuration: what was set, of the events the controller reports.
+    let aec = feature::ASYNC_EVENT_CONFIG;
+    let out = submit(&mut core, &mut admin, cmd::get_features(2, aec), &[]);
+    assert_eq!(out.result(), (1 << 8) | (1 << 11), "enabled from the start");
+    submit(&mut core, &mut admin, cmd::set_features(1, aec, 1), &[]).result();
+    let out = submit(&mut core, &mut admin, cmd::get_features(2, aec), &[]);
+    assert_eq!(out.result(), 1);
+    let st = submit(
+        &mut core,
+        &mut admin,
+        cmd::set_features(1, aec, 1 << 9),
+        &[],
+    )
+    .status();
+    assert_eq!(st, Status::INVALID_FIELD.with_dnr());
     // Arbitration: not implemented.
     for sqe in [cmd::set_features(3, 0x01, 0), cmd::get_features(4, 0x01)] {
         let st = submit(&mut core, &mut admin, sqe, &[]).status();
@@ -213,6 +227,20 @@ fn changed_namespace_list_names_added_namespaces_and_clears_on_read() {
     );
     let out = log_page(&mut core, &mut admin, lid::CHANGED_NS_LIST, 0, 16);
     assert_eq!(out.data(), &[0u8; 16][..]);
+}
+
+#[test]
+fn a_controller_that_turned_namespace_notices_off_gets_none_but_keeps_the_list() {
+    let (mut core, mut admin) = enabled();
+    let id = admin.cntlid.expect("id");
+    assert_eq!(core.namespace_added(0, 7), vec![id]);
+    let aec = cmd::set_features(1, feature::ASYNC_EVENT_CONFIG, 1 << 11);
+    assert!(submit(&mut core, &mut admin, aec, &[])
+        .status()
+        .is_success());
+    assert_eq!(core.namespace_added(0, 9), Vec::<u16>::new());
+    let out = log_page(&mut core, &mut admin, lid::CHANGED_NS_LIST, 0, 8);
+    assert_eq!(out.data(), &[7, 0, 0, 0, 9, 0, 0, 0][..]);
 }
 
 #[test]

@@ -19,7 +19,7 @@ fn admin_connect_makes_a_controller_and_answers_its_id() {
     let ctrl = &core.ctrls[&cntlid];
     assert_eq!(ctrl.hostnqn, HOSTNQN);
     assert_eq!(ctrl.hostid, HOSTID);
-    assert_eq!(ctrl.queues, vec![(q.qpn, 0)]);
+    assert_eq!(ctrl.queues, vec![(q.at(), 0)]);
     // Asked for none: the most it may have.
     assert_eq!(ctrl.kato_ms, 60_000);
 }
@@ -138,7 +138,10 @@ fn io_connect_joins_the_controller() {
     let q = io_queue(&mut core, &admin, 1);
     let cntlid = admin.cntlid.expect("id");
     assert_eq!(q.cntlid, Some(cntlid));
-    assert_eq!(core.ctrls[&cntlid].queues, vec![(admin.qpn, 0), (q.qpn, 1)]);
+    assert_eq!(
+        core.ctrls[&cntlid].queues,
+        vec![(admin.at(), 0), (q.at(), 1)]
+    );
 }
 
 #[test]

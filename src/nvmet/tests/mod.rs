@@ -3,6 +3,7 @@
 //! would receive come out.
 
 mod admin;
+mod ana;
 mod ccr;
 mod fabrics;
 mod io;
@@ -16,6 +17,7 @@ use crate::verbs::Qpn;
 use super::backend::Op;
 use super::command::{Bytes, Core, Done, Slot};
 use super::exec::{self, Fetch};
+use super::port::QRef;
 use super::{Namespace, Subsystem, TargetConfig};
 
 const SUBNQN: &str = "nqn.2024-01.io.nvmf-rdma:test";
@@ -28,6 +30,7 @@ const ADMIN_STAGING: usize = 8192;
 
 /// A queue as a handler sees it, over plain memory: the command's staging.
 struct Fake {
+    port: u16,
     qpn: Qpn,
     qid: u16,
     cntlid: Option<u16>,
@@ -41,6 +44,7 @@ struct Fake {
 impl Fake {
     fn new(qpn: u32, qid: u16, staging: usize) -> Fake {
         Fake {
+            port: 1,
             qpn: Qpn::new(qpn),
             qid,
             cntlid: None,
@@ -53,7 +57,21 @@ impl Fake {
     }
 }
 
+impl Fake {
+    /// The queue as the registry names it.
+    fn at(&self) -> QRef {
+        QRef {
+            port: self.port,
+            qpn: self.qpn,
+        }
+    }
+}
+
 impl Slot for Fake {
+    fn port(&self) -> u16 {
+        self.port
+    }
+
     fn qid(&self) -> u16 {
         self.qid
     }
@@ -155,7 +173,7 @@ fn submit(core: &mut Core, q: &mut Fake, sqe: Sqe, host: &[u8]) -> Outcome {
         Ok(Done::Park) => Outcome::Parked,
         Ok(Done::Offload(_, op)) => Outcome::Offloaded(op),
         Ok(Done::Connect(a)) => {
-            let (cntlid, result) = core.install(q.qpn, [127, 0, 0, 1].into(), a);
+            let (cntlid, result) = core.install(q.at(), [127, 0, 0, 1].into(), a);
             q.cntlid = Some(cntlid);
             answer(Status::SUCCESS, result, Vec::new())
         }
