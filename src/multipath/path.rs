@@ -63,6 +63,17 @@ impl Drop for InFlight<'_> {
     }
 }
 
+impl std::fmt::Debug for Path {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Path")
+            .field("id", &self.id)
+            .field("address", &self.address)
+            .field("device", &self.device)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
 impl Path {
     pub(super) fn new(id: u64, ctrl: Arc<Controller>, address: String, device: String) -> Path {
         let labels = [
