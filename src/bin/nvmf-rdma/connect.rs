@@ -49,14 +49,15 @@ pub(crate) async fn run_connect(s: Subsys, x: ExportArgs) -> Result<()> {
     // umask (and the directory is 0700 too).
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("chmod 0600 {}", path.display()))?;
-    let exports = match start_exports(&c, &s, &x).await {
-        Ok(e) => e,
-        Err(e) => {
-            drop(listener);
-            let _ = std::fs::remove_file(&path);
-            return Err(e);
-        }
-    };
+    let exports =
+        match start_exports(&nvmf_rdma::multipath::Subsystem::single(c.clone()), &s, &x).await {
+            Ok(e) => e,
+            Err(e) => {
+                drop(listener);
+                let _ = std::fs::remove_file(&path);
+                return Err(e);
+            }
+        };
     for l in exports.describe() {
         println!("{l}");
     }
