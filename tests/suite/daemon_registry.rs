@@ -12,9 +12,8 @@ use nvmf_rdma::daemon::proto::{
     ConnectParams, ErrorCode, ExportInfo, LineStatus, ProtoError, Reply, Request,
 };
 use nvmf_rdma::daemon::{Daemon, DaemonConfig, Reporter};
-use nvmf_rdma::driver::{CmService, SoftHca};
-use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::nvmet::{Namespace, Target};
 
 const NQN: &str = "nqn.2026-11.io.nvmf-rdma:daemon-registry";
 const MIB: u64 = 1 << 20;
@@ -43,19 +42,7 @@ use crate::export_common::TempDir as Dir;
 
 /// The built-in target serving one 8 MiB RAM namespace on loopback.
 async fn target(i: u8) -> (Target<SoftHca>, SoftHca) {
-    let hca = SoftHca::start(crate::rig::device(31, "tgt", i))
-        .await
-        .unwrap();
-    let tc = TargetConfig {
-        subsystems: vec![Subsystem::new(
-            Nqn::new(NQN).unwrap(),
-            vec![Arc::new(Namespace::ram(1, 8 * MIB, 9))],
-        )],
-        ..TargetConfig::default()
-    };
-    let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::for_device(&hca)).unwrap();
-    (t, hca)
+    port(i, Arc::new(Namespace::ram(1, 8 * MIB, 9))).await
 }
 
 fn daemon(dir: &Path) -> (Daemon, Arc<Lines>) {
@@ -357,19 +344,10 @@ async fn a_reload_connects_new_lines_and_reports_the_ones_gone() {
     d.shutdown(false).await.unwrap();
 }
 
-/// One port of a subsystem served by two targets (two "ports"), each on its own soft-HCA,
-/// with the same namespace.
+/// The subsystem served with `ns` on a soft-HCA of its own: one port of it (two targets
+/// with the same namespace are two ports of one subsystem).
 async fn port(i: u8, ns: Arc<Namespace>) -> (Target<SoftHca>, SoftHca) {
-    let hca = SoftHca::start(crate::rig::device(31, "tgt", i))
-        .await
-        .unwrap();
-    let tc = TargetConfig {
-        subsystems: vec![Subsystem::new(Nqn::new(NQN).unwrap(), vec![ns])],
-        ..TargetConfig::default()
-    };
-    let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::for_device(&hca)).unwrap();
-    (t, hca)
+    crate::rig::serve(crate::rig::device(31, "tgt", i), NQN, vec![ns]).await
 }
 
 /// A connect to a second port of a connected subsystem adds a path (as `nvme connect`):

@@ -10,11 +10,10 @@ use std::time::Duration;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use nvmf_rdma::driver::{CmService, DeviceManager, SoftHca};
+use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::export::BlockDev;
 use nvmf_rdma::multipath::{IoPolicy, JoinError, MpNamespace, Subsystem};
-use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem as TargetSubsystem, Target, TargetConfig};
+use nvmf_rdma::nvmet::{Namespace, Target};
 use nvmf_rdma::reconnect::CtrlState;
 use nvmf_rdma::transport::{ConnectOptions, Controller};
 use nvmf_rdma::verbs::{DeviceFaults, FaultInjector};
@@ -25,16 +24,7 @@ const FILE: u8 = 44;
 
 /// One port of the subsystem: a target on a soft-HCA of its own serving `ns`.
 async fn port(i: u8, ns: Arc<Namespace>) -> (Target<SoftHca>, SoftHca) {
-    let hca = SoftHca::start(crate::rig::device(FILE, "tgt", i))
-        .await
-        .unwrap();
-    let tc = TargetConfig {
-        subsystems: vec![TargetSubsystem::new(Nqn::new(NQN).unwrap(), vec![ns])],
-        ..TargetConfig::default()
-    };
-    let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::for_device(&hca)).unwrap();
-    (t, hca)
+    crate::rig::serve(crate::rig::device(FILE, "tgt", i), NQN, vec![ns]).await
 }
 
 /// A path: a host soft-HCA of its own (behind a fault injector) connected to `target`.
@@ -203,7 +193,52 @@ async fn io_flows_on_path_b_while_path_a_hca_is_reset_with_no_error() {
     assert_eq!(all.mismatches, 0);
     assert!(all.ios > 300, "{all:?}");
     assert_eq!(a.stats().reconnects, 3);
+    assert!(a.stats().failovers > 0, "no read moved off path A");
     assert_eq!(rig.sub.held(), 0);
+}
+
+/// Both paths' HCAs down at once: a write is held (counted) until a path is back and then
+/// succeeds; beyond the subsystem's bound a command fails at once, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_is_held_while_no_path_is_usable_and_the_hold_is_bounded() {
+    let ns = Arc::new(Namespace::ram(1, NS_BYTES, 9));
+    let ports = [port(5, ns.clone()).await, port(6, ns).await];
+    let sub = Subsystem::with_max_held(NQN, IoPolicy::Failover, 1);
+    let mut faults = Vec::new();
+    for (i, (_, hca)) in ports.iter().enumerate() {
+        let (c, f) = path(5 + i as u8, hca.addr()).await;
+        sub.add_path(c, hca.addr().to_string(), f.name().to_string())
+            .await
+            .unwrap();
+        faults.push(f);
+    }
+    let ns = Arc::new(sub.namespace(1).unwrap());
+    ns.write(0, &[1; 4096]).await.unwrap();
+    let resets: Vec<_> = faults
+        .iter()
+        .map(|f| {
+            let f = f.clone();
+            tokio::spawn(async move { f.reset(Duration::from_millis(500)).await })
+        })
+        .collect();
+    let paths = sub.paths();
+    until("both paths down", || {
+        paths.iter().all(|p| p.ctrl.state() != CtrlState::Live)
+    })
+    .await;
+    let held = {
+        let ns = ns.clone();
+        tokio::spawn(async move { ns.write(0, &[2; 4096]).await })
+    };
+    until("the write held", || sub.held() == 1).await;
+    let e = ns.read(0, 4096).await.unwrap_err();
+    assert!(e.to_string().contains("already wait"), "{e}");
+    for r in resets {
+        r.await.unwrap().unwrap();
+    }
+    held.await.unwrap().unwrap();
+    assert_eq!(sub.held(), 0);
+    assert_eq!(ns.read(0, 4096).await.unwrap(), vec![2; 4096]);
 }
 
 /// `round-robin` and `queue-depth` spread a namespace's I/O over both paths (per-path
