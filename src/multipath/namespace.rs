@@ -115,12 +115,31 @@ impl MpNamespace {
         Err(first.unwrap_or_else(|| HostError::Gone(format!("{} has no path", self.sub.nqn))))
     }
 
-    fn choose(&self, paths: &[Arc<Path>], now: Instant) -> Choice {
-        let views: Vec<_> = paths.iter().map(|p| p.view(&self.ns, now)).collect();
+    /// The path for a command that already failed on the paths in `tried`: another one
+    /// if one is usable, else the choice among all of them.
+    fn choose(&self, paths: &[Arc<Path>], tried: &[u64], now: Instant) -> Choice {
+        let mut views: Vec<_> = paths.iter().map(|p| p.view(&self.ns, now)).collect();
         let mut sel = self.sel.lock().unwrap_or_else(|e| e.into_inner());
         let (s, last_id) = &mut *sel;
         s.set_policy(self.sub.policy());
-        s.resume_from(last_id.and_then(|id| paths.iter().position(|p| p.id == id)));
+        let last = last_id.and_then(|id| paths.iter().position(|p| p.id == id));
+        if !tried.is_empty() {
+            let all = views.clone();
+            for (v, p) in views.iter_mut().zip(paths) {
+                if tried.contains(&p.id) {
+                    v.live = false;
+                }
+            }
+            s.resume_from(last);
+            match s.choose(&views) {
+                Choice::Path(i) => {
+                    *last_id = Some(paths[i].id);
+                    return Choice::Path(i);
+                }
+                _ => views = all,
+            }
+        }
+        s.resume_from(last);
         let c = s.choose(&views);
         *last_id = s.last().map(|i| paths[i].id);
         c
@@ -179,10 +198,12 @@ impl MpNamespace {
         let kind = op.kind();
         let mut held = None;
         let mut moves = 0;
+        // Paths that failed this command: another one is preferred for it.
+        let mut tried = Vec::new();
         loop {
             let sub_rx = self.sub.subscribe();
             let paths = self.sub.paths();
-            match self.choose(&paths, Instant::now()) {
+            match self.choose(&paths, &tried, Instant::now()) {
                 Choice::Path(i) => {
                     held = None;
                     let path = &paths[i];
@@ -204,6 +225,9 @@ impl MpNamespace {
                         AfterError::Elsewhere { reread_ana } if moves < MAX_MOVES => {
                             moves += 1;
                             path.failed_over();
+                            if !tried.contains(&path.id) {
+                                tried.push(path.id);
+                            }
                             if reread_ana {
                                 refresh(&self.sub, path).await;
                             }
