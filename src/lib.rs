@@ -15,6 +15,7 @@ pub mod harness;
 pub mod hca;
 #[cfg(feature = "hw")]
 pub mod hw;
+pub mod multipath;
 pub mod nvme;
 pub mod nvmet;
 pub mod published;

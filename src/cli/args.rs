@@ -60,6 +60,11 @@ pub struct Subsys {
     /// Namespace to use for read/write/verify.
     #[arg(long, default_value_t = 1)]
     pub nsid: u32,
+    /// How the subsystem's I/O is spread over its paths: failover, round-robin or
+    /// queue-depth (Linux's `iopolicy`); given when adding a path, it changes the whole
+    /// subsystem's [default: failover]
+    #[arg(long = "iopolicy", value_name = "POLICY")]
+    pub iopolicy: Option<crate::multipath::IoPolicy>,
 }
 
 /// Keep-alive and the reconnect policy, with nvme-cli's names where it has them. Shared by

@@ -80,6 +80,15 @@ fn describe() {
         Unit::Bytes,
         "Bytes of those payload copies"
     );
+    describe_counter!(
+        "nvmf_mp_path_io_total",
+        "Commands a multipath namespace sent on this path (labels: subsys, path)"
+    );
+    describe_counter!(
+        "nvmf_mp_path_failovers_total",
+        "Commands that left this path for another one: its connection failed under a read, \
+         or it answered with a path status"
+    );
     describe_histogram!(
         "nvmf_ctrl_recovery_seconds",
         Unit::Seconds,

@@ -190,6 +190,12 @@ pub struct ControllerInfo {
     pub namespaces: Vec<NamespaceInfo>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub exports: Vec<ExportInfo>,
+    /// The subsystem's I/O policy over its paths (the daemon's controllers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iopolicy: Option<String>,
+    /// This controller as a path of its subsystem (the daemon's controllers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathDetail>,
     /// Held by a `connect --foreground` process (set by the client that lists it).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub foreground: bool,
@@ -207,6 +213,25 @@ impl ControllerInfo {
             .map(|n| n.blocks * u64::from(n.block_size))
             .sum()
     }
+}
+
+/// A controller as a path of its subsystem: what nvme-cli's `list-subsys` and `nvme top`
+/// show of a path.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PathDetail {
+    /// The host device it runs on.
+    pub device: String,
+    /// ANA state of each namespace through it (Linux's names).
+    pub ana_state: Vec<(u32, String)>,
+    /// Commands sent on it.
+    pub ios: u64,
+    /// Commands in flight on it now.
+    pub inflight: u32,
+    /// Commands that left it for another path.
+    pub failovers: u64,
+    /// Its controller's completed reconnects.
+    pub reconnects: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

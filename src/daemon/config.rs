@@ -63,6 +63,7 @@ pub fn params_of(s: &Subsys, x: &ExportArgs, m: &ConnectMode) -> ConnectParams {
         nbd_allow_remote: x.nbd_allow_remote,
         fuse: x.fuse.as_deref().map(|p| abs(p).display().to_string()),
         duplicate_connect: m.duplicate_connect,
+        iopolicy: s.iopolicy.map(|p| p.name().to_string()),
     }
 }
 

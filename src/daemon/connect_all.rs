@@ -18,6 +18,7 @@ use crate::daemon::say;
 use crate::daemon::watch::{
     reap_when_dead, retry_delay, retry_until_ok, watch_discovery, watch_namespaces,
 };
+use crate::multipath::{JoinError, Subsystem};
 use crate::nvme::fabrics::DISCOVERY_NQN;
 
 /// `connect-all`: each configured line (or the one given) connected; discovery lines expand
@@ -339,9 +340,39 @@ async fn connect_entry(
         .await
         .map_err(|e| failed(format!("{what}: {e:#}")).hint(connect_hint(&format!("{e:#}"))))?;
     let c = Arc::new(c);
-    let exports = match start_exports(&c, &sub, &x).await {
+    let mut mp = st.subsystem(&sub.nqn, &c.opts.hostnqn, sub.iopolicy);
+    let (address, device_name) = (sub.fabric.traddr.to_string(), sub.fabric.device.to_string());
+    let mut joined = mp
+        .add_path(c.clone(), address.clone(), device_name.clone())
+        .await;
+    if let Some(JoinError::OtherNamespace { nsid }) =
+        joined.as_ref().err().and_then(|e| e.downcast_ref())
+    {
+        // Not the same disk behind the same NSID: a controller of its own, not a path.
+        say!(
+            st.cfg.report,
+            "{name}: namespace {nsid} is not the namespace the other paths of {} show (another NGUID, EUI-64 or UUID); kept as a controller of its own, not a path",
+            sub.nqn
+        );
+        mp = Subsystem::new(&sub.nqn, sub.iopolicy.unwrap_or_default());
+        joined = mp.add_path(c.clone(), address, device_name).await;
+    }
+    let path = match joined {
+        Ok(p) => p.id,
+        Err(e) => {
+            if let Ok(c) = Arc::try_unwrap(c) {
+                c.disconnect().await;
+            }
+            if let Some(d) = device {
+                d.release().await;
+            }
+            return Err(failed(format!("{what}: {e:#}")));
+        }
+    };
+    let exports = match start_exports(&mp, &sub, &x).await {
         Ok(x) => x,
         Err(e) => {
+            mp.remove_path(path);
             if let Ok(c) = Arc::try_unwrap(c) {
                 c.disconnect().await;
             }
@@ -364,6 +395,7 @@ async fn connect_entry(
         tokio::spawn(watch_namespaces(
             name.clone(),
             c.clone(),
+            (mp.clone(), path),
             exports.set.clone(),
             st.cfg.report.clone(),
         )),
@@ -373,6 +405,8 @@ async fn connect_entry(
         key,
         sub,
         ctrl: c,
+        mp,
+        path,
         exports,
         tasks,
         io_gate: Arc::new(tokio::sync::RwLock::new(())),

@@ -9,6 +9,7 @@ use crate::cli::args::{ExportArgs, Subsys};
 use crate::cli::support::{human_duration, Health};
 use crate::daemon::{say, Report};
 use crate::export;
+use crate::multipath::Subsystem;
 use crate::reconnect::CtrlState;
 use crate::transport::{Controller, CtrlStatus};
 
@@ -73,6 +74,11 @@ pub struct Exports {
 }
 
 impl Exports {
+    /// No export runs.
+    pub fn is_empty(&self) -> bool {
+        self.nbd.is_none() && self.fuse.is_none() && self.set.is_none()
+    }
+
     /// What `connect` prints about the exports once they are ready.
     pub fn describe(&self) -> Vec<String> {
         let mut v = Vec::new();
@@ -153,18 +159,26 @@ fn detach(mp: &std::path::Path) {
     }
 }
 
-pub async fn start_exports(c: &Arc<Controller>, s: &Subsys, x: &ExportArgs) -> Result<Exports> {
-    let mut out = Exports {
-        nbd: None,
-        nbd_at: None,
-        fuse: None,
-        nsid: s.nsid,
-        set: None,
-    };
+/// Start the exports `x` asks for, on namespace `s.nsid` over every path of `mp`.
+impl Exports {
+    /// No export, for namespace `nsid`.
+    pub fn none(nsid: u32) -> Exports {
+        Exports {
+            nbd: None,
+            nbd_at: None,
+            fuse: None,
+            nsid,
+            set: None,
+        }
+    }
+}
+
+pub async fn start_exports(mp: &Arc<Subsystem>, s: &Subsys, x: &ExportArgs) -> Result<Exports> {
+    let mut out = Exports::none(s.nsid);
     if x.nbd.is_none() && x.fuse.is_none() {
         return Ok(out);
     }
-    let dev = Arc::new(export::BlockDev::new(c.clone(), s.nsid)?);
+    let dev = Arc::new(export::BlockDev::on(Arc::new(mp.namespace(s.nsid)?)));
     let set = export::DevSet::one(&format!("ns{}", s.nsid), dev)?;
     out.set = Some(set.clone());
     if let Some(addr) = &x.nbd {

@@ -78,7 +78,9 @@ impl Foreground {
         let held = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
             .with_context(|| format!("chmod 0600 {}", path.display()));
         let exports = match held {
-            Ok(()) => start_exports(&ctrl, sub, x).await,
+            Ok(()) => {
+                start_exports(&crate::multipath::Subsystem::single(ctrl.clone()), sub, x).await
+            }
             Err(e) => Err(e),
         };
         match exports {

@@ -89,6 +89,9 @@ pub struct ConnectParams {
     /// NQN exists.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub duplicate_connect: bool,
+    /// failover, round-robin or queue-depth: the subsystem's I/O policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iopolicy: Option<String>,
 }
 
 impl ConnectParams {
@@ -127,6 +130,10 @@ impl ConnectParams {
         }
         if self.duplicate_connect {
             v.push("-D".into());
+        }
+        if let Some(p) = &self.iopolicy {
+            v.push("--iopolicy".into());
+            v.push(p.clone());
         }
         v
     }

@@ -19,11 +19,14 @@ use crate::cli::host::{ctrl_info, device_config, HOST_HCA};
 use crate::cli::support::{host_bind_addr, roce_peer};
 use crate::daemon::config::ConfigLine;
 use crate::daemon::exports::Exports;
-use crate::daemon::proto::{ConnectParams, ControllerInfo, ErrorCode, ExportInfo, ProtoError};
+use crate::daemon::proto::{
+    ConnectParams, ControllerInfo, ErrorCode, ExportInfo, PathDetail, ProtoError,
+};
 use crate::daemon::usage::{holders, in_use_message, Probe};
 use crate::daemon::{say, Report};
 use crate::driver::DeviceManager;
 use crate::export::DevSet;
+use crate::multipath::Subsystem;
 use crate::reconnect::CtrlState;
 use crate::transport::Controller;
 
@@ -39,6 +42,10 @@ pub(super) struct Entry {
     pub(super) key: Key,
     pub(super) sub: Subsys,
     pub(super) ctrl: Arc<Controller>,
+    /// The subsystem it is a path of (with the daemon's other controllers to the same
+    /// subsystem NQN and host NQN), and its path's id there.
+    pub(super) mp: Arc<Subsystem>,
+    pub(super) path: u64,
     pub(super) exports: Exports,
     pub(super) tasks: Vec<tokio::task::JoinHandle<()>>,
     /// Held (read) by each I/O request on the controller; a disconnect takes it (write).
@@ -74,6 +81,24 @@ impl Entry {
         let mut info: ControllerInfo = serde_json::from_str(&c.to_json()).unwrap_or_default();
         info.address = Some(self.sub.fabric.traddr.to_string());
         info.exports = exports_info(&self.exports);
+        info.iopolicy = Some(self.mp.policy().name().to_string());
+        info.path = self
+            .mp
+            .info()
+            .into_iter()
+            .find(|p| p.id == self.path)
+            .map(|p| PathDetail {
+                device: p.device,
+                ana_state: p
+                    .ana
+                    .iter()
+                    .map(|(nsid, st)| (*nsid, st.name().to_string()))
+                    .collect(),
+                ios: p.stats.ios,
+                inflight: p.stats.inflight,
+                failovers: p.stats.failovers,
+                reconnects: p.stats.reconnects,
+            });
         info
     }
 
@@ -85,6 +110,7 @@ impl Entry {
         }
         // `read`/`write`/`verify` requests in flight end first (each holds the gate).
         let _gate = self.io_gate.write().await;
+        self.mp.remove_path(self.path);
         // Only a forced disconnect (or an unexpected busy mount) gets here with a user left:
         // the export is fenced and the controller deleted, whoever still holds them, so the
         // controller's own soft-HCA can go with it: nothing waits on it any more.
@@ -160,6 +186,9 @@ pub(super) struct State {
     pub(super) stop_req: tokio::sync::mpsc::Sender<StopAsk>,
     /// The config file's lines as last read, to tell what a reload adds and drops.
     pub(super) configured: Mutex<Vec<ConfigLine>>,
+    /// Subsystems by subsystem NQN and host NQN: a connect to another portal of one adds a
+    /// path to it.
+    subsystems: Mutex<HashMap<(String, String), std::sync::Weak<Subsystem>>>,
 }
 
 impl State {
@@ -185,8 +214,34 @@ impl State {
             retries: Mutex::new(HashMap::new()),
             stop_req: stop_tx,
             configured: Mutex::new(Vec::new()),
+            subsystems: Mutex::new(HashMap::new()),
         };
         (st, stop_rx, rescan_rx)
+    }
+}
+
+impl State {
+    /// The subsystem `nqn` as host `hostnqn` sees it: the one its other controllers are
+    /// paths of, or a new one with `policy` (failover when none is given). A policy given
+    /// for a subsystem that exists changes it.
+    pub(super) fn subsystem(
+        &self,
+        nqn: &str,
+        hostnqn: &str,
+        policy: Option<crate::multipath::IoPolicy>,
+    ) -> Arc<Subsystem> {
+        let mut subs = self.subsystems.lock().unwrap_or_else(|e| e.into_inner());
+        subs.retain(|_, s| s.strong_count() > 0);
+        let key = (nqn.to_string(), hostnqn.to_string());
+        if let Some(s) = subs.get(&key).and_then(std::sync::Weak::upgrade) {
+            if let Some(p) = policy {
+                s.set_policy(p);
+            }
+            return s;
+        }
+        let s = Subsystem::new(nqn, policy.unwrap_or_default());
+        subs.insert(key, Arc::downgrade(&s));
+        s
     }
 }
 
@@ -431,6 +486,7 @@ pub(super) async fn op_disconnect(
         .filter(|(_, e)| pick(e))
         .map(|(n, _)| *n)
         .collect();
+    hand_over_exports(st, &picked);
     if picked.is_empty() && !what.is_empty() {
         return Err(
             ProtoError::new(ErrorCode::NotFound, format!("no controller matches {what}"))
@@ -473,6 +529,48 @@ pub(super) async fn op_disconnect(
         );
     }
     Ok(names)
+}
+
+/// Exports of a controller about to be disconnected go on over another path of its
+/// subsystem (one that stays and has none of its own), as a namespace of Linux's native
+/// multipath outlives any one of its controllers.
+fn hand_over_exports(st: &State, picked: &[u32]) {
+    let mut inner = lock(&st.inner);
+    for n in picked {
+        let Some(e) = inner.ctrls.get(n) else {
+            continue;
+        };
+        if e.exports.is_empty() {
+            continue;
+        }
+        let mp = e.mp.clone();
+        let heir = inner
+            .ctrls
+            .iter()
+            .find(|(m, o)| {
+                !picked.contains(m)
+                    && Arc::ptr_eq(&o.mp, &mp)
+                    && o.exports.is_empty()
+                    && o.ctrl.state() != CtrlState::Dead
+            })
+            .map(|(m, _)| *m);
+        let Some(heir) = heir else { continue };
+        let Some(e) = inner.ctrls.get_mut(n) else {
+            continue;
+        };
+        let nsid = e.exports.nsid;
+        let x = std::mem::replace(&mut e.exports, Exports::none(nsid));
+        let from = e.name.clone();
+        if let Some(h) = inner.ctrls.get_mut(&heir) {
+            say!(
+                st.cfg.report,
+                "{from}: its exports go on through {} (another path of {})",
+                h.name,
+                mp.nqn
+            );
+            h.exports = x;
+        }
+    }
 }
 
 /// Holders of the exports of `picked`, as an `in-use` error.

@@ -15,6 +15,7 @@ use crate::daemon::stop::PENDING_POLL;
 use crate::daemon::usage::holders;
 use crate::daemon::{say, Report};
 use crate::export::{BlockDev, DevSet};
+use crate::multipath::Subsystem;
 use crate::reconnect::CtrlState;
 use crate::transport::Controller;
 
@@ -47,16 +48,18 @@ where
 /// A controller's namespaces, followed: a Namespace Attribute Changed notice rescans them,
 /// and the controller rescans them itself after each reconnect; after every rescan that
 /// changed them, `list` shows the new ones and sizes and the exports follow
-/// ([`follow_namespaces`]). Ends when the controller is deleted.
+/// ([`follow_namespaces`]). An ANA change notice makes the subsystem `mp` read the path's
+/// ANA state again. Ends when the controller is deleted.
 pub(super) async fn watch_namespaces(
     name: String,
     c: Arc<Controller>,
+    (mp, path): (Arc<Subsystem>, u64),
     set: Option<DevSet>,
     report: Report,
 ) {
     let mut changed = c.watch_namespaces();
     // Kept across turns: an Async Event Request stays outstanding until it completes.
-    let events = next_namespace_event(&name, &c, &report);
+    let events = next_namespace_event(&name, &c, (&mp, path), &report);
     tokio::pin!(events);
     loop {
         tokio::select! {
@@ -64,7 +67,7 @@ pub(super) async fn watch_namespaces(
                 if !go_on {
                     return;
                 }
-                events.set(next_namespace_event(&name, &c, &report));
+                events.set(next_namespace_event(&name, &c, (&mp, path), &report));
             }
             r = changed.changed() => {
                 if r.is_err() {
@@ -77,7 +80,7 @@ pub(super) async fn watch_namespaces(
                     .collect();
                 say!(report, "{name}: namespaces changed: {}", ids.join(", "));
                 if let Some(set) = &set {
-                    for l in follow_namespaces(&c, set) {
+                    for l in follow_namespaces(&c, &mp, set) {
                         say!(report, "{name}: {l}");
                     }
                 }
@@ -87,12 +90,24 @@ pub(super) async fn watch_namespaces(
 }
 
 /// Wait for the controller's next Asynchronous Event and rescan on a Namespace Attribute
-/// Changed notice. False once the controller is deleted.
-async fn next_namespace_event(name: &str, c: &Arc<Controller>, report: &Report) -> bool {
+/// Changed notice, and the path's ANA state is read again on an ANA change notice. False
+/// once the controller is deleted.
+async fn next_namespace_event(
+    name: &str,
+    c: &Arc<Controller>,
+    (mp, path): (&Subsystem, u64),
+    report: &Report,
+) -> bool {
     match c.next_async_event().await {
         Ok(ev) if ev.namespaces_changed() => {
             if let Err(e) = c.rescan_namespaces().await {
                 say!(report, "{name}: namespaces changed, rescan failed: {e}");
+            }
+        }
+        Ok(ev) if crate::nvme::ana::aen_reports_ana_change(ev.to_result()) => {
+            if let Some(p) = mp.paths().into_iter().find(|p| p.id == path) {
+                mp.handle_async_event(&p, ev).await;
+                say!(report, "{name}: ANA state changed; read again");
             }
         }
         Ok(ev) => say!(
@@ -129,7 +144,7 @@ async fn next_namespace_event(name: &str, c: &Arc<Controller>, report: &Report) 
 /// (an open FUSE file, a loop device, a connected NBD client) must not be handed another
 /// disk's blocks; the new one is served after the controller is connected again. Returns
 /// what changed, a line each.
-fn follow_namespaces(c: &Arc<Controller>, set: &DevSet) -> Vec<String> {
+fn follow_namespaces(c: &Arc<Controller>, mp: &Arc<Subsystem>, set: &DevSet) -> Vec<String> {
     let mut said = Vec::new();
     let now = c.namespaces();
     for (file, old) in set.named() {
@@ -156,8 +171,8 @@ fn follow_namespaces(c: &Arc<Controller>, set: &DevSet) -> Vec<String> {
         {
             continue;
         }
-        let dev = match BlockDev::new(c.clone(), n.nsid) {
-            Ok(d) => Arc::new(d),
+        let dev = match mp.namespace(n.nsid) {
+            Ok(d) => Arc::new(BlockDev::on(Arc::new(d))),
             Err(e) => {
                 said.push(format!("exports: {file}: {e}"));
                 continue;

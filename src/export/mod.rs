@@ -3,11 +3,12 @@
 //! and a single-file FUSE file system ([`fuse`]) that `losetup` turns into a block device where
 //! the kernel has no NBD driver.
 //!
-//! Both sit on [`BlockDev`]: byte-addressed reads and writes over a [`Controller`], with
-//! read-modify-write for requests that do not start or end on a block boundary, large requests
-//! split at [`Controller::max_transfer`] and the pieces issued concurrently. The exports hold the
-//! same `Arc<Controller>` as everything else, so whatever recovery the controller does under a
-//! device reset shows up here only as latency.
+//! Both sit on [`BlockDev`]: byte-addressed reads and writes over a namespace of a
+//! [`Subsystem`](crate::multipath::Subsystem) (one controller, or several paths to the same
+//! subsystem), with read-modify-write for requests that do not start or end on a block
+//! boundary, large requests split at the paths' transfer limit and the pieces issued
+//! concurrently. Whatever recovery or failover happens underneath shows up here only as
+//! latency.
 
 pub mod devset;
 pub mod fuse;
@@ -25,6 +26,7 @@ use std::task::Poll;
 
 use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use crate::multipath::MpNamespace;
 use crate::transport::{Controller, HostError, NsInfo};
 
 pub use devset::DevSet;
@@ -103,9 +105,9 @@ impl ExportError {
 /// between. Locks are taken in ascending stripe order, so requests never wait on one another
 /// in a cycle. Reads take none: a read that overlaps a write sees either.
 pub struct BlockDev {
-    ctrl: Arc<Controller>,
-    nsid: u32,
-    /// The namespace as opened: requests fail once another one is behind `nsid`.
+    /// The namespace over its paths: requests fail once another one is behind its NSID on
+    /// every path.
+    mp: Arc<MpNamespace>,
     ns: NsInfo,
     block: u64,
     size: u64,
@@ -164,19 +166,24 @@ async fn all_of(ios: Vec<Io<'_>>) -> Result<(), HostError> {
 }
 
 impl BlockDev {
+    /// Namespace `nsid` of one controller.
     pub fn new(ctrl: Arc<Controller>, nsid: u32) -> Result<BlockDev, ExportError> {
-        let ns = ctrl.namespace(nsid)?;
+        Ok(Self::on(Arc::new(MpNamespace::single(ctrl, nsid)?)))
+    }
+
+    /// A namespace over every path of its subsystem.
+    pub fn on(mp: Arc<MpNamespace>) -> BlockDev {
+        let ns = mp.info();
         let block = ns.block_size as u64;
-        let chunk = ((ctrl.max_transfer() as u64 / block).max(1) * block) as usize;
-        Ok(BlockDev {
-            ctrl,
-            nsid,
+        let chunk = ((mp.max_transfer() as u64 / block).max(1) * block) as usize;
+        BlockDev {
+            mp,
             ns,
             block,
             size: ns.bytes(),
             chunk,
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
-        })
+        }
     }
 
     /// Size in bytes.
@@ -189,8 +196,9 @@ impl BlockDev {
         self.block as u32
     }
 
-    pub fn controller(&self) -> &Arc<Controller> {
-        &self.ctrl
+    /// The namespace over its paths.
+    pub fn multipath(&self) -> &Arc<MpNamespace> {
+        &self.mp
     }
 
     /// The namespace this device serves, as it was when the device was made.
@@ -199,7 +207,7 @@ impl BlockDev {
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), ExportError> {
-        self.ctrl.same_namespace(&self.ns)?;
+        self.mp.same_namespace()?;
         match offset.checked_add(len) {
             Some(end) if end <= self.size => Ok(()),
             _ => Err(ExportError::OutOfRange {
@@ -357,9 +365,9 @@ impl BlockDev {
     /// Read block `lba`, put `bytes` at `at` in it, write it back. The caller holds its stripe
     /// exclusively.
     async fn merge_block(&self, lba: u64, at: usize, bytes: &[u8]) -> Result<(), HostError> {
-        let mut b = self.ctrl.read(self.nsid, lba, self.block as usize).await?;
+        let mut b = self.mp.read(lba, self.block as usize).await?;
         b[at..at + bytes.len()].copy_from_slice(bytes);
-        self.ctrl.write(self.nsid, lba, &b).await
+        self.mp.write(lba, &b).await
     }
 
     /// Zero `len` bytes at `offset`: Write Zeroes for the whole blocks, read-modify-write for
@@ -409,7 +417,7 @@ impl BlockDev {
             let mut lba = first_full;
             while lba < end_full {
                 let n = (end_full - lba).min(MAX_ZERO_BLOCKS);
-                self.ctrl.write_zeroes(self.nsid, lba, n as u32).await?;
+                self.mp.write_zeroes(lba, n as u32).await?;
                 lba += n;
             }
             Ok(())
@@ -436,15 +444,15 @@ impl BlockDev {
         let mut lba = first;
         while lba < end {
             let n = (end - lba).min(MAX_TRIM_BLOCKS);
-            self.ctrl.deallocate(self.nsid, &[(lba, n as u32)]).await?;
+            self.mp.deallocate(&[(lba, n as u32)]).await?;
             lba += n;
         }
         Ok(())
     }
 
     pub async fn flush(&self) -> Result<(), ExportError> {
-        self.ctrl.same_namespace(&self.ns)?;
-        Ok(self.ctrl.flush(self.nsid).await?)
+        self.mp.same_namespace()?;
+        Ok(self.mp.flush().await?)
     }
 
     /// Whole blocks from `lba` into `out`, split at the transfer limit, the pieces in flight
@@ -454,9 +462,7 @@ impl BlockDev {
         let ios = out
             .chunks_mut(self.chunk)
             .enumerate()
-            .map(|(i, part)| -> Io<'_> {
-                Box::pin(self.ctrl.read_into(self.nsid, lba + i as u64 * per, part))
-            })
+            .map(|(i, part)| -> Io<'_> { Box::pin(self.mp.read_into(lba + i as u64 * per, part)) })
             .collect();
         Ok(all_of(ios).await?)
     }
@@ -467,9 +473,7 @@ impl BlockDev {
         let ios = data
             .chunks(self.chunk)
             .enumerate()
-            .map(|(i, part)| -> Io<'_> {
-                Box::pin(self.ctrl.write(self.nsid, lba + i as u64 * per, part))
-            })
+            .map(|(i, part)| -> Io<'_> { Box::pin(self.mp.write(lba + i as u64 * per, part)) })
             .collect();
         all_of(ios).await
     }

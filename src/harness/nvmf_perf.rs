@@ -109,6 +109,7 @@ impl LocalTarget {
             queue_size: 128,
             policy: PolicyArgs::default(),
             nsid: 1,
+            iopolicy: None,
         }
     }
 }

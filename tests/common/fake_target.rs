@@ -76,6 +76,8 @@ pub enum Lie {
     WriteIntoWriteData,
     /// Never answer.
     Silence,
+    /// Answer with this status without executing the command (a path status, say).
+    Status(Status),
 }
 
 /// How much [`Lie::ReadPastTransfer`] reads.
@@ -476,7 +478,10 @@ impl FakeQueue {
             self.admin(sh, &sqe)
         } else {
             lie = (sh.script)(&sqe);
-            self.io(hca, sh, &sqe, sgl, lie).await?
+            match lie {
+                Lie::Status(s) => (s, 0, Vec::new()),
+                _ => self.io(hca, sh, &sqe, sgl, lie).await?,
+            }
         };
         let answer = Answer {
             sqe,

@@ -12,9 +12,8 @@ use nvmf_rdma::daemon::proto::{
     ConnectParams, ErrorCode, ExportInfo, LineStatus, ProtoError, Reply, Request,
 };
 use nvmf_rdma::daemon::{Daemon, DaemonConfig, Reporter};
-use nvmf_rdma::driver::{CmService, SoftHca};
-use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::nvmet::{Namespace, Target};
 
 const NQN: &str = "nqn.2026-11.io.nvmf-rdma:daemon-registry";
 const MIB: u64 = 1 << 20;
@@ -43,19 +42,7 @@ use crate::export_common::TempDir as Dir;
 
 /// The built-in target serving one 8 MiB RAM namespace on loopback.
 async fn target(i: u8) -> (Target<SoftHca>, SoftHca) {
-    let hca = SoftHca::start(crate::rig::device(31, "tgt", i))
-        .await
-        .unwrap();
-    let tc = TargetConfig {
-        subsystems: vec![Subsystem::new(
-            Nqn::new(NQN).unwrap(),
-            vec![Arc::new(Namespace::ram(1, 8 * MIB, 9))],
-        )],
-        ..TargetConfig::default()
-    };
-    let t = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(t.clone(), CmService::for_device(&hca)).unwrap();
-    (t, hca)
+    port(i, Arc::new(Namespace::ram(1, 8 * MIB, 9))).await
 }
 
 fn daemon(dir: &Path) -> (Daemon, Arc<Lines>) {
@@ -355,4 +342,83 @@ async fn a_reload_connects_new_lines_and_reports_the_ones_gone() {
     assert!(lines.has(&["reload: no new line"]));
     assert_eq!(list(&d).await.len(), 2);
     d.shutdown(false).await.unwrap();
+}
+
+/// The subsystem served with `ns` on a soft-HCA of its own: one port of it (two targets
+/// with the same namespace are two ports of one subsystem).
+async fn port(i: u8, ns: Arc<Namespace>) -> (Target<SoftHca>, SoftHca) {
+    crate::rig::serve(crate::rig::device(31, "tgt", i), NQN, vec![ns]).await
+}
+
+/// A connect to a second port of a connected subsystem adds a path (as `nvme connect`):
+/// `list` shows both controllers as paths of one subsystem with the policy given, each
+/// with its ANA state and I/O count. Disconnecting the path that holds the NBD export keeps
+/// the export: it goes on through the other path, with the data written through the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_port_adds_a_path_and_the_export_outlives_the_first_path() {
+    let dir = Dir::new("multipath");
+    let ns = Arc::new(Namespace::ram(1, 8 * MIB, 9));
+    let (_ta, a) = port(10, ns.clone()).await;
+    let (_tb, b) = port(11, ns).await;
+    let (d, lines) = daemon(&dir.0);
+    let sock = dir.0.join("nbd.sock");
+    let mut p = params(a.addr());
+    p.nbd = Some(format!("unix:{}", sock.display()));
+    p.iopolicy = Some("round-robin".into());
+    assert_eq!(connect(&d, p).await.unwrap(), "nvmf0");
+    assert_eq!(connect(&d, params(b.addr())).await.unwrap(), "nvmf1");
+
+    let s = sock.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut c = crate::export_nbd::Client::connect(&s, false);
+        for i in 0..16u64 {
+            c.write(i * 4096, &[i as u8; 4096], 0);
+        }
+    })
+    .await
+    .unwrap();
+    let l = list(&d).await;
+    assert_eq!(l.len(), 2);
+    for c in &l {
+        assert_eq!(c.iopolicy.as_deref(), Some("round-robin"), "{c:?}");
+        let path = c.path.as_ref().expect("a path");
+        assert_eq!(path.ana_state, [(1, "optimized".to_string())]);
+        // Round-robin: both paths carried the writes.
+        assert!(path.ios > 0, "{c:?}");
+    }
+
+    match d
+        .handle(Request::Disconnect {
+            device: Some("nvmf0".into()),
+            nqn: None,
+            force: false,
+        })
+        .await
+        .unwrap()
+    {
+        Reply::Disconnect(r) => assert_eq!(r.disconnected, ["nvmf0"]),
+        r => panic!("{r:?}"),
+    }
+    assert!(lines.has(&["nvmf0: its exports go on through nvmf1"]));
+    let l = list(&d).await;
+    assert_eq!(l.len(), 1);
+    assert!(
+        matches!(l[0].exports[..], [ExportInfo::Nbd { .. }]),
+        "{l:?}"
+    );
+    let s = sock.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut c = crate::export_nbd::Client::connect(&s, false);
+        for i in 0..16u64 {
+            assert_eq!(c.read(i * 4096, 4096), vec![i as u8; 4096]);
+        }
+    })
+    .await
+    .unwrap();
+    list_until(&d, 10, "the NBD client gone", |l| {
+        matches!(l[0].exports[..], [ExportInfo::Nbd { clients: 0, .. }])
+    })
+    .await;
+    d.shutdown(false).await.unwrap();
+    assert!(!sock.exists());
 }

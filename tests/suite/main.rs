@@ -23,6 +23,7 @@ mod export_fuse;
 mod export_model;
 mod export_nbd;
 mod late_writes;
+mod multipath;
 mod multiport;
 mod ns_rescan;
 mod nvme_props;

@@ -3,9 +3,13 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
+use nvmf_rdma::driver::{CmService, SoftHca};
 use nvmf_rdma::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
+use nvmf_rdma::nvme::Nqn;
+use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::reconnect::Policy;
 use nvmf_rdma::verbs::PciAddr;
 
@@ -47,4 +51,20 @@ pub async fn within<T>(secs: u64, what: &str, f: impl Future<Output = T>) -> T {
         Ok(v) => v,
         Err(_) => panic!("{what}: no result within {secs} s"),
     }
+}
+
+/// A built-in target on a soft-HCA of `cfg` serving subsystem `nqn` with `namespaces`.
+pub async fn serve(
+    cfg: DeviceConfig,
+    nqn: &str,
+    namespaces: Vec<Arc<Namespace>>,
+) -> (Target<SoftHca>, SoftHca) {
+    let hca = SoftHca::start(cfg).await.unwrap();
+    let tc = TargetConfig {
+        subsystems: vec![Subsystem::new(Nqn::new(nqn).unwrap(), namespaces)],
+        ..TargetConfig::default()
+    };
+    let t = Target::start(hca.clone(), tc).unwrap();
+    serve_cm(t.clone(), CmService::for_device(&hca)).unwrap();
+    (t, hca)
 }

@@ -289,6 +289,7 @@ impl ConnectAllArgs {
             nqn: nvmf_rdma::nvme::fabrics::DISCOVERY_NQN.into(),
             nr_io_queues: self.nr_io_queues,
             queue_size: self.queue_size,
+            iopolicy: None,
             policy: self.policy,
             nsid: 1,
         };

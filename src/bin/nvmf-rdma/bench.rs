@@ -268,6 +268,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
             queue_size: 128,
             policy: PolicyArgs::default(),
             nsid: 1,
+            iopolicy: None,
         };
         return remote_bench(&sub, Duration::from_secs_f64(seconds), &show);
     }

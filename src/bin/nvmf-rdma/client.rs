@@ -147,11 +147,22 @@ pub(crate) async fn run_list_subsys(output: ListFormat) -> Result<()> {
                 let paths: Vec<serde_json::Value> = cs
                     .iter()
                     .map(|c| {
-                        json!({"Name": c.name, "Transport": "rdma", "Address": address(c),
-                               "State": c.state})
+                        let mut v = json!({"Name": c.name, "Transport": "rdma",
+                                           "Address": address(c), "State": c.state});
+                        if let Some(p) = &c.path {
+                            v["Device"] = json!(p.device);
+                            v["ANAState"] = json!(p.ana_state.first().map(|(_, s)| s));
+                            v["IOs"] = json!(p.ios);
+                            v["Inflight"] = json!(p.inflight);
+                            v["Failovers"] = json!(p.failovers);
+                            v["Reconnects"] = json!(p.reconnects);
+                        }
+                        v
                     })
                     .collect();
-                json!({"Name": format!("nvmf-subsys{i}"), "NQN": nqn, "Paths": paths})
+                let policy = cs.iter().find_map(|c| c.iopolicy.clone());
+                json!({"Name": format!("nvmf-subsys{i}"), "NQN": nqn, "IOPolicy": policy,
+                       "Paths": paths})
             })
             .collect();
         println!("{}", json!({ "Subsystems": v }));
@@ -159,9 +170,23 @@ pub(crate) async fn run_list_subsys(output: ListFormat) -> Result<()> {
     }
     for (i, (nqn, cs)) in subs.iter().enumerate() {
         println!("nvmf-subsys{i} - NQN={nqn}");
+        if let Some(p) = cs.iter().find_map(|c| c.iopolicy.as_deref()) {
+            println!("               iopolicy={p}");
+        }
         println!("\\");
         for c in cs {
-            println!(" +- {} rdma {} {}", c.name, address(c), c.state);
+            match &c.path {
+                Some(p) => println!(
+                    " +- {} rdma {} {} {} ios={} failovers={}",
+                    c.name,
+                    address(c),
+                    c.state,
+                    p.ana_state.first().map_or("", |(_, s)| s.as_str()),
+                    p.ios,
+                    p.failovers
+                ),
+                None => println!(" +- {} rdma {} {}", c.name, address(c), c.state),
+            }
         }
     }
     Ok(())

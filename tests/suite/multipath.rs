@@ -1,0 +1,360 @@
+//! Native multipath on loopback with the real driver: two host soft-HCAs, each with a path to
+//! one subsystem served on two ports (two built-in targets with the same subsystem NQN and
+//! the same namespace), I/O verified against a model while one path's HCA is reset; the
+//! policies spreading I/O over the paths; a path whose namespace is another one refused.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::fake_target::{FakeConfig, FakeTarget, Lie, Script};
+use nvmf_rdma::driver::{CmService, DeviceManager, SoftHca};
+use nvmf_rdma::export::BlockDev;
+use nvmf_rdma::multipath::{IoPolicy, JoinError, MpNamespace, Subsystem};
+use nvmf_rdma::nvme::admin::opcode;
+use nvmf_rdma::nvme::{ana, Nqn};
+use nvmf_rdma::nvmet::{Namespace, Target};
+use nvmf_rdma::reconnect::CtrlState;
+use nvmf_rdma::transport::{ConnectOptions, Controller};
+use nvmf_rdma::verbs::{DeviceFaults, FaultInjector};
+
+const NQN: &str = "nqn.2026-11.io.nvmf-rdma:multipath";
+const NS_BYTES: u64 = 8 << 20;
+const FILE: u8 = 44;
+
+/// One port of the subsystem: a target on a soft-HCA of its own serving `ns`.
+async fn port(i: u8, ns: Arc<Namespace>) -> (Target<SoftHca>, SoftHca) {
+    crate::rig::serve(crate::rig::device(FILE, "tgt", i), NQN, vec![ns]).await
+}
+
+/// A path: a host soft-HCA of its own (behind a fault injector) connected to `target`.
+async fn path(i: u8, target: SocketAddr) -> (Arc<Controller>, DeviceFaults) {
+    let name = format!("host{i}");
+    let mgr = DeviceManager::new(true);
+    mgr.plug(crate::rig::device(FILE, &name, 10 + i))
+        .await
+        .unwrap();
+    let src = FaultInjector::new(mgr);
+    let mut o = ConnectOptions::new(target, NQN);
+    o.nr_io_queues = 2;
+    o.queue_size = 32;
+    o.connect_timeout = Duration::from_secs(2);
+    o.policy =
+        crate::rig::reconnect_at_once(Some(Duration::from_secs(30)), Duration::from_secs(30));
+    let c = crate::rig::within(
+        20,
+        "connect",
+        Controller::connect_managed(src.clone(), &name, o),
+    )
+    .await
+    .unwrap();
+    (Arc::new(c), src.device(&name))
+}
+
+struct Rig {
+    sub: Arc<Subsystem>,
+    faults: Vec<DeviceFaults>,
+    _ports: Vec<(Target<SoftHca>, SoftHca)>,
+}
+
+/// Two ports of one subsystem, a path to each.
+async fn rig(policy: IoPolicy) -> Rig {
+    let ns = Arc::new(Namespace::ram(1, NS_BYTES, 9));
+    let ports = vec![port(1, ns.clone()).await, port(2, ns).await];
+    let sub = Subsystem::new(NQN, policy);
+    let mut faults = Vec::new();
+    for (i, (_, hca)) in ports.iter().enumerate() {
+        let (c, f) = path(i as u8, hca.addr()).await;
+        sub.add_path(c, hca.addr().to_string(), f.name().to_string())
+            .await
+            .unwrap();
+        faults.push(f);
+    }
+    Rig {
+        sub,
+        faults,
+        _ports: ports,
+    }
+}
+
+#[derive(Debug, Default)]
+struct Report {
+    ios: u64,
+    errors: Vec<String>,
+    mismatches: u64,
+}
+
+/// Verified random I/O on blocks `first..first + blocks` until `stop`: writes remembered,
+/// reads checked against what was written.
+async fn worker(
+    dev: Arc<BlockDev>,
+    first: u64,
+    blocks: u64,
+    seed: u64,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Report {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let bs = dev.block_size() as u64;
+    let mut model = vec![0u8; (blocks * bs) as usize];
+    let mut r = Report::default();
+    dev.write_at(first * bs, &model, false).await.unwrap();
+    while !*stop.borrow() {
+        let nb = rng.random_range(1..=16u64);
+        let off = rng.random_range(0..=blocks - nb);
+        let range = (off * bs) as usize..((off + nb) * bs) as usize;
+        let at = (first + off) * bs;
+        let io = async {
+            if rng.random_bool(0.5) {
+                let mut data = vec![0u8; range.len()];
+                rng.fill(&mut data[..]);
+                dev.write_at(at, &data, false).await?;
+                model[range.clone()].copy_from_slice(&data);
+            } else {
+                let got = dev.read_at(at, range.len()).await?;
+                if got[..] != model[range.clone()] {
+                    r.mismatches += 1;
+                }
+            }
+            Ok::<_, nvmf_rdma::export::ExportError>(())
+        };
+        match tokio::time::timeout(Duration::from_secs(20), io).await {
+            Ok(Ok(())) => r.ios += 1,
+            Ok(Err(e)) => r.errors.push(e.to_string()),
+            Err(_) => r.errors.push("an I/O hung".into()),
+        }
+    }
+    r
+}
+
+fn ios(sub: &Subsystem) -> Vec<u64> {
+    sub.paths().iter().map(|p| p.stats().ios).collect()
+}
+
+/// Wait until `f` holds, at most 20 s.
+async fn until(what: &str, f: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !f() {
+        assert!(tokio::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Path A's HCA is reset (down for 400 ms) three times under verified I/O from eight
+/// workers: I/O goes on through path B while A is down, every I/O succeeds and every read
+/// matches what was written; reads in flight on A moved to B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_flows_on_path_b_while_path_a_hca_is_reset_with_no_error() {
+    let rig = rig(IoPolicy::RoundRobin).await;
+    let dev = Arc::new(BlockDev::on(Arc::new(rig.sub.namespace(1).unwrap())));
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let ws: Vec<_> = (0..8u64)
+        .map(|w| tokio::spawn(worker(dev.clone(), w * 256, 256, 40 + w, stop.clone())))
+        .collect();
+    let paths = rig.sub.paths();
+    let (a, b) = (&paths[0], &paths[1]);
+    for round in 1..=3u64 {
+        let before = ios(&rig.sub);
+        until("both paths carry I/O", || {
+            let now = ios(&rig.sub);
+            now[0] > before[0] + 20 && now[1] > before[1] + 20
+        })
+        .await;
+        let reset = {
+            let f = rig.faults[0].clone();
+            tokio::spawn(async move { f.reset(Duration::from_millis(400)).await })
+        };
+        until("path A down", || a.ctrl.state() != CtrlState::Live).await;
+        let b_at_fault = b.stats().ios;
+        // While A is down, B carries the I/O.
+        until("I/O on path B during A's outage", || {
+            b.stats().ios > b_at_fault + 50
+        })
+        .await;
+        assert_ne!(
+            a.ctrl.state(),
+            CtrlState::Live,
+            "the outage outlasted the I/O"
+        );
+        reset.await.unwrap().unwrap();
+        until("path A back", || {
+            a.ctrl.state() == CtrlState::Live && a.stats().reconnects >= round
+        })
+        .await;
+    }
+    stop_tx.send(true).unwrap();
+    let mut all = Report::default();
+    for w in ws {
+        let r = w.await.unwrap();
+        all.ios += r.ios;
+        all.mismatches += r.mismatches;
+        all.errors.extend(r.errors);
+    }
+    assert!(all.errors.is_empty(), "{:?}", all.errors);
+    assert_eq!(all.mismatches, 0);
+    assert!(all.ios > 300, "{all:?}");
+    assert_eq!(a.stats().reconnects, 3);
+    eprintln!("path A {:?}, path B {:?}", a.stats(), b.stats());
+    assert_eq!(rig.sub.held(), 0);
+}
+
+/// Both paths' HCAs down at once: a write is held (counted) until a path is back and then
+/// succeeds; beyond the subsystem's bound a command fails at once, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_is_held_while_no_path_is_usable_and_the_hold_is_bounded() {
+    let ns = Arc::new(Namespace::ram(1, NS_BYTES, 9));
+    let ports = [port(5, ns.clone()).await, port(6, ns).await];
+    let sub = Subsystem::with_max_held(NQN, IoPolicy::Failover, 1);
+    let mut faults = Vec::new();
+    for (i, (_, hca)) in ports.iter().enumerate() {
+        let (c, f) = path(5 + i as u8, hca.addr()).await;
+        sub.add_path(c, hca.addr().to_string(), f.name().to_string())
+            .await
+            .unwrap();
+        faults.push(f);
+    }
+    let ns = Arc::new(sub.namespace(1).unwrap());
+    ns.write(0, &[1; 4096]).await.unwrap();
+    let resets: Vec<_> = faults
+        .iter()
+        .map(|f| {
+            let f = f.clone();
+            tokio::spawn(async move { f.reset(Duration::from_millis(500)).await })
+        })
+        .collect();
+    let paths = sub.paths();
+    until("both paths down", || {
+        paths.iter().all(|p| p.ctrl.state() != CtrlState::Live)
+    })
+    .await;
+    let held = {
+        let ns = ns.clone();
+        tokio::spawn(async move { ns.write(0, &[2; 4096]).await })
+    };
+    until("the write held", || sub.held() == 1).await;
+    let e = ns.read(0, 4096).await.unwrap_err();
+    assert!(e.to_string().contains("already wait"), "{e}");
+    for r in resets {
+        r.await.unwrap().unwrap();
+    }
+    held.await.unwrap().unwrap();
+    assert_eq!(sub.held(), 0);
+    assert_eq!(ns.read(0, 4096).await.unwrap(), vec![2; 4096]);
+}
+
+/// `round-robin` and `queue-depth` spread a namespace's I/O over both paths (per-path
+/// counters); `failover` keeps it on one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_and_queue_depth_spread_io_and_failover_keeps_one_path() {
+    let rig = rig(IoPolicy::Failover).await;
+    let ns = Arc::new(rig.sub.namespace(1).unwrap());
+    let run = |ns: Arc<MpNamespace>| async move {
+        let ts: Vec<_> = (0..4u64)
+            .map(|w| {
+                let ns = ns.clone();
+                tokio::spawn(async move {
+                    for i in 0..100u64 {
+                        let lba = w * 1024 + i * 8;
+                        ns.write(lba, &[w as u8; 4096]).await.unwrap();
+                        assert_eq!(ns.read(lba, 4096).await.unwrap(), vec![w as u8; 4096]);
+                    }
+                })
+            })
+            .collect();
+        for t in ts {
+            t.await.unwrap();
+        }
+    };
+    let delta = |before: &[u64], sub: &Subsystem| -> Vec<u64> {
+        ios(sub).iter().zip(before).map(|(n, b)| n - b).collect()
+    };
+
+    let before = ios(&rig.sub);
+    run(ns.clone()).await;
+    let d = delta(&before, &rig.sub);
+    assert_eq!(d.iter().sum::<u64>(), 800);
+    assert!(d.contains(&0), "failover used both paths: {d:?}");
+
+    for policy in [IoPolicy::RoundRobin, IoPolicy::QueueDepth] {
+        rig.sub.set_policy(policy);
+        let before = ios(&rig.sub);
+        run(ns.clone()).await;
+        let d = delta(&before, &rig.sub);
+        assert_eq!(d.iter().sum::<u64>(), 800, "{policy}");
+        assert!(
+            d.iter().all(|&n| n >= 200),
+            "{policy} did not spread the I/O: {d:?}"
+        );
+    }
+}
+
+/// A controller of the same subsystem NQN whose namespace 1 is another namespace (another
+/// NGUID and UUID) does not join; one of another subsystem neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_whose_namespace_is_another_one_is_refused() {
+    let rig = rig(IoPolicy::Failover).await;
+    let (_t, hca) = port(3, Arc::new(Namespace::ram(1, NS_BYTES, 9))).await;
+    let (c, _) = path(3, hca.addr()).await;
+    let e = rig
+        .sub
+        .add_path(c.clone(), hca.addr().to_string(), "host3".into())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e.downcast_ref::<JoinError>(),
+            Some(JoinError::OtherNamespace { nsid: 1 })
+        ),
+        "{e}"
+    );
+    assert_eq!(rig.sub.paths().len(), 2);
+    let other = Subsystem::new("nqn.2026-11.io.nvmf-rdma:other", IoPolicy::Failover);
+    let e = other
+        .add_path(c, hca.addr().to_string(), "host3".into())
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        e.downcast_ref::<JoinError>(),
+        Some(JoinError::OtherSubsystem { .. })
+    ));
+}
+
+/// A path whose target answers every read with "ANA inaccessible" (a path status: the
+/// command was not executed) while its ANA log, as far as the host read it, says the path
+/// is fine: the read goes to the other path and returns the namespace's data, and the
+/// failing path counts one failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_answered_with_an_ana_status_goes_to_the_other_path() {
+    let inaccessible: Script = Arc::new(|sqe| {
+        if sqe.opcode == opcode::io::READ {
+            Lie::Status(ana::status::ANA_INACCESSIBLE)
+        } else {
+            Lie::Honest
+        }
+    });
+    let honest: Script = Arc::new(|_| Lie::Honest);
+    let sub = Subsystem::new(NQN, IoPolicy::Failover);
+    let mut fakes = Vec::new();
+    for (i, script) in [(1u8, inaccessible), (2, honest)] {
+        let hca = SoftHca::start(crate::rig::device(FILE, "fake", 20 + i))
+            .await
+            .unwrap();
+        let cm = CmService::for_device(&hca);
+        let mut fc = FakeConfig::new(Nqn::new(NQN).unwrap());
+        fc.seed = i as u64;
+        let f = FakeTarget::start(hca.clone(), cm, fc, script).unwrap();
+        let (c, dev) = path(20 + i, hca.addr()).await;
+        sub.add_path(c, hca.addr().to_string(), dev.name().to_string())
+            .await
+            .unwrap();
+        fakes.push((f, hca));
+    }
+    let ns = sub.namespace(1).unwrap();
+    let want: Vec<u8> = (0..4096).map(FakeConfig::pattern).collect();
+    assert_eq!(ns.read(0, 4096).await.unwrap(), want);
+    let p = sub.paths();
+    assert_eq!((p[0].stats().ios, p[0].stats().failovers), (1, 1), "{p:?}");
+    assert_eq!(p[1].stats().ios, 1, "{p:?}");
+}
