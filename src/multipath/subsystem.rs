@@ -264,17 +264,42 @@ pub(super) async fn refresh(sub: &Subsystem, path: &Path) {
 /// Follow a path's controller: each state change wakes held commands, and after each
 /// reconnect its ANA state is read again (it may have changed while the path was down).
 /// Ends with the controller or the subsystem.
+/// How often a path whose ANA state keeps some namespace from it reads the state again. The
+/// change notice is the usual way back, but it reaches the host only where something keeps an
+/// Asynchronous Event Request outstanding (the daemon does; an embedding application or the
+/// fio plugin may not), so a path is never left unused for good.
+const ANA_POLL: std::time::Duration = std::time::Duration::from_secs(1);
+
 async fn watch_path(sub: Weak<Subsystem>, path: Arc<Path>) {
     let mut rx = path.ctrl.watch_status();
     let mut seen = rx.borrow().machine.recoveries;
-    while rx.changed().await.is_ok() {
-        let s = *rx.borrow();
-        let Some(sub) = sub.upgrade() else { return };
-        if s.state() == CtrlState::Live && s.machine.recoveries > seen {
-            seen = s.machine.recoveries;
-            refresh(&sub, &path).await;
-        } else {
-            sub.bump();
+    loop {
+        tokio::select! {
+            r = rx.changed() => {
+                if r.is_err() {
+                    return;
+                }
+                let s = *rx.borrow();
+                let Some(sub) = sub.upgrade() else { return };
+                if s.state() == CtrlState::Live && s.machine.recoveries > seen {
+                    seen = s.machine.recoveries;
+                    refresh(&sub, &path).await;
+                } else {
+                    sub.bump();
+                }
+            }
+            _ = tokio::time::sleep(ANA_POLL) => {
+                let Some(sub) = sub.upgrade() else { return };
+                let now = tokio::time::Instant::now();
+                let shut_out = path
+                    .ctrl
+                    .namespaces()
+                    .iter()
+                    .any(|n| !path.ana_state(n.nsid, now).is_usable());
+                if shut_out && path.ctrl.state() == CtrlState::Live {
+                    refresh(&sub, &path).await;
+                }
+            }
         }
     }
 }
