@@ -299,14 +299,34 @@ impl<T: Copy + PartialEq> Hold<T> {
     /// Hand every command that may be sent again at `now` to `resend`, in the order they
     /// were held, and forget it.
     pub fn release_due(&mut self, now: Instant, mut resend: impl FnMut(T)) {
+        self.release_due_from(now, |t, _| resend(t));
+    }
+
+    /// [`Hold::release_due`], with the instance each command was in flight on.
+    pub fn release_due_from(&mut self, now: Instant, mut resend: impl FnMut(T, CtrlInstance)) {
         self.slots.retain(|s| {
             if s.not_before <= now {
-                resend(s.tag);
+                resend(s.tag, s.instance);
                 false
             } else {
                 true
             }
         });
+    }
+
+    /// Commands held now that were in flight on `instance`.
+    pub fn held_from(&self, instance: &CtrlInstance) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| s.instance == *instance)
+            .count()
+    }
+
+    /// Every held command was failed (deletion, fast_io_fail_tmo, ctrl_loss_tmo): hold
+    /// nothing, ask for no CCR.
+    pub fn clear(&mut self) {
+        self.slots.clear();
+        self.ccr_wanted.clear();
     }
 
     /// When the next held command may go; `None` when nothing is held.

@@ -200,6 +200,12 @@ struct Slot {
     /// Submitted by code the allocation audit counts apart (the namespace rescan after a
     /// reconnect): the copy of its answer is counted with it.
     audit_apart: bool,
+    /// Posted on a connection that died and not posted since: a copy of it may still execute
+    /// in the target.
+    stale: bool,
+    /// Held back by safe retry until the dead association's commands are known finished
+    /// ([`QueueCore::gate_stale`], [`QueueCore::ungate`]).
+    gated: bool,
     reply: Option<oneshot::Sender<Result<Response, HostError>>>,
 }
 
@@ -284,6 +290,12 @@ pub struct QueueCore<D: DeviceContext> {
     /// Buffers of read data that callers gave back ([`QueueHandle::recycle`]), reused for
     /// the next reads so a large read does not allocate (and fault in) fresh memory.
     spare: Vec<Vec<u8>>,
+    /// The last exchange on this queue: a command posted or a batch of completions taken,
+    /// on the controller's clock. Safe retry counts the dead controller's quiesce time from
+    /// the latest of its queues'.
+    last_contact: Instant,
+    /// Answers were taken from the CQ at teardown: contact lasted until then.
+    heard_at_teardown: bool,
 }
 
 /// Completions polled per call when draining a CQ at teardown.
@@ -323,6 +335,8 @@ impl<D: DeviceContext> QueueCore<D> {
                 key_live: false,
                 region: None,
                 audit_apart: false,
+                stale: false,
+                gated: false,
                 reply: None,
             })
             .collect();
@@ -352,6 +366,8 @@ impl<D: DeviceContext> QueueCore<D> {
             backlog: false,
             drain: Vec::with_capacity(DRAIN_BATCH),
             spare: Vec::with_capacity(SPARE_BUFFERS),
+            last_contact: Instant(0),
+            heard_at_teardown: false,
         })
     }
 
@@ -381,6 +397,7 @@ impl<D: DeviceContext> QueueCore<D> {
     /// Returns the QP number for the CM request. On error nothing is left behind.
     pub fn attach(&mut self, dev: &D, pd: PdId) -> Result<Qpn, HostError> {
         self.teardown();
+        self.heard_at_teardown = false;
         self.epoch = self.inbox.epoch();
         match self.make_verbs(dev, pd) {
             Ok(v) => {
@@ -529,6 +546,7 @@ impl<D: DeviceContext> QueueCore<D> {
             wcs.clear();
             let n = dev.poll_cq(cq, DRAIN_BATCH, &mut wcs);
             for wc in wcs.iter().filter(|wc| wc.status == WcStatus::Success) {
+                self.heard_at_teardown = true;
                 self.on_wc(wc);
             }
             if n < DRAIN_BATCH {
@@ -580,6 +598,7 @@ impl<D: DeviceContext> QueueCore<D> {
                 s.state = SlotState::Held;
                 s.send_done = false;
                 s.held_out = true;
+                s.stale = true;
                 self.stats.requeued += 1;
             }
         }
@@ -635,7 +654,8 @@ impl<D: DeviceContext> QueueCore<D> {
             .read(self.control_slot() * self.spec.max_io, &mut out[..n]);
     }
 
-    /// The controller is LIVE again: send every held command.
+    /// The controller is LIVE again: send every held command safe retry does not hold
+    /// back.
     pub fn resume(&mut self, now: Instant) {
         if self.verbs.is_none() || matches!(self.phase, Phase::Closed(_)) {
             return;
@@ -643,11 +663,59 @@ impl<D: DeviceContext> QueueCore<D> {
         self.phase = Phase::Live;
         self.failfast = None;
         for i in 0..self.slots.len() {
-            if self.slots[i].state == SlotState::Held {
+            if self.slots[i].state == SlotState::Held && !self.slots[i].gated {
                 self.post(i, now);
             }
         }
         self.flush_posts();
+    }
+
+    /// Offer each held command that was out on a connection that died (and is not held back
+    /// yet) to `gate` with its slot and opcode; those it answers true for stay held back
+    /// from [`QueueCore::resume`] until [`QueueCore::ungate`].
+    pub fn gate_stale(&mut self, mut gate: impl FnMut(usize, u8) -> bool) {
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            if s.state == SlotState::Held && s.stale && !s.gated {
+                s.gated = gate(i, s.sqe.opcode);
+            }
+        }
+    }
+
+    /// Let held-back command `slot` go: sent now if the queue is live, else at the next
+    /// [`QueueCore::resume`]. False if the slot holds no such command (it ended another way).
+    pub fn ungate(&mut self, slot: usize, now: Instant) -> bool {
+        let Some(s) = self.slots.get_mut(slot) else {
+            return false;
+        };
+        if !(s.state == SlotState::Held && s.gated) {
+            return false;
+        }
+        s.gated = false;
+        if self.phase == Phase::Live {
+            self.post(slot, now);
+            self.flush_posts();
+        }
+        true
+    }
+
+    /// Commands held back by safe retry now.
+    pub fn gated(&self) -> usize {
+        self.slots.iter().filter(|s| s.gated).count()
+    }
+
+    /// The last command posted or completion taken on this queue, on the controller's
+    /// clock; `torn_down`, when the last teardown found answers still in the CQ.
+    pub fn last_contact(&self, torn_down: Instant) -> Instant {
+        if self.heard_at_teardown {
+            torn_down
+        } else {
+            self.last_contact
+        }
+    }
+
+    /// Completions were taken at `now`.
+    pub(super) fn heard(&mut self, now: Instant) {
+        self.last_contact = self.last_contact.max(now);
     }
 
     /// fast_io_fail_tmo or deletion: fail what is held; with `close`, everything from now

@@ -181,7 +181,9 @@ impl<D: DeviceContext> QueueCore<D> {
         s.state = SlotState::Posted;
         s.send_done = false;
         s.cqe = None;
+        s.stale = false;
         s.posted_at = now;
+        self.last_contact = self.last_contact.max(now);
         self.sends.push(SendWr::signaled(
             (WR_SEND << 32) | i as u64,
             SendOp::Send,
