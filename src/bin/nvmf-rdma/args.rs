@@ -261,6 +261,8 @@ impl ConnectAllArgs {
             nr_io_queues: self.nr_io_queues,
             queue_size: self.queue_size,
             policy: self.policy,
+            safe_retry: Default::default(),
+            cqt_default: nvmf_rdma::reconnect::hold::DEFAULT_CQT.as_millis() as u64,
             nsid: 1,
         };
         nvmf_rdma::cli::host::options(&s)?;
