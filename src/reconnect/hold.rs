@@ -123,6 +123,9 @@ impl CmdClass {
                     | opcode::admin::GET_FEATURES
                     | opcode::admin::KEEP_ALIVE
                     | opcode::admin::ASYNC_EVENT_REQUEST
+                    // Resetting a dead instance twice does what resetting it once does; held,
+                    // a CCR lost with its connection would wait for itself.
+                    | opcode::admin::CROSS_CTRL_RESET
             ),
         };
         if idempotent {

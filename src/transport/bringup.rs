@@ -24,7 +24,7 @@ use super::namespaces::{identify_namespaces, rescan_after_reconnects, NsTable};
 use super::options::{inline_depth_for, ConnectOptions};
 use super::queue::{self, Clock, QueueCore, QueueSpec};
 use super::recovery::{CtrlMetrics, DevCtx, EventQueue, Supervisor};
-use super::saferetry::{ccr_task, Assoc, SafeExec, SafeRetry, SafeShared};
+use super::saferetry::{ccr_task, Assoc, SafeExec, SafeShared};
 use super::state::{bounded_admin, CtrlShared, CtrlStatus, DevShared, RecoveryTrace};
 use super::HostError;
 
@@ -190,9 +190,6 @@ impl<S: DeviceSource> Supervisor<S> {
     /// Identify the controller of the new association on the reserved slot, into memory
     /// sized at connect: safe retry names it in a CCR should this association die too.
     async fn identify_association(&mut self) -> Result<(), HostError> {
-        if self.safe.shared.mode() == SafeRetry::Off {
-            return Ok(());
-        }
         self.admin
             .control(
                 admin::identify_controller(0),

@@ -34,7 +34,7 @@ pub use crate::nvme::ccr::CtrlInstance;
 pub use crate::reconnect::hold::{CcrOutcome, HoldPolicy, SafeRetry};
 
 /// Dead associations of one controller tracked at once (each reconnect adds one); past it
-/// their quiesce deadlines merge into one that no CCR shortens, which is safe.
+/// the oldest's quiesce deadline merges into one that no CCR shortens, which is safe.
 const LOST_MAX: usize = CCR_QUEUE;
 
 /// What safe retry needs of an association, from its Identify Controller data.
@@ -185,10 +185,6 @@ impl SafeShared {
 
     pub(super) fn current(&self) -> Option<CtrlInstance> {
         self.lock().current.map(|a| a.instance)
-    }
-
-    pub(super) fn mode(&self) -> SafeRetry {
-        self.lock().policy.mode
     }
 
     /// The status for `list`.
@@ -448,7 +444,16 @@ impl<S: DeviceSource> Supervisor<S> {
             ccr: CcrPhase::None,
         };
         if !put(&mut st.lost, rec) {
-            st.overflow = Some(st.overflow.map_or(deadline, |t| t.max(deadline)));
+            // The oldest goes to the overflow deadline (its held commands keep their own
+            // deadlines in the hold table): the newest loss must have its record, the stale
+            // commands of the next reconnect are held by it.
+            let oldest = (0..LOST_MAX).min_by_key(|&i| st.lost[i].map_or(now, |l| l.at));
+            if let Some(i) = oldest {
+                if let Some(old) = st.lost[i].replace(rec) {
+                    let t = old.deadline;
+                    st.overflow = Some(st.overflow.map_or(t, |o| o.max(t)));
+                }
+            }
         }
     }
 
