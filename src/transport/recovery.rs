@@ -301,7 +301,8 @@ impl<S: DeviceSource> Supervisor<S> {
                     "controller resetting: dropping HCA resources"
                 );
                 self.teardown();
-                self.safe_on_lost(now);
+                let kato = self.sm.policy().keep_alive_tmo;
+                self.safe.on_lost(now, kato, &self.admin, &self.io);
                 self.trace.torn_down = Some(self.now());
                 q.push(Event::TornDown);
                 device_report(&self.devs.source, &self.devs.name, |ev| q.push(ev));
@@ -320,12 +321,12 @@ impl<S: DeviceSource> Supervisor<S> {
                 }
             }
             Action::Resubmit => {
-                self.safe_on_live(now);
+                self.safe.on_live(now, &self.admin, &self.io);
                 for c in self.all_queues() {
                     c.lock().resume(now);
                     c.poke();
                 }
-                self.safe_release(now);
+                self.safe.release(now, &self.admin, &self.io);
                 if let Some(t) = self.trace.failed {
                     let d = now.saturating_since(t);
                     self.trace.live = Some(now);
@@ -343,7 +344,7 @@ impl<S: DeviceSource> Supervisor<S> {
                     c.lock().fail_held(why, false);
                     c.poke();
                 }
-                self.safe_failed_held();
+                self.safe.failed_held();
             }
             Action::FailAll(why) => {
                 self.teardown();
@@ -357,7 +358,7 @@ impl<S: DeviceSource> Supervisor<S> {
                     c.lock().fail_held(why, true);
                     c.poke();
                 }
-                self.safe_failed_held();
+                self.safe.failed_held();
                 tracing::warn!(subnqn = %self.opts.subnqn, reason = why.name(), "controller deleted");
             }
         }
@@ -450,7 +451,7 @@ impl<S: DeviceSource> Supervisor<S> {
             }
             // Held commands whose rule allows them now (a CCR outcome, the time rule).
             let now = self.now();
-            self.safe_release(now);
+            self.safe.release(now, &self.admin, &self.io);
             if self.sm.state() == CtrlState::Dead {
                 self.publish();
                 for w in watchers {

@@ -24,10 +24,9 @@ use tokio::sync::Notify;
 use crate::nvme::ccr::{self, CcrLog, CcrResult, CcrState};
 use crate::nvme::{IdentifyController, Status};
 use crate::reconnect::hold::{CmdClass, Hold, LostController, QueueKind, CCR_QUEUE};
-use crate::verbs::{DeviceSource, Instant};
+use crate::verbs::{DeviceContext, Instant};
 
-use super::queue::{Clock, QueueHandle};
-use super::recovery::Supervisor;
+use super::queue::{Clock, QueueCtl, QueueHandle};
 use super::HostError;
 
 pub use crate::nvme::ccr::CtrlInstance;
@@ -413,17 +412,22 @@ fn tag(qi: usize, slot: usize) -> u32 {
     (qi as u32) << 16 | slot as u32
 }
 
-impl<S: DeviceSource> Supervisor<S> {
+impl SafeExec {
     /// The connection just torn down was the live association: record it as lost, with the
     /// last contact on any of its queues.
-    pub(super) fn safe_on_lost(&mut self, now: Instant) {
-        let last = self
-            .all_queues()
+    pub(super) fn on_lost<D: DeviceContext>(
+        &mut self,
+        now: Instant,
+        kato: Duration,
+        admin: &QueueCtl<D>,
+        io: &[QueueCtl<D>],
+    ) {
+        let last = std::iter::once(admin)
+            .chain(io.iter())
             .map(|q| q.lock().last_contact(now))
             .max()
             .unwrap_or(now);
-        let kato = self.sm.policy().keep_alive_tmo;
-        let shared = self.safe.shared.clone();
+        let shared = self.shared.clone();
         let mut st = shared.lock();
         let Some(a) = st.current.take() else { return };
         let lost = LostController {
@@ -459,10 +463,15 @@ impl<S: DeviceSource> Supervisor<S> {
 
     /// The controller is LIVE again, before its held commands are resumed: hold back those
     /// that change state and were out on the last dead association, and ask for a CCR.
-    pub(super) fn safe_on_live(&mut self, now: Instant) {
-        let shared = self.safe.shared.clone();
+    pub(super) fn on_live<D: DeviceContext>(
+        &mut self,
+        now: Instant,
+        admin: &QueueCtl<D>,
+        io: &[QueueCtl<D>],
+    ) {
+        let shared = self.shared.clone();
         let mut st = shared.lock();
-        st.current = self.safe.next.take().or(st.current);
+        st.current = self.next.take().or(st.current);
         let off = st.policy.mode == SafeRetry::Off;
         // The stale commands not held back yet were all out on the latest loss.
         let latest = (0..LOST_MAX)
@@ -471,12 +480,9 @@ impl<S: DeviceSource> Supervisor<S> {
         let Some((ri, rec)) = latest else {
             return;
         };
-        let hold = &mut self.safe.hold;
+        let hold = &mut self.hold;
         let (mut held, mut resent) = (0, 0);
-        for (qi, q) in std::iter::once(&self.admin)
-            .chain(self.io.iter())
-            .enumerate()
-        {
+        for (qi, q) in std::iter::once(admin).chain(io.iter()).enumerate() {
             let kind = if qi == 0 {
                 QueueKind::Admin
             } else {
@@ -503,11 +509,11 @@ impl<S: DeviceSource> Supervisor<S> {
                 }
             });
         }
-        self.safe.metrics.by_off.increment(resent);
+        self.metrics.by_off.increment(resent);
         if held == 0 {
             return;
         }
-        self.safe.metrics.held.increment(held as u64);
+        self.metrics.held.increment(held as u64);
         let want_ccr = st.policy.mode == SafeRetry::Ccr
             && rec.ctrl.ccr_possible
             && !st.ccr_refused
@@ -525,8 +531,13 @@ impl<S: DeviceSource> Supervisor<S> {
     }
 
     /// Take CCR outcomes and let go every held command whose rule allows it now.
-    pub(super) fn safe_release(&mut self, now: Instant) {
-        let shared = self.safe.shared.clone();
+    pub(super) fn release<D: DeviceContext>(
+        &mut self,
+        now: Instant,
+        admin: &QueueCtl<D>,
+        io: &[QueueCtl<D>],
+    ) {
+        let shared = self.shared.clone();
         let mut st = shared.lock();
         let mut any = false;
         for k in 0..LOST_MAX {
@@ -534,7 +545,7 @@ impl<S: DeviceSource> Supervisor<S> {
                 continue;
             };
             any = true;
-            self.safe.hold.on_ccr(now, inst, outcome);
+            self.hold.on_ccr(now, inst, outcome);
             for l in st.lost.iter_mut().flatten().filter(|l| l.instance == inst) {
                 l.ccr = match outcome {
                     CcrOutcome::Succeeded => CcrPhase::Succeeded,
@@ -542,10 +553,9 @@ impl<S: DeviceSource> Supervisor<S> {
                 };
             }
         }
-        let (admin, io) = (&self.admin, &self.io);
-        let m = &self.safe.metrics;
+        let m = &self.metrics;
         let lost = &mut st.lost;
-        self.safe.hold.release_due_from(now, |t, inst| {
+        self.hold.release_due_from(now, |t, inst| {
             let (qi, slot) = ((t >> 16) as usize, (t & 0xFFFF) as usize);
             let q = if qi == 0 { admin } else { &io[qi - 1] };
             let sent = q.lock().ungate(slot, now);
@@ -584,9 +594,9 @@ impl<S: DeviceSource> Supervisor<S> {
     }
 
     /// Held commands were failed (deletion, fast_io_fail_tmo, ctrl_loss_tmo): hold nothing.
-    pub(super) fn safe_failed_held(&mut self) {
-        self.safe.hold.clear();
-        let mut st = self.safe.shared.lock();
+    pub(super) fn failed_held(&mut self) {
+        self.hold.clear();
+        let mut st = self.shared.lock();
         for l in st.lost.iter_mut().flatten() {
             l.held = 0;
         }

@@ -670,54 +670,6 @@ impl<D: DeviceContext> QueueCore<D> {
         self.flush_posts();
     }
 
-    /// Offer each held command that was out on a connection that died (and is not held back
-    /// yet) to `gate` with its slot and opcode; those it answers true for stay held back
-    /// from [`QueueCore::resume`] until [`QueueCore::ungate`].
-    pub fn gate_stale(&mut self, mut gate: impl FnMut(usize, u8) -> bool) {
-        for (i, s) in self.slots.iter_mut().enumerate() {
-            if s.state == SlotState::Held && s.stale && !s.gated {
-                s.gated = gate(i, s.sqe.opcode);
-            }
-        }
-    }
-
-    /// Let held-back command `slot` go: sent now if the queue is live, else at the next
-    /// [`QueueCore::resume`]. False if the slot holds no such command (it ended another way).
-    pub fn ungate(&mut self, slot: usize, now: Instant) -> bool {
-        let Some(s) = self.slots.get_mut(slot) else {
-            return false;
-        };
-        if !(s.state == SlotState::Held && s.gated) {
-            return false;
-        }
-        s.gated = false;
-        if self.phase == Phase::Live {
-            self.post(slot, now);
-            self.flush_posts();
-        }
-        true
-    }
-
-    /// Commands held back by safe retry now.
-    pub fn gated(&self) -> usize {
-        self.slots.iter().filter(|s| s.gated).count()
-    }
-
-    /// The last command posted or completion taken on this queue, on the controller's
-    /// clock; `torn_down`, when the last teardown found answers still in the CQ.
-    pub fn last_contact(&self, torn_down: Instant) -> Instant {
-        if self.heard_at_teardown {
-            torn_down
-        } else {
-            self.last_contact
-        }
-    }
-
-    /// Completions were taken at `now`.
-    pub(super) fn heard(&mut self, now: Instant) {
-        self.last_contact = self.last_contact.max(now);
-    }
-
     /// fast_io_fail_tmo or deletion: fail what is held; with `close`, everything from now
     /// on too. With `FastIoFail` new I/O fails at once until the controller is LIVE again.
     pub fn fail_held(&mut self, why: FailReason, close: bool) {
