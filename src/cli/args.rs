@@ -11,6 +11,7 @@ use clap::{Args, Parser, ValueEnum};
 use crate::cli::device::DeviceChoice;
 use crate::cli::support::{parse_pos_secs, parse_secs, parse_tmo, parse_traddr, Tmo};
 use crate::export::ExportAddr;
+use crate::reconnect::hold::{self, SafeRetry};
 use crate::reconnect::policy;
 use crate::reconnect::{IdentityMatch, Policy};
 
@@ -57,6 +58,16 @@ pub struct Subsys {
     pub queue_size: usize,
     #[command(flatten)]
     pub policy: PolicyArgs,
+    /// When a write (or another command that changes state) that was in flight on a dead
+    /// connection is sent again: ccr (after a Cross-Controller Reset where the target offers
+    /// it, else as cqt), cqt (KATO x 2, or 3 with traffic-based keep alive, + CQT after the
+    /// last contact), off (at once, as Linux and SPDK do: a stale write may land late)
+    #[arg(long = "safe-retry", value_name = "MODE", default_value = "ccr")]
+    pub safe_retry: SafeRetry,
+    /// Command Quiesce Time in ms assumed for a target that reports none
+    #[arg(long = "cqt-default", value_name = "MS",
+        default_value_t = hold::DEFAULT_CQT.as_millis() as u64)]
+    pub cqt_default: u64,
     /// Namespace to use for read/write/verify.
     #[arg(long, default_value_t = 1)]
     pub nsid: u32,

@@ -1,6 +1,7 @@
 //! The host side of a command: its soft-HCA, connect options and controller.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 pub use crate::cli::args::parse_uuid;
 use crate::cli::args::{Fabric, Subsys};
@@ -9,6 +10,7 @@ use crate::cli::support::{error_line, host_bind_addr, roce_peer, CtrlInfo, Healt
 use crate::driver::{CmService, DeviceManager, SoftHca};
 use crate::nvme::discovery::DiscoveryLogEntry;
 use crate::nvme::Nqn;
+use crate::reconnect::hold::HoldPolicy;
 use crate::transport::{discover, ConnectOptions, Controller};
 use anyhow::{bail, Context, Result};
 
@@ -97,6 +99,10 @@ pub fn options(s: &Subsys) -> Result<ConnectOptions> {
     o.keep_alive_tmo = r.policy.keep_alive_tmo;
     o.policy = r.policy;
     o.io_timeout = r.io_timeout;
+    o.safe_retry = HoldPolicy {
+        mode: s.safe_retry,
+        default_cqt: Duration::from_millis(s.cqt_default),
+    };
     Ok(o)
 }
 
@@ -204,6 +210,7 @@ pub fn ctrl_info(name: &str, s: &Subsys, c: &Controller) -> CtrlInfo {
         model: c.ident.mn.text().trim().to_string(),
         serial: c.ident.sn.text().trim().to_string(),
         health,
+        safe_retry: c.safe_retry(),
     }
 }
 

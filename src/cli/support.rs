@@ -278,6 +278,8 @@ pub struct CtrlInfo {
     pub model: String,
     pub serial: String,
     pub health: Health,
+    /// Safe retry's mode and holds.
+    pub safe_retry: crate::transport::SafeRetryStatus,
 }
 
 /// The recovery side of a controller, as `list` shows it.
@@ -509,6 +511,22 @@ impl CtrlInfo {
             })
             .collect();
         o.raw("namespaces", &format!("[{}]", ns.join(",")));
+        o.str("safe_retry", self.safe_retry.mode.name());
+        let holds: Vec<String> = self
+            .safe_retry
+            .holds
+            .iter()
+            .map(|h| {
+                let mut j = JsonObj::new();
+                j.num("cntlid", u64::from(h.instance.cntlid))
+                    .num("ciu", u64::from(h.instance.ciu))
+                    .num("held", h.held as u64)
+                    .str("released_by", h.by.name())
+                    .raw("time_left_ms", &ms(h.time_left));
+                j.finish()
+            })
+            .collect();
+        o.raw("holds", &format!("[{}]", holds.join(",")));
         o.finish()
     }
 }
@@ -575,7 +593,37 @@ mod tests {
             model: "m".into(),
             serial: "s".into(),
             health,
+            safe_retry: crate::transport::SafeRetryStatus {
+                mode: crate::transport::SafeRetry::Cqt,
+                holds: vec![crate::transport::HoldStatus {
+                    instance: crate::transport::CtrlInstance {
+                        cntlid: 9,
+                        ciu: 4,
+                        cirn: 77,
+                    },
+                    held: 2,
+                    by: crate::transport::ReleasedBy::Time,
+                    time_left: Duration::from_millis(1500),
+                }],
+            },
         }
+    }
+
+    #[test]
+    fn safe_retry_holds_reach_the_protocols_controller_object() {
+        let j = info("live", Health::default()).to_json();
+        let c: crate::daemon::proto::ControllerInfo = serde_json::from_str(&j).unwrap();
+        assert_eq!(c.safe_retry, "cqt");
+        assert_eq!(
+            c.holds,
+            vec![crate::daemon::proto::HoldInfo {
+                cntlid: 9,
+                ciu: 4,
+                held: 2,
+                released_by: "time".into(),
+                time_left_ms: 1500.0,
+            }]
+        );
     }
 
     #[test]

@@ -187,6 +187,11 @@ pub struct ControllerInfo {
     pub failfast: bool,
     pub fail_reason: Option<String>,
     pub next_attempt_in_ms: Option<f64>,
+    /// `--safe-retry`: ccr, cqt or off (empty from a host that does not say).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub safe_retry: String,
+    /// Dead associations whose commands may still execute, and the commands held for them.
+    pub holds: Vec<HoldInfo>,
     pub namespaces: Vec<NamespaceInfo>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub exports: Vec<ExportInfo>,
@@ -232,6 +237,23 @@ pub struct PathDetail {
     pub failovers: u64,
     /// Its controller's completed reconnects.
     pub reconnects: u64,
+}
+
+/// A safe-retry hold of a controller: commands that were in flight on a dead association and
+/// wait until it can run nothing more.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct HoldInfo {
+    /// The dead controller instance.
+    pub cntlid: u16,
+    pub ciu: u8,
+    /// Commands held.
+    pub held: usize,
+    /// What is expected to let them go: `ccr` (a Cross-Controller Reset under way or
+    /// done) or `time` (k x KATO + CQT after the last contact).
+    pub released_by: String,
+    /// Until the time rule lets them go in any case.
+    pub time_left_ms: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

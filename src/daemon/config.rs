@@ -54,6 +54,8 @@ pub fn params_of(s: &Subsys, x: &ExportArgs, m: &ConnectMode) -> ConnectParams {
             .identity
             .map(|i| format!("{i:?}").to_ascii_lowercase()),
         io_timeout: s.policy.io_timeout,
+        safe_retry: Some(s.safe_retry.name().to_string()),
+        cqt_default: Some(s.cqt_default),
         nsid: Some(s.nsid),
         // The daemon has another working directory: paths go absolute.
         nbd: x.nbd.as_ref().map(|a| match a {

@@ -74,6 +74,12 @@ pub struct ConnectParams {
     pub identity: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub io_timeout: Option<u64>,
+    /// ccr, cqt or off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub safe_retry: Option<String>,
+    /// Milliseconds of CQT assumed for a target that reports none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cqt_default: Option<u64>,
     /// Namespace the exports serve (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nsid: Option<u32>,
@@ -122,6 +128,8 @@ impl ConnectParams {
         add("--replug-window", self.replug_window.map(|x| x.to_string()));
         add("--identity", self.identity.clone());
         add("--io-timeout", self.io_timeout.map(|x| x.to_string()));
+        add("--safe-retry", self.safe_retry.clone());
+        add("--cqt-default", self.cqt_default.map(|x| x.to_string()));
         add("--nsid", self.nsid.map(|x| x.to_string()));
         add("--nbd", self.nbd.clone());
         add("--fuse", self.fuse.clone());

@@ -110,6 +110,8 @@ impl LocalTarget {
             policy: PolicyArgs::default(),
             nsid: 1,
             iopolicy: None,
+            safe_retry: Default::default(),
+            cqt_default: crate::reconnect::hold::DEFAULT_CQT.as_millis() as u64,
         }
     }
 }

@@ -31,13 +31,24 @@ pub struct MpNamespace {
     sel: Mutex<(Selector, Option<u64>)>,
 }
 
-/// Have the failed controller's commands been shown to be finished, so that a write in
-/// flight on it may be sent on another path? The one place the safe-retry rule enters
-/// multipath. Until the controller can say so (Cross-Controller Reset, or KATO + CQT since
-/// its last contact), no: such a write stays on its own controller, which sends it again
-/// after reconnecting under its own rule, or fails it.
-fn old_commands_dead(_path: &Path) -> bool {
-    false
+/// May a write that failed on `path` with a transport-class error go to another path? Once
+/// the failed controller's commands can no longer execute: its safe-retry hold says so (a
+/// Cross-Controller Reset through a live association, or k x KATO + CQT since its last
+/// contact; at once with `--safe-retry off`). Waits for that, which the time rule bounds.
+/// Other errors are not retried elsewhere, so nothing is waited for.
+async fn old_commands_dead(path: &Path, kind: CmdKind, err: &HostError) -> bool {
+    let path_error = matches!(
+        err,
+        HostError::Transport(_)
+            | HostError::Path(_)
+            | HostError::Gone(_)
+            | HostError::Step(_)
+            | HostError::Timeout(_)
+    );
+    if kind == CmdKind::Write && path_error {
+        path.ctrl.quiesced().await;
+    }
+    true
 }
 
 /// The first of several futures to be ready; the others are dropped with it.
@@ -221,7 +232,7 @@ impl MpNamespace {
                             continue;
                         }
                     };
-                    match after_error(kind, &e, old_commands_dead(path)) {
+                    match after_error(kind, &e, old_commands_dead(path, kind, &e).await) {
                         AfterError::Elsewhere { reread_ana } if moves < MAX_MOVES => {
                             moves += 1;
                             path.failed_over();
@@ -327,5 +338,18 @@ impl Op<'_> {
             Op::Deallocate { ranges } => c.deallocate(nsid, ranges).await,
             Op::Flush => c.flush(nsid).await,
         }
+    }
+}
+
+// The subsystem hands out its namespaces here, so subsystem.rs need not know this file.
+impl Subsystem {
+    /// Namespace `nsid` over every path that has it, as it is through the first of them.
+    pub fn namespace(self: &Arc<Self>, nsid: u32) -> Result<MpNamespace, HostError> {
+        let ns = self
+            .paths()
+            .iter()
+            .find_map(|p| p.ctrl.namespace(nsid).ok())
+            .ok_or_else(|| HostError::Invalid(format!("no namespace {nsid} on any path")))?;
+        Ok(MpNamespace::new(self.clone(), ns))
     }
 }

@@ -1,6 +1,6 @@
 //! A subsystem as the host sees it: the paths (controllers) to one subsystem NQN, through
 //! different host devices or target ports, the I/O policy, and the held-I/O bound. Its
-//! namespaces ([`MpNamespace`]) send each command on a path chosen by the policy.
+//! namespaces ([`MpNamespace`](super::MpNamespace)) send each command on a path chosen by the policy.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -10,7 +10,6 @@ use tokio::sync::watch;
 use crate::reconnect::CtrlState;
 use crate::transport::{AsyncEvent, Controller, HostError, NsInfo};
 
-use super::namespace::MpNamespace;
 use super::path::{Path, PathStats};
 use super::selector::IoPolicy;
 
@@ -191,16 +190,6 @@ impl Subsystem {
             });
         self.bump();
         Some(path)
-    }
-
-    /// Namespace `nsid` over every path that has it, as it is through the first of them.
-    pub fn namespace(self: &Arc<Self>, nsid: u32) -> Result<MpNamespace, HostError> {
-        let ns = self
-            .paths()
-            .iter()
-            .find_map(|p| p.ctrl.namespace(nsid).ok())
-            .ok_or_else(|| HostError::Invalid(format!("no namespace {nsid} on any path")))?;
-        Ok(MpNamespace::new(self.clone(), ns))
     }
 
     /// Tell the subsystem of an Asynchronous Event a path's controller reported: an ANA

@@ -123,6 +123,9 @@ impl CmdClass {
                     | opcode::admin::GET_FEATURES
                     | opcode::admin::KEEP_ALIVE
                     | opcode::admin::ASYNC_EVENT_REQUEST
+                    // Resetting a dead instance twice does what resetting it once does; held,
+                    // a CCR lost with its connection would wait for itself.
+                    | opcode::admin::CROSS_CTRL_RESET
             ),
         };
         if idempotent {
@@ -299,14 +302,34 @@ impl<T: Copy + PartialEq> Hold<T> {
     /// Hand every command that may be sent again at `now` to `resend`, in the order they
     /// were held, and forget it.
     pub fn release_due(&mut self, now: Instant, mut resend: impl FnMut(T)) {
+        self.release_due_from(now, |t, _| resend(t));
+    }
+
+    /// [`Hold::release_due`], with the instance each command was in flight on.
+    pub fn release_due_from(&mut self, now: Instant, mut resend: impl FnMut(T, CtrlInstance)) {
         self.slots.retain(|s| {
             if s.not_before <= now {
-                resend(s.tag);
+                resend(s.tag, s.instance);
                 false
             } else {
                 true
             }
         });
+    }
+
+    /// Commands held now that were in flight on `instance`.
+    pub fn held_from(&self, instance: &CtrlInstance) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| s.instance == *instance)
+            .count()
+    }
+
+    /// Every held command was failed (deletion, fast_io_fail_tmo, ctrl_loss_tmo): hold
+    /// nothing, ask for no CCR.
+    pub fn clear(&mut self) {
+        self.slots.clear();
+        self.ccr_wanted.clear();
     }
 
     /// When the next held command may go; `None` when nothing is held.

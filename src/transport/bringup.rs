@@ -24,6 +24,7 @@ use super::namespaces::{identify_namespaces, rescan_after_reconnects, NsTable};
 use super::options::{inline_depth_for, ConnectOptions};
 use super::queue::{self, Clock, QueueCore, QueueSpec};
 use super::recovery::{CtrlMetrics, DevCtx, EventQueue, Supervisor};
+use super::saferetry::{ccr_task, Assoc, SafeExec, SafeShared};
 use super::state::{bounded_admin, CtrlShared, CtrlStatus, DevShared, RecoveryTrace};
 use super::HostError;
 
@@ -186,6 +187,24 @@ impl<S: DeviceSource> Supervisor<S> {
         Ok(want.min(sq).min(cq))
     }
 
+    /// Identify the controller of the new association on the reserved slot, into memory
+    /// sized at connect: safe retry names it in a CCR should this association die too.
+    async fn identify_association(&mut self) -> Result<(), HostError> {
+        self.admin
+            .control(
+                admin::identify_controller(0),
+                &[],
+                IdentifyController::LEN,
+                self.opts.connect_timeout,
+            )
+            .await?;
+        self.admin.lock().control_data(&mut self.ident_buf[..]);
+        let id = IdentifyController::parse(&self.ident_buf[..])
+            .map_err(|_| HostError::Step("Identify Controller data too short"))?;
+        self.safe.next = Some(Assoc::of(&id));
+        Ok(())
+    }
+
     /// A reconnect attempt: admin, then the I/O queues, on the same buffers.
     pub(super) async fn reconnect(&mut self) -> Result<(), HostError> {
         self.trace.attempt_start = Some(self.now());
@@ -193,6 +212,7 @@ impl<S: DeviceSource> Supervisor<S> {
         self.trace.device_open = Some(self.now());
         self.connect_admin().await?;
         self.trace.admin_ready = Some(self.now());
+        self.identify_association().await?;
         if self.nr_io > 0 {
             let n = self.negotiate_queues(self.nr_io as u32).await?;
             if (n as usize) < self.nr_io {
@@ -270,8 +290,10 @@ impl Controller {
         } else {
             o.keep_alive_tmo
         };
+        let safe = Arc::new(SafeShared::new(o.safe_retry));
         let shared = Arc::new(CtrlShared {
             inbox,
+            safe: safe.clone(),
             status: watch::channel(CtrlStatus {
                 machine: Machine::new(policy, ours).status(Instant(0)),
                 cntlid: 0,
@@ -313,6 +335,8 @@ impl Controller {
             last_recovery: None,
             last_trace: None,
             metrics: CtrlMetrics::new(&o.subnqn),
+            safe: SafeExec::new(safe, 0, &o.subnqn),
+            ident_buf: Box::new([0; 4096]),
             opts: o.clone(),
         };
         let c = Controller {
@@ -323,6 +347,7 @@ impl Controller {
             io: Vec::new(),
             namespaces: Arc::new(NsTable::new()),
             rescans: None,
+            ccr: None,
             next: AtomicUsize::new(0),
             max_io: 0,
             shared,
@@ -368,8 +393,21 @@ impl Controller {
         }
         sup.sm.handle(now, Event::Connected);
         c.cntlid = sup.cntlid;
+        // The hold table has room for every command the queues can hold.
+        let slots = sup.all_queues().map(|q| q.lock().spec.size).sum();
+        sup.safe = SafeExec::new(sup.shared.safe.clone(), slots, &c.opts.subnqn);
+        sup.shared.safe.set_current(Some(Assoc::of(&c.ident)));
         sup.publish();
         if !discovery {
+            // Beside the recovery path, after it, as the rescan: its commands allocate.
+            c.ccr = Some(tokio::spawn(crate::harness::alloc_audit::after_recovery(
+                ccr_task(
+                    c.admin.clone(),
+                    clock,
+                    sup.shared.safe.clone(),
+                    sup.shared.inbox.clone(),
+                ),
+            )));
             c.rescans = Some(tokio::spawn(crate::harness::alloc_audit::after_recovery(
                 rescan_after_reconnects(
                     c.admin.clone(),

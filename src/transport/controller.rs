@@ -18,6 +18,7 @@ use crate::verbs::{DeviceContext, DeviceSource, Instant};
 use super::namespaces::{AsyncEvent, NsInfo, NsTable};
 use super::options::ConnectOptions;
 use super::queue::{IoBuffer, QueueHandle, QueueStats};
+use super::saferetry::{self, CcrOutcome, CtrlInstance, SafeRetryStatus};
 use super::state::{Backing, CtrlShared, CtrlStatus, DevShared};
 use super::HostError;
 
@@ -32,6 +33,8 @@ pub struct Controller {
     pub(super) namespaces: Arc<NsTable>,
     /// Rescans the namespaces each time the controller is LIVE again after a reconnect.
     pub(super) rescans: Option<tokio::task::JoinHandle<()>>,
+    /// Sends the Cross-Controller Resets safe retry asks for.
+    pub(super) ccr: Option<tokio::task::JoinHandle<()>>,
     pub(super) next: AtomicUsize,
     pub(super) max_io: usize,
     pub(super) shared: Arc<CtrlShared>,
@@ -49,6 +52,42 @@ impl Controller {
     /// Now on the controller's clock, the one [`CtrlStatus::at`] and [`RecoveryTrace`] use.
     pub fn now(&self) -> Instant {
         self.shared.clock.now()
+    }
+
+    /// The controller instance of the current association (CNTLID, CIU, CIRN from its
+    /// Identify data); `None` while no association is live. A multipath host names it in a
+    /// [`Controller::cross_reset`] sent through another controller when this one's
+    /// connection dies.
+    pub fn instance(&self) -> Option<CtrlInstance> {
+        self.shared.safe.current()
+    }
+
+    /// Send a Cross-Controller Reset (TP8028) through this live controller for `impacted`,
+    /// a dead controller of the same subsystem, and wait for its end: the completion's IRS
+    /// bit, else the CCR log (LID 0x1E) until its entry is complete, at most KATO + CQT
+    /// (this controller's; `--cqt-default` when it reports none). `Succeeded`: nothing of
+    /// `impacted` can execute any more. `Failed` (refused, limit reached, still running at
+    /// the bound): the time rule decides. An error is the command's own: Invalid Opcode means
+    /// the target does not offer CCR.
+    pub async fn cross_reset(&self, impacted: CtrlInstance) -> Result<CcrOutcome, HostError> {
+        let cqt = match self.ident.cqt {
+            0 => self.opts.safe_retry.default_cqt,
+            ms => Duration::from_millis(u64::from(ms)),
+        };
+        let deadline = self.now() + self.opts.keep_alive_tmo + cqt;
+        saferetry::cross_reset_until(&self.admin, self.shared.clock, impacted, deadline).await
+    }
+
+    /// Resolves once no command of a dead association of this controller can still execute
+    /// in the target: each one's CCR succeeded or its time rule (`k x KATO + CQT` after the
+    /// last contact) passed; at once with `--safe-retry off` or when no association died.
+    pub async fn quiesced(&self) {
+        self.shared.safe.quiesced(self.shared.clock).await
+    }
+
+    /// The safe-retry mode and each hold in force (for `list`).
+    pub fn safe_retry(&self) -> SafeRetryStatus {
+        self.shared.safe.status(self.now())
     }
 
     /// State, attempts, time left, as of now.
@@ -369,6 +408,9 @@ impl Controller {
         if let Some(t) = self.rescans.take() {
             t.abort();
         }
+        if let Some(t) = self.ccr.take() {
+            t.abort();
+        }
         self.shared.inbox.request_delete();
         if let Some(t) = self.sup.take() {
             let _ = t.await;
@@ -452,6 +494,9 @@ impl Controller {
 impl Drop for Controller {
     fn drop(&mut self) {
         if let Some(t) = self.rescans.take() {
+            t.abort();
+        }
+        if let Some(t) = self.ccr.take() {
             t.abort();
         }
         if self.sup.is_some() {

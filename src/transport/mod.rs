@@ -13,6 +13,7 @@ pub mod namespaces;
 pub mod options;
 pub mod queue;
 mod recovery;
+pub mod saferetry;
 mod state;
 
 pub use controller::{discover, Controller};
@@ -21,4 +22,5 @@ pub use fixed::Fixed;
 pub use namespaces::{AsyncEvent, NsInfo};
 pub use options::{default_hostid, ConnectOptions, SOFT_INLINE_DEPTH};
 pub use queue::{IoBuffer, QueueHandle, QueueSpec, QueueStats};
+pub use saferetry::{CcrOutcome, CtrlInstance, HoldStatus, ReleasedBy, SafeRetry, SafeRetryStatus};
 pub use state::{CtrlStatus, RecoveryTrace};

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::nvme::Nqn;
+use crate::reconnect::hold::HoldPolicy;
 use crate::reconnect::Policy;
 use crate::verbs::{roce_peer, Mtu};
 
@@ -55,6 +56,9 @@ pub struct ConnectOptions {
     /// what costs: 4 KiB randwrite QD32 through fio 205-213 K -> 268-305 K IOPS), and
     /// [`SOFT_INLINE_DEPTH`] towards other soft-HCAs.
     pub inline_depth: Option<usize>,
+    /// Safe retry (`--safe-retry`, `--cqt-default`): when a command that changes state and
+    /// was in flight on a dead connection may be sent again ([`crate::transport::saferetry`]).
+    pub safe_retry: HoldPolicy,
 }
 
 /// In-flight commands up to which a soft-HCA host puts fitting writes in the capsule
@@ -98,6 +102,7 @@ impl ConnectOptions {
             io_timeout: crate::reconnect::policy::DEFAULT_IO_TIMEOUT,
             max_retries: crate::reconnect::policy::DEFAULT_MAX_RETRIES,
             inline_depth: None,
+            safe_retry: HoldPolicy::default(),
         }
     }
 }

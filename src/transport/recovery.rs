@@ -32,6 +32,7 @@ use crate::verbs::{CmPort, DeviceContext, DeviceSource, Instant, Lifecycle, PdId
 use super::inbox::Inbox;
 use super::options::ConnectOptions;
 use super::queue::{Clock, QueueCtl, QueueStats};
+use super::saferetry::SafeExec;
 use super::state::{CtrlShared, CtrlStatus, DevShared, RecoveryTrace};
 
 /// The device context the controller currently runs on.
@@ -125,6 +126,10 @@ pub(super) struct Supervisor<S: DeviceSource> {
     pub(super) last_recovery: Option<Duration>,
     pub(super) last_trace: Option<RecoveryTrace>,
     pub(super) metrics: CtrlMetrics,
+    /// Safe retry's hold table and the association the attempt under way identified.
+    pub(super) safe: SafeExec,
+    /// Identify Controller data of each reconnect, read into memory sized at connect.
+    pub(super) ident_buf: Box<[u8; 4096]>,
 }
 
 /// How a reconnect attempt ended.
@@ -221,7 +226,7 @@ impl<S: DeviceSource> Supervisor<S> {
         }
     }
 
-    fn all_queues(&self) -> impl Iterator<Item = &QueueCtl<S::Device>> {
+    pub(super) fn all_queues(&self) -> impl Iterator<Item = &QueueCtl<S::Device>> {
         std::iter::once(&self.admin).chain(self.io.iter())
     }
 
@@ -296,6 +301,8 @@ impl<S: DeviceSource> Supervisor<S> {
                     "controller resetting: dropping HCA resources"
                 );
                 self.teardown();
+                let kato = self.sm.policy().keep_alive_tmo;
+                self.safe.on_lost(now, kato, &self.admin, &self.io);
                 self.trace.torn_down = Some(self.now());
                 q.push(Event::TornDown);
                 device_report(&self.devs.source, &self.devs.name, |ev| q.push(ev));
@@ -314,10 +321,12 @@ impl<S: DeviceSource> Supervisor<S> {
                 }
             }
             Action::Resubmit => {
+                self.safe.on_live(now, &self.admin, &self.io);
                 for c in self.all_queues() {
                     c.lock().resume(now);
                     c.poke();
                 }
+                self.safe.release(now, &self.admin, &self.io);
                 if let Some(t) = self.trace.failed {
                     let d = now.saturating_since(t);
                     self.trace.live = Some(now);
@@ -335,6 +344,7 @@ impl<S: DeviceSource> Supervisor<S> {
                     c.lock().fail_held(why, false);
                     c.poke();
                 }
+                self.safe.failed_held();
             }
             Action::FailAll(why) => {
                 self.teardown();
@@ -348,6 +358,7 @@ impl<S: DeviceSource> Supervisor<S> {
                     c.lock().fail_held(why, true);
                     c.poke();
                 }
+                self.safe.failed_held();
                 tracing::warn!(subnqn = %self.opts.subnqn, reason = why.name(), "controller deleted");
             }
         }
@@ -438,6 +449,9 @@ impl<S: DeviceSource> Supervisor<S> {
                 }
                 self.publish();
             }
+            // Held commands whose rule allows them now (a CCR outcome, the time rule).
+            let now = self.now();
+            self.safe.release(now, &self.admin, &self.io);
             if self.sm.state() == CtrlState::Dead {
                 self.publish();
                 for w in watchers {
@@ -445,9 +459,10 @@ impl<S: DeviceSource> Supervisor<S> {
                 }
                 return;
             }
-            let sleep_for = self
-                .sm
-                .poll_timeout()
+            let sleep_for = [self.sm.poll_timeout(), self.safe.poll_timeout()]
+                .into_iter()
+                .flatten()
+                .min()
                 .map(|t| t.saturating_since(self.now()));
             // Biased, so that a simulated run replays (tokio's unbiased choice is random).
             tokio::select! {

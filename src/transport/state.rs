@@ -80,6 +80,8 @@ impl RecoveryTrace {
 /// What the controller and its supervisor share.
 pub(super) struct CtrlShared {
     pub(super) inbox: Arc<Inbox>,
+    /// Safe retry's state: the live association, the dead ones, the CCRs asked.
+    pub(super) safe: Arc<super::saferetry::SafeShared>,
     pub(super) status: watch::Sender<CtrlStatus>,
     pub(super) clock: Clock,
 }

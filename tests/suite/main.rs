@@ -22,6 +22,7 @@ mod daemon_registry;
 mod export_fuse;
 mod export_model;
 mod export_nbd;
+mod ghost_write;
 mod late_writes;
 mod multipath;
 mod multiport;

@@ -291,6 +291,8 @@ impl ConnectAllArgs {
             queue_size: self.queue_size,
             iopolicy: None,
             policy: self.policy,
+            safe_retry: Default::default(),
+            cqt_default: nvmf_rdma::reconnect::hold::DEFAULT_CQT.as_millis() as u64,
             nsid: 1,
         };
         nvmf_rdma::cli::host::options(&s)?;

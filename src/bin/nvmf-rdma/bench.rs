@@ -267,6 +267,8 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
             nr_io_queues: queues.clamp(1, 64),
             queue_size: 128,
             policy: PolicyArgs::default(),
+            safe_retry: Default::default(),
+            cqt_default: nvmf_rdma::reconnect::hold::DEFAULT_CQT.as_millis() as u64,
             nsid: 1,
             iopolicy: None,
         };

@@ -3,7 +3,9 @@
 //! in the run directory) are listed and disconnected too.
 
 use anyhow::{bail, Result};
-use nvmf_rdma::cli::support::run_dir;
+use std::time::Duration;
+
+use nvmf_rdma::cli::support::{human_duration, run_dir};
 use nvmf_rdma::daemon::client::Client;
 use nvmf_rdma::daemon::config::params_of;
 use nvmf_rdma::daemon::local::{self, all_controllers, by_subsystem, disconnect, disconnect_all};
@@ -115,7 +117,26 @@ fn list_rows(c: &ControllerInfo) -> Vec<String> {
     )];
     let health =
         nvmf_rdma::cli::support::Health::from_json(&serde_json::to_string(c).unwrap_or_default());
-    out.push(format!("{:<8} {}", "", health.describe(&c.state)));
+    let mut line = health.describe(&c.state);
+    if !c.safe_retry.is_empty() {
+        line += &format!("; safe-retry {}", c.safe_retry);
+    }
+    out.push(format!("{:<8} {line}", ""));
+    for h in &c.holds {
+        out.push(format!(
+            "{:<8} safe-retry {}: holding {} command(s) of dead cntlid {} until {} ({} left at most)",
+            "",
+            c.safe_retry,
+            h.held,
+            h.cntlid,
+            if h.released_by == "ccr" {
+                "a cross-controller reset"
+            } else {
+                "the time rule"
+            },
+            human_duration(Duration::from_secs_f64(h.time_left_ms.max(0.0) / 1e3)),
+        ));
+    }
     for x in &c.exports {
         let what = match x {
             ExportInfo::Nbd { uri, clients, .. } => format!("nbd {uri} ({clients} client(s))"),
@@ -293,5 +314,30 @@ mod list_tests {
             "{rows:?}"
         );
         assert!(rows.last().unwrap().contains("connect --foreground"));
+    }
+
+    /// The mode rides on the health line; each hold gets a line of its own with what lets
+    /// it go and the time left.
+    #[test]
+    fn list_shows_the_safe_retry_mode_and_each_hold() {
+        let c = ControllerInfo {
+            name: "nvmf0".into(),
+            state: "live".into(),
+            safe_retry: "ccr".into(),
+            holds: vec![nvmf_rdma::daemon::proto::HoldInfo {
+                cntlid: 7,
+                ciu: 2,
+                held: 3,
+                released_by: "time".into(),
+                time_left_ms: 1500.0,
+            }],
+            ..ControllerInfo::default()
+        };
+        let rows = list_rows(&c);
+        assert!(rows[1].ends_with("; safe-retry ccr"), "{rows:?}");
+        assert!(
+            rows[2].contains("holding 3 command(s) of dead cntlid 7 until the time rule (1.5 s"),
+            "{rows:?}"
+        );
     }
 }

@@ -231,6 +231,8 @@ impl<D: DeviceContext> QueueCore<D> {
         s.cqe = None;
         s.send_done = false;
         s.held_out = false;
+        s.stale = false;
+        s.gated = false;
         self.free.push(i);
     }
 

@@ -550,6 +550,7 @@ async fn run<D: DeviceContext>(ctl: QueueCtl<D>, mut rx: mpsc::Receiver<Request>
                     if n == 0 {
                         c.on_device_gone();
                     } else {
+                        c.heard(ctl.now());
                         for wc in &wcs {
                             c.on_wc(wc);
                         }

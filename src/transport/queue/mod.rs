@@ -200,6 +200,12 @@ struct Slot {
     /// Submitted by code the allocation audit counts apart (the namespace rescan after a
     /// reconnect): the copy of its answer is counted with it.
     audit_apart: bool,
+    /// Posted on a connection that died and not posted since: a copy of it may still execute
+    /// in the target.
+    stale: bool,
+    /// Held back by safe retry until the dead association's commands are known finished
+    /// ([`QueueCore::gate_stale`], [`QueueCore::ungate`]).
+    gated: bool,
     reply: Option<oneshot::Sender<Result<Response, HostError>>>,
 }
 
@@ -284,6 +290,12 @@ pub struct QueueCore<D: DeviceContext> {
     /// Buffers of read data that callers gave back ([`QueueHandle::recycle`]), reused for
     /// the next reads so a large read does not allocate (and fault in) fresh memory.
     spare: Vec<Vec<u8>>,
+    /// The last exchange on this queue: a command posted or a batch of completions taken,
+    /// on the controller's clock. Safe retry counts the dead controller's quiesce time from
+    /// the latest of its queues'.
+    last_contact: Instant,
+    /// Answers were taken from the CQ at teardown: contact lasted until then.
+    heard_at_teardown: bool,
 }
 
 /// Completions polled per call when draining a CQ at teardown.
@@ -323,6 +335,8 @@ impl<D: DeviceContext> QueueCore<D> {
                 key_live: false,
                 region: None,
                 audit_apart: false,
+                stale: false,
+                gated: false,
                 reply: None,
             })
             .collect();
@@ -352,6 +366,8 @@ impl<D: DeviceContext> QueueCore<D> {
             backlog: false,
             drain: Vec::with_capacity(DRAIN_BATCH),
             spare: Vec::with_capacity(SPARE_BUFFERS),
+            last_contact: Instant(0),
+            heard_at_teardown: false,
         })
     }
 
@@ -381,6 +397,7 @@ impl<D: DeviceContext> QueueCore<D> {
     /// Returns the QP number for the CM request. On error nothing is left behind.
     pub fn attach(&mut self, dev: &D, pd: PdId) -> Result<Qpn, HostError> {
         self.teardown();
+        self.heard_at_teardown = false;
         self.epoch = self.inbox.epoch();
         match self.make_verbs(dev, pd) {
             Ok(v) => {
@@ -529,6 +546,7 @@ impl<D: DeviceContext> QueueCore<D> {
             wcs.clear();
             let n = dev.poll_cq(cq, DRAIN_BATCH, &mut wcs);
             for wc in wcs.iter().filter(|wc| wc.status == WcStatus::Success) {
+                self.heard_at_teardown = true;
                 self.on_wc(wc);
             }
             if n < DRAIN_BATCH {
@@ -580,6 +598,7 @@ impl<D: DeviceContext> QueueCore<D> {
                 s.state = SlotState::Held;
                 s.send_done = false;
                 s.held_out = true;
+                s.stale = true;
                 self.stats.requeued += 1;
             }
         }
@@ -635,7 +654,8 @@ impl<D: DeviceContext> QueueCore<D> {
             .read(self.control_slot() * self.spec.max_io, &mut out[..n]);
     }
 
-    /// The controller is LIVE again: send every held command.
+    /// The controller is LIVE again: send every held command safe retry does not hold
+    /// back.
     pub fn resume(&mut self, now: Instant) {
         if self.verbs.is_none() || matches!(self.phase, Phase::Closed(_)) {
             return;
@@ -643,7 +663,7 @@ impl<D: DeviceContext> QueueCore<D> {
         self.phase = Phase::Live;
         self.failfast = None;
         for i in 0..self.slots.len() {
-            if self.slots[i].state == SlotState::Held {
+            if self.slots[i].state == SlotState::Held && !self.slots[i].gated {
                 self.post(i, now);
             }
         }

@@ -1,5 +1,6 @@
 //! Submission: a caller's request into a slot, and the slot onto the wire (capsule, keyed
-//! SGL or in-capsule data, a key per command), posted in batches.
+//! SGL or in-capsule data, a key per command), posted in batches; and the commands of a dead
+//! connection that safe retry holds back.
 
 use crate::verbs::{DeviceContext, Instant};
 
@@ -181,7 +182,9 @@ impl<D: DeviceContext> QueueCore<D> {
         s.state = SlotState::Posted;
         s.send_done = false;
         s.cqe = None;
+        s.stale = false;
         s.posted_at = now;
+        self.last_contact = self.last_contact.max(now);
         self.sends.push(SendWr::signaled(
             (WR_SEND << 32) | i as u64,
             SendOp::Send,
@@ -204,5 +207,57 @@ impl<D: DeviceContext> QueueCore<D> {
             let c = self.device_cause().unwrap_or(Cause::Transport);
             self.fail_connection(c);
         }
+    }
+}
+
+/// Safe retry's side of the queue: commands of a dead connection held back, and the last
+/// contact on the queue.
+impl<D: DeviceContext> QueueCore<D> {
+    /// Offer each held command that was out on a connection that died (and is not held back
+    /// yet) to `gate` with its slot and opcode; those it answers true for stay held back
+    /// from [`QueueCore::resume`] until [`QueueCore::ungate`].
+    pub fn gate_stale(&mut self, mut gate: impl FnMut(usize, u8) -> bool) {
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            if s.state == SlotState::Held && s.stale && !s.gated {
+                s.gated = gate(i, s.sqe.opcode);
+            }
+        }
+    }
+
+    /// Let held-back command `slot` go: sent now if the queue is live, else at the next
+    /// [`QueueCore::resume`]. False if the slot holds no such command (it ended another way).
+    pub fn ungate(&mut self, slot: usize, now: Instant) -> bool {
+        let Some(s) = self.slots.get_mut(slot) else {
+            return false;
+        };
+        if !(s.state == SlotState::Held && s.gated) {
+            return false;
+        }
+        s.gated = false;
+        if self.phase == Phase::Live {
+            self.post(slot, now);
+            self.flush_posts();
+        }
+        true
+    }
+
+    /// Commands held back by safe retry now.
+    pub fn gated(&self) -> usize {
+        self.slots.iter().filter(|s| s.gated).count()
+    }
+
+    /// The last command posted or completion taken on this queue, on the controller's
+    /// clock; `torn_down`, when the last teardown found answers still in the CQ.
+    pub fn last_contact(&self, torn_down: Instant) -> Instant {
+        if self.heard_at_teardown {
+            torn_down
+        } else {
+            self.last_contact
+        }
+    }
+
+    /// Completions were taken at `now`.
+    pub(super) fn heard(&mut self, now: Instant) {
+        self.last_contact = self.last_contact.max(now);
     }
 }

@@ -1,0 +1,604 @@
+//! Safe retry on the host (NVMe TP4129, TP8028): a command that changes state and was in
+//! flight on a connection that died is not sent again, on the controller's next association,
+//! until the dead association's commands are known finished. The rule is
+//! [`crate::reconnect::hold`]'s; this is where the executor applies it.
+//!
+//! - When a connection dies the executor records the lost controller instance (CNTLID, CIU,
+//!   CIRN, CQT, TBKAS from its Identify; the KATO in force) and the last contact with it
+//!   (the latest command posted or completion batch taken on any of its queues).
+//! - On reconnect, held commands that only read go at once; the others stay held until a
+//!   Cross-Controller Reset sent through the new association reports the old one reset, or
+//!   `k x KATO + CQT` after the last contact (`k` = 3 with traffic-based keep alive, else 2).
+//!   With `--safe-retry off` everything goes at once.
+//! - New I/O is never held: an unacknowledged write has no order against a concurrent one.
+//!
+//! The CCR exchange runs in a task of its own beside the executor ([`ccr_task`]), as the
+//! namespace rescan does: the executor only hands it an instance and takes back the outcome,
+//! so the recovery path itself allocates nothing.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::nvme::ccr::{self, CcrLog, CcrResult, CcrState};
+use crate::nvme::{IdentifyController, Status};
+use crate::reconnect::hold::{CmdClass, Hold, LostController, QueueKind, CCR_QUEUE};
+use crate::verbs::{DeviceContext, Instant};
+
+use super::queue::{Clock, QueueCtl, QueueHandle};
+use super::HostError;
+
+pub use crate::nvme::ccr::CtrlInstance;
+pub use crate::reconnect::hold::{CcrOutcome, HoldPolicy, SafeRetry};
+
+/// Dead associations of one controller tracked at once (each reconnect adds one); past it
+/// the oldest's quiesce deadline merges into one that no CCR shortens, which is safe.
+const LOST_MAX: usize = CCR_QUEUE;
+
+/// What safe retry needs of an association, from its Identify Controller data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Assoc {
+    pub(super) instance: CtrlInstance,
+    pub(super) cqt_ms: u16,
+    pub(super) tbkas: bool,
+    pub(super) offers_ccr: bool,
+}
+
+impl Assoc {
+    pub(super) fn of(id: &IdentifyController) -> Assoc {
+        Assoc {
+            instance: id.instance(),
+            cqt_ms: id.cqt,
+            tbkas: id.traffic_based_keep_alive(),
+            offers_ccr: id.offers_ccr(),
+        }
+    }
+}
+
+/// What lets a hold go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReleasedBy {
+    /// A Cross-Controller Reset reported the dead controller reset (or one is under way).
+    Ccr,
+    /// `k x KATO + CQT` after the last contact passed.
+    Time,
+}
+
+impl ReleasedBy {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReleasedBy::Ccr => "ccr",
+            ReleasedBy::Time => "time",
+        }
+    }
+}
+
+/// One dead association whose commands may still execute in the target, as `list` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HoldStatus {
+    /// The dead controller instance.
+    pub instance: CtrlInstance,
+    /// Commands of it held back from resending.
+    pub held: usize,
+    /// What is expected to let them go: a CCR under way, or the time rule.
+    pub by: ReleasedBy,
+    /// Until the time rule lets them go in any case.
+    pub time_left: Duration,
+}
+
+/// Safe retry of one controller now ([`super::Controller::safe_retry`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SafeRetryStatus {
+    pub mode: SafeRetry,
+    /// Dead associations whose commands may still execute.
+    pub holds: Vec<HoldStatus>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CcrPhase {
+    /// No CCR for it (mode, target, or nothing held).
+    None,
+    /// Asked of the CCR task.
+    Asked,
+    Succeeded,
+    Failed,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Lost {
+    ctrl: LostController,
+    instance: CtrlInstance,
+    /// The time rule's instant.
+    deadline: Instant,
+    /// When the host recorded the loss (for the hold-time histogram).
+    at: Instant,
+    held: usize,
+    ccr: CcrPhase,
+}
+
+impl Lost {
+    fn quiet(&self, now: Instant) -> bool {
+        self.ccr == CcrPhase::Succeeded || self.deadline <= now
+    }
+}
+
+/// What the controller's handle, its executor and its CCR task share.
+pub(super) struct SafeShared {
+    state: Mutex<SafeState>,
+    /// A dead association went quiet, or a CCR outcome came in.
+    changed: Notify,
+    /// The CCR task has something to do.
+    ccr_wake: Notify,
+}
+
+struct SafeState {
+    policy: HoldPolicy,
+    /// The live association (None while down).
+    current: Option<Assoc>,
+    /// The target answered a CCR with Invalid Opcode: it does not offer CCR after all.
+    ccr_refused: bool,
+    lost: [Option<Lost>; LOST_MAX],
+    /// Deadlines of dead associations that did not fit in `lost`.
+    overflow: Option<Instant>,
+    /// CCRs for the task to send, with the instant past which they are of no use.
+    asks: [Option<(CtrlInstance, Instant)>; LOST_MAX],
+    /// Their outcomes, for the executor.
+    outcomes: [Option<(CtrlInstance, CcrOutcome)>; LOST_MAX],
+}
+
+fn put<T>(table: &mut [Option<T>], v: T) -> bool {
+    match table.iter_mut().find(|e| e.is_none()) {
+        Some(e) => {
+            *e = Some(v);
+            true
+        }
+        None => false,
+    }
+}
+
+impl SafeShared {
+    pub(super) fn new(policy: HoldPolicy) -> SafeShared {
+        SafeShared {
+            state: Mutex::new(SafeState {
+                policy,
+                current: None,
+                ccr_refused: false,
+                lost: [None; LOST_MAX],
+                overflow: None,
+                asks: [None; LOST_MAX],
+                outcomes: [None; LOST_MAX],
+            }),
+            changed: Notify::new(),
+            ccr_wake: Notify::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SafeState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn set_current(&self, a: Option<Assoc>) {
+        self.lock().current = a;
+    }
+
+    pub(super) fn current(&self) -> Option<CtrlInstance> {
+        self.lock().current.map(|a| a.instance)
+    }
+
+    /// The status for `list`.
+    pub(super) fn status(&self, now: Instant) -> SafeRetryStatus {
+        let st = self.lock();
+        let holds = st
+            .lost
+            .iter()
+            .flatten()
+            .filter(|l| l.held > 0)
+            .map(|l| HoldStatus {
+                instance: l.instance,
+                held: l.held,
+                by: if l.ccr == CcrPhase::Asked || l.ccr == CcrPhase::Succeeded {
+                    ReleasedBy::Ccr
+                } else {
+                    ReleasedBy::Time
+                },
+                time_left: l.deadline.saturating_since(now),
+            })
+            .collect();
+        SafeRetryStatus {
+            mode: st.policy.mode,
+            holds,
+        }
+    }
+
+    /// When every dead association is quiet (`None`: now), and whether a CCR may still
+    /// make it sooner.
+    fn quiet_at(&self, now: Instant) -> Option<Instant> {
+        let st = self.lock();
+        if st.policy.mode == SafeRetry::Off {
+            return None;
+        }
+        st.lost
+            .iter()
+            .flatten()
+            .filter(|l| !l.quiet(now))
+            .map(|l| l.deadline)
+            .chain(st.overflow.filter(|t| *t > now))
+            .max()
+    }
+
+    /// Resolves once no command of a dead association can still execute.
+    pub(super) async fn quiesced(&self, clock: Clock) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let now = clock.now();
+            let Some(at) = self.quiet_at(now) else {
+                return;
+            };
+            let sleep = tokio::time::sleep(at.saturating_since(now));
+            tokio::select! {
+                _ = changed => {}
+                _ = sleep => {}
+            }
+        }
+    }
+}
+
+/// Send a Cross-Controller Reset for `impacted` through the controller behind `admin` and
+/// wait for its end, reading the CCR log (LID 0x1E) until its entry is complete, at most
+/// until `deadline`: a reset still in progress then counts as failed (the time rule
+/// decides). An error is the command's own (Invalid Opcode: the target does not offer CCR).
+pub(super) async fn cross_reset_until(
+    admin: &QueueHandle,
+    clock: Clock,
+    impacted: CtrlInstance,
+    deadline: Instant,
+) -> Result<CcrOutcome, HostError> {
+    let left = |now: Instant| deadline.saturating_since(now);
+    let sent = tokio::time::timeout(
+        left(clock.now()),
+        admin.submit(ccr::cross_ctrl_reset(0, impacted), None, 0),
+    )
+    .await;
+    match sent {
+        Err(_) => return Ok(CcrOutcome::Failed),
+        Ok(Ok(r)) => {
+            if CcrResult::from_dw0(r.cqe.result as u32).immediate {
+                return Ok(CcrOutcome::Succeeded);
+            }
+        }
+        // This controller already runs a CCR for it: its entry tells the end.
+        Ok(Err(HostError::Nvme(e))) if same_code(e.status, ccr::status::IN_PROGRESS) => {}
+        Ok(Err(HostError::Nvme(e)))
+            if same_code(e.status, ccr::status::LIMIT_EXCEEDED)
+                || same_code(e.status, ccr::status::LOG_FULL) =>
+        {
+            return Ok(CcrOutcome::Failed)
+        }
+        Ok(Err(e)) => return Err(e),
+    }
+    // Accepted and under way: the log entry completes when the impacted controller's last
+    // command is over (the target also raises an event naming the log).
+    let mut pause = Duration::from_millis(1);
+    loop {
+        let now = clock.now();
+        if now >= deadline {
+            return Ok(CcrOutcome::Failed);
+        }
+        tokio::time::sleep(pause.min(left(now))).await;
+        pause = (pause * 2).min(Duration::from_millis(50));
+        let sqe = ccr::get_ccr_log(0, CCR_LOG_ENTRIES, true)?;
+        let len = ccr::LOG_HEADER_LEN + CCR_LOG_ENTRIES * ccr::CcrLogEntry::LEN;
+        let r = match tokio::time::timeout(left(clock.now()), admin.submit(sqe, None, len)).await {
+            Ok(r) => r?,
+            Err(_) => return Ok(CcrOutcome::Failed),
+        };
+        let Ok(log) = CcrLog::new_checked(&r.data[..]) else {
+            return Err(HostError::Protocol(
+                "the CCR log page is malformed; safe retry falls back to the time rule".into(),
+            ));
+        };
+        match log.state_of(&impacted) {
+            Some(CcrState::Success) => return Ok(CcrOutcome::Succeeded),
+            Some(CcrState::Failed) => return Ok(CcrOutcome::Failed),
+            Some(CcrState::InProgress) | None => {}
+        }
+    }
+}
+
+/// Entries read from the CCR log at a time (a target keeps a few per source controller).
+const CCR_LOG_ENTRIES: usize = 16;
+
+fn same_code(a: Status, b: Status) -> bool {
+    (a.sct, a.sc) == (b.sct, b.sc)
+}
+
+/// The CCR task of a controller: sends the CCRs the executor asks for through the live
+/// association's admin queue and hands back the outcomes. Ends with the controller.
+pub(super) async fn ccr_task(
+    admin: QueueHandle,
+    clock: Clock,
+    safe: Arc<SafeShared>,
+    wake_executor: Arc<super::inbox::Inbox>,
+) {
+    loop {
+        let woken = safe.ccr_wake.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        let ask = safe.lock().asks.iter_mut().find_map(Option::take);
+        let Some((impacted, deadline)) = ask else {
+            woken.await;
+            continue;
+        };
+        let outcome = match cross_reset_until(&admin, clock, impacted, deadline).await {
+            Ok(o) => o,
+            Err(e) => {
+                if let HostError::Nvme(n) = &e {
+                    if same_code(n.status, Status::INVALID_OPCODE) {
+                        safe.lock().ccr_refused = true;
+                    }
+                }
+                tracing::info!(
+                    cntlid = impacted.cntlid,
+                    error = %e,
+                    "cross-controller reset failed; held commands wait for the time rule"
+                );
+                CcrOutcome::Failed
+            }
+        };
+        {
+            let mut st = safe.lock();
+            if !put(&mut st.outcomes, (impacted, outcome)) {
+                // The executor has not taken earlier outcomes: the time rule still holds.
+                tracing::warn!("too many CCR outcomes pending; the time rule decides");
+            }
+        }
+        wake_executor.wake.notify_one();
+    }
+}
+
+/// Labels are fixed at connect; handles update without allocating.
+pub(super) struct SafeMetrics {
+    held: metrics::Counter,
+    by_ccr: metrics::Counter,
+    by_time: metrics::Counter,
+    by_off: metrics::Counter,
+    hold_secs: metrics::Histogram,
+}
+
+impl SafeMetrics {
+    pub(super) fn new(subnqn: &str) -> SafeMetrics {
+        let l = |by: &'static str| [("subnqn", subnqn.to_string()), ("by", by.to_string())];
+        let s = [("subnqn", subnqn.to_string())];
+        SafeMetrics {
+            held: metrics::counter!("nvmf_ctrl_safe_retry_held_total", &s),
+            by_ccr: metrics::counter!("nvmf_ctrl_safe_retry_released_total", &l("ccr")),
+            by_time: metrics::counter!("nvmf_ctrl_safe_retry_released_total", &l("time")),
+            by_off: metrics::counter!("nvmf_ctrl_safe_retry_released_total", &l("off")),
+            hold_secs: metrics::histogram!("nvmf_ctrl_safe_retry_hold_seconds", &s),
+        }
+    }
+}
+
+/// The executor's side: the hold table (tags: queue index << 16 | slot), sized at connect.
+pub(super) struct SafeExec {
+    pub(super) shared: Arc<SafeShared>,
+    hold: Hold<u32>,
+    /// The association the attempt under way identified: current once LIVE.
+    pub(super) next: Option<Assoc>,
+    metrics: SafeMetrics,
+}
+
+impl SafeExec {
+    pub(super) fn new(shared: Arc<SafeShared>, capacity: usize, subnqn: &str) -> SafeExec {
+        let policy = shared.lock().policy;
+        SafeExec {
+            shared,
+            hold: Hold::new(policy, capacity),
+            next: None,
+            metrics: SafeMetrics::new(subnqn),
+        }
+    }
+
+    /// When the next held command may go.
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
+        self.hold.poll_timeout()
+    }
+}
+
+fn tag(qi: usize, slot: usize) -> u32 {
+    (qi as u32) << 16 | slot as u32
+}
+
+impl SafeExec {
+    /// The connection just torn down was the live association: record it as lost, with the
+    /// last contact on any of its queues.
+    pub(super) fn on_lost<D: DeviceContext>(
+        &mut self,
+        now: Instant,
+        kato: Duration,
+        admin: &QueueCtl<D>,
+        io: &[QueueCtl<D>],
+    ) {
+        let last = std::iter::once(admin)
+            .chain(io.iter())
+            .map(|q| q.lock().last_contact(now))
+            .max()
+            .unwrap_or(now);
+        let shared = self.shared.clone();
+        let mut st = shared.lock();
+        let Some(a) = st.current.take() else { return };
+        let lost = LostController {
+            instance: a.instance,
+            last_contact: last,
+            kato,
+            cqt_ms: a.cqt_ms,
+            traffic_based_keep_alive: a.tbkas,
+            ccr_possible: a.offers_ccr && !st.ccr_refused,
+        };
+        let deadline = lost.quiesced_by(&st.policy);
+        let rec = Lost {
+            ctrl: lost,
+            instance: a.instance,
+            deadline,
+            at: now,
+            held: 0,
+            ccr: CcrPhase::None,
+        };
+        if !put(&mut st.lost, rec) {
+            // The oldest goes to the overflow deadline (its held commands keep their own
+            // deadlines in the hold table): the newest loss must have its record, the stale
+            // commands of the next reconnect are held by it.
+            let oldest = (0..LOST_MAX).min_by_key(|&i| st.lost[i].map_or(now, |l| l.at));
+            if let Some(i) = oldest {
+                if let Some(old) = st.lost[i].replace(rec) {
+                    let t = old.deadline;
+                    st.overflow = Some(st.overflow.map_or(t, |o| o.max(t)));
+                }
+            }
+        }
+    }
+
+    /// The controller is LIVE again, before its held commands are resumed: hold back those
+    /// that change state and were out on the last dead association, and ask for a CCR.
+    pub(super) fn on_live<D: DeviceContext>(
+        &mut self,
+        now: Instant,
+        admin: &QueueCtl<D>,
+        io: &[QueueCtl<D>],
+    ) {
+        let shared = self.shared.clone();
+        let mut st = shared.lock();
+        st.current = self.next.take().or(st.current);
+        let off = st.policy.mode == SafeRetry::Off;
+        // The stale commands not held back yet were all out on the latest loss.
+        let latest = (0..LOST_MAX)
+            .filter_map(|i| st.lost[i].map(|l| (i, l)))
+            .max_by_key(|(_, l)| l.at);
+        let Some((ri, rec)) = latest else {
+            return;
+        };
+        let hold = &mut self.hold;
+        let (mut held, mut resent) = (0, 0);
+        for (qi, q) in std::iter::once(admin).chain(io.iter()).enumerate() {
+            let kind = if qi == 0 {
+                QueueKind::Admin
+            } else {
+                QueueKind::Io
+            };
+            q.lock().gate_stale(|slot, op| {
+                if CmdClass::of(kind, op) == CmdClass::Idempotent {
+                    return false;
+                }
+                if off {
+                    resent += 1;
+                    return false;
+                }
+                match hold.hold(now, &rec.ctrl, tag(qi, slot), CmdClass::Mutating) {
+                    Ok(()) => {
+                        held += 1;
+                        true
+                    }
+                    // Sized from the queues' slots, the table cannot be full.
+                    Err(e) => {
+                        tracing::error!(error = %e, "command resent without a hold");
+                        false
+                    }
+                }
+            });
+        }
+        self.metrics.by_off.increment(resent);
+        if held == 0 {
+            return;
+        }
+        self.metrics.held.increment(held as u64);
+        let want_ccr = st.policy.mode == SafeRetry::Ccr
+            && rec.ctrl.ccr_possible
+            && !st.ccr_refused
+            && rec.ccr == CcrPhase::None;
+        let asked = want_ccr && put(&mut st.asks, (rec.instance, rec.deadline));
+        if let Some(r) = st.lost[ri].as_mut() {
+            r.held += held;
+            if asked {
+                r.ccr = CcrPhase::Asked;
+            }
+        }
+        if asked {
+            shared.ccr_wake.notify_one();
+        }
+    }
+
+    /// Take CCR outcomes and let go every held command whose rule allows it now.
+    pub(super) fn release<D: DeviceContext>(
+        &mut self,
+        now: Instant,
+        admin: &QueueCtl<D>,
+        io: &[QueueCtl<D>],
+    ) {
+        let shared = self.shared.clone();
+        let mut st = shared.lock();
+        let mut any = false;
+        for k in 0..LOST_MAX {
+            let Some((inst, outcome)) = st.outcomes[k].take() else {
+                continue;
+            };
+            any = true;
+            self.hold.on_ccr(now, inst, outcome);
+            for l in st.lost.iter_mut().flatten().filter(|l| l.instance == inst) {
+                l.ccr = match outcome {
+                    CcrOutcome::Succeeded => CcrPhase::Succeeded,
+                    CcrOutcome::Failed => CcrPhase::Failed,
+                };
+            }
+        }
+        let m = &self.metrics;
+        let lost = &mut st.lost;
+        self.hold.release_due_from(now, |t, inst| {
+            let (qi, slot) = ((t >> 16) as usize, (t & 0xFFFF) as usize);
+            let q = if qi == 0 { admin } else { &io[qi - 1] };
+            let sent = q.lock().ungate(slot, now);
+            q.poke();
+            let Some(l) = lost.iter_mut().flatten().find(|l| l.instance == inst) else {
+                return;
+            };
+            l.held = l.held.saturating_sub(1);
+            if sent {
+                let c = if l.ccr == CcrPhase::Succeeded && now < l.deadline {
+                    &m.by_ccr
+                } else {
+                    &m.by_time
+                };
+                c.increment(1);
+            }
+            if l.held == 0 {
+                m.hold_secs.record(now.saturating_since(l.at).as_secs_f64());
+            }
+        });
+        // Forget the dead associations that are quiet and hold nothing.
+        for e in st.lost.iter_mut() {
+            if e.is_some_and(|l| l.held == 0 && l.quiet(now)) {
+                *e = None;
+                any = true;
+            }
+        }
+        if st.overflow.is_some_and(|t| t <= now) {
+            st.overflow = None;
+            any = true;
+        }
+        drop(st);
+        if any {
+            shared.changed.notify_waiters();
+        }
+    }
+
+    /// Held commands were failed (deletion, fast_io_fail_tmo, ctrl_loss_tmo): hold nothing.
+    pub(super) fn failed_held(&mut self) {
+        self.hold.clear();
+        let mut st = self.shared.lock();
+        for l in st.lost.iter_mut().flatten() {
+            l.held = 0;
+        }
+    }
+}
