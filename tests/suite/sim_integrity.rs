@@ -1,8 +1,8 @@
 //! Data integrity under a bad link, end to end on the simulated backend: the real host and
 //! built-in target over a seeded `SimNet` with loss, delay, duplication and reordering, in
-//! tokio's paused time. Several verifiers at once (QD > 1 on each queue) mix host reads and
-//! writes of 512 B to 128 KiB of random data over the same few buffers and keys, and every
-//! read must match the last acknowledged write. A host READ is the target's RDMA WRITEs and
+//! tokio's paused time. Verifiers side by side (up to 32 commands in flight on a queue, as
+//! fio's loss job) mix host reads and writes of 512 B to 128 KiB of random data over the
+//! queues' reused buffers and keys, and every read must match the last acknowledged write. A host READ is the target's RDMA WRITEs and
 //! a SEND; a host WRITE is the target's RDMA READ of host memory: both directions of every
 //! retransmit path carry data here. `SIM_SEED=<seed>` replays one seed,
 //! `SIM_INTEGRITY_SEEDS=n` sets how many run (default 40).
@@ -21,7 +21,7 @@ use rand::{Rng, SeedableRng};
 
 const HOST_IP: [u8; 4] = [127, 0, 1, 1];
 const TARGET_IP: [u8; 4] = [127, 0, 2, 1];
-const NS_BYTES: u64 = 4 << 20;
+const NS_BYTES: u64 = 8 << 20;
 const CTRL_LOSS: Duration = Duration::from_secs(30);
 /// 128 KiB of 512-byte blocks.
 const MAX_BLOCKS: u64 = 256;
@@ -59,10 +59,15 @@ async fn run_seed(seed: u64) -> Result<(u64, u64, LinkStats), String> {
         .await
         .map_err(|e| format!("target: {e}"))?;
     let mgr = net.device_manager();
+    // As fio's loss job (QD32 of 4 KiB on one queue) or spread over two queues, with
+    // transfers of one to eight blocks or up to 128 KiB.
+    let queues = rng.random_range(1..=2);
+    let workers = [4, 8, 16, 32][rng.random_range(0..4)];
+    let max_blocks = if rng.random_bool(0.5) { 8 } else { MAX_BLOCKS };
     let o = host_options(
         target.addr,
-        2,
-        16,
+        queues,
+        32,
         crate::rig::reconnect_at_once(Some(CTRL_LOSS), CTRL_LOSS),
     );
     let c = Arc::new(
@@ -72,21 +77,28 @@ async fn run_seed(seed: u64) -> Result<(u64, u64, LinkStats), String> {
     );
     net.set_faults(link(&mut rng));
     let stop = Arc::new(AtomicBool::new(false));
-    // Eight verifiers over 2 MiB: a few buffers each, reused by their next I/O.
+    // One verifier per command in flight over the namespace's first 4 MiB, each reusing
+    // the buffers and keys its queue gives it.
+    let blocks = ((NS_BYTES / 2) / 512 / workers).max(MAX_BLOCKS);
     let workers = Verifiers {
-        workers: 8,
-        blocks: 512,
-        max_blocks: MAX_BLOCKS,
+        workers,
+        blocks,
+        max_blocks,
         hang_after: CTRL_LOSS + Duration::from_secs(5),
     }
     .spawn(&c, &stop, |w| {
         (seed.wrapping_mul(131).wrapping_add(w), Some(40))
     });
-    let (all, _) = judge_storm(&c, workers, CTRL_LOSS + Duration::from_secs(10)).await?;
+    // Each I/O has `hang_after`; a worker's 40 of up to 128 KiB on the worst links take
+    // longer than that in all.
+    let (all, _) = judge_storm(&c, workers, Duration::from_secs(600)).await?;
     let stats = net.stats();
     match Arc::try_unwrap(c) {
         Ok(c) => c.disconnect().await,
         Err(_) => return Err("controller still shared".into()),
+    }
+    if std::env::var("SIM_SEED").is_ok() {
+        println!("seed {seed}: {:?} of virtual time, {stats:?}", net.now());
     }
     Ok((all.reads + all.writes, all.bytes_verified, stats))
 }
