@@ -105,16 +105,7 @@ async fn run_seed(seed: u64) -> Result<(u64, u64, LinkStats), String> {
 
 #[test]
 fn reads_match_acknowledged_writes_over_a_lossy_reordering_link() {
-    let seeds: Vec<u64> = match std::env::var("SIM_SEED") {
-        Ok(s) => vec![s.parse().expect("SIM_SEED is a number")],
-        Err(_) => {
-            let n: u64 = std::env::var("SIM_INTEGRITY_SEEDS")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(40);
-            (1..=n).collect()
-        }
-    };
+    let seeds = crate::rig::sweep_seeds("SIM_INTEGRITY_SEEDS", 40);
     let (mut ops, mut verified, mut dropped) = (0, 0, 0);
     for &seed in &seeds {
         match runtime().block_on(run_seed(seed)) {
