@@ -33,5 +33,6 @@ mod nvmf_e2e;
 mod nvmf_queues;
 mod reconnect;
 mod recovery_edges;
+mod sim_integrity;
 mod sim_recovery;
 mod zero_copy;

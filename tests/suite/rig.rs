@@ -68,3 +68,18 @@ pub async fn serve(
     serve_cm(t.clone(), CmService::for_device(&hca)).unwrap();
     (t, hca)
 }
+
+/// The seeds a seed sweep runs: `SIM_SEED` alone, to replay one, else 1 to `$count_var`
+/// (`default` without it).
+pub fn sweep_seeds(count_var: &str, default: u64) -> Vec<u64> {
+    match std::env::var("SIM_SEED") {
+        Ok(s) => vec![s.parse().expect("SIM_SEED is a number")],
+        Err(_) => {
+            let n: u64 = std::env::var(count_var)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(default);
+            (1..=n).collect()
+        }
+    }
+}

@@ -219,16 +219,7 @@ fn watchdog(current: Arc<AtomicU64>) {
 
 #[test]
 fn recovery_seed_sweep() {
-    let seeds: Vec<u64> = match std::env::var("SIM_SEED") {
-        Ok(s) => vec![s.parse().expect("SIM_SEED is a number")],
-        Err(_) => {
-            let n: u64 = std::env::var("SIM_SWEEP_SEEDS")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(500);
-            (1..=n).collect()
-        }
-    };
+    let seeds = crate::rig::sweep_seeds("SIM_SWEEP_SEEDS", 500);
     let t0 = std::time::Instant::now();
     let (mut ops, mut faults, mut recoveries, mut virt) = (0, 0, 0, 0u128);
     let mut lossy = 0;
