@@ -187,7 +187,11 @@ fn identify_controller(
         cirn: ctrl.cirn,
         cqt: cfg.cqt_ms,
         // A discovery controller has no I/O to reset.
-        ccrl: if ctrl.is_discovery() { 0 } else { CCR_LIMIT },
+        ccrl: if ctrl.is_discovery() || !cfg.offer_ccr {
+            0
+        } else {
+            CCR_LIMIT
+        },
         ..IdentifyController::default()
     };
     id.emit(page);
@@ -382,7 +386,7 @@ fn cross_ctrl_reset(core: &mut Core, slot: &mut dyn Slot, sqe: &Sqe) -> Result<D
         .cntlid()
         .ok_or(Status::COMMAND_SEQUENCE_ERROR.with_dnr())?;
     let src = core.ctrl_of(slot, true)?;
-    if src.is_discovery() {
+    if src.is_discovery() || !core.cfg.offer_ccr {
         return Err(Status::INVALID_OPCODE.with_dnr());
     }
     let (subsys, logged) = (src.subsys, src.ccr_log.len());

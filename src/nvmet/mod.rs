@@ -144,6 +144,10 @@ pub struct TargetConfig {
     /// dies run this long after the death instead of being dropped, as a slow backend's
     /// would; a CCR or CQT still stops them. `None`: they are dropped with the controller.
     pub late_writes_ms: Option<u32>,
+    /// Offer Cross-Controller Reset (CCRL 4). Without it CCRL is 0 and the command is an
+    /// Invalid Opcode, as on a target that predates TP8028 (Linux nvmet): a host then
+    /// falls back to the time rule.
+    pub offer_ccr: bool,
     /// ANA Transition Time reported in Identify Controller, seconds: how long a host waits
     /// for a group in the change state before it gives up on the path.
     pub anatt_s: u8,
@@ -172,6 +176,7 @@ impl Default for TargetConfig {
             cntlid_max: 0xFFEF,
             cqt_ms: DEFAULT_CQT_MS,
             late_writes_ms: None,
+            offer_ccr: true,
             anatt_s: ana::DEFAULT_ANATT_S,
         }
     }

@@ -58,7 +58,7 @@ impl Drop for World {
     }
 }
 
-async fn world(seed: u64, mode: SafeRetry, queues: usize, late_ms: u32) -> World {
+async fn world(seed: u64, mode: SafeRetry, queues: usize, late_ms: u32, ccr: bool) -> World {
     let net = SimNet::new(seed, Faults::NONE);
     let hca = SoftHca::start_on(
         crate::rig::device_on(45, "tgt", 1, TARGET_IP),
@@ -74,6 +74,7 @@ async fn world(seed: u64, mode: SafeRetry, queues: usize, late_ms: u32) -> World
         )],
         cqt_ms: CQT_MS,
         late_writes_ms: Some(late_ms),
+        offer_ccr: ccr,
         ..TargetConfig::default()
     };
     let target = Target::start(hca.clone(), tc).unwrap();
@@ -127,12 +128,12 @@ async fn until(limit: Duration, cond: impl Fn() -> bool) -> bool {
     true
 }
 
-async fn run_seed(seed: u64, mode: SafeRetry) -> Result<Outcome, String> {
+async fn run_seed(seed: u64, mode: SafeRetry, ccr: bool) -> Result<Outcome, String> {
     let mut rng = SmallRng::seed_from_u64(seed);
     let queues = rng.random_range(1..=2);
     // Late enough to land after the resend and the next write; within CQT.
     let late = rng.random_range(60..=u32::from(CQT_MS) - 20);
-    let w = world(seed, mode, queues, late).await;
+    let w = world(seed, mode, queues, late, ccr).await;
     let blocks = rng.random_range(2..=8);
     // Last acknowledged write of each block (None: a write failed, the block is unknown).
     let acked: Arc<Mutex<Vec<Option<u64>>>> = Arc::new(Mutex::new(vec![Some(0); blocks]));
@@ -230,7 +231,7 @@ async fn run_seed(seed: u64, mode: SafeRetry) -> Result<Outcome, String> {
 }
 
 /// Run the seeds of `mode` (or the one in `GHOST_SEED`); what they found in total.
-fn sweep(mode: SafeRetry) -> Vec<(u64, Outcome)> {
+fn sweep(mode: SafeRetry, ccr: bool) -> Vec<(u64, Outcome)> {
     let seeds: Vec<u64> = match std::env::var("GHOST_SEED") {
         Ok(s) => vec![s.parse().expect("GHOST_SEED is a number")],
         Err(_) => {
@@ -243,7 +244,7 @@ fn sweep(mode: SafeRetry) -> Vec<(u64, Outcome)> {
     };
     let mut out = Vec::new();
     for seed in seeds {
-        let r = runtime().block_on(run_seed(seed, mode));
+        let r = runtime().block_on(run_seed(seed, mode, ccr));
         match r {
             Ok(o) => out.push((seed, o)),
             Err(e) => panic!("GHOST_SEED={seed} (mode {mode}): {e}"),
@@ -267,7 +268,7 @@ fn report(mode: SafeRetry, runs: &[(u64, Outcome)]) -> usize {
 
 #[test]
 fn without_safe_retry_a_stale_write_overwrites_an_acknowledged_one() {
-    let runs = sweep(SafeRetry::Off);
+    let runs = sweep(SafeRetry::Off, true);
     let corrupted = report(SafeRetry::Off, &runs);
     assert!(
         corrupted > 0,
@@ -276,8 +277,8 @@ fn without_safe_retry_a_stale_write_overwrites_an_acknowledged_one() {
     );
 }
 
-fn no_ghost(mode: SafeRetry) {
-    let runs = sweep(mode);
+fn no_ghost(mode: SafeRetry, ccr: bool) -> Vec<(u64, Outcome)> {
+    let runs = sweep(mode, ccr);
     report(mode, &runs);
     for (seed, o) in &runs {
         assert!(
@@ -288,16 +289,35 @@ fn no_ghost(mode: SafeRetry) {
             o.failed_writes
         );
     }
+    runs
 }
 
 #[test]
 fn the_time_rule_leaves_no_ghost_write() {
-    no_ghost(SafeRetry::Cqt);
+    no_ghost(SafeRetry::Cqt, true);
 }
 
 #[test]
 fn a_cross_controller_reset_leaves_no_ghost_write() {
-    no_ghost(SafeRetry::Ccr);
+    let runs = no_ghost(SafeRetry::Ccr, true);
+    let worst = runs.iter().map(|(_, o)| o.settle).max().unwrap_or_default();
+    assert!(
+        worst < 2 * KATO,
+        "a CCR should settle well before the time rule; the slowest seed took {worst:?}"
+    );
+}
+
+/// Mode `ccr` against a target that does not offer CCR (CCRL 0, the command an Invalid
+/// Opcode, as Linux nvmet): the host falls back to the time rule, so no ghost write, and
+/// the held writes wait at least 2 x KATO + CQT after the loss.
+#[test]
+fn without_ccr_on_the_target_the_ccr_mode_falls_back_to_the_time_rule() {
+    let runs = no_ghost(SafeRetry::Ccr, false);
+    let quickest = runs.iter().map(|(_, o)| o.settle).min().unwrap_or_default();
+    assert!(
+        quickest >= 2 * KATO + Duration::from_millis(u64::from(CQT_MS)) - Duration::from_millis(50),
+        "a seed settled in {quickest:?}, sooner than the time rule allows"
+    );
 }
 
 /// A read and a write in flight when the controller is lost (time rule, no CCR): the read
@@ -306,7 +326,7 @@ fn a_cross_controller_reset_leaves_no_ghost_write() {
 #[test]
 fn the_hold_delays_only_the_writes_that_were_in_flight() {
     runtime().block_on(async {
-        let w = world(7, SafeRetry::Cqt, 1, 100).await;
+        let w = world(7, SafeRetry::Cqt, 1, 100, true).await;
         w.c.write(1, 1, &pattern(1, 1)).await.unwrap();
         w.target.stall_io(true);
         let (c1, c2) = (w.c.clone(), w.c.clone());
@@ -361,7 +381,7 @@ fn quiesced_follows_the_mode() {
         (SafeRetry::Off, 0, 0),
     ] {
         runtime().block_on(async {
-            let w = world(11, mode, 1, 100).await;
+            let w = world(11, mode, 1, 100, true).await;
             w.target.stall_io(true);
             let c = w.c.clone();
             let write = tokio::spawn(async move { c.write(1, 0, &pattern(0, 1)).await });

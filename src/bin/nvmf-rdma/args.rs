@@ -144,6 +144,10 @@ pub(crate) struct TargetArgs {
     #[arg(long = "cqt", value_name = "MS", default_value_t = nvmf_rdma::nvmet::DEFAULT_CQT_MS,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub(crate) cqt: u16,
+    /// Do not offer Cross-Controller Reset (CCRL 0, the command refused as Linux nvmet
+    /// does), to test how hosts fall back to the time rule.
+    #[arg(long = "no-ccr")]
+    pub(crate) no_ccr: bool,
     /// Fault mode for testing hosts: writes the backend still holds when their controller
     /// dies (waiting for a file namespace's worker) run MS later instead of being dropped,
     /// as a slow backend's would, unless a Cross-Controller Reset or CQT stops them first.

@@ -25,6 +25,7 @@ pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
         port: a.trsvcid,
         max_kato_ms: a.max_kato * 1000,
         cqt_ms: a.cqt,
+        offer_ccr: !a.no_ccr,
         late_writes_ms: a.fault_late_writes,
         anatt_s: a.anatt,
         ..TargetConfig::default()

@@ -108,6 +108,23 @@ fn discovery_controller_offers_no_ccr() {
     assert_eq!(st, Status::INVALID_OPCODE.with_dnr());
 }
 
+/// `target --no-ccr`: CCRL 0 and the command refused as a target without TP8028 does, so a
+/// host falls back to the time rule; the impacted controller is left alone.
+#[test]
+fn a_target_that_does_not_offer_ccr_reports_ccrl_0_and_refuses_it() {
+    let mut core = Core::new(TargetConfig {
+        offer_ccr: false,
+        ..config()
+    });
+    let mut a = another(&mut core, 100);
+    let mut b = another(&mut core, 101);
+    assert_eq!(identify(&mut core, &mut b).ccrl, 0);
+    let impacted = identify(&mut core, &mut a).instance();
+    let st = ccr(&mut core, &mut b, impacted).status();
+    assert_eq!(st, Status::INVALID_OPCODE.with_dnr());
+    assert!(core.tear_down.is_empty());
+}
+
 #[test]
 fn ccr_of_a_live_controller_fences_it_and_succeeds_at_once() {
     let (mut core, mut a) = enabled();
