@@ -232,6 +232,7 @@ async fn connect(
     c.policy.fast_io_fail_tmo = o.recovery.fast_io_fail_tmo;
     c.policy.identity = o.recovery.identity;
     c.policy.replug_window = o.recovery.replug_window;
+    c.safe_retry.mode = o.recovery.safe_retry;
     let r = match &o.key.device {
         DeviceChoice::Soft => {
             let ip = local_ip_for(addr).map_err(|e| format!("no route to {addr}: {e}"))?;

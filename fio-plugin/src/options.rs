@@ -42,6 +42,7 @@ pub struct RawOptions {
     pub replug_window: *const c_char,
     pub registered_buffers: *const c_char,
     pub busy_poll_gate: *const c_char,
+    pub safe_retry: *const c_char,
 }
 
 /// Where the target is: an address, or the built-in RAM target of this size in this process.
@@ -80,6 +81,8 @@ pub struct Recovery {
     /// Which device that comes back is ours.
     pub identity: IdentityMatch,
     pub replug_window: Duration,
+    /// Safe retry of writes in flight on a dead connection (`safe_retry=`).
+    pub safe_retry: nvmf_rdma::reconnect::hold::SafeRetry,
 }
 
 /// Device chaos while the job runs: reset the host device every `every`, away for `down_for`.
@@ -113,7 +116,7 @@ pub struct OptionText {
     pairs: Vec<(&'static str, String)>,
 }
 
-const KEYS: [&str; 21] = [
+const KEYS: [&str; 22] = [
     "traddr",
     "trsvcid",
     "subnqn",
@@ -135,6 +138,7 @@ const KEYS: [&str; 21] = [
     "replug_window",
     "registered_buffers",
     "busy_poll_gate",
+    "safe_retry",
 ];
 
 /// Filename keys that only say what SPDK's transport ID says and we already are.
@@ -170,6 +174,7 @@ impl OptionText {
             raw.replug_window,
             raw.registered_buffers,
             raw.busy_poll_gate,
+            raw.safe_retry,
         ];
         let mut t = OptionText::default();
         for (key, p) in KEYS.iter().zip(ptrs) {
@@ -316,6 +321,11 @@ impl OptionText {
                 .map(|v| parse_secs("replug_window", v))
                 .transpose()?
                 .unwrap_or(DEFAULT_REPLUG_WINDOW),
+            safe_retry: self
+                .get("safe_retry")
+                .map(|v| v.parse().map_err(|e| format!("safe_retry: {e}")))
+                .transpose()?
+                .unwrap_or_default(),
         };
         let device: DeviceChoice = self
             .get("device")
@@ -516,6 +526,23 @@ mod tests {
         assert_eq!(f.ctrl.key.target, TargetAddr::Builtin { bytes: 256 << 20 });
         assert_eq!(f.ctrl.key.subnqn, DEMO_NQN);
         assert_eq!((f.ctrl.nr_io_queues, f.ctrl.queue_size), (1, 128));
+    }
+
+    #[test]
+    fn safe_retry_defaults_to_ccr_and_takes_the_three_modes() {
+        use nvmf_rdma::reconnect::hold::SafeRetry;
+        let mode = |v: Option<&str>| {
+            let mut pairs = vec![("builtin_target", "16M")];
+            pairs.extend(v.map(|v| ("safe_retry", v)));
+            opts(&pairs)
+                .with_filename("ns=1")
+                .and_then(|o| o.file_target())
+                .map(|f| f.ctrl.recovery.safe_retry)
+        };
+        assert_eq!(mode(None), Ok(SafeRetry::Ccr));
+        assert_eq!(mode(Some("cqt")), Ok(SafeRetry::Cqt));
+        assert_eq!(mode(Some("off")), Ok(SafeRetry::Off));
+        assert!(mode(Some("later")).unwrap_err().contains("safe_retry"));
     }
 
     #[test]

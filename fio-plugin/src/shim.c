@@ -38,6 +38,7 @@ struct nvmf_rs_strs {
 	const char *replug_window;
 	const char *registered_buffers;
 	const char *busy_poll_gate;
+	const char *safe_retry;
 };
 
 struct nvmf_fio_options {
@@ -274,6 +275,8 @@ static struct fio_option options[] = {
 		 "Seconds a removed device may take to come back (default 600)"),
 	NVMF_OPT(busy_poll_gate, "busy poll gate",
 		 "1: stop busy polling for a while when the polling thread is preempted (less CPU on busy cores, fewer IOPS on free ones); 0 (default)"),
+	NVMF_OPT(safe_retry, "safe retry",
+		 "Writes in flight on a dead connection wait for: ccr (default: Cross-Controller Reset where offered, else KATO + CQT), cqt (KATO + CQT), off (resent at once)"),
 	NVMF_OPT(registered_buffers, "registered buffers",
 		 "1 (default): fio's buffers are registered memory, no host copy per I/O; 0: plain memory, copied"),
 	{ .name = NULL },
