@@ -33,6 +33,16 @@ pub(crate) fn examples(command: &str) -> &'static [(&'static str, &'static str)]
                 "nvmf-rdma target --listen 192.0.2.10 --file /srv/disk.img --file-size 4G",
             ),
         ],
+        "target-ana" => &[
+            (
+                "Make ANA group 1 inaccessible through port 2 of a running target.",
+                "nvmf-rdma target-ana set --control /run/nvmf-tgt.sock --port 2 inaccessible",
+            ),
+            (
+                "Every port's groups and their states.",
+                "nvmf-rdma target-ana status --control /run/nvmf-tgt.sock",
+            ),
+        ],
         "target-ns" => &[(
             "Add namespace 2 (256 MiB of RAM) to a running target.",
             "nvmf-rdma target-ns add --control /run/nvmf-tgt.sock --nsid 2 --ram 256M",
