@@ -63,6 +63,26 @@ pub fn bind_roce_socket(
     bind_udp(addr, offload, false)
 }
 
+/// Receive buffer a device socket asks for: a burst (a peer's window of 128 KiB writes, a
+/// flood of connection requests) waits there while the device's thread is not polling.
+const RECV_BUFFER: usize = 16 << 20;
+
+/// Ask for a `bytes` receive buffer. The kernel caps SO_RCVBUF at `net.core.rmem_max`
+/// (about 208 KiB by default, a few hundred datagrams); where the process may
+/// (CAP_NET_ADMIN), SO_RCVBUFFORCE goes past the cap, as the kernel's own RDMA users and
+/// packet capture tools do. Otherwise the capped size stays.
+fn grow_recv_buffer(s: &Socket, bytes: usize) {
+    let _ = s.set_recv_buffer_size(bytes);
+    if s.recv_buffer_size().is_ok_and(|n| n < bytes) {
+        let _ = setsockopt_int(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            bytes as libc::c_int,
+        );
+    }
+}
+
 /// As [`bind_roce_socket`]; `send_only`: a filter that accepts nothing is attached before
 /// the bind, so the socket keeps the port (no ICMP port unreachable goes back) while its
 /// datagrams are read off a [`RawRx`] instead and each is handled once. The kernel counts
@@ -78,7 +98,7 @@ pub(crate) fn bind_udp(
         Domain::IPV6
     };
     let s = Socket::new(domain, Type::DGRAM, Some(Protocol::UDP))?;
-    let _ = s.set_recv_buffer_size(16 << 20);
+    grow_recv_buffer(&s, RECV_BUFFER);
     let _ = s.set_send_buffer_size(16 << 20);
     if addr.is_ipv4() {
         setsockopt_int(
@@ -148,7 +168,7 @@ impl RawRx {
         let s = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::UDP))?;
         let f = raw_filter(local.port());
         s.attach_filter(&f)?;
-        let _ = s.set_recv_buffer_size(16 << 20);
+        grow_recv_buffer(&s, RECV_BUFFER);
         if !local.ip().is_unspecified() {
             s.bind(&SocketAddr::new((*local.ip()).into(), 0).into())?;
         }

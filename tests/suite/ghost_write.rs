@@ -35,15 +35,6 @@ const KATO: Duration = Duration::from_millis(500);
 const CQT_MS: u16 = 300;
 const BLOCK: usize = 512;
 
-/// A runtime for one world: one thread, paused clock, no I/O driver.
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("runtime")
-}
-
 struct World {
     _net: SimNet,
     hca: SoftHca,
@@ -244,7 +235,7 @@ fn sweep(mode: SafeRetry, ccr: bool) -> Vec<(u64, Outcome)> {
     };
     let mut out = Vec::new();
     for seed in seeds {
-        let r = runtime().block_on(run_seed(seed, mode, ccr));
+        let r = crate::rig::sim_runtime().block_on(run_seed(seed, mode, ccr));
         match r {
             Ok(o) => out.push((seed, o)),
             Err(e) => panic!("GHOST_SEED={seed} (mode {mode}): {e}"),
@@ -325,7 +316,7 @@ fn without_ccr_on_the_target_the_ccr_mode_falls_back_to_the_time_rule() {
 /// and `list` shows its hold.
 #[test]
 fn the_hold_delays_only_the_writes_that_were_in_flight() {
-    runtime().block_on(async {
+    crate::rig::sim_runtime().block_on(async {
         let w = world(7, SafeRetry::Cqt, 1, 100, true).await;
         w.c.write(1, 1, &pattern(1, 1)).await.unwrap();
         w.target.stall_io(true);
@@ -380,7 +371,7 @@ fn quiesced_follows_the_mode() {
         (SafeRetry::Cqt, 1200, 1400),
         (SafeRetry::Off, 0, 0),
     ] {
-        runtime().block_on(async {
+        crate::rig::sim_runtime().block_on(async {
             let w = world(11, mode, 1, 100, true).await;
             w.target.stall_io(true);
             let c = w.c.clone();

@@ -83,3 +83,18 @@ pub fn sweep_seeds(count_var: &str, default: u64) -> Vec<u64> {
         }
     }
 }
+
+/// A runtime for one simulated world: one thread, tokio's clock paused (it jumps to the
+/// next timer whenever every task waits), and no I/O driver, so nothing can open a socket.
+/// `RUST_LOG=nvmf_rdma=info` with a replayed seed shows what the host did, step by step.
+pub fn sim_runtime() -> tokio::runtime::Runtime {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("runtime")
+}

@@ -43,14 +43,6 @@ fn link(rng: &mut SmallRng) -> Faults {
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("runtime")
-}
-
 /// One seed: the verified I/Os, and what the link did.
 async fn run_seed(seed: u64) -> Result<(u64, u64, LinkStats), String> {
     let mut rng = SmallRng::seed_from_u64(seed);
@@ -108,7 +100,7 @@ fn reads_match_acknowledged_writes_over_a_lossy_reordering_link() {
     let seeds = crate::rig::sweep_seeds("SIM_INTEGRITY_SEEDS", 40);
     let (mut ops, mut verified, mut dropped) = (0, 0, 0);
     for &seed in &seeds {
-        match runtime().block_on(run_seed(seed)) {
+        match crate::rig::sim_runtime().block_on(run_seed(seed)) {
             Ok((n, v, l)) => {
                 ops += n;
                 verified += v;

@@ -42,21 +42,6 @@ fn policy() -> Policy {
     crate::rig::reconnect_at_once(Some(CTRL_LOSS), CTRL_LOSS)
 }
 
-/// A runtime for one simulated world: one thread, tokio's clock paused (it jumps to the
-/// next timer whenever every task waits), and no I/O driver, so nothing can open a socket.
-fn runtime() -> tokio::runtime::Runtime {
-    // RUST_LOG=nvmf_rdma=info with a replayed seed shows what the host did, step by step.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-    tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("runtime")
-}
-
 fn completed(c: &Controller) -> u64 {
     // The I/O queues' (the admin queue, first, has the controller's own commands).
     c.queue_stats().iter().skip(1).map(|s| s.completed).sum()
@@ -190,7 +175,7 @@ async fn run_seed(seed: u64) -> Result<Summary, String> {
 }
 
 fn replay(seed: u64) -> Result<Summary, String> {
-    runtime().block_on(run_seed(seed))
+    crate::rig::sim_runtime().block_on(run_seed(seed))
 }
 
 /// A seed whose virtual time stops moving (tasks that keep each other busy without ever
@@ -313,7 +298,7 @@ async fn recovered(c: &Controller, n: u64) {
 
 #[test]
 fn resets_under_io_lose_nothing_acknowledged() {
-    runtime().block_on(async {
+    crate::rig::sim_runtime().block_on(async {
         let (_net, mgr, _t, c) = rig(1, policy()).await;
         let stop = Arc::new(AtomicBool::new(false));
         let ws = Verifiers {
@@ -354,7 +339,7 @@ fn resets_under_io_lose_nothing_acknowledged() {
 
 #[test]
 fn unplug_and_replug_of_the_same_card_reconnects() {
-    runtime().block_on(async {
+    crate::rig::sim_runtime().block_on(async {
         let (_net, mgr, _t, c) = rig(2, policy()).await;
         let data = vec![0xA5u8; 64 << 10];
         c.write(1, 100, &data).await.unwrap();
@@ -385,7 +370,7 @@ fn unplug_and_replug_of_the_same_card_reconnects() {
 
 #[test]
 fn another_card_in_the_slot_is_not_ours_and_io_fails_at_ctrl_loss_tmo() {
-    runtime().block_on(async {
+    crate::rig::sim_runtime().block_on(async {
         let p = Policy {
             ctrl_loss_tmo: Some(Duration::from_secs(2)),
             ..policy()
@@ -418,7 +403,7 @@ fn another_card_in_the_slot_is_not_ours_and_io_fails_at_ctrl_loss_tmo() {
 
 #[test]
 fn another_card_is_accepted_when_the_policy_allows_any() {
-    runtime().block_on(async {
+    crate::rig::sim_runtime().block_on(async {
         let p = Policy {
             identity: IdentityMatch::Any,
             ..policy()
@@ -435,7 +420,7 @@ fn another_card_is_accepted_when_the_policy_allows_any() {
 
 #[test]
 fn a_partition_past_keep_alive_is_recovered_and_loses_nothing() {
-    runtime().block_on(async {
+    crate::rig::sim_runtime().block_on(async {
         let p = Policy {
             keep_alive_tmo: Duration::from_secs(1),
             ..policy()
@@ -462,7 +447,7 @@ fn a_partition_past_keep_alive_is_recovered_and_loses_nothing() {
 
 #[test]
 fn a_device_that_never_returns_fails_fast_then_is_lost_on_time() {
-    runtime().block_on(async {
+    crate::rig::sim_runtime().block_on(async {
         let p = Policy {
             ctrl_loss_tmo: Some(Duration::from_secs(3)),
             fast_io_fail_tmo: Some(Duration::from_secs(1)),
@@ -497,7 +482,7 @@ fn a_device_that_never_returns_fails_fast_then_is_lost_on_time() {
 
 #[test]
 fn a_target_restart_under_io_is_survived_with_its_data() {
-    runtime().block_on(async {
+    crate::rig::sim_runtime().block_on(async {
         let (_net, _mgr, mut t, c) = rig(7, policy()).await;
         let before = vec![0x42u8; 128 << 10];
         c.write(1, 6000, &before).await.unwrap();
@@ -528,7 +513,7 @@ fn a_target_restart_under_io_is_survived_with_its_data() {
 
 #[test]
 fn the_recovery_trace_accounts_for_each_phase_in_virtual_time() {
-    runtime().block_on(async {
+    crate::rig::sim_runtime().block_on(async {
         let (_net, mgr, _t, c) = rig(6, policy()).await;
         c.write(1, 3, &[3u8; 4096]).await.unwrap();
         assert_eq!(c.status().last_trace, None, "no recovery yet");
