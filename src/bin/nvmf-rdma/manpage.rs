@@ -1,6 +1,28 @@
 //! What the man pages have beyond clap's NAME, SYNOPSIS, DESCRIPTION and OPTIONS: EXAMPLES for
 //! each command, and EXIT STATUS, ENVIRONMENT and FILES, in roff.
 
+const TARGET: &[(&str, &str)] = &[
+    (
+        "A 1 GiB RAM namespace on 127.0.0.1, with a control socket for target-ns.",
+        "nvmf-rdma target --listen 127.0.0.1 --ram 1G --control /run/nvmf-tgt.sock",
+    ),
+    (
+        "A file namespace, created at 4 GiB if it does not exist.",
+        "nvmf-rdma target --listen 192.0.2.10 --file /srv/disk.img --file-size 4G",
+    ),
+];
+
+const TARGET_ANA: &[(&str, &str)] = &[
+    (
+        "Make ANA group 1 inaccessible through port 2 of a running target.",
+        "nvmf-rdma target-ana set --control /run/nvmf-tgt.sock --port 2 inaccessible",
+    ),
+    (
+        "Every port's groups and their states.",
+        "nvmf-rdma target-ana status --control /run/nvmf-tgt.sock",
+    ),
+];
+
 /// Examples of `command` ("nvmf-rdma" for the top page, else the subcommand's name): what it
 /// does, then the command line.
 pub(crate) fn examples(command: &str) -> &'static [(&'static str, &'static str)] {
@@ -23,26 +45,8 @@ pub(crate) fn examples(command: &str) -> &'static [(&'static str, &'static str)]
                 "nvmf-rdma bench -a 192.0.2.10 -n nqn.2026-11.io.nvmf-rdma:demo -o json",
             ),
         ],
-        "target" => &[
-            (
-                "A 1 GiB RAM namespace on 127.0.0.1, with a control socket for target-ns.",
-                "nvmf-rdma target --listen 127.0.0.1 --ram 1G --control /run/nvmf-tgt.sock",
-            ),
-            (
-                "A file namespace, created at 4 GiB if it does not exist.",
-                "nvmf-rdma target --listen 192.0.2.10 --file /srv/disk.img --file-size 4G",
-            ),
-        ],
-        "target-ana" => &[
-            (
-                "Make ANA group 1 inaccessible through port 2 of a running target.",
-                "nvmf-rdma target-ana set --control /run/nvmf-tgt.sock --port 2 inaccessible",
-            ),
-            (
-                "Every port's groups and their states.",
-                "nvmf-rdma target-ana status --control /run/nvmf-tgt.sock",
-            ),
-        ],
+        "target" => TARGET,
+        "target-ana" => TARGET_ANA,
         "target-ns" => &[(
             "Add namespace 2 (256 MiB of RAM) to a running target.",
             "nvmf-rdma target-ns add --control /run/nvmf-tgt.sock --nsid 2 --ram 256M",
