@@ -13,7 +13,9 @@
 //!   3:0) at 16, 15 reserved bytes, then NNSIDS namespace IDs (le32 each).
 //! - Identify Controller: CMIC at 76 (bit 3: ANA reporting), OAES le32 at 92 (bit 11: ANA
 //!   change notices), ANATT at 342 (seconds), ANACAP at 343, ANAGRPMAX le32 at 344,
-//!   NANAGRPID le32 at 348 (libnvme `struct nvme_id_ctrl`, after ENDGIDMAX at 340).
+//!   NANAGRPID le32 at 348 (libnvme `struct nvme_id_ctrl`, after ENDGIDMAX at 340), MNAN
+//!   le32 at 540. Linux refuses a controller that reports ANA with MNAN 0 or MNAN above NN,
+//!   and sizes its ANA log buffer from NANAGRPID and MNAN.
 //!   Identify Namespace: NMIC at 30 (bit 0: shared), ANAGRPID le32 at 92.
 
 use super::sqe::Sqe;
@@ -56,6 +58,14 @@ pub mod id_ctrl {
     pub const ANAGRPMAX: usize = 344;
     /// Number of ANA Group Identifiers (le32).
     pub const NANAGRPID: usize = 348;
+    /// Maximum Number of Allowed Namespaces (le32).
+    pub const MNAN: usize = 540;
+}
+
+/// The longest ANA log page a controller with `nanagrpid` groups and `mnan` namespaces can
+/// return: the header, one descriptor per group and one NSID per namespace.
+pub const fn max_log_len(nanagrpid: u32, mnan: u32) -> usize {
+    16 + nanagrpid as usize * 32 + mnan as usize * 4
 }
 
 /// Identify Namespace byte offsets.
@@ -154,12 +164,14 @@ pub struct CtrlAna {
     pub anacap: u8,
     pub anagrpmax: u32,
     pub nanagrpid: u32,
+    /// Maximum Number of Allowed Namespaces: at least 1 and at most NN when ANA is reported.
+    pub mnan: u32,
 }
 
 impl CtrlAna {
     /// Read the fields from an Identify Controller page (4096 bytes).
     pub fn parse(page: &[u8]) -> Result<CtrlAna, NvmeWireError> {
-        check_len("Identify Controller", page, id_ctrl::NANAGRPID + 4)?;
+        check_len("Identify Controller", page, id_ctrl::MNAN + 4)?;
         Ok(CtrlAna {
             cmic: page[id_ctrl::CMIC],
             oaes: le32(page, id_ctrl::OAES),
@@ -167,6 +179,7 @@ impl CtrlAna {
             anacap: page[id_ctrl::ANACAP],
             anagrpmax: le32(page, id_ctrl::ANAGRPMAX),
             nanagrpid: le32(page, id_ctrl::NANAGRPID),
+            mnan: le32(page, id_ctrl::MNAN),
         })
     }
 
@@ -178,6 +191,7 @@ impl CtrlAna {
         page[id_ctrl::ANACAP] = self.anacap;
         put32(page, id_ctrl::ANAGRPMAX, self.anagrpmax);
         put32(page, id_ctrl::NANAGRPID, self.nanagrpid);
+        put32(page, id_ctrl::MNAN, self.mnan);
     }
 }
 
@@ -467,14 +481,16 @@ mod tests {
             anacap: id_ctrl::ANACAP_ALL_STATES,
             anagrpmax: 128,
             nanagrpid: 128,
+            mnan: 1024,
         };
         let mut page = [0u8; 4096];
         c.emit(&mut page);
         assert_eq!(page[76], c.cmic);
         assert_eq!(page[342], 10);
         assert_eq!(&page[348..352], &128u32.to_le_bytes());
+        assert_eq!(&page[540..544], &1024u32.to_le_bytes());
         assert_eq!(CtrlAna::parse(&page).unwrap(), c);
-        assert!(CtrlAna::parse(&page[..351]).is_err());
+        assert!(CtrlAna::parse(&page[..543]).is_err());
         let n = NsAna {
             nmic: id_ns::NMIC_SHARED,
             anagrpid: 7,

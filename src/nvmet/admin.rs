@@ -16,7 +16,7 @@ use super::command::{
     kato, lookup, Core, Ctrl, Done, Slot, AER_LIMIT, DISCOVERY_OAES, OAES, SQE_LEN,
 };
 use super::quiesce::{Refusal, CCR_LIMIT, CCR_LOG_MAX};
-use super::{Namespace, Subsystem};
+use super::{Namespace, Subsystem, MAX_NAMESPACES};
 use crate::nvme::ana::{self, CtrlAna, GroupDesc, NsAna};
 
 type Handler = fn(&mut Core, &mut dyn Slot, &Sqe) -> Result<Done, Status>;
@@ -171,9 +171,12 @@ fn identify_controller(
         sqes: 0x66,
         cqes: 0x44,
         maxcmd: cfg.max_queue_size,
+        // As Linux nvmet: NN covers every namespace the subsystem may come to hold, so that a
+        // namespace added later needs no new Identify, and MNAN (below) may not exceed it.
         nn: s
             .map(|s| s.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0))
-            .unwrap_or(0),
+            .unwrap_or(0)
+            .max(MAX_NAMESPACES as u32),
         oncs: (1 << 2) | (1 << 3), // DSM, Write Zeroes
         vwc: 0,
         // SGLs supported, keyed SGL data block, offset addressing for in-capsule data.
@@ -210,6 +213,7 @@ fn identify_controller(
             anacap: ana::id_ctrl::ANACAP_ALL_STATES | ana::id_ctrl::ANACAP_GRPID_STATIC,
             anagrpmax: MAX_GROUPS,
             nanagrpid: MAX_GROUPS,
+            mnan: MAX_NAMESPACES as u32,
         }
     };
     multipath.emit(page);

@@ -12,17 +12,22 @@ use crate::nvme::fabrics;
 use crate::nvme::Status;
 use crate::verbs::{Access, DeviceContext, Instant, QpCaps, Qpn, RecvWr, Sgl};
 
+use super::ana::MAX_GROUPS;
 use super::budget::{Holder, Usage};
 use super::command::SQE_LEN;
 use super::engine::{ConnParams, ConnReject, Engine, CQES_PER_SLOT};
 use super::fabrics::CONNECT_DATA;
 use super::port::{port_index, QRef};
 use super::rdma::{alloc_rings, rc_attr, repost, wr_id, Io, TQueue, WR_RECV};
+use super::MAX_NAMESPACES;
+use crate::nvme::ana;
 
 /// Admin queues carry no in-capsule data (as Linux sets up).
 const ADMIN_CAPSULE: usize = SQE_LEN;
-/// Connect data is 1024 bytes; Identify and log pages are 4096.
-const ADMIN_STAGING: usize = 8192;
+/// Staging per admin slot: Connect data is 1024 bytes, Identify 4096, and a host reads the
+/// whole ANA log in one command (Linux sizes it from NANAGRPID and MNAN: 8208 bytes).
+pub(super) const ADMIN_STAGING: usize =
+    ana::max_log_len(MAX_GROUPS, MAX_NAMESPACES as u32).next_multiple_of(4096);
 /// The largest admin (and discovery) queue a host may ask for: Linux nvmet refuses more
 /// (`NVME_AQ_DEPTH`), and a host needs no more for admin commands.
 const MAX_ADMIN_QUEUE: usize = 32;

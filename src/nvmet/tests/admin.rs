@@ -26,7 +26,11 @@ fn identify_controller_describes_the_subsystem() {
     assert_eq!(id.sn.text().trim_end(), "NVMFRDMA0001");
     // 16 KiB in 4 KiB pages: 2^2.
     assert_eq!(id.mdts, 2);
-    assert_eq!((id.nn, id.maxcmd), (2, 128));
+    // NN covers every namespace the subsystem may come to hold, as in Linux nvmet.
+    assert_eq!(
+        (id.nn, id.maxcmd),
+        (super::super::MAX_NAMESPACES as u32, 128)
+    );
     assert_eq!(id.ioccsz, (64 + 8192) / 16);
 }
 

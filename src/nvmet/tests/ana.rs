@@ -9,6 +9,7 @@ use crate::nvme::fabrics::DISCOVERY_NQN;
 use crate::nvme::{DiscoveryLogEntry, DiscoveryLogHeader, Status};
 
 use super::super::ana::{DEFAULT_ANATT_S, MAX_GROUPS};
+use super::super::MAX_NAMESPACES;
 use super::*;
 
 /// Namespace 2 of [`config`] in ANA group 2, a second port, and a controller on each.
@@ -57,6 +58,35 @@ fn groups(page: &[u8]) -> Vec<(u32, AnaState, Vec<u32>)> {
         .collect()
 }
 
+/// Linux `nvme_mpath_init_identify` refuses (EINVAL, the connect fails) a controller that
+/// reports ANA with MNAN 0 or above NN, and then reads the whole ANA log, sized from
+/// NANAGRPID and MNAN, in one Get Log Page on the admin queue.
+#[test]
+fn a_linux_host_accepts_the_ana_fields_and_reads_the_whole_log_in_one_command() {
+    let mut core = Core::new(config());
+    let mut admin = on_port(&mut core, 1, 100);
+    let sqe = keyed(cmd::identify_controller(1), 4096);
+    let page = submit(&mut core, &mut admin, sqe, &[]).data().to_vec();
+    let (id, ana_id) = (
+        crate::nvme::IdentifyController::parse(&page).expect("identify"),
+        CtrlAna::parse(&page).expect("identify"),
+    );
+    assert_ne!(ana_id.cmic & ana::id_ctrl::CMIC_ANA, 0);
+    assert!(
+        (1..=id.nn).contains(&ana_id.mnan),
+        "MNAN {} NN {}",
+        ana_id.mnan,
+        id.nn
+    );
+    let len = ana::max_log_len(ana_id.nanagrpid, ana_id.mnan);
+    let max_transfer = id.max_transfer_bytes(4096).expect("MDTS");
+    assert!(len as u64 <= max_transfer, "ANA log {len} above MDTS");
+    let sqe = ana::get_ana_log(5, len, false).expect("sqe");
+    let out = submit(&mut core, &mut admin, keyed(sqe, len as u64), &[]);
+    assert!(out.status().is_success(), "{:?}", out.status());
+    assert_eq!(groups(&out.data()[..len])[0].0, 1);
+}
+
 #[test]
 fn identify_reports_multipath_ana_and_each_namespaces_group() {
     let mut cfg = config();
@@ -80,6 +110,7 @@ fn identify_reports_multipath_ana_and_each_namespaces_group() {
             anacap: 0x1F | ana::id_ctrl::ANACAP_GRPID_STATIC,
             anagrpmax: MAX_GROUPS,
             nanagrpid: MAX_GROUPS,
+            mnan: MAX_NAMESPACES as u32,
         }
     );
     for (nsid, group) in [(1, 1), (2, 7)] {

@@ -26,7 +26,7 @@ const HOSTID: [u8; 16] = [7; 16];
 /// Blocks of namespace 1 (512-byte blocks).
 const BLOCKS: u64 = 256;
 const MAX_TRANSFER: usize = 16 << 10;
-const ADMIN_STAGING: usize = 8192;
+use super::queues::ADMIN_STAGING;
 
 /// A queue as a handler sees it, over plain memory: the command's staging.
 struct Fake {
