@@ -7,12 +7,16 @@
 #   rr4k1 and rw4k1 are 4 KiB randread and randwrite at QD1 (256 MiB per run).
 #   e.g. A from `git worktree add /tmp/a <rev>` + `cargo build --release -p nvmf-rdma-fio`
 #   (with the env of `fio-plugin/setup.sh --env`), B from this checkout.
+#   OPTS_A / OPTS_B: extra fio options (space-separated key=value) for A's and B's runs only,
+#   to compare two settings of one build, e.g.
+#   OPTS_A=safe_retry=off OPTS_B=safe_retry=ccr bash fio-plugin/ab.sh P.so P.so
 set -euo pipefail
 A=$(realpath "$1"); B=$(realpath "$2"); R=${3:-5}
 JOBS=${JOBS:-rr4k seq128k}
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 for v in a b; do
-  so=$A; [ $v = b ] && so=$B
+  so=$A opts=${OPTS_A:-}
+  [ $v = b ] && so=$B opts=${OPTS_B:-}
   for j in $JOBS; do
     case $j in
       rr4k) rw=randread bs=4k qd=32 ios=768m ;;
@@ -24,7 +28,7 @@ for v in a b; do
       *) echo "unknown job $j (rr4k rw4k seq128k sw128k rr4k1 rw4k1)" >&2; exit 2 ;;
     esac
     printf '%s\n' '[global]' "ioengine=external:$so" thread=1 builtin_target=256M filename=ns=1 \
-      size=256M "io_size=$ios" "bs=$bs" "iodepth=$qd" "[$j]" "rw=$rw" > "$W/$v-$j.fio"
+      size=256M "io_size=$ios" "bs=$bs" "iodepth=$qd" $opts "[$j]" "rw=$rw" > "$W/$v-$j.fio"
   done
 done
 for j in $JOBS; do
