@@ -9,6 +9,7 @@
 mod backend;
 pub mod cm;
 mod fabric;
+mod handoff;
 pub mod local;
 pub mod manager;
 mod metrics_pub;
@@ -405,6 +406,8 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
     let mut spin_until: Option<std::time::Instant> = None;
     // ... but not while spinning takes a core someone else wants (see `spin`).
     let mut gate = spin::SpinGate::default();
+    // Received MADs wait in the device for the CM's pump (see `handoff`).
+    let mut gsi = handoff::HandOff::default();
     loop {
         let spinning = spin_until.filter(|&t| std::time::Instant::now() < t);
         let deadline = {
@@ -438,20 +441,25 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         // Receive whatever is queued (bounded), then let the core react all at once: that
         // is where ACK coalescing comes from.
         let n = port.recv()?;
-        let mut d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
-        d.set_loopback_full(port.overflows());
-        let now = Instant(epoch.elapsed().as_nanos() as u64);
         if n > 0 {
             tracing::trace!(device = %name, n, "received");
         }
-        for i in 0..n {
-            match port.get(i) {
-                port::Received::Udp(src, data) => d.handle_datagram(now, src, data),
-                port::Received::HostUdp(src, data) => d.handle_host_datagram(now, src, data),
-                port::Received::Ipv4(datagram) => d.handle_ipv4(now, datagram),
-                port::Received::Loopback(src, data) => d.handle_loopback(now, src, data),
+        let mut next = 0;
+        let (mut d, now) = loop {
+            {
+                let mut d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
+                d.set_loopback_full(port.overflows());
+                let now = Instant(epoch.elapsed().as_nanos() as u64);
+                match handle_received(&mut d, &port, next..n, now, &mut gsi) {
+                    None => break (d, now),
+                    Some(stop) => next = stop,
+                }
             }
-        }
+            // The MAD queue is full and packets of this batch are left: its reader (the
+            // CM's pump) runs first, and the batch goes on where it stopped.
+            shared.wake.events.notify_waiters();
+            tokio::task::yield_now().await;
+        };
         if d.poll_timeout().is_some_and(|t| t <= now) {
             d.handle_timeout(now);
         }
@@ -507,6 +515,30 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
             shared.wake.events.notify_waiters();
         }
     }
+}
+
+/// Hand packets `range` of the port's last receive to the device. `Some(i)` when packet
+/// `i` found the device's queue of received MADs full and its reader should run first
+/// ([`handoff::HandOff`]); packets before it were handed over.
+fn handle_received<P: PacketPort>(
+    d: &mut Device,
+    port: &P,
+    range: std::ops::Range<usize>,
+    now: Instant,
+    gsi: &mut handoff::HandOff,
+) -> Option<usize> {
+    for i in range {
+        if gsi.wait(d.gsi_full()) {
+            return Some(i);
+        }
+        match port.get(i) {
+            port::Received::Udp(src, data) => d.handle_datagram(now, src, data),
+            port::Received::HostUdp(src, data) => d.handle_host_datagram(now, src, data),
+            port::Received::Ipv4(datagram) => d.handle_ipv4(now, datagram),
+            port::Received::Loopback(src, data) => d.handle_loopback(now, src, data),
+        }
+    }
+    None
 }
 
 /// How often a busy-polling driver publishes its counters: comparing and copying them
