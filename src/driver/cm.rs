@@ -16,6 +16,7 @@ use crate::cm::{
 };
 use crate::verbs::{CmError, Incoming, Lifecycle, PeerInfo, INCOMING_BACKLOG};
 
+use super::handoff::HandOff;
 use super::SoftHca;
 
 struct Shared {
@@ -260,6 +261,8 @@ impl CmService {
 
 async fn pump(sh: Arc<Shared>) {
     let wake = sh.hca.event_handle();
+    // Connection requests wait in the listener's backlog for the target (see `handoff`).
+    let mut backlog = HandOff::default();
     loop {
         let notified = wake.notified();
         tokio::pin!(notified);
@@ -267,15 +270,27 @@ async fn pump(sh: Arc<Shared>) {
         let now = sh.hca.now();
         let mut events = Vec::new();
         let deadline;
+        let more;
         {
             let mut cm = sh.cm.lock().unwrap_or_else(|e| e.into_inner());
-            let alive = sh.hca.with_quiet(|d, _| {
-                while let Some((from, mad)) = d.poll_gsi() {
+            // A MAD makes at most one request for the listener: take no more than its
+            // backlog has room for, so none is refused while the target is merely behind.
+            let room = sh.listener_room();
+            let (alive, left) = sh.hca.with_quiet(|d, _| {
+                let take = match backlog.wait(room == 0 && d.gsi_pending()) {
+                    true => 0,
+                    false => room.max(1),
+                };
+                for _ in 0..take {
+                    let Some((from, mad)) = d.poll_gsi() else {
+                        break;
+                    };
                     tracing::trace!(%from, attr = u16::from_be_bytes([mad[16], mad[17]]), "MAD in");
                     cm.handle_mad(now, from, &mad);
                 }
-                d.is_live()
+                (d.is_live(), d.gsi_pending())
             });
+            more = left;
             if !alive {
                 // Nobody will answer through a dead device: wake every connect waiting here.
                 sh.waiters.lock().unwrap_or_else(|e| e.into_inner()).clear();
@@ -306,6 +321,11 @@ async fn pump(sh: Arc<Shared>) {
         for ev in events {
             dispatch(&sh, ev);
         }
+        if more {
+            // MADs left for after the listener took what was dispatched.
+            tokio::task::yield_now().await;
+            continue;
+        }
         let sleep = deadline.map(|t| Duration::from_nanos(t.0.saturating_sub(sh.hca.now().0)));
         tokio::select! {
             biased;
@@ -318,6 +338,18 @@ async fn pump(sh: Arc<Shared>) {
                 }
             } => {}
         }
+    }
+}
+
+impl Shared {
+    /// Requests the listener's backlog has room for; unbounded with no listener (requests
+    /// for nobody are refused by the CM itself).
+    fn listener_room(&self) -> usize {
+        self.listener
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map_or(usize::MAX, |tx| tx.capacity())
     }
 }
 
@@ -397,5 +429,87 @@ fn incoming(req: ConnectRequest) -> Incoming {
         local_psn: req.local_psn,
         path_mtu: req.path_mtu,
         nvme: req.nvme,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, SocketAddr};
+    use std::time::Duration;
+
+    use rand::SeedableRng;
+
+    use super::CmService;
+    use crate::cm::{CmConfig, CmEndpoint, ConnectParams, NvmeCmRequest};
+    use crate::driver::{Fabric, SimNet, SoftHca};
+    use crate::hca::device::emit_gsi;
+    use crate::hca::sim::Faults;
+    use crate::hca::wire::IcrcContext;
+    use crate::hca::{DeviceConfig, DeviceIdentity, IcrcCheck};
+    use crate::verbs::{Guid, Instant, PciAddr, Psn, Qpn, INCOMING_BACKLOG};
+
+    /// A burst of CM REQs four times the device's MAD queue (256) and eight times the
+    /// listener's backlog arrives at once, with busy polling off: every one reaches the
+    /// listener, none is dropped or refused on the way, because each queue's reader runs
+    /// when the queue fills (`handoff`).
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_of_reqs_larger_than_every_queue_reaches_the_listener_whole() {
+        const N: u32 = 1024;
+        let net = SimNet::new(5, Faults::NONE);
+        let at = |i: u8| SocketAddr::from((Ipv4Addr::new(10, 9, 0, i), 4791));
+        let cfg = DeviceConfig {
+            identity: DeviceIdentity::from_mac("tgt", [2, 0, 0, 9, 0, 1], PciAddr::new(0, 9, 1, 0)),
+            addr: at(1),
+            icrc: IcrcCheck::Verify,
+            peer_port: None,
+            seed: 1,
+        };
+        let hca = SoftHca::start_on(cfg, &Fabric::Sim(net.clone()))
+            .await
+            .unwrap();
+        let cm = CmService::for_device(&hca);
+        let mut requests = cm.listen(4420);
+        assert!(N as usize > 4 * INCOMING_BACKLOG);
+
+        // A peer that never answers: REQs only, all put on the wire in one go.
+        let mut port = net.bind(at(2)).unwrap();
+        let mut peer = CmEndpoint::new(
+            CmConfig::new(at(2).ip(), Guid(0x200)),
+            rand::rngs::StdRng::seed_from_u64(2),
+        );
+        let private = NvmeCmRequest {
+            qid: 1,
+            hrqsize: 32,
+            hsqsize: 31,
+            cntlid: 0,
+        }
+        .emit();
+        for i in 0..N {
+            let params = ConnectParams::new(Qpn::new(0x100 + i), 4420);
+            peer.connect(Instant(0), at(1), &params, &private).unwrap();
+        }
+        let mut psn = 0;
+        while let Some((dst, mad)) = peer.poll_transmit() {
+            let buf = port.tx_buf();
+            let start = buf.len();
+            emit_gsi(Psn::new(psn), &mad, &IcrcContext::new(at(2), dst), buf);
+            psn += 1;
+            port.push(dst, start);
+        }
+        port.flush();
+
+        let mut got = 0;
+        while let Ok(Some(req)) =
+            tokio::time::timeout(Duration::from_secs(1), requests.recv()).await
+        {
+            got += 1;
+            cm.reject(req.id, &[]);
+        }
+        let overflows = hca.with_quiet(|d, _| d.stats().gsi_overflows);
+        assert_eq!(
+            (got, overflows),
+            (N, 0),
+            "(requests listened, MADs dropped)"
+        );
     }
 }

@@ -9,6 +9,7 @@
 mod backend;
 pub mod cm;
 mod fabric;
+mod handoff;
 pub mod local;
 pub mod manager;
 mod metrics_pub;
@@ -403,8 +404,15 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
     // Busy polling: after a turn that moved packets, keep checking the socket (yielding to
     // the runtime's other tasks in between, see `spin`) instead of sleeping, for `busy_poll`.
     let mut spin_until: Option<std::time::Instant> = None;
-    // ... but not while spinning takes a core someone else wants (see `spin`).
+    // Where the busy-poll window proper ends (`spin_until` may reach past it for a device
+    // deadline): what an answer must come before (see `spin::AnswerGate`).
+    let mut window_end: Option<std::time::Instant> = None;
+    // ... only while spells are answered, and (opt-in) not while spinning takes a core
+    // someone else wants (see `spin`).
+    let mut answers = spin::AnswerGate::default();
     let mut gate = spin::SpinGate::default();
+    // Received MADs wait in the device for the CM's pump (see `handoff`).
+    let mut gsi = handoff::HandOff::default();
     loop {
         let spinning = spin_until.filter(|&t| std::time::Instant::now() < t);
         let deadline = {
@@ -423,10 +431,18 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
             let at = epoch + Duration::from_nanos(t.0);
             timer.as_mut().arm(at);
         }
+        if spinning.is_none() {
+            // A window that ran out during a turn: no spell, no verdict.
+            window_end = None;
+        }
         match spinning {
             Some(until) => {
                 let due = deadline.map(|t| epoch.into_std() + Duration::from_nanos(t.0));
-                spin(&shared, &mut port, until, due).await;
+                let input = spin(&shared, &mut port, until, due).await;
+                if let Some(end) = window_end.take() {
+                    let now = std::time::Instant::now();
+                    answers.spell_ended(now, spin::spell(input, now, end));
+                }
             }
             None => tokio::select! {
                 biased;
@@ -438,20 +454,25 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         // Receive whatever is queued (bounded), then let the core react all at once: that
         // is where ACK coalescing comes from.
         let n = port.recv()?;
-        let mut d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
-        d.set_loopback_full(port.overflows());
-        let now = Instant(epoch.elapsed().as_nanos() as u64);
         if n > 0 {
             tracing::trace!(device = %name, n, "received");
         }
-        for i in 0..n {
-            match port.get(i) {
-                port::Received::Udp(src, data) => d.handle_datagram(now, src, data),
-                port::Received::HostUdp(src, data) => d.handle_host_datagram(now, src, data),
-                port::Received::Ipv4(datagram) => d.handle_ipv4(now, datagram),
-                port::Received::Loopback(src, data) => d.handle_loopback(now, src, data),
+        let mut next = 0;
+        let (mut d, now) = loop {
+            {
+                let mut d = shared.dev.lock().unwrap_or_else(|e| e.into_inner());
+                d.set_loopback_full(port.overflows());
+                let now = Instant(epoch.elapsed().as_nanos() as u64);
+                match handle_received(&mut d, &port, next..n, now, &mut gsi) {
+                    None => break (d, now),
+                    Some(stop) => next = stop,
+                }
             }
-        }
+            // The MAD queue is full and packets of this batch are left: its reader (the
+            // CM's pump) runs first, and the batch goes on where it stopped.
+            shared.wake.events.notify_waiters();
+            tokio::task::yield_now().await;
+        };
         if d.poll_timeout().is_some_and(|t| t <= now) {
             d.handle_timeout(now);
         }
@@ -488,9 +509,11 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         if busy_poll > 0 && port.busy_poll() {
             let t = std::time::Instant::now();
             if n > 0 || sent > 0 {
-                let allowed = !BUSY_POLL_GATE.load(Ordering::Relaxed)
-                    || gate.allow(t, n + sent, spin::thread_preemptions);
-                spin_until = allowed.then(|| t + Duration::from_nanos(busy_poll));
+                let allowed = answers.allow(t)
+                    && (!BUSY_POLL_GATE.load(Ordering::Relaxed)
+                        || gate.allow(t, n + sent, spin::thread_preemptions));
+                window_end = allowed.then(|| t + Duration::from_nanos(busy_poll));
+                spin_until = window_end;
             }
             let next = next_deadline.map(|d| epoch.into_std() + Duration::from_nanos(d.0));
             spin_until = spin::spin_until(spin_until, t, next);
@@ -509,13 +532,38 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
     }
 }
 
+/// Hand packets `range` of the port's last receive to the device. `Some(i)` when packet
+/// `i` found the device's queue of received MADs full and its reader should run first
+/// ([`handoff::HandOff`]); packets before it were handed over.
+fn handle_received<P: PacketPort>(
+    d: &mut Device,
+    port: &P,
+    range: std::ops::Range<usize>,
+    now: Instant,
+    gsi: &mut handoff::HandOff,
+) -> Option<usize> {
+    for i in range {
+        if gsi.wait(d.gsi_full()) {
+            return Some(i);
+        }
+        match port.get(i) {
+            port::Received::Udp(src, data) => d.handle_datagram(now, src, data),
+            port::Received::HostUdp(src, data) => d.handle_host_datagram(now, src, data),
+            port::Received::Ipv4(datagram) => d.handle_ipv4(now, datagram),
+            port::Received::Loopback(src, data) => d.handle_loopback(now, src, data),
+        }
+    }
+    None
+}
+
 /// How often a busy-polling driver publishes its counters: comparing and copying them
 /// every turn was a tenth of a turn's cost, and a scrape comes every few seconds.
 const PUBLISH_EVERY_NS: u64 = 1_000_000;
 
 /// Busy polling between turns: yield to the runtime's other tasks, then read flags only (a
 /// post or lifecycle change poked the driver, the port has input, the device's next
-/// deadline or the end of the window came), until one says there is a turn to run.
+/// deadline or the end of the window came), until one says there is a turn to run. True
+/// when input (a packet or a post) ended it.
 ///
 /// Between yields nothing is made again: the kick waiter is registered once per spell, and
 /// the inbox, the socket and the clock are only read. A spin iteration that went through
@@ -528,7 +576,7 @@ async fn spin<P: PacketPort>(
     port: &mut P,
     until: std::time::Instant,
     due: Option<std::time::Instant>,
-) {
+) -> bool {
     // Registered once per spell, so a post by another task of this runtime schedules the
     // driver at once instead of after the runtime's next look at its I/O and timers.
     let kick = shared.kick.notified();
@@ -537,15 +585,15 @@ async fn spin<P: PacketPort>(
     loop {
         tokio::select! {
             biased;
-            _ = &mut kick => return,
+            _ = &mut kick => return true,
             _ = tokio::task::yield_now() => {}
         }
         if shared.kicked.swap(false, Ordering::AcqRel) || port.has_input() {
-            return;
+            return true;
         }
         let now = std::time::Instant::now();
         if now >= until || due.is_some_and(|d| now >= d) {
-            return;
+            return false;
         }
     }
 }

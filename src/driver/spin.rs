@@ -113,6 +113,70 @@ impl SpinGate {
     }
 }
 
+/// How long busy polling stays off after a spell that no answer ended.
+pub(crate) const UNANSWERED_HOLD_OFF: Duration = Duration::from_millis(100);
+
+/// Busy polling goes on only while it is answered: a spell pays when the packet or post it
+/// waits for comes inside the window, and not when it does not, which is what happens when
+/// the spinner holds the core its peer needs (threads outnumber cores: the peer is the
+/// target's thread in another process, fio's thread, or someone else's work). Across
+/// processes on the 2-core machine, 50 µs spells that went on regardless cost 4-50x the
+/// IOPS of not polling at all (docs/performance.md, "Across processes"); in one process the
+/// peer is a task of the same runtime, which a spinner yields to, so it answers in time.
+///
+/// A spell that the window's end closes with nothing come turns busy polling off for
+/// [`UNANSWERED_HOLD_OFF`]; then it is tried again. A spell cut short by a device deadline
+/// (the timer it polls for) says nothing either way. No clock of its own: the driver passes
+/// `now`.
+#[derive(Debug, Default)]
+pub(crate) struct AnswerGate {
+    hold_until: Option<Instant>,
+    /// Spells that went unanswered (for tests and stats).
+    pub(crate) misses: u64,
+}
+
+/// How a busy-poll spell ended, for [`AnswerGate::spell_ended`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Spell {
+    /// A packet or a post came inside the window.
+    Answered,
+    /// The window passed with nothing come (a late answer counts as none).
+    Unanswered,
+    /// A device deadline came first, inside the window: no verdict.
+    Timer,
+}
+
+impl AnswerGate {
+    /// May the driver start a spell at `now`?
+    pub(crate) fn allow(&mut self, now: Instant) -> bool {
+        match self.hold_until {
+            Some(t) if now < t => false,
+            _ => {
+                self.hold_until = None;
+                true
+            }
+        }
+    }
+
+    /// A spell ended at `now`.
+    pub(crate) fn spell_ended(&mut self, now: Instant, how: Spell) {
+        if how == Spell::Unanswered {
+            self.hold_until = Some(now + UNANSWERED_HOLD_OFF);
+            self.misses += 1;
+        }
+    }
+}
+
+/// How a spell that polled until `now` for a window ending at `window_end` ended: `input`
+/// when a packet or a post ended it, else the window's or a device deadline's end did.
+pub(crate) fn spell(input: bool, now: Instant, window_end: Instant) -> Spell {
+    match (input, now < window_end) {
+        (true, true) => Spell::Answered,
+        (false, true) => Spell::Timer,
+        (_, false) => Spell::Unanswered,
+    }
+}
+
 /// How far ahead a device timer is waited for by polling rather than by the runtime's timer.
 /// Tokio's timers tick in milliseconds, so a retransmit timeout of 200 µs (the floor of the
 /// adaptive one) or an ACK held back 100 µs, once the driver slept, fired a millisecond or
@@ -246,6 +310,48 @@ mod tests {
         assert_eq!(g.holds, 0);
         // Compared again a CHECK_EVERY later.
         assert!(!g.allow_b(t1 + CHECK_EVERY, || Some((other, 91))));
+    }
+
+    #[test]
+    fn an_unanswered_spell_stops_busy_polling_for_the_hold_off() {
+        let t0 = Instant::now();
+        let window = Duration::from_micros(50);
+        let mut g = AnswerGate::default();
+        // Answered spells, and spells a device timer cut short, keep it on.
+        for i in 0..10u32 {
+            let start = t0 + window * 2 * i;
+            assert!(g.allow(start));
+            let how = spell(true, start + window / 2, start + window);
+            assert_eq!(how, Spell::Answered);
+            g.spell_ended(start + window / 2, how);
+        }
+        let start = t0 + window * 20;
+        let how = spell(false, start + window / 4, start + window);
+        assert_eq!(how, Spell::Timer);
+        g.spell_ended(start + window / 4, how);
+        assert!(g.allow(start + window));
+        assert_eq!(g.misses, 0);
+        // The window passed with nothing come: off for the hold-off, then tried again.
+        let start = t0 + window * 30;
+        let end = start + window;
+        assert_eq!(spell(false, end, end), Spell::Unanswered);
+        g.spell_ended(end, Spell::Unanswered);
+        assert_eq!(g.misses, 1);
+        assert!(!g.allow(end));
+        assert!(!g.allow(end + UNANSWERED_HOLD_OFF / 2));
+        assert!(g.allow(end + UNANSWERED_HOLD_OFF));
+        assert!(g.allow(end + UNANSWERED_HOLD_OFF + window));
+    }
+
+    #[test]
+    fn an_answer_after_the_window_counts_as_none() {
+        // Polling went on past the window for a device deadline; the packet came after it.
+        let t0 = Instant::now();
+        let end = t0 + Duration::from_micros(50);
+        assert_eq!(
+            spell(true, end + Duration::from_micros(30), end),
+            Spell::Unanswered
+        );
     }
 
     #[test]

@@ -44,6 +44,7 @@ macro_rules! ctx {
 }
 
 mod pump;
+pub use pump::emit_gsi;
 
 /// A management datagram is always 256 bytes (IBA 13.4.2).
 pub const MAD_LEN: usize = 256;

@@ -14,6 +14,17 @@ use crate::verbs::AsyncEvent;
 use crate::verbs::VerbsError;
 use crate::verbs::{Instant, Psn, Qpn};
 
+/// Append the RoCEv2 packet that carries `mad` to QP1 (UD SEND_ONLY with the GSI Q_Key),
+/// its ICRC over `icrc`, to `buf`.
+pub fn emit_gsi(psn: Psn, mad: &[u8; MAD_LEN], icrc: &IcrcContext, buf: &mut Vec<u8>) {
+    let mut h = PacketHeaders::new(BthRepr::new(Opcode::UD_SEND_ONLY, Qpn::GSI, psn));
+    h.deth = Some(DethRepr {
+        qkey: GSI_QKEY,
+        src_qp: Qpn::GSI,
+    });
+    emit_packet(&h, mad, icrc, buf);
+}
+
 impl Device {
     /// A UDP datagram arrived from `src` (its payload, without the IP header). Malformed
     /// or unexpected input is dropped and counted; it never panics and never disturbs
@@ -155,7 +166,7 @@ impl Device {
             self.stats.rx_dropped += 1;
             return;
         }
-        if self.gsi_rx.len() >= GSI_QUEUE {
+        if self.gsi_full() {
             self.stats.gsi_overflows += 1;
             return;
         }
@@ -174,6 +185,18 @@ impl Device {
         Ok(())
     }
 
+    /// Is the queue of received MADs full, so that the next one would be dropped (counted
+    /// as `Stats::gsi_overflows`)? The driver asks before it hands over a packet, to give
+    /// the queue's reader a chance first (`driver::HandOff`).
+    pub fn gsi_full(&self) -> bool {
+        self.gsi_rx.len() >= GSI_QUEUE
+    }
+
+    /// Are received MADs waiting for [`Device::poll_gsi`]?
+    pub fn gsi_pending(&self) -> bool {
+        !self.gsi_rx.is_empty()
+    }
+
     /// Next MAD received on QP1, with the address it came from.
     pub fn poll_gsi(&mut self) -> Option<(SocketAddr, [u8; MAD_LEN])> {
         let m = self.gsi_rx.pop_front();
@@ -183,18 +206,10 @@ impl Device {
 
     fn gsi_transmit(&mut self, buf: &mut Vec<u8>) -> Option<SocketAddr> {
         let (dst, mad) = self.gsi_tx.pop_front()?;
-        let mut h = PacketHeaders::new(BthRepr::new(
-            Opcode::UD_SEND_ONLY,
-            Qpn::GSI,
-            Psn::new(self.gsi_psn),
-        ));
+        let psn = Psn::new(self.gsi_psn);
         self.gsi_psn = self.gsi_psn.wrapping_add(1);
-        h.deth = Some(DethRepr {
-            qkey: GSI_QKEY,
-            src_qp: Qpn::GSI,
-        });
         let start = buf.len();
-        emit_packet(&h, &mad, &IcrcContext::new(self.config.addr, dst), buf);
+        emit_gsi(psn, &mad, &IcrcContext::new(self.config.addr, dst), buf);
         self.stats.tx_packets += 1;
         self.stats.tx_bytes += (buf.len() - start) as u64;
         Some(dst)
