@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use nvmf_rdma::driver::SoftHca;
+use nvmf_rdma::nvmet::Target;
 use nvmf_rdma::reconnect::CtrlState;
 use nvmf_rdma::transport::Controller;
 use nvmf_rdma::verbs::DeviceFaults;
@@ -78,6 +80,8 @@ impl Schedule {
 pub struct ChaosPath {
     pub ctrl: Weak<Controller>,
     pub faults: DeviceFaults,
+    /// The built-in target's port the path goes to, and its ID there, for a freeze.
+    pub port: Option<(Target<SoftHca>, u16)>,
     pub plan: Option<Chaos>,
     /// Faults inflicted on it so far.
     pub count: Arc<AtomicU64>,
@@ -116,6 +120,7 @@ pub async fn run(paths: Vec<ChaosPath>) {
                 let r = match plan.kind {
                     FaultKind::Reset => p.faults.reset(plan.down_for).await,
                     FaultKind::Unplug => p.faults.unplug(plan.down_for).await,
+                    FaultKind::Freeze => freeze(p.port.as_ref(), plan.down_for).await,
                 };
                 match r {
                     Ok(()) => {
@@ -126,6 +131,18 @@ pub async fn run(paths: Vec<ChaosPath>) {
             }
         }
     }
+}
+
+/// Freeze the target port for `down_for`.
+async fn freeze(port: Option<&(Target<SoftHca>, u16)>, down_for: Duration) -> Result<(), String> {
+    let (t, id) = port.ok_or(
+        "chaos_freeze_every freezes a port of a built-in target this process started \
+         (thread=1, or the job that started it)",
+    )?;
+    t.freeze_port(*id, true);
+    tokio::time::sleep(down_for).await;
+    t.freeze_port(*id, false);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -17,9 +17,10 @@ use std::time::Duration;
 
 use nvmf_rdma::cli::device::{connect_kernel_with_faults, DeviceChoice};
 use nvmf_rdma::cli::support::{local_ip_for, soft_device_config};
-use nvmf_rdma::driver::DeviceManager;
+use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::harness::nvmf_perf::LocalTarget;
 use nvmf_rdma::multipath::Subsystem;
+use nvmf_rdma::nvmet::Target;
 use nvmf_rdma::reconnect::RecoveryLog;
 use nvmf_rdma::transport::{ConnectOptions, Controller};
 use nvmf_rdma::verbs::{DeviceFaults, FaultInjector};
@@ -49,6 +50,8 @@ pub struct Ctrl {
 pub struct Multi {
     pub sub: Arc<Subsystem>,
     paths: Vec<Arc<Ctrl>>,
+    /// The built-in target's port behind each path, when this process started it.
+    ports: Vec<Option<(Target<SoftHca>, u16)>>,
     plans: Vec<Option<Chaos>>,
     /// Faults inflicted on each path.
     counts: Vec<Arc<AtomicU64>>,
@@ -196,11 +199,13 @@ impl Engine {
         }
         let mut paths = Vec::new();
         let mut plans = Vec::new();
+        let mut ports = Vec::new();
         for o in [first, &second.ctrl] {
             // Chaos on a path of a subsystem is the subsystem's, so the paths take turns.
             let mut o = o.clone();
             plans.push(o.chaos.take());
             paths.push(self.controller(&o)?);
+            ports.push(self.builtin_port(o.key.target));
         }
         let sub = Subsystem::new(&first.key.subnqn, second.iopolicy);
         self.rt.driver.block_on(async {
@@ -224,11 +229,21 @@ impl Engine {
             sub,
             counts: paths.iter().map(|_| Arc::new(AtomicU64::new(0))).collect(),
             paths,
+            ports,
             plans,
             chaos_task: Mutex::new(None),
         });
         self.multis.insert(key, m.clone());
         Ok(m)
+    }
+
+    /// The built-in target's port at `t` and its port ID, if this process started it.
+    fn builtin_port(&self, t: TargetAddr) -> Option<(Target<SoftHca>, u16)> {
+        let TargetAddr::Builtin { bytes, ports, port } = t else {
+            return None;
+        };
+        let lt = self.targets.get(&(bytes, ports))?.1.as_ref()?;
+        Some((lt.target.clone(), *lt.port_ids.get(port as usize)?))
     }
 
     /// Disconnect every controller, stop the runtime and the built-in targets.
@@ -364,6 +379,7 @@ impl Ctrl {
         let path = ChaosPath {
             ctrl: Arc::downgrade(&self.ctrl),
             faults: self.faults.clone(),
+            port: None,
             plan: self.chaos,
             count: self.resets.clone(),
         };
@@ -379,9 +395,11 @@ impl Multi {
             .iter()
             .zip(&self.plans)
             .zip(&self.counts)
-            .map(|((c, plan), count)| ChaosPath {
+            .zip(&self.ports)
+            .map(|(((c, plan), count), port)| ChaosPath {
                 ctrl: Arc::downgrade(&c.ctrl),
                 faults: c.faults.clone(),
+                port: port.clone(),
                 plan: *plan,
                 count: count.clone(),
             })

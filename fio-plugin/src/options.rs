@@ -50,6 +50,8 @@ pub struct RawOptions {
     pub iopolicy: *const c_char,
     pub chaos_unplug_every: *const c_char,
     pub chaos_unplug_for: *const c_char,
+    pub chaos_freeze_every: *const c_char,
+    pub chaos_freeze_for: *const c_char,
 }
 
 /// Where the target is: an address, or a port of the built-in RAM target of this size (served
@@ -110,6 +112,9 @@ pub enum FaultKind {
     Reset,
     /// A hot-remove: the same card is plugged back (`chaos_unplug_every`).
     Unplug,
+    /// The target's port stops answering commands, nothing reported: the path dies
+    /// silently, and only the keep-alive timeout tells (`chaos_freeze_every`).
+    Freeze,
 }
 
 impl FaultKind {
@@ -117,6 +122,7 @@ impl FaultKind {
         match self {
             FaultKind::Reset => "reset",
             FaultKind::Unplug => "unplug",
+            FaultKind::Freeze => "freeze",
         }
     }
 }
@@ -145,7 +151,7 @@ pub struct CtrlOptions {
 /// I/O is spread over the two.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SecondPath {
-    /// The second controller; its `chaos` is `chaos_unplug_every`'s.
+    /// The second controller; its `chaos` is `chaos_unplug_every`'s or `chaos_freeze_every`'s.
     pub ctrl: CtrlOptions,
     pub iopolicy: IoPolicy,
 }
@@ -165,7 +171,7 @@ pub struct OptionText {
     pairs: Vec<(&'static str, String)>,
 }
 
-const KEYS: [&str; 28] = [
+const KEYS: [&str; 30] = [
     "traddr",
     "trsvcid",
     "subnqn",
@@ -194,6 +200,8 @@ const KEYS: [&str; 28] = [
     "iopolicy",
     "chaos_unplug_every",
     "chaos_unplug_for",
+    "chaos_freeze_every",
+    "chaos_freeze_for",
 ];
 
 /// Filename keys that only say what SPDK's transport ID says and we already are.
@@ -236,6 +244,8 @@ impl OptionText {
             raw.iopolicy,
             raw.chaos_unplug_every,
             raw.chaos_unplug_for,
+            raw.chaos_freeze_every,
+            raw.chaos_freeze_for,
         ];
         let mut t = OptionText::default();
         for (key, p) in KEYS.iter().zip(ptrs) {
@@ -343,7 +353,12 @@ impl OptionText {
                 port: 1,
             },
             _ => {
-                for k in ["trsvcid2", "iopolicy", "chaos_unplug_every"] {
+                for k in [
+                    "trsvcid2",
+                    "iopolicy",
+                    "chaos_unplug_every",
+                    "chaos_freeze_every",
+                ] {
                     if self.get(k).is_some() {
                         return Err(format!(
                             "{k} is about a second path: give traddr2= (or builtin_ports=2)"
@@ -368,7 +383,22 @@ impl OptionText {
             .map(|v| v.parse::<IoPolicy>())
             .transpose()?
             .unwrap_or_default();
-        let chaos = self.chaos("chaos_unplug_every", "chaos_unplug_for", FaultKind::Unplug)?;
+        let unplug = self.chaos("chaos_unplug_every", "chaos_unplug_for", FaultKind::Unplug)?;
+        let freeze = self.chaos("chaos_freeze_every", "chaos_freeze_for", FaultKind::Freeze)?;
+        let chaos = match (unplug, freeze) {
+            (Some(_), Some(_)) => {
+                return Err("give chaos_unplug_every or chaos_freeze_every, not both".into())
+            }
+            (Some(_), None) | (None, None) => unplug,
+            (None, Some(_)) if matches!(target, TargetAddr::Remote(_)) => {
+                return Err(
+                    "chaos_freeze_every freezes a port of the built-in target: use \
+                            builtin_target= with builtin_ports=2"
+                        .into(),
+                );
+            }
+            (None, Some(_)) => freeze,
+        };
         let mut ctrl = first.clone();
         ctrl.key.target = target;
         ctrl.key.trsvcid = trsvcid;
@@ -767,6 +797,10 @@ mod tests {
             ("iopolicy=round-robin", "second path"),
             ("chaos_unplug_every=1s", "second path"),
             ("traddr2=10.0.0.2", "traddr2 needs traddr"),
+            (
+                "builtin_ports=2 chaos_unplug_every=1s chaos_freeze_every=1s",
+                "not both",
+            ),
         ] {
             let e = base
                 .with_filename(name)

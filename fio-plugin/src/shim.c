@@ -45,6 +45,8 @@ struct nvmf_rs_strs {
 	const char *iopolicy;
 	const char *chaos_unplug_every;
 	const char *chaos_unplug_for;
+	const char *chaos_freeze_every;
+	const char *chaos_freeze_for;
 };
 
 struct nvmf_fio_options {
@@ -294,6 +296,9 @@ static struct fio_option options[] = {
 		 "Unplug the second path's host soft-HCA this often and plug it back (never while the first path is down)"),
 	NVMF_OPT(chaos_unplug_for, "chaos unplug time",
 		 "How long each chaos unplug keeps the device out (default 0)"),
+	NVMF_OPT(chaos_freeze_every, "chaos freeze period",
+		 "Freeze the built-in target's second port this often: its commands go unanswered, the second path dies silently"),
+	NVMF_OPT(chaos_freeze_for, "chaos freeze time", "How long each chaos freeze lasts (default 0)"),
 	NVMF_OPT(registered_buffers, "registered buffers",
 		 "1 (default): fio's buffers are registered memory, no host copy per I/O; 0: plain memory, copied"),
 	{ .name = NULL },

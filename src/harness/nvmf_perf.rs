@@ -40,6 +40,8 @@ pub struct LocalTarget {
     pub addr: SocketAddr,
     /// Where each of its ports is reached, the first one first.
     pub addrs: Vec<SocketAddr>,
+    /// Each port's ID, in the same order (for [`Target::freeze_port`] and ANA states).
+    pub port_ids: Vec<u16>,
     pub target: Target<SoftHca>,
     /// The soft-HCAs of its ports after the first.
     more_ports: Vec<SoftHca>,
@@ -85,6 +87,7 @@ impl LocalTarget {
                         let t = Target::start(hca.clone(), cfg)?;
                         serve_cm(t.clone(), CmService::for_device(&hca))?;
                         let mut addrs = vec![hca.addr()];
+                        let mut ids = vec![1];
                         let mut more = Vec::new();
                         for i in 1..ports {
                             let name = format!("tgt{i}");
@@ -95,9 +98,10 @@ impl LocalTarget {
                                 .map_err(anyhow::Error::msg)?;
                             serve_cm_on(t.clone(), id, CmService::for_device(&h))?;
                             addrs.push(h.addr());
+                            ids.push(id);
                             more.push(h);
                         }
-                        anyhow::Ok((addrs, t, more))
+                        anyhow::Ok((addrs, ids, t, more))
                     }
                     .await;
                     let ok = r.is_ok();
@@ -107,12 +111,13 @@ impl LocalTarget {
                     }
                 });
             })?;
-        let (addrs, target, more_ports) = rx
+        let (addrs, port_ids, target, more_ports) = rx
             .recv()
             .map_err(|_| anyhow::anyhow!("target thread died"))??;
         Ok(LocalTarget {
             addr: addrs[0],
             addrs,
+            port_ids,
             target,
             more_ports,
             stop: Some(stop_tx),
