@@ -1,6 +1,7 @@
 //! The engine's process-wide state: one tokio runtime, one controller per target (connected
-//! once, shared by every job and thread that names it), the built-in targets started here, and
-//! the set of fio jobs still using them. The last job to leave disconnects and stops it all.
+//! once, shared by every job and thread that names it), the multipath subsystems over them, the
+//! built-in targets started here, and the set of fio jobs still using them. The last job to
+//! leave disconnects and stops it all.
 //!
 //! fio calls `setup` for every job in its main thread before it starts them, then runs each job
 //! in a thread (`thread=1`) or a forked process (the default). A forked child inherits this
@@ -16,13 +17,16 @@ use std::time::Duration;
 
 use nvmf_rdma::cli::device::{connect_kernel_with_faults, DeviceChoice};
 use nvmf_rdma::cli::support::{local_ip_for, soft_device_config};
-use nvmf_rdma::driver::DeviceManager;
+use nvmf_rdma::driver::{DeviceManager, SoftHca};
 use nvmf_rdma::harness::nvmf_perf::LocalTarget;
+use nvmf_rdma::multipath::Subsystem;
+use nvmf_rdma::nvmet::Target;
 use nvmf_rdma::reconnect::RecoveryLog;
 use nvmf_rdma::transport::{ConnectOptions, Controller};
 use nvmf_rdma::verbs::{DeviceFaults, FaultInjector};
 
-use crate::options::{Chaos, CtrlKey, CtrlOptions, TargetAddr};
+use crate::chaos::{self, ChaosPath};
+use crate::options::{Chaos, CtrlKey, CtrlOptions, SecondPath, TargetAddr};
 use crate::runtime::{Driver, EngineRt};
 
 /// Block size of the built-in RAM namespace (4 KiB, as `nvmf-rdma bench`).
@@ -40,6 +44,22 @@ pub struct Ctrl {
     /// The recovery episodes so far, for the summary fio's log gets at the end.
     recoveries: Arc<Mutex<RecoveryLog>>,
 }
+
+/// Two controllers to one subsystem as the paths of a multipath [`Subsystem`], and the
+/// chaos that faults their devices one at a time.
+pub struct Multi {
+    pub sub: Arc<Subsystem>,
+    paths: Vec<Arc<Ctrl>>,
+    /// The built-in target's port behind each path, when this process started it.
+    ports: Vec<Option<(Target<SoftHca>, u16)>>,
+    plans: Vec<Option<Chaos>>,
+    /// Faults inflicted on each path.
+    counts: Vec<Arc<AtomicU64>>,
+    chaos_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+/// A multipath subsystem is shared by the jobs naming the same paths and policy.
+type MultiKey = (CtrlKey, CtrlKey, &'static str);
 
 /// Keep the recovery episodes of `c`, for the summary fio's log gets at the end.
 fn watch_recoveries(c: &Controller) -> Arc<Mutex<RecoveryLog>> {
@@ -59,9 +79,10 @@ struct Engine {
     pid: u32,
     rt: EngineRt,
     ctrls: HashMap<CtrlKey, Arc<Ctrl>>,
-    /// Built-in targets by size: their address, and the target itself when this process
-    /// started it (a forked child only knows the address).
-    targets: HashMap<u64, (SocketAddr, Option<LocalTarget>)>,
+    multis: HashMap<MultiKey, Arc<Multi>>,
+    /// Built-in targets by size and ports: their ports' addresses, and the target itself
+    /// when this process started it (a forked child only knows the addresses).
+    targets: HashMap<(u64, u8), (Vec<SocketAddr>, Option<LocalTarget>)>,
     /// fio jobs (`thread_data` addresses) between their setup/init and their cleanup.
     users: HashSet<usize>,
     next_dev: u8,
@@ -84,7 +105,7 @@ fn engine(g: &mut Option<Engine>, threads: usize) -> Result<&mut Engine, String>
             let targets = old
                 .targets
                 .iter()
-                .map(|(size, (addr, _))| (*size, (*addr, None)))
+                .map(|(k, (addrs, _))| (*k, (addrs.clone(), None)))
                 .collect();
             std::mem::forget(old);
             *g = Some(Engine::new(pid, threads, targets)?);
@@ -100,13 +121,14 @@ impl Engine {
     fn new(
         pid: u32,
         threads: usize,
-        targets: HashMap<u64, (SocketAddr, Option<LocalTarget>)>,
+        targets: HashMap<(u64, u8), (Vec<SocketAddr>, Option<LocalTarget>)>,
     ) -> Result<Engine, String> {
         let rt = EngineRt::start(threads)?;
         Ok(Engine {
             pid,
             rt,
             ctrls: HashMap::new(),
+            multis: HashMap::new(),
             targets,
             users: HashSet::new(),
             next_dev: 1,
@@ -116,14 +138,21 @@ impl Engine {
     fn target_addr(&mut self, t: TargetAddr) -> Result<SocketAddr, String> {
         match t {
             TargetAddr::Remote(a) => Ok(a),
-            TargetAddr::Builtin { bytes } => {
-                if let Some((a, _)) = self.targets.get(&bytes) {
-                    return Ok(*a);
+            TargetAddr::Builtin { bytes, ports, port } => {
+                let port_addr = |addrs: &[SocketAddr]| {
+                    addrs
+                        .get(port as usize)
+                        .copied()
+                        .ok_or_else(|| format!("the built-in target has no port {}", port + 1))
+                };
+                if let Some((a, _)) = self.targets.get(&(bytes, ports)) {
+                    return port_addr(a);
                 }
-                let lt = LocalTarget::start(bytes, BUILTIN_LBADS)
+                let lt = LocalTarget::start_ports(bytes, BUILTIN_LBADS, ports)
                     .map_err(|e| format!("cannot start the built-in target: {e:#}"))?;
-                let a = lt.addr;
-                self.targets.insert(bytes, (a, Some(lt)));
+                let a = port_addr(&lt.addrs)?;
+                self.targets
+                    .insert((bytes, ports), (lt.addrs.clone(), Some(lt)));
                 Ok(a)
             }
         }
@@ -154,22 +183,85 @@ impl Engine {
         Ok(c)
     }
 
+    /// The multipath subsystem over `first` and `second`, its paths connected on first use.
+    fn multipath(
+        &mut self,
+        first: &CtrlOptions,
+        second: &SecondPath,
+    ) -> Result<Arc<Multi>, String> {
+        let key = (
+            first.key.clone(),
+            second.ctrl.key.clone(),
+            second.iopolicy.name(),
+        );
+        if let Some(m) = self.multis.get(&key) {
+            return Ok(m.clone());
+        }
+        let mut paths = Vec::new();
+        let mut plans = Vec::new();
+        let mut ports = Vec::new();
+        for o in [first, &second.ctrl] {
+            // Chaos on a path of a subsystem is the subsystem's, so the paths take turns.
+            let mut o = o.clone();
+            plans.push(o.chaos.take());
+            paths.push(self.controller(&o)?);
+            ports.push(self.builtin_port(o.key.target));
+        }
+        let sub = Subsystem::new(&first.key.subnqn, second.iopolicy);
+        self.rt.driver.block_on(async {
+            for c in &paths {
+                sub.add_path(
+                    c.ctrl.clone(),
+                    c.key.target.to_string(),
+                    c.faults.name().to_string(),
+                )
+                .await
+                .map_err(|e| {
+                    format!(
+                        "{} at {} as a second path: {e:#}",
+                        c.key.subnqn, c.key.target
+                    )
+                })?;
+            }
+            Ok::<_, String>(())
+        })?;
+        let m = Arc::new(Multi {
+            sub,
+            counts: paths.iter().map(|_| Arc::new(AtomicU64::new(0))).collect(),
+            paths,
+            ports,
+            plans,
+            chaos_task: Mutex::new(None),
+        });
+        self.multis.insert(key, m.clone());
+        Ok(m)
+    }
+
+    /// The built-in target's port at `t` and its port ID, if this process started it.
+    fn builtin_port(&self, t: TargetAddr) -> Option<(Target<SoftHca>, u16)> {
+        let TargetAddr::Builtin { bytes, ports, port } = t else {
+            return None;
+        };
+        let lt = self.targets.get(&(bytes, ports))?.1.as_ref()?;
+        Some((lt.target.clone(), *lt.port_ids.get(port as usize)?))
+    }
+
     /// Disconnect every controller, stop the runtime and the built-in targets.
     fn shutdown(self) {
         let Engine {
-            rt, ctrls, targets, ..
+            rt,
+            ctrls,
+            multis,
+            targets,
+            ..
         } = self;
         rt.driver.block_on(async move {
+            for (_, m) in multis {
+                m.stop_chaos().await;
+                m.report();
+            }
             for (_, c) in ctrls {
-                let chaos = c
-                    .chaos_task
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .take();
-                if let Some(t) = chaos {
-                    t.abort();
-                    let _ = t.await;
-                }
+                stop(&c.chaos_task).await;
                 let resets = c.resets.load(Ordering::Relaxed);
                 if c.chaos.is_some() {
                     eprintln!(
@@ -258,36 +350,90 @@ async fn connect(
     })
 }
 
-/// Reset the host device, as a device fault would: the one recovery path holds the in-flight
-/// I/O and resubmits it once the same device is back after `down_for`.
-async fn reset_device(faults: &DeviceFaults, down_for: Duration) {
-    if let Err(e) = faults.reset(down_for).await {
-        eprintln!("nvmf-rdma: chaos reset failed: {e}");
+type ChaosTask = Mutex<Option<tokio::task::JoinHandle<()>>>;
+
+/// Start [`chaos::run`] on `paths` in `task`, unless it runs already. A device fault is
+/// survived by the one recovery path: it holds the in-flight I/O and resubmits it once the
+/// same device is back (or, with several paths, multipath moves it to another).
+fn start(task: &ChaosTask, rt: &tokio::runtime::Handle, paths: Vec<ChaosPath>) {
+    if paths.iter().all(|p| p.plan.is_none()) {
+        return;
+    }
+    let mut t = task.lock().unwrap_or_else(|e| e.into_inner());
+    if t.is_none() {
+        *t = Some(rt.spawn(chaos::run(paths)));
+    }
+}
+
+async fn stop(task: &ChaosTask) {
+    let t = task.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(t) = t {
+        t.abort();
+        let _ = t.await;
     }
 }
 
 impl Ctrl {
     /// Start the chaos task if the options asked for one and it is not running yet.
     pub fn start_chaos(&self, rt: &tokio::runtime::Handle) {
-        let Some(chaos) = self.chaos else { return };
-        let mut t = self.chaos_task.lock().unwrap_or_else(|e| e.into_inner());
-        if t.is_some() {
-            return;
+        let path = ChaosPath {
+            ctrl: Arc::downgrade(&self.ctrl),
+            faults: self.faults.clone(),
+            port: None,
+            plan: self.chaos,
+            count: self.resets.clone(),
+        };
+        start(&self.chaos_task, rt, vec![path]);
+    }
+}
+
+impl Multi {
+    /// Start the paths' fault schedules if the options asked for any and they do not run yet.
+    pub fn start_chaos(&self, rt: &tokio::runtime::Handle) {
+        let paths = self
+            .paths
+            .iter()
+            .zip(&self.plans)
+            .zip(&self.counts)
+            .zip(&self.ports)
+            .map(|(((c, plan), count), port)| ChaosPath {
+                ctrl: Arc::downgrade(&c.ctrl),
+                faults: c.faults.clone(),
+                port: port.clone(),
+                plan: *plan,
+                count: count.clone(),
+            })
+            .collect();
+        start(&self.chaos_task, rt, paths);
+    }
+
+    async fn stop_chaos(&self) {
+        stop(&self.chaos_task).await;
+    }
+
+    /// What each path carried and went through, for fio's log (as `nvme top` shows it).
+    fn report(&self) {
+        let info = self.sub.info();
+        for (i, (p, c)) in info.iter().zip(&self.paths).enumerate() {
+            let faults = match self.plans[i] {
+                Some(plan) => format!(
+                    ", {} chaos {}s",
+                    self.counts[i].load(Ordering::Relaxed),
+                    plan.kind.name()
+                ),
+                None => String::new(),
+            };
+            eprintln!(
+                "nvmf-rdma: {} path {} ({}, {}): {} I/Os, {} failovers, {} reconnects{faults}",
+                self.sub.nqn,
+                i + 1,
+                c.key.target,
+                self.sub.policy(),
+                p.stats.ios,
+                p.stats.failovers,
+                p.stats.reconnects,
+            );
         }
-        let ctrl = Arc::downgrade(&self.ctrl);
-        let faults = self.faults.clone();
-        let resets = self.resets.clone();
-        *t = Some(rt.spawn(async move {
-            let mut tick = tokio::time::interval(chaos.every);
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                // Only while the controller is still in use.
-                let Some(_c) = ctrl.upgrade() else { return };
-                reset_device(&faults, chaos.down_for).await;
-                resets.fetch_add(1, Ordering::Relaxed);
-            }
-        }));
     }
 }
 
@@ -303,6 +449,16 @@ pub fn register(td: usize, threads: usize) -> Result<Driver, String> {
 pub fn controller(o: &CtrlOptions, threads: usize) -> Result<Arc<Ctrl>, String> {
     let mut g = lock();
     engine(&mut g, threads)?.controller(o)
+}
+
+/// The multipath subsystem over `first` and `second`, connected on first use.
+pub fn multipath(
+    first: &CtrlOptions,
+    second: &SecondPath,
+    threads: usize,
+) -> Result<Arc<Multi>, String> {
+    let mut g = lock();
+    engine(&mut g, threads)?.multipath(first, second)
 }
 
 /// Job `td` is done; the last one out shuts the engine down.

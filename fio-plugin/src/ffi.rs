@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::engine;
 use crate::options::{OptionText, RawOptions};
-use crate::thread::{File, Op, Thread};
+use crate::thread::{File, FileIo, Op, Thread};
 
 #[cfg(fio_shim)]
 extern "C" {
@@ -130,9 +130,15 @@ pub unsafe extern "C" fn nvmf_rs_file_size(
     let r = guarded(err, errlen, || {
         let t = OptionText::from_raw(o)?;
         let f = t.with_filename(c_str(name)?)?.file_target()?;
-        let c = engine::controller(&f.ctrl, t.runtime_threads()?)?;
-        let ns = c.ctrl.namespace(f.nsid).map_err(|e| e.to_string())?;
-        Ok(ns.bytes())
+        let threads = t.runtime_threads()?;
+        let ns = match &f.second {
+            None => engine::controller(&f.ctrl, threads)?.ctrl.namespace(f.nsid),
+            Some(p) => engine::multipath(&f.ctrl, p, threads)?
+                .sub
+                .namespace(f.nsid)
+                .map(|n| n.info()),
+        };
+        Ok(ns.map_err(|e| e.to_string())?.bytes())
     });
     match r {
         Some(b) => {
@@ -180,11 +186,24 @@ pub unsafe extern "C" fn nvmf_rs_open_file(
             .ok_or("engine not initialised")?;
         let t = OptionText::from_raw(o)?;
         let f = t.with_filename(c_str(name)?)?.file_target()?;
-        let c = engine::controller(&f.ctrl, t.runtime_threads()?)?;
-        let ns = c.ctrl.namespace(f.nsid).map_err(|e| e.to_string())?;
-        c.start_chaos(&th.rt);
+        let threads = t.runtime_threads()?;
+        let (io, ns) = match &f.second {
+            None => {
+                let c = engine::controller(&f.ctrl, threads)?;
+                let ns = c.ctrl.namespace(f.nsid).map_err(|e| e.to_string())?;
+                c.start_chaos(&th.rt);
+                (FileIo::Ctrl(c), ns)
+            }
+            Some(p) => {
+                let m = engine::multipath(&f.ctrl, p, threads)?;
+                let ns = m.sub.namespace(f.nsid).map_err(|e| e.to_string())?;
+                m.start_chaos(&th.rt);
+                let info = ns.info();
+                (FileIo::Multipath(std::sync::Arc::new(ns)), info)
+            }
+        };
         Ok(Box::new(File {
-            ctrl: c,
+            io,
             nsid: f.nsid,
             block_size: ns.block_size as u64,
         }))
@@ -311,6 +330,11 @@ pub unsafe extern "C" fn nvmf_rs_iomem_alloc(
             return Ok(None);
         }
         let f = t.with_filename(c_str(name)?)?.file_target()?;
+        if f.second.is_some() {
+            // Registered memory belongs to one controller's queue; a multipath I/O may go
+            // on either path.
+            return Ok(None);
+        }
         let c = engine::controller(&f.ctrl, t.runtime_threads()?)?;
         let chunks = size.div_ceil(chunk.max(1));
         if chunk == 0
@@ -357,6 +381,11 @@ pub unsafe extern "C" fn nvmf_rs_thread_cleanup(td: *mut c_void, thread: *mut c_
     if !thread.is_null() {
         let mut th = Box::from_raw(thread as *mut Thread);
         th.drain();
+        eprintln!(
+            "nvmf-rdma: {}: longest I/O stall {:.1} ms",
+            th.job,
+            th.longest_stall().as_secs_f64() * 1e3
+        );
         let n = th.errors.count();
         if n > 0 {
             eprintln!("nvmf-rdma: {}: {n} I/O errors", th.job);

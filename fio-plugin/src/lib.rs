@@ -7,10 +7,13 @@
 //! [`ffi`] with plain values.
 //!
 //! - [`options`]: engine options and SPDK-style filenames, checked with clear messages.
-//! - [`engine`]: process-wide state: shared controllers, built-in targets, chaos.
+//! - [`engine`]: process-wide state: shared controllers, multipath subsystems, built-in
+//!   targets.
+//! - [`chaos`]: device faults on schedule, never two paths down at once.
 //! - [`runtime`]: who drives the async work (fio's own threads, or threads of ours).
 //! - [`thread`]: per-job queue / commit / getevents over the job's own I/O futures.
 
+pub mod chaos;
 pub mod engine;
 pub mod ffi;
 pub mod options;

@@ -14,6 +14,7 @@ use std::time::Duration;
 use nvmf_rdma::cli::device::DeviceChoice;
 use nvmf_rdma::cli::support::{parse_traddr, DEFAULT_ROCE_PORT};
 use nvmf_rdma::harness::nvmf_perf::DEMO_NQN;
+use nvmf_rdma::multipath::IoPolicy;
 use nvmf_rdma::nvme::Nqn;
 use nvmf_rdma::reconnect::policy::DEFAULT_REPLUG_WINDOW;
 use nvmf_rdma::reconnect::IdentityMatch;
@@ -43,20 +44,39 @@ pub struct RawOptions {
     pub registered_buffers: *const c_char,
     pub busy_poll_gate: *const c_char,
     pub safe_retry: *const c_char,
+    pub traddr2: *const c_char,
+    pub trsvcid2: *const c_char,
+    pub builtin_ports: *const c_char,
+    pub iopolicy: *const c_char,
+    pub chaos_unplug_every: *const c_char,
+    pub chaos_unplug_for: *const c_char,
+    pub chaos_freeze_every: *const c_char,
+    pub chaos_freeze_for: *const c_char,
 }
 
-/// Where the target is: an address, or the built-in RAM target of this size in this process.
+/// Where the target is: an address, or a port of the built-in RAM target of this size (served
+/// on `ports` ports) in this process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TargetAddr {
     Remote(SocketAddr),
-    Builtin { bytes: u64 },
+    Builtin { bytes: u64, ports: u8, port: u8 },
 }
 
 impl std::fmt::Display for TargetAddr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             TargetAddr::Remote(a) => write!(f, "{a}"),
-            TargetAddr::Builtin { bytes } => write!(f, "the built-in target ({} MiB)", bytes >> 20),
+            TargetAddr::Builtin {
+                bytes, ports: 1, ..
+            } => {
+                write!(f, "the built-in target ({} MiB)", bytes >> 20)
+            }
+            TargetAddr::Builtin { bytes, port, .. } => write!(
+                f,
+                "port {} of the built-in target ({} MiB)",
+                port + 1,
+                bytes >> 20
+            ),
         }
     }
 }
@@ -85,9 +105,33 @@ pub struct Recovery {
     pub safe_retry: nvmf_rdma::reconnect::hold::SafeRetry,
 }
 
-/// Device chaos while the job runs: reset the host device every `every`, away for `down_for`.
+/// What chaos does to a path's host device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// A fatal device error: the same device comes back (`chaos_reset_every`).
+    Reset,
+    /// A hot-remove: the same card is plugged back (`chaos_unplug_every`).
+    Unplug,
+    /// The target's port stops answering commands, nothing reported: the path dies
+    /// silently, and only the keep-alive timeout tells (`chaos_freeze_every`).
+    Freeze,
+}
+
+impl FaultKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::Reset => "reset",
+            FaultKind::Unplug => "unplug",
+            FaultKind::Freeze => "freeze",
+        }
+    }
+}
+
+/// Device chaos while the job runs: a fault of the host device every `every`, the device
+/// away for `down_for`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Chaos {
+    pub kind: FaultKind,
     pub every: Duration,
     pub down_for: Duration,
 }
@@ -103,11 +147,22 @@ pub struct CtrlOptions {
     pub chaos: Option<Chaos>,
 }
 
-/// A parsed filename: which controller, which namespace.
+/// A second path to the subsystem (`traddr2=` or `builtin_ports=2`): its controller, and how
+/// I/O is spread over the two.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SecondPath {
+    /// The second controller; its `chaos` is `chaos_unplug_every`'s or `chaos_freeze_every`'s.
+    pub ctrl: CtrlOptions,
+    pub iopolicy: IoPolicy,
+}
+
+/// A parsed filename: which controller (the first path), which namespace, and the second
+/// path when there is one.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FileTarget {
     pub ctrl: CtrlOptions,
     pub nsid: u32,
+    pub second: Option<SecondPath>,
 }
 
 /// Options as `key -> value` text, before the filename's keys are laid over them.
@@ -116,7 +171,7 @@ pub struct OptionText {
     pairs: Vec<(&'static str, String)>,
 }
 
-const KEYS: [&str; 22] = [
+const KEYS: [&str; 30] = [
     "traddr",
     "trsvcid",
     "subnqn",
@@ -139,6 +194,14 @@ const KEYS: [&str; 22] = [
     "registered_buffers",
     "busy_poll_gate",
     "safe_retry",
+    "traddr2",
+    "trsvcid2",
+    "builtin_ports",
+    "iopolicy",
+    "chaos_unplug_every",
+    "chaos_unplug_for",
+    "chaos_freeze_every",
+    "chaos_freeze_for",
 ];
 
 /// Filename keys that only say what SPDK's transport ID says and we already are.
@@ -175,6 +238,14 @@ impl OptionText {
             raw.registered_buffers,
             raw.busy_poll_gate,
             raw.safe_retry,
+            raw.traddr2,
+            raw.trsvcid2,
+            raw.builtin_ports,
+            raw.iopolicy,
+            raw.chaos_unplug_every,
+            raw.chaos_unplug_for,
+            raw.chaos_freeze_every,
+            raw.chaos_freeze_for,
         ];
         let mut t = OptionText::default();
         for (key, p) in KEYS.iter().zip(ptrs) {
@@ -242,10 +313,123 @@ impl OptionText {
                 }
             })?,
         };
-        Ok(FileTarget {
-            ctrl: self.ctrl_options()?,
-            nsid,
-        })
+        let ctrl = self.ctrl_options()?;
+        let second = self.second_path(&ctrl)?;
+        Ok(FileTarget { ctrl, nsid, second })
+    }
+
+    /// The second path, from `traddr2=` (a second portal of a remote target) or
+    /// `builtin_ports=2` (the built-in target on two ports): the first path's settings with
+    /// the other address, a host device of its own, and `chaos_unplug_every`'s fault.
+    fn second_path(&self, first: &CtrlOptions) -> Result<Option<SecondPath>, String> {
+        let ports = self
+            .get("builtin_ports")
+            .map(|v| parse_int::<u8>("builtin_ports", v))
+            .transpose()?;
+        let target = match (first.key.target, ports, self.get("traddr2")) {
+            (_, Some(n), _) if !(1..=2).contains(&n) => {
+                return Err(format!("builtin_ports={n}: use 1 or 2"));
+            }
+            (TargetAddr::Remote(_), Some(_), _) => {
+                return Err(
+                    "builtin_ports needs builtin_target, not traddr (use traddr2= for a \
+                            second portal)"
+                        .into(),
+                );
+            }
+            (TargetAddr::Builtin { .. }, _, Some(_)) => {
+                return Err(
+                    "traddr2 needs traddr (use builtin_ports=2 for two ports of the \
+                            built-in target)"
+                        .into(),
+                );
+            }
+            (TargetAddr::Remote(_), None, Some(a)) => TargetAddr::Remote(
+                parse_traddr(a).map_err(|e| format!("traddr2: {e} (port {DEFAULT_ROCE_PORT})"))?,
+            ),
+            (TargetAddr::Builtin { bytes, .. }, Some(2), None) => TargetAddr::Builtin {
+                bytes,
+                ports: 2,
+                port: 1,
+            },
+            _ => {
+                for k in [
+                    "trsvcid2",
+                    "iopolicy",
+                    "chaos_unplug_every",
+                    "chaos_freeze_every",
+                ] {
+                    if self.get(k).is_some() {
+                        return Err(format!(
+                            "{k} is about a second path: give traddr2= (or builtin_ports=2)"
+                        ));
+                    }
+                }
+                return Ok(None);
+            }
+        };
+        if let DeviceChoice::Kernel(d) = &first.key.device {
+            return Err(format!(
+                "device={d} is one device: a second path runs on a soft-HCA of its own (device=soft)"
+            ));
+        }
+        let trsvcid = self
+            .get("trsvcid2")
+            .map(|v| parse_int::<u16>("trsvcid2", v))
+            .transpose()?
+            .unwrap_or(first.key.trsvcid);
+        let iopolicy = self
+            .get("iopolicy")
+            .map(|v| v.parse::<IoPolicy>())
+            .transpose()?
+            .unwrap_or_default();
+        let unplug = self.chaos("chaos_unplug_every", "chaos_unplug_for", FaultKind::Unplug)?;
+        let freeze = self.chaos("chaos_freeze_every", "chaos_freeze_for", FaultKind::Freeze)?;
+        let chaos = match (unplug, freeze) {
+            (Some(_), Some(_)) => {
+                return Err("give chaos_unplug_every or chaos_freeze_every, not both".into())
+            }
+            (Some(_), None) | (None, None) => unplug,
+            (None, Some(_)) if matches!(target, TargetAddr::Remote(_)) => {
+                return Err(
+                    "chaos_freeze_every freezes a port of the built-in target: use \
+                            builtin_target= with builtin_ports=2"
+                        .into(),
+                );
+            }
+            (None, Some(_)) => freeze,
+        };
+        let mut ctrl = first.clone();
+        ctrl.key.target = target;
+        ctrl.key.trsvcid = trsvcid;
+        ctrl.chaos = chaos;
+        Ok(Some(SecondPath { ctrl, iopolicy }))
+    }
+
+    /// A fault schedule: every `every_key`, the device away for `for_key` (default 0).
+    fn chaos(
+        &self,
+        every_key: &str,
+        for_key: &str,
+        kind: FaultKind,
+    ) -> Result<Option<Chaos>, String> {
+        let Some(v) = self.get(every_key) else {
+            return Ok(None);
+        };
+        let every = parse_secs(every_key, v)?;
+        if every.is_zero() {
+            return Err(format!("{every_key} must be more than 0"));
+        }
+        let down_for = self
+            .get(for_key)
+            .map(|v| parse_secs(for_key, v))
+            .transpose()?
+            .unwrap_or(Duration::ZERO);
+        Ok(Some(Chaos {
+            kind,
+            every,
+            down_for,
+        }))
     }
 
     pub fn ctrl_options(&self) -> Result<CtrlOptions, String> {
@@ -255,6 +439,10 @@ impl OptionText {
             }
             (Some(size), None) => TargetAddr::Builtin {
                 bytes: parse_size("builtin_target", size)?,
+                ports: self
+                    .get("builtin_ports")
+                    .map_or(Ok(1), |v| parse_int::<u8>("builtin_ports", v))?,
+                port: 0,
             },
             (None, Some(a)) => TargetAddr::Remote(
                 parse_traddr(a).map_err(|e| format!("traddr: {e} (port {DEFAULT_ROCE_PORT})"))?,
@@ -345,21 +533,7 @@ impl OptionText {
                 ));
             }
         }
-        let chaos = match self.get("chaos_reset_every") {
-            None => None,
-            Some(v) => {
-                let every = parse_secs("chaos_reset_every", v)?;
-                if every.is_zero() {
-                    return Err("chaos_reset_every must be more than 0".into());
-                }
-                let down_for = self
-                    .get("chaos_down_for")
-                    .map(|v| parse_secs("chaos_down_for", v))
-                    .transpose()?
-                    .unwrap_or(Duration::ZERO);
-                Some(Chaos { every, down_for })
-            }
-        };
+        let chaos = self.chaos("chaos_reset_every", "chaos_down_for", FaultKind::Reset)?;
         Ok(CtrlOptions {
             key: CtrlKey {
                 target,
@@ -523,9 +697,67 @@ mod tests {
             .unwrap()
             .file_target()
             .unwrap();
-        assert_eq!(f.ctrl.key.target, TargetAddr::Builtin { bytes: 256 << 20 });
+        assert_eq!(
+            f.ctrl.key.target,
+            TargetAddr::Builtin {
+                bytes: 256 << 20,
+                ports: 1,
+                port: 0
+            }
+        );
+        assert_eq!(f.second, None);
         assert_eq!(f.ctrl.key.subnqn, DEMO_NQN);
         assert_eq!((f.ctrl.nr_io_queues, f.ctrl.queue_size), (1, 128));
+    }
+
+    #[test]
+    fn a_second_path_on_the_builtin_target_and_on_a_remote_one() {
+        let f = opts(&[
+            ("builtin_target", "64M"),
+            ("builtin_ports", "2"),
+            ("iopolicy", "round-robin"),
+            ("chaos_reset_every", "2s"),
+            ("chaos_unplug_every", "3s"),
+            ("chaos_unplug_for", "500ms"),
+        ])
+        .with_filename("ns=1")
+        .unwrap()
+        .file_target()
+        .unwrap();
+        let port = |port| TargetAddr::Builtin {
+            bytes: 64 << 20,
+            ports: 2,
+            port,
+        };
+        let p = f.second.expect("a second path");
+        assert_eq!((f.ctrl.key.target, p.ctrl.key.target), (port(0), port(1)));
+        assert_eq!(p.iopolicy, IoPolicy::RoundRobin);
+        assert_eq!(f.ctrl.chaos.map(|c| c.kind), Some(FaultKind::Reset));
+        assert_eq!(
+            p.ctrl.chaos,
+            Some(Chaos {
+                kind: FaultKind::Unplug,
+                every: Duration::from_secs(3),
+                down_for: Duration::from_millis(500)
+            })
+        );
+
+        let f = opts(&[
+            ("traddr", "10.0.0.1"),
+            ("subnqn", DEMO_NQN),
+            ("traddr2", "10.0.0.2:4792"),
+            ("trsvcid2", "4421"),
+        ])
+        .file_target()
+        .unwrap();
+        let p = f.second.expect("a second path");
+        assert_eq!(
+            p.ctrl.key.target,
+            TargetAddr::Remote("10.0.0.2:4792".parse().unwrap())
+        );
+        assert_eq!((f.ctrl.key.trsvcid, p.ctrl.key.trsvcid), (4420, 4421));
+        assert_eq!(p.iopolicy, IoPolicy::Failover);
+        assert_eq!(p.ctrl.key.subnqn, f.ctrl.key.subnqn);
     }
 
     #[test]
@@ -560,6 +792,15 @@ mod tests {
             ("traddr=1.2.3.4", "not both"),
             ("ctrl_loss_tmo=soon", "duration"),
             ("chaos_reset_every=0", "more than 0"),
+            ("builtin_ports=3", "use 1 or 2"),
+            ("builtin_ports=2 iopolicy=random", "unknown iopolicy"),
+            ("iopolicy=round-robin", "second path"),
+            ("chaos_unplug_every=1s", "second path"),
+            ("traddr2=10.0.0.2", "traddr2 needs traddr"),
+            (
+                "builtin_ports=2 chaos_unplug_every=1s chaos_freeze_every=1s",
+                "not both",
+            ),
         ] {
             let e = base
                 .with_filename(name)
@@ -602,6 +843,7 @@ mod tests {
         assert_eq!(
             c.chaos,
             Some(Chaos {
+                kind: FaultKind::Reset,
                 every: Duration::from_secs(2),
                 down_for: Duration::from_millis(100)
             })

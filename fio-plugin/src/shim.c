@@ -39,6 +39,14 @@ struct nvmf_rs_strs {
 	const char *registered_buffers;
 	const char *busy_poll_gate;
 	const char *safe_retry;
+	const char *traddr2;
+	const char *trsvcid2;
+	const char *builtin_ports;
+	const char *iopolicy;
+	const char *chaos_unplug_every;
+	const char *chaos_unplug_for;
+	const char *chaos_freeze_every;
+	const char *chaos_freeze_for;
 };
 
 struct nvmf_fio_options {
@@ -277,6 +285,20 @@ static struct fio_option options[] = {
 		 "1: stop busy polling for a while when the polling thread is preempted (less CPU on busy cores, fewer IOPS on free ones); 0 (default)"),
 	NVMF_OPT(safe_retry, "safe retry",
 		 "Writes in flight on a dead connection wait for: ccr (default: Cross-Controller Reset where offered, else KATO + CQT), cqt (KATO + CQT), off (resent at once)"),
+	NVMF_OPT(traddr2, "second target address",
+		 "A second portal of the subsystem (IP or IP:PORT): a second path, multipath I/O"),
+	NVMF_OPT(trsvcid2, "second service id", "Service port of traddr2 (default: trsvcid)"),
+	NVMF_OPT(builtin_ports, "built-in target ports",
+		 "2: the built-in target serves on two ports, one path to each (default 1)"),
+	NVMF_OPT(iopolicy, "I/O policy",
+		 "With two paths: failover (default), round-robin or queue-depth (Linux's names)"),
+	NVMF_OPT(chaos_unplug_every, "chaos unplug period",
+		 "Unplug the second path's host soft-HCA this often and plug it back (never while the first path is down)"),
+	NVMF_OPT(chaos_unplug_for, "chaos unplug time",
+		 "How long each chaos unplug keeps the device out (default 0)"),
+	NVMF_OPT(chaos_freeze_every, "chaos freeze period",
+		 "Freeze the built-in target's second port this often: its commands go unanswered, the second path dies silently"),
+	NVMF_OPT(chaos_freeze_for, "chaos freeze time", "How long each chaos freeze lasts (default 0)"),
 	NVMF_OPT(registered_buffers, "registered buffers",
 		 "1 (default): fio's buffers are registered memory, no host copy per I/O; 0: plain memory, copied"),
 	{ .name = NULL },

@@ -15,9 +15,10 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use nvmf_rdma::multipath::MpNamespace;
 use nvmf_rdma::transport::{Controller, HostError, IoBuffer};
 
 use crate::engine::Ctrl;
@@ -44,11 +45,26 @@ impl Op {
     }
 }
 
-/// An opened fio file: a namespace on a shared controller.
+/// An opened fio file: a namespace on a shared controller, or on every path of a subsystem.
 pub struct File {
-    pub ctrl: Arc<Ctrl>,
+    pub io: FileIo,
     pub nsid: u32,
     pub block_size: u64,
+}
+
+/// What a file's I/O goes to.
+pub enum FileIo {
+    /// One controller: the command goes on it, from fio's buffer when that is registered.
+    Ctrl(Arc<Ctrl>),
+    /// A namespace over several paths: the library's multipath chooses the path of each
+    /// command and moves it when its path fails.
+    Multipath(Arc<MpNamespace>),
+}
+
+/// Where one I/O goes.
+enum Target {
+    Ctrl(Arc<Controller>),
+    Multipath(Arc<MpNamespace>),
 }
 
 /// fio's memory, valid from `queue` until the `io_u` is handed back by `event`.
@@ -61,6 +77,8 @@ struct FioBuf {
 // SAFETY: fio does not touch an io_u's buffer between queue and event; the one task that owns
 // the I/O is the only user of the pointer in that time.
 unsafe impl Send for FioBuf {}
+// SAFETY: shared only by reference within that one task.
+unsafe impl Sync for FioBuf {}
 
 impl FioBuf {
     /// SAFETY: see the `Send` impl; the caller is the task that owns the I/O.
@@ -76,7 +94,7 @@ impl FioBuf {
 struct Pending {
     io_u: usize,
     op: Op,
-    ctrl: Arc<Controller>,
+    target: Target,
     nsid: u32,
     lba: u64,
     blocks: u64,
@@ -110,6 +128,7 @@ struct Finished {
 pub struct Reaper<T> {
     running: FuturesUnordered<Pin<Box<dyn Future<Output = T> + Send>>>,
     done: VecDeque<T>,
+    stall: StallMeter,
 }
 
 impl<T> Default for Reaper<T> {
@@ -117,14 +136,50 @@ impl<T> Default for Reaper<T> {
         Reaper {
             running: FuturesUnordered::new(),
             done: VecDeque::new(),
+            stall: StallMeter::default(),
         }
+    }
+}
+
+/// The longest time I/O was out with nothing completing: from the moment I/O started with
+/// none out, or from the last completion while more stayed out, to the next completion. A
+/// path failing under I/O shows here as the time its commands took to finish elsewhere.
+#[derive(Debug, Default)]
+pub struct StallMeter {
+    /// Since when the I/O out has seen no completion; `None` with nothing out.
+    since: Option<Instant>,
+    longest: Duration,
+}
+
+impl StallMeter {
+    /// I/O started at `now`; with none out before, the wait for a completion starts.
+    pub fn on_start(&mut self, now: Instant) {
+        self.since.get_or_insert(now);
+    }
+
+    /// An I/O completed at `now`; `more_out`: others are still out, so the next wait starts.
+    pub fn on_complete(&mut self, now: Instant, more_out: bool) {
+        if let Some(s) = self.since {
+            self.longest = self.longest.max(now.saturating_duration_since(s));
+        }
+        self.since = more_out.then_some(now);
+    }
+
+    pub fn longest(&self) -> Duration {
+        self.longest
     }
 }
 
 impl<T> Reaper<T> {
     /// Take `fut` in; it starts at the next poll (the next `wait`).
     pub fn start(&mut self, fut: Pin<Box<dyn Future<Output = T> + Send>>) {
+        self.stall.on_start(Instant::now());
         self.running.push(fut);
+    }
+
+    /// The longest stall so far ([`StallMeter`]).
+    pub fn longest_stall(&self) -> Duration {
+        self.stall.longest()
     }
 
     /// Started and not yet taken.
@@ -149,8 +204,12 @@ impl<T> Reaper<T> {
 
     /// Poll what is running once; what finished moves to `done`.
     fn poll_some(&mut self, cx: &mut Context<'_>) {
+        // One clock read per poll: completions found by the same poll finished together.
+        let mut now = None;
         while let Poll::Ready(Some(d)) = self.running.poll_next_unpin(cx) {
             self.done.push_back(d);
+            let t = *now.get_or_insert_with(Instant::now);
+            self.stall.on_complete(t, !self.running.is_empty());
         }
     }
 
@@ -317,8 +376,12 @@ impl Thread {
             return Err(libc::EINVAL);
         }
         let len = usize::try_from(len).map_err(|_| libc::EINVAL)?;
-        let registered = match (&self.iobuf, op) {
-            (Some((c, b)), Op::Read | Op::Write) if Arc::ptr_eq(c, &f.ctrl.ctrl) => {
+        let target = match &f.io {
+            FileIo::Ctrl(c) => Target::Ctrl(c.ctrl.clone()),
+            FileIo::Multipath(ns) => Target::Multipath(ns.clone()),
+        };
+        let registered = match (&self.iobuf, &target, op) {
+            (Some((c, b)), Target::Ctrl(fc), Op::Read | Op::Write) if Arc::ptr_eq(c, fc) => {
                 b.chunk_at(buf, len).map(|k| (b.clone(), k))
             }
             _ => None,
@@ -326,7 +389,7 @@ impl Thread {
         self.pending.push(Pending {
             io_u,
             op,
-            ctrl: f.ctrl.ctrl.clone(),
+            target,
             nsid: f.nsid,
             lba,
             blocks,
@@ -405,6 +468,11 @@ impl Thread {
         self.events.len()
     }
 
+    /// The longest time this job's I/O was out with none completing ([`StallMeter`]).
+    pub fn longest_stall(&self) -> Duration {
+        self.reaper.longest_stall()
+    }
+
     pub fn event(&self, i: usize) -> Option<Done> {
         self.events.get(i).copied()
     }
@@ -440,8 +508,21 @@ fn start_early(committed: usize, in_flight: usize) -> bool {
 }
 
 async fn run(p: Pending) -> Finished {
-    let c = &p.ctrl;
-    let result = match (p.op, &p.registered) {
+    let result = match &p.target {
+        Target::Ctrl(c) => on_ctrl(c, &p).await,
+        Target::Multipath(ns) => on_multipath(ns, &p).await,
+    };
+    Finished {
+        io_u: p.io_u,
+        op: p.op,
+        lba: p.lba,
+        blocks: p.blocks,
+        result,
+    }
+}
+
+async fn on_ctrl(c: &Controller, p: &Pending) -> Result<(), HostError> {
+    match (p.op, &p.registered) {
         // fio's buffer is registered memory: the target writes into it or reads from it.
         (Op::Read, Some((b, k))) => c.read_to(b, *k, p.nsid, p.lba, p.buf.len).await,
         (Op::Write, Some((b, k))) => c.write_from(b, *k, p.nsid, p.lba, p.buf.len).await,
@@ -453,13 +534,17 @@ async fn run(p: Pending) -> Finished {
         (Op::Write, None) => c.write(p.nsid, p.lba, unsafe { p.buf.bytes() }).await,
         (Op::Flush, _) => c.flush(p.nsid).await,
         (Op::Trim, _) => c.deallocate(p.nsid, &[(p.lba, p.blocks as u32)]).await,
-    };
-    Finished {
-        io_u: p.io_u,
-        op: p.op,
-        lba: p.lba,
-        blocks: p.blocks,
-        result,
+    }
+}
+
+/// The namespace is the file's, so the I/O names no NSID; multipath picks its path.
+async fn on_multipath(ns: &MpNamespace, p: &Pending) -> Result<(), HostError> {
+    match p.op {
+        // SAFETY (both): this future owns the I/O until it returns.
+        Op::Read => ns.read_into(p.lba, unsafe { p.buf.bytes_mut() }).await,
+        Op::Write => ns.write(p.lba, unsafe { p.buf.bytes() }).await,
+        Op::Flush => ns.flush().await,
+        Op::Trim => ns.deallocate(&[(p.lba, p.blocks as u32)]).await,
     }
 }
 
@@ -606,6 +691,44 @@ mod tests {
             r.take_ready(1, 8, &mut out),
             Some(1),
             "the other is still there"
+        );
+    }
+
+    #[test]
+    fn stall_is_the_longest_wait_for_a_completion_with_io_out() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut m = StallMeter::default();
+        m.on_start(ms(0));
+        m.on_start(ms(5)); // more I/O while some is out: the wait began at 0
+        m.on_complete(ms(30), true);
+        m.on_complete(ms(40), false);
+        assert_eq!(m.longest(), Duration::from_millis(30));
+        // Idle time with nothing out is no stall.
+        m.on_start(ms(1000));
+        m.on_complete(ms(1010), true);
+        // A path failing under the I/O: 120 ms without a completion.
+        m.on_complete(ms(1130), false);
+        assert_eq!(m.longest(), Duration::from_millis(120));
+    }
+
+    #[test]
+    fn the_reaper_measures_stalls_between_completions() {
+        let rt = rt();
+        let mut r = Reaper::default();
+        let (tx, f) = io(1);
+        r.start(f);
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            tx.send(()).unwrap();
+        });
+        let mut out = Vec::new();
+        assert_eq!(rt.block_on(r.wait(1, 8, None, &mut out)), 1);
+        t.join().unwrap();
+        assert!(
+            r.longest_stall() >= Duration::from_millis(50),
+            "{:?}",
+            r.longest_stall()
         );
     }
 

@@ -251,6 +251,21 @@ impl ResetHook for DeviceManager {
             .map(|_| ())
             .map_err(|e| e.to_string())
     }
+
+    async fn inflict_unplug(&self, name: &str, down_for: Duration) -> Result<(), String> {
+        let card = self
+            .refresh()
+            .into_iter()
+            .find(|i| i.name == name)
+            .ok_or_else(|| format!("no device {name} is plugged"))?
+            .identity();
+        self.unplug(name).await.map_err(|e| e.to_string())?;
+        tokio::time::sleep(down_for).await;
+        self.replug(card)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
 }
 
 impl CmPort for CmService {

@@ -14,7 +14,7 @@ use crate::daemon::io::{verify, Progress};
 use crate::driver::{CmService, SoftHca};
 use crate::hca::device::{DeviceConfig, DeviceIdentity, IcrcCheck};
 use crate::nvme::Nqn;
-use crate::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use crate::nvmet::{serve_cm, serve_cm_on, Namespace, Subsystem, Target, TargetConfig};
 use crate::transport::{ConnectOptions, Controller, HostError};
 use crate::verbs::{DeviceFaults, FaultInjector, PciAddr};
 
@@ -36,14 +36,31 @@ fn dev_config(name: &str, i: u8, ip: [u8; 4]) -> DeviceConfig {
 
 /// A built-in target with one RAM namespace, running on its own thread and runtime.
 pub struct LocalTarget {
+    /// Where its first port is reached.
     pub addr: SocketAddr,
+    /// Where each of its ports is reached, the first one first.
+    pub addrs: Vec<SocketAddr>,
+    /// Each port's ID, in the same order (for [`Target::freeze_port`] and ANA states).
+    pub port_ids: Vec<u16>,
     pub target: Target<SoftHca>,
+    /// The soft-HCAs of its ports after the first.
+    more_ports: Vec<SoftHca>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl LocalTarget {
     pub fn start(bytes: u64, lbads: u8) -> anyhow::Result<LocalTarget> {
+        Self::start_ports(bytes, lbads, 1)
+    }
+
+    /// The target serving its subsystem on `ports` ports (1..=16), each a soft-HCA of its own:
+    /// one subsystem, several paths to it.
+    pub fn start_ports(bytes: u64, lbads: u8, ports: u8) -> anyhow::Result<LocalTarget> {
+        anyhow::ensure!(
+            (1..=16).contains(&ports),
+            "{ports} ports: the built-in target serves on 1 to 16"
+        );
         let (tx, rx) = std::sync::mpsc::channel();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -69,7 +86,22 @@ impl LocalTarget {
                         };
                         let t = Target::start(hca.clone(), cfg)?;
                         serve_cm(t.clone(), CmService::for_device(&hca))?;
-                        anyhow::Ok((hca.addr(), t))
+                        let mut addrs = vec![hca.addr()];
+                        let mut ids = vec![1];
+                        let mut more = Vec::new();
+                        for i in 1..ports {
+                            let name = format!("tgt{i}");
+                            let h =
+                                SoftHca::start(dev_config(&name, 0x10 + i, [127, 0, 0, 1])).await?;
+                            let id = t
+                                .add_port(h.clone(), Some(h.addr()))
+                                .map_err(anyhow::Error::msg)?;
+                            serve_cm_on(t.clone(), id, CmService::for_device(&h))?;
+                            addrs.push(h.addr());
+                            ids.push(id);
+                            more.push(h);
+                        }
+                        anyhow::Ok((addrs, ids, t, more))
                     }
                     .await;
                     let ok = r.is_ok();
@@ -79,12 +111,15 @@ impl LocalTarget {
                     }
                 });
             })?;
-        let (addr, target) = rx
+        let (addrs, port_ids, target, more_ports) = rx
             .recv()
             .map_err(|_| anyhow::anyhow!("target thread died"))??;
         Ok(LocalTarget {
-            addr,
+            addr: addrs[0],
+            addrs,
+            port_ids,
             target,
+            more_ports,
             stop: Some(stop_tx),
             thread: Some(thread),
         })
@@ -119,6 +154,9 @@ impl LocalTarget {
 impl Drop for LocalTarget {
     fn drop(&mut self) {
         self.target.device().fatal();
+        for h in &self.more_ports {
+            h.fatal();
+        }
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }

@@ -89,6 +89,8 @@ pub(super) struct Engine<D: DeviceContext> {
     pub ledger: Ledger,
     /// A hung controller: commands are taken off the wire and never answered.
     pub frozen: bool,
+    /// Ports whose controllers are hung so (one path of several dies silently).
+    pub frozen_ports: Vec<u16>,
     /// A stalled backend: I/O commands are held until the stall ends, then executed.
     pub stall_io: bool,
     pub stalled: Vec<(QRef, usize)>,
@@ -248,6 +250,7 @@ impl<D: DeviceContext> Target<D> {
             pre_rtu_cap,
             ledger: Ledger::new(whole, shares),
             frozen: false,
+            frozen_ports: Vec::new(),
             stall_io: false,
             stalled: Vec::new(),
             late_writes_ms,
@@ -444,6 +447,16 @@ impl<D: DeviceContext> Target<D> {
     /// is dropped unanswered; the transport and CM keep working.
     pub fn freeze(&self, frozen: bool) {
         self.lock().e.frozen = frozen;
+    }
+
+    /// [`Target::freeze`] for the controllers of port `port` only: a path that dies
+    /// silently while the others carry on.
+    pub fn freeze_port(&self, port: u16, frozen: bool) {
+        let ports = &mut self.lock().e.frozen_ports;
+        ports.retain(|p| *p != port);
+        if frozen {
+            ports.push(port);
+        }
     }
 
     /// Play a stalled backend (tests): I/O commands are received but held; when the stall

@@ -79,7 +79,7 @@ impl<D: DeviceContext> Engine<D> {
         if r >= q.slots {
             return;
         }
-        if self.frozen {
+        if self.frozen || self.frozen_ports.contains(&qpn.port) {
             self.core.stats.ignored_frozen += 1;
             repost(d, qpn, q, r);
             return;

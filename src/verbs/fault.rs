@@ -1,6 +1,6 @@
 //! Fault injection for chaos tools and tests, kept off the production seam: a
 //! [`FaultInjector`] wraps a device source, hands the host its devices unchanged, and resets
-//! one on demand. Whoever builds the controller on it keeps the injector (or a
+//! or unplugs one on demand. Whoever builds the controller on it keeps the injector (or a
 //! [`DeviceFaults`] handle) beside the controller; the controller itself cannot inflict.
 
 use std::future::Future;
@@ -22,6 +22,20 @@ pub trait ResetHook: DeviceSource {
         name: &str,
         down_for: Duration,
     ) -> impl Future<Output = Result<(), String>> + Send;
+
+    /// A hot-remove of `name`, the same card plugged back after `down_for`, where the source
+    /// can plug one back; others refuse.
+    fn inflict_unplug(
+        &self,
+        name: &str,
+        down_for: Duration,
+    ) -> impl Future<Output = Result<(), String>> + Send {
+        let _ = down_for;
+        let msg = format!(
+            "{name} cannot be unplugged from here: unplug it from outside (rxe: `rdma link delete`, then `rdma link add`)"
+        );
+        std::future::ready(Err(msg))
+    }
 }
 
 /// `S` with faults on demand: every [`DeviceSource`] call goes to `S` unchanged.
@@ -43,6 +57,11 @@ impl<S: ResetHook> FaultInjector<S> {
     /// Reset device `name` as a fatal error would; it is back after `down_for`.
     pub async fn reset(&self, name: &str, down_for: Duration) -> Result<(), String> {
         self.inner.inflict_reset(name, down_for).await
+    }
+
+    /// Unplug device `name`; the same card is plugged back after `down_for`.
+    pub async fn unplug(&self, name: &str, down_for: Duration) -> Result<(), String> {
+        self.inner.inflict_unplug(name, down_for).await
     }
 
     /// A handle that resets device `name`, for holders that do not know the source's type.
@@ -76,18 +95,23 @@ impl<S: DeviceSource> DeviceSource for FaultInjector<S> {
 
 type ResetFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
 
-/// [`FaultInjector::reset`] without the source's type.
+/// [`FaultInjector::reset`] and [`FaultInjector::unplug`] without the source's type.
 trait Reset: Send + Sync {
     fn reset<'a>(&'a self, name: &'a str, down_for: Duration) -> ResetFuture<'a>;
+    fn unplug<'a>(&'a self, name: &'a str, down_for: Duration) -> ResetFuture<'a>;
 }
 
 impl<S: ResetHook> Reset for FaultInjector<S> {
     fn reset<'a>(&'a self, name: &'a str, down_for: Duration) -> ResetFuture<'a> {
         Box::pin(FaultInjector::reset(self, name, down_for))
     }
+    fn unplug<'a>(&'a self, name: &'a str, down_for: Duration) -> ResetFuture<'a> {
+        Box::pin(FaultInjector::unplug(self, name, down_for))
+    }
 }
 
-/// Resets of one device of a [`FaultInjector`], whatever its source. Cheap to clone.
+/// Resets and unplugs of one device of a [`FaultInjector`], whatever its source. Cheap to
+/// clone.
 #[derive(Clone)]
 pub struct DeviceFaults {
     inner: Arc<dyn Reset>,
@@ -98,6 +122,11 @@ impl DeviceFaults {
     /// Reset the device as a fatal error would; it is back after `down_for`.
     pub async fn reset(&self, down_for: Duration) -> Result<(), String> {
         self.inner.reset(&self.name, down_for).await
+    }
+
+    /// Unplug the device; the same card is plugged back after `down_for`.
+    pub async fn unplug(&self, down_for: Duration) -> Result<(), String> {
+        self.inner.unplug(&self.name, down_for).await
     }
 
     /// The device's name in its source.
