@@ -2,103 +2,14 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::Result;
-use clap::{Args, ValueEnum};
+use clap::Args;
 pub(crate) use nvmf_rdma::cli::args::*;
 use nvmf_rdma::cli::device::DeviceChoice;
-use nvmf_rdma::cli::support::{parse_duration, parse_pos_secs, parse_traddr};
+use nvmf_rdma::cli::support::{parse_pos_secs, parse_traddr};
 pub(crate) use nvmf_rdma::cli::units::parse_size;
-pub(crate) use nvmf_rdma::harness::chaos::config::FaultKind;
 use nvmf_rdma::harness::nvmf_perf::DEMO_NQN;
-
-/// A target of someone else's for `bench` and `chaos`, instead of the built-in one.
-#[derive(Args, Debug, Clone)]
-pub(crate) struct ExternalTarget {
-    /// Run against this target instead of a built-in one (IP, RoCEv2 port 4791, or
-    /// IP:PORT): Linux nvmet-rdma, SPDK, another `nvmf-rdma target`.
-    #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
-    pub(crate) traddr: Option<SocketAddr>,
-    /// NVMe-oF service port of --traddr.
-    #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
-    pub(crate) trsvcid: u16,
-    /// Subsystem NQN at --traddr.
-    #[arg(short = 'n', long = "nqn", requires = "traddr")]
-    pub(crate) nqn: Option<String>,
-    /// Address of the host's soft-HCA towards --traddr (as connect's --host-traddr).
-    #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr, requires = "traddr")]
-    pub(crate) host_traddr: Option<SocketAddr>,
-    /// RDMA device towards --traddr, as connect's --device.
-    #[arg(long, default_value = "soft", requires = "traddr")]
-    pub(crate) device: DeviceChoice,
-}
-
-#[derive(Args, Debug, Clone)]
-pub(crate) struct ChaosArgs {
-    /// RAM namespace size; the workers share it out. With --traddr: how much of the
-    /// target's namespace 1 the workers use (from LBA 0; its data is overwritten).
-    #[arg(long, default_value = "256M", value_parser = parse_size)]
-    pub(crate) size: usize,
-    #[command(flatten)]
-    pub(crate) ext: ExternalTarget,
-    /// Verifying workers, each on its own range of blocks.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
-    pub(crate) workers: u64,
-    /// How long to run, in seconds.
-    #[arg(long, default_value_t = 20.0)]
-    pub(crate) seconds: f64,
-    /// Time between faults (500ms, 2s, ...); a fault waits until the controller has been
-    /// live again for at least half of it.
-    #[arg(long, default_value = "2s", value_parser = parse_duration)]
-    pub(crate) every: Duration,
-    /// Faults to inflict, picked at random: reset (HCA fatal error), replug (hot-remove and
-    /// the same card back), replug-other (another card in the slot, then ours again),
-    /// target-restart, user-reset (controller reset) [default: reset,replug,target-restart
-    /// on the built-in target; reset,replug with --traddr; reset,user-reset with --device].
-    #[arg(long, value_enum, value_delimiter = ',')]
-    pub(crate) faults: Vec<FaultKind>,
-    /// Seed of the fault order and down times (default: from the clock; printed).
-    #[arg(long)]
-    pub(crate) seed: Option<u64>,
-    /// Longest time a reset or unplugged HCA stays away (each fault picks 0..=this).
-    #[arg(long = "down-max", default_value = "200ms", value_parser = parse_duration)]
-    pub(crate) down_max: Duration,
-    /// I/O queues.
-    #[arg(short = 'i', long = "nr-io-queues", default_value_t = 2)]
-    pub(crate) nr_io_queues: usize,
-    /// Entries per I/O queue (16..=1024).
-    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
-    pub(crate) queue_size: usize,
-    /// Largest I/O a worker issues (each picks 1 block..=this).
-    #[arg(long = "max-io", default_value = "64K", value_parser = parse_size)]
-    pub(crate) max_io: usize,
-    #[command(flatten)]
-    pub(crate) policy: PolicyArgs,
-    /// Sample the I/O rate and latency this often (at least 100ms) for the JSON summary's
-    /// "series" and --plot [default: a quarter of --every, 100ms..=1s]. Given, each sample
-    /// is also printed to stderr as it is taken.
-    #[arg(long, value_parser = parse_duration)]
-    pub(crate) interval: Option<Duration>,
-    /// Draw the run into this SVG file: I/O rate and latency over time, each fault a marker
-    /// labelled with its kind, the time until the controller was live again shaded.
-    #[arg(long, value_name = "FILE.svg")]
-    pub(crate) plot: Option<PathBuf>,
-    /// Output format: normal or json (the summary; progress goes to stderr).
-    #[arg(
-        short = 'o',
-        long = "output-format",
-        value_enum,
-        default_value = "normal"
-    )]
-    pub(crate) output: OutputFormat,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub(crate) enum OutputFormat {
-    Normal,
-    Json,
-}
 
 #[derive(Args, Debug, Clone)]
 pub(crate) struct TargetArgs {
@@ -265,13 +176,8 @@ pub(crate) struct ConnectAllArgs {
     pub(crate) queue_size: usize,
     #[command(flatten)]
     pub(crate) policy: PolicyArgs,
-    #[arg(
-        short = 'o',
-        long = "output-format",
-        value_enum,
-        default_value = "normal"
-    )]
-    pub(crate) output: ListFormat,
+    #[command(flatten)]
+    pub(crate) format: Format,
 }
 
 impl ConnectAllArgs {
