@@ -22,6 +22,7 @@ use anyhow::{bail, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use nvmf_rdma::cli::metrics_http;
 use nvmf_rdma::cli::support::{error_line, lock_all_memory, parse_duration};
+use nvmf_rdma::cli::target::{TargetAnaSet, TargetArgs, TargetNsAdd};
 use nvmf_rdma::harness::bench::{run_bench, BenchArgs};
 use nvmf_rdma::harness::chaos::args::ChaosArgs;
 use nvmf_rdma::harness::hca_perf;
