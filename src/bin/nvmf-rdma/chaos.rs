@@ -16,7 +16,7 @@ pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
     if let Some(p) = &a.plot {
         plot::check_plot_path(p)?;
     }
-    let json = a.output == ListFormat::Json;
+    let json = a.format.output == ListFormat::Json;
     // With -o json stdout holds the summary alone; progress goes to stderr.
     let say = move |s: &str| {
         if json {

@@ -242,7 +242,8 @@ enum Cmd {
     /// unplugged and re-plugged (or replaced by another card), the target restarted, the
     /// controller reset, while workers write and verify. Prints what survived. With
     /// --traddr, against another target: only host-side faults are made (not
-    /// target-restart); faults on the target side are yours to make.
+    /// target-restart); faults on the target side are yours to make. With -o json, stdout
+    /// holds the summary alone; progress goes to stderr.
     Chaos(ChaosArgs),
     /// Print the RC QP state transition table (or a Graphviz graph with --dot).
     QpStates {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::cli::args::{ExternalTarget, ListFormat, PolicyArgs};
+use crate::cli::args::{ExternalTarget, Format, PolicyArgs};
 use crate::cli::support::parse_duration;
 use crate::cli::units::parse_size;
 use crate::harness::chaos::config::{ChaosConfig, FaultKind};
@@ -61,14 +61,9 @@ pub struct ChaosArgs {
     /// labelled with its kind, the time until the controller was live again shaded.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
-    /// Output format: normal or json (the summary; progress goes to stderr).
-    #[arg(
-        short = 'o',
-        long = "output-format",
-        value_enum,
-        default_value = "normal"
-    )]
-    pub output: ListFormat,
+    // With -o json, stdout holds the summary alone; progress goes to stderr.
+    #[command(flatten)]
+    pub format: Format,
 }
 
 impl ChaosArgs {
@@ -106,6 +101,7 @@ impl ChaosArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::args::ListFormat;
     use crate::cli::support::Tmo;
     use crate::harness::chaos::config::KERNEL_FAULTS;
     use clap::Parser;
@@ -125,7 +121,15 @@ mod tests {
     fn chaos_flags_and_defaults() {
         let a = chaos_args(&[]).unwrap();
         assert_eq!(
-            (a.size, a.workers, a.seconds, a.every, a.down_max, a.seed, a.output),
+            (
+                a.size,
+                a.workers,
+                a.seconds,
+                a.every,
+                a.down_max,
+                a.seed,
+                a.format.output
+            ),
             (
                 256 << 20,
                 8,
@@ -155,7 +159,7 @@ mod tests {
         .unwrap();
         assert_eq!(a.faults, [FaultKind::ReplugOther, FaultKind::UserReset]);
         assert_eq!((a.every, a.seed), (Duration::from_millis(500), Some(9)));
-        assert_eq!(a.output, ListFormat::Json);
+        assert_eq!(a.format.output, ListFormat::Json);
         assert_eq!(a.policy.ctrl_loss_tmo, Some(Tmo(None)));
         for bad in [
             &["--faults", "meteor"][..],
