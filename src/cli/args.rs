@@ -78,6 +78,27 @@ pub struct Subsys {
     pub iopolicy: Option<crate::multipath::IoPolicy>,
 }
 
+/// A target of someone else's for `bench` and `chaos`, instead of the built-in one.
+#[derive(Args, Debug, Clone)]
+pub struct ExternalTarget {
+    /// Run against this target instead of a built-in one (IP, RoCEv2 port 4791, or
+    /// IP:PORT): Linux nvmet-rdma, SPDK, another `nvmf-rdma target`.
+    #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
+    pub traddr: Option<SocketAddr>,
+    /// NVMe-oF service port of --traddr.
+    #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
+    pub trsvcid: u16,
+    /// Subsystem NQN at --traddr.
+    #[arg(short = 'n', long = "nqn", requires = "traddr")]
+    pub nqn: Option<String>,
+    /// Address of the host's soft-HCA towards --traddr (as connect's --host-traddr).
+    #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr, requires = "traddr")]
+    pub host_traddr: Option<SocketAddr>,
+    /// RDMA device towards --traddr, as connect's --device.
+    #[arg(long, default_value = "soft", requires = "traddr")]
+    pub device: DeviceChoice,
+}
+
 /// Keep-alive and the reconnect policy, with nvme-cli's names where it has them. Shared by
 /// every command that connects; `chaos` has its own defaults for `-c` and `-l`.
 #[derive(Args, Debug, Clone, Default)]
@@ -239,7 +260,14 @@ pub struct ConnectMode {
     /// daemon (the controller and its exports end with the process).
     #[arg(long)]
     pub foreground: bool,
-    /// Output format of the result.
+    #[command(flatten)]
+    pub format: Format,
+}
+
+/// `-o`, for the commands whose output has no more to say about it.
+#[derive(Args, Debug, Clone, Copy, Default)]
+pub struct Format {
+    /// Output format of the result: normal or json.
     #[arg(
         short = 'o',
         long = "output-format",
@@ -248,6 +276,7 @@ pub struct ConnectMode {
     )]
     pub output: ListFormat,
 }
+
 pub fn cores() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())

@@ -7,5 +7,6 @@ pub mod device;
 pub mod host;
 pub mod metrics_http;
 pub mod support;
+pub mod target;
 pub mod units;
 pub mod wire_json;

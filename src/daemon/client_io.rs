@@ -8,6 +8,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use anyhow::{bail, Context, Result};
 
 use crate::daemon::client::Client;
+use crate::daemon::io::OnProgress;
 use crate::daemon::proto::{
     CopiedReply, ReadReply, Request, VerifyReply, WriteReply, MAX_READ, MAX_WRITE_PATTERN,
 };
@@ -86,7 +87,7 @@ impl Client {
         lba: u64,
         size: usize,
         out: BorrowedFd<'_>,
-        progress: &mut (dyn FnMut(u64, u64) + Send),
+        progress: OnProgress<'_>,
     ) -> Result<()> {
         self.block_size(name, nsid).await?;
         let req = Request::ReadToFd {
@@ -108,7 +109,7 @@ impl Client {
         nsid: u32,
         lba: u64,
         file: &std::fs::File,
-        progress: &mut (dyn FnMut(u64, u64) + Send),
+        progress: OnProgress<'_>,
     ) -> Result<usize> {
         self.block_size(name, nsid).await?;
         let len = file.metadata().context("read the input file")?.len();
@@ -162,7 +163,7 @@ impl Client {
         size: usize,
         chunk: usize,
         seed: u64,
-        progress: &mut (dyn FnMut(usize, usize) + Send),
+        progress: OnProgress<'_>,
     ) -> Result<()> {
         let bs = self.block_size(name, nsid).await?;
         if chunk == 0 || chunk % bs != 0 || size % bs != 0 {
@@ -179,7 +180,7 @@ impl Client {
                 seed: Some(seed.wrapping_add(i as u64)),
             };
             let _: VerifyReply = self.call(&req).await?;
-            progress(off + len, size);
+            progress((off + len) as u64, size as u64);
         }
         Ok(())
     }

@@ -4,6 +4,7 @@
 //! ghost-write model that shows why in-flight writes of a dead connection are held.
 
 pub mod alloc_audit;
+pub mod bench;
 pub mod chaos;
 pub mod ghost_write;
 pub mod hca_peer;

@@ -2,45 +2,13 @@
 //! [`nvmf_rdma::harness::chaos::run`].
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use crate::args::*;
 use anyhow::{bail, Result};
-use nvmf_rdma::harness::chaos::config::{clock_seed, ChaosConfig};
+use nvmf_rdma::cli::args::ListFormat;
+use nvmf_rdma::harness::chaos::args::ChaosArgs;
+use nvmf_rdma::harness::chaos::config::clock_seed;
 use nvmf_rdma::harness::chaos::run::{self, Progress};
 use nvmf_rdma::harness::chaos::{plot, report};
-
-impl ChaosArgs {
-    /// The run these flags ask for; `seed` when none is given. Chaos has its own policy
-    /// defaults: reconnect at once, give up after a minute.
-    pub(crate) fn config(&self, seed: u64) -> ChaosConfig {
-        let r = self
-            .policy
-            .resolve(Duration::ZERO, Some(Duration::from_secs(60)));
-        let mut c = ChaosConfig {
-            size: self.size,
-            traddr: self.ext.traddr,
-            trsvcid: self.ext.trsvcid,
-            nqn: self.ext.nqn.clone(),
-            host_traddr: self.ext.host_traddr,
-            device: self.ext.device.clone(),
-            workers: self.workers,
-            seconds: self.seconds,
-            every: self.every,
-            faults: self.faults.clone(),
-            seed: self.seed.unwrap_or(seed),
-            down_max: self.down_max,
-            nr_io_queues: self.nr_io_queues,
-            queue_size: self.queue_size,
-            max_io: self.max_io,
-            policy: r.policy,
-            io_timeout: r.io_timeout,
-            interval: self.interval,
-        };
-        c.faults = c.chosen_faults();
-        c
-    }
-}
 
 pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
     let cfg = a.config(clock_seed());
@@ -48,7 +16,7 @@ pub(crate) async fn run_chaos(a: ChaosArgs) -> Result<()> {
     if let Some(p) = &a.plot {
         plot::check_plot_path(p)?;
     }
-    let json = a.output == OutputFormat::Json;
+    let json = a.format.output == ListFormat::Json;
     // With -o json stdout holds the summary alone; progress goes to stderr.
     let say = move |s: &str| {
         if json {

@@ -51,7 +51,7 @@ pub(crate) async fn run_connect_daemon(
         params: Box::new(params_of(&s, &x, &m)),
     };
     let v: nvmf_rdma::daemon::proto::ConnectReply = call_starting(&req, global).await?;
-    if m.output == ListFormat::Json {
+    if m.format.output == ListFormat::Json {
         println!(
             "{}",
             json!({"device": v.device, "controller": v.controller})

@@ -27,20 +27,29 @@ pub(crate) fn hexdump(data: &[u8]) {
     }
 }
 
-/// The progress line `verify` keeps rewriting on stderr (each byte is written and read).
+/// The progress line `demo` and `verify` keep rewriting on stderr (each byte is written and
+/// read).
 pub(crate) fn show_progress(done: usize, size: usize, took: Duration) {
-    show_rate("verified", done, size, 2 * done, took);
+    show_rate("verified", 2, done as u64, size as u64, took);
 }
 
-/// A progress line: `done` of `total` bytes, at the rate of `moved` bytes in `took`.
-fn show_rate(verb: &str, done: usize, total: usize, moved: usize, took: Duration) {
+/// A progress line: `done` of `total` bytes, at the rate of `passes` x `done` bytes moved
+/// in `took`.
+fn show_rate(verb: &str, passes: u64, done: u64, total: u64, took: Duration) {
     eprint!(
         "\r{verb} {} of {} ({:.0}%), {:.1} MB/s   ",
-        hca_perf::human(done),
-        hca_perf::human(total),
+        hca_perf::human(done as usize),
+        hca_perf::human(total as usize),
         done as f64 * 100.0 / total.max(1) as f64,
-        moved as f64 / took.as_secs_f64().max(1e-9) / 1e6
+        (passes * done) as f64 / took.as_secs_f64().max(1e-9) / 1e6
     );
+}
+
+/// The progress line of a request the daemon works through on `-d`'s controller, from the
+/// `(done, total)` it reports.
+fn daemon_progress(verb: &'static str, passes: u64) -> impl FnMut(u64, u64) + Send {
+    let t0 = Instant::now();
+    move |done, total| show_rate(verb, passes, done, total, t0.elapsed())
 }
 
 /// Where `read` puts its data.
@@ -108,7 +117,11 @@ pub(crate) async fn run_read(
             let name = at.controller.unwrap_or_default();
             return daemon_read_to(&name, at.nsid, lba, size, out).await;
         }
-        None => daemon_read(&at.controller.unwrap_or_default(), at.nsid, lba, size).await?,
+        None => {
+            let name = at.controller.unwrap_or_default();
+            let mut s = crate::client::open().await?;
+            s.read_blocks(&name, at.nsid, lba, size).await?
+        }
         Some(sub) => {
             let c = connect(&sub).await?;
             let r = c.read(sub.nsid, lba, size).await;
@@ -144,6 +157,8 @@ pub(crate) async fn run_write(
     Ok(())
 }
 
+/// `verify`; with `-d` the daemon verifies piece by piece (each piece its own seed), so
+/// progress shows here.
 pub(crate) async fn run_verify(
     at: IoAt,
     lba: u64,
@@ -151,59 +166,49 @@ pub(crate) async fn run_verify(
     chunk: usize,
     seed: u64,
 ) -> Result<()> {
-    match at.sub {
-        None => {
-            daemon_verify(
-                &at.controller.unwrap_or_default(),
-                at.nsid,
-                lba,
-                size,
-                chunk,
-                seed,
-            )
-            .await?;
-            println!("verified {size} bytes: every byte read back matches");
-        }
-        Some(sub) => {
-            let (c, mgr) = connect_on(&sub).await?;
-            let r = verify(&c, sub.nsid, lba, size, chunk, seed, &mut show_progress).await;
-            eprintln!();
-            if r.is_ok() {
-                println!("verified {size} bytes: every byte read back matches");
-            }
-            let (remote, local) = c.queue_stats().iter().fold((0, 0), |(r, l), q| {
-                (r + q.remote_invalidations, l + q.local_invalidations)
-            });
-            if remote + local > 0 {
-                // Per-command keys (a device that cannot re-key keeps one per connection).
-                println!(
-                    "memory keys: one per command; {remote} invalidated by the target's response, {local} by this host"
-                );
-            }
-            if let Some((hca, _)) = mgr.and_then(|m| m.open(HOST_HCA)) {
-                let s = hca.with_quiet(|d, _| d.stats().clone());
-                // What the host's soft-HCA made of the target's ICRCs (since its last reset).
-                println!(
-                    "icrc: {} verified, {} mismatched (dropped), {} unchecked",
-                    s.rx_icrc_verified, s.rx_icrc_errors, s.rx_icrc_unchecked
-                );
-                if s.rx_loopback > 0 {
-                    println!(
-                        "loopback path: {} packets from a target in this process (in memory, no ICRC)",
-                        s.rx_loopback
-                    );
-                }
-            }
-            c.disconnect().await;
-            r?;
+    let Some(sub) = at.sub else {
+        let name = at.controller.unwrap_or_default();
+        let mut s = crate::client::open().await?;
+        let mut shown = daemon_progress("verified", 2);
+        let r = s
+            .verify_pieces(&name, at.nsid, lba, size, chunk, seed, &mut shown)
+            .await;
+        eprintln!();
+        r?;
+        println!("verified {size} bytes: every byte read back matches");
+        return Ok(());
+    };
+    let (c, mgr) = connect_on(&sub).await?;
+    let r = verify(&c, sub.nsid, lba, size, chunk, seed, &mut show_progress).await;
+    eprintln!();
+    if r.is_ok() {
+        println!("verified {size} bytes: every byte read back matches");
+    }
+    let (remote, local) = c.queue_stats().iter().fold((0, 0), |(r, l), q| {
+        (r + q.remote_invalidations, l + q.local_invalidations)
+    });
+    if remote + local > 0 {
+        // Per-command keys (a device that cannot re-key keeps one per connection).
+        println!(
+            "memory keys: one per command; {remote} invalidated by the target's response, {local} by this host"
+        );
+    }
+    if let Some((hca, _)) = mgr.and_then(|m| m.open(HOST_HCA)) {
+        let s = hca.with_quiet(|d, _| d.stats().clone());
+        // What the host's soft-HCA made of the target's ICRCs (since its last reset).
+        println!(
+            "icrc: {} verified, {} mismatched (dropped), {} unchecked",
+            s.rx_icrc_verified, s.rx_icrc_errors, s.rx_icrc_unchecked
+        );
+        if s.rx_loopback > 0 {
+            println!(
+                "loopback path: {} packets from a target in this process (in memory, no ICRC)",
+                s.rx_loopback
+            );
         }
     }
-    Ok(())
-}
-
-async fn daemon_read(name: &str, nsid: u32, lba: u64, size: usize) -> Result<Vec<u8>> {
-    let mut s = crate::client::open().await?;
-    s.read_blocks(name, nsid, lba, size).await
+    c.disconnect().await;
+    r
 }
 
 async fn daemon_write(
@@ -217,8 +222,7 @@ async fn daemon_write(
     let mut s = crate::client::open().await?;
     if let Some(path) = input {
         let f = std::fs::File::open(path).with_context(|| format!("read {}", path.display()))?;
-        let t0 = Instant::now();
-        let mut shown = |done: u64, total: u64| show_copy("wrote", done, total, t0.elapsed());
+        let mut shown = daemon_progress("wrote", 1);
         let r = s.write_file(name, nsid, lba, &f, &mut shown).await;
         eprintln!();
         return r;
@@ -248,34 +252,8 @@ async fn daemon_read_to(
         }
         _ => stdout.as_fd(),
     };
-    let t0 = Instant::now();
-    let mut shown = |done: u64, total: u64| show_copy("read", done, total, t0.elapsed());
+    let mut shown = daemon_progress("read", 1);
     let r = s.read_to(name, nsid, lba, size, fd, &mut shown).await;
-    eprintln!();
-    r
-}
-
-/// The progress line `read -d` and `write -d` keep rewriting on stderr.
-fn show_copy(verb: &str, done: u64, total: u64, took: Duration) {
-    show_rate(verb, done as usize, total as usize, done as usize, took);
-}
-
-/// `verify -d`: the daemon verifies piece by piece (each piece its own seed), so progress
-/// shows here.
-async fn daemon_verify(
-    name: &str,
-    nsid: u32,
-    lba: u64,
-    size: usize,
-    chunk: usize,
-    seed: u64,
-) -> Result<()> {
-    let mut s = crate::client::open().await?;
-    let t0 = Instant::now();
-    let mut shown = |done: usize, total: usize| show_progress(done, total, t0.elapsed());
-    let r = s
-        .verify_pieces(name, nsid, lba, size, chunk, seed, &mut shown)
-        .await;
     eprintln!();
     r
 }

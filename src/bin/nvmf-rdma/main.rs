@@ -1,7 +1,6 @@
 //! nvmf-rdma command line, following nvme-cli where it has a name for a thing.
 
 mod args;
-mod bench;
 mod chaos;
 mod client;
 mod connect;
@@ -17,14 +16,15 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::{
-    args::*, bench::*, chaos::*, client::*, connect::*, daemon::*, demo::*, io::*, target::*,
-};
+use crate::{args::*, chaos::*, client::*, connect::*, daemon::*, demo::*, io::*, target::*};
 use anyhow::Context;
 use anyhow::{bail, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use nvmf_rdma::cli::metrics_http;
 use nvmf_rdma::cli::support::{error_line, lock_all_memory, parse_duration};
+use nvmf_rdma::cli::target::{TargetAnaSet, TargetArgs, TargetNsAdd};
+use nvmf_rdma::harness::bench::{run_bench, BenchArgs};
+use nvmf_rdma::harness::chaos::args::ChaosArgs;
 use nvmf_rdma::harness::hca_perf;
 
 #[derive(Parser)]
@@ -138,13 +138,8 @@ enum Cmd {
     Discover {
         #[command(flatten)]
         fabric: Fabric,
-        #[arg(
-            short = 'o',
-            long = "output-format",
-            value_enum,
-            default_value = "normal"
-        )]
-        output: ListFormat,
+        #[command(flatten)]
+        format: Format,
     },
     /// Run the daemon that owns controllers, their recovery and their exports (foreground,
     /// for systemd with sd_notify; or --background). The other commands talk to it over
@@ -166,25 +161,9 @@ enum Cmd {
     /// daemon's config file lists (CONFIG_DIR/discovery.conf).
     ConnectAll(ConnectAllArgs),
     /// List the controllers (the daemon's and those held by `connect --foreground`).
-    List {
-        #[arg(
-            short = 'o',
-            long = "output-format",
-            value_enum,
-            default_value = "normal"
-        )]
-        output: ListFormat,
-    },
+    List(Format),
     /// List subsystems and the controllers (paths) to each.
-    ListSubsys {
-        #[arg(
-            short = 'o',
-            long = "output-format",
-            value_enum,
-            default_value = "normal"
-        )]
-        output: ListFormat,
-    },
+    ListSubsys(Format),
     /// Disconnect controllers by NQN or name. Refused while an export is in use (a loop
     /// device on the FUSE file, an open file, NBD clients), naming what holds it.
     Disconnect {
@@ -263,7 +242,8 @@ enum Cmd {
     /// unplugged and re-plugged (or replaced by another card), the target restarted, the
     /// controller reset, while workers write and verify. Prints what survived. With
     /// --traddr, against another target: only host-side faults are made (not
-    /// target-restart); faults on the target side are yours to make.
+    /// target-restart); faults on the target side are yours to make. With -o json, stdout
+    /// holds the summary alone; progress goes to stderr.
     Chaos(ChaosArgs),
     /// Print the RC QP state transition table (or a Graphviz graph with --dot).
     QpStates {
@@ -407,7 +387,7 @@ async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
         Cmd::TargetAna(TargetAnaCmd::Status { control }) => run_target_ana_status(&control).await,
         #[cfg(feature = "hw")]
         Cmd::Hw(a) => Ok(nvmf_rdma::hw::cli::run(a).await?),
-        Cmd::Discover { fabric, output } => run_discover(fabric, output).await,
+        Cmd::Discover { fabric, format } => run_discover(fabric, format.output).await,
         Cmd::Connect { sub, export, mode } => {
             if mode.foreground {
                 run_connect(sub, export).await
@@ -416,13 +396,13 @@ async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
             }
         }
         Cmd::ConnectAll(a) => {
-            let output = a.output;
+            let output = a.format.output;
             run_connect_all(a.into_subsys()?, output, global).await
         }
-        Cmd::ListSubsys { output } => run_list_subsys(output).await,
+        Cmd::ListSubsys(f) => run_list_subsys(f.output).await,
         Cmd::DisconnectAll { force } => run_disconnect_all(force).await,
         Cmd::Chaos(a) => run_chaos(a).await,
-        Cmd::List { output } => run_list(output).await,
+        Cmd::List(f) => run_list(f.output).await,
         Cmd::Disconnect { nqn, device, force } => run_disconnect(nqn, device, force).await,
         Cmd::Read {
             at,

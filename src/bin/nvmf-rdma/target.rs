@@ -4,32 +4,15 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::{args::*, signals::*};
-use anyhow::{bail, Context, Result};
+use crate::signals::*;
+use anyhow::{bail, Result};
 use nvmf_rdma::cli::device::{start_target_kernel, DeviceChoice};
-use nvmf_rdma::cli::host::*;
-use nvmf_rdma::driver::{CmService, SoftHca};
-use nvmf_rdma::nvme::Nqn;
+use nvmf_rdma::cli::target::{start_soft, TargetAnaSet, TargetArgs, TargetNsAdd};
 use nvmf_rdma::nvmet::control::{self, AddNamespace, SetAnaState};
-use nvmf_rdma::nvmet::{serve_cm, serve_cm_on, Subsystem, Target, TargetConfig};
+use nvmf_rdma::nvmet::TargetConfig;
 
 pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
-    let nqn = Nqn::new(&a.nqn).map_err(|e| anyhow::anyhow!("bad --nqn: {e}"))?;
-    let ns = a.ns.namespace(1)?;
-    let mut sub = Subsystem::new(nqn, vec![Arc::new(ns)]);
-    if !a.allow_host.is_empty() {
-        sub.allowed_hosts = Some(a.allow_host.clone());
-    }
-    let cfg = TargetConfig {
-        subsystems: vec![sub],
-        port: a.trsvcid,
-        max_kato_ms: a.max_kato * 1000,
-        cqt_ms: a.cqt,
-        offer_ccr: !a.no_ccr,
-        late_writes_ms: a.fault_late_writes,
-        anatt_s: a.anatt,
-        ..TargetConfig::default()
-    };
+    let cfg = a.config()?;
     match a.device.clone() {
         DeviceChoice::Soft => run_soft(a, cfg).await,
         DeviceChoice::Kernel(sel) => run_kernel(&sel, a, cfg).await,
@@ -38,31 +21,7 @@ pub(crate) async fn run_target(a: TargetArgs) -> Result<()> {
 
 /// The target on one soft-HCA per --listen address, each a port.
 async fn run_soft(a: TargetArgs, cfg: TargetConfig) -> Result<()> {
-    let mut hcas = Vec::new();
-    for (i, addr) in a.listen.iter().enumerate() {
-        let n = u8::try_from(9 + i).context("at most 200 --listen addresses")?;
-        let hca = SoftHca::start_with(
-            device_config(&format!("tgt{i}"), *addr, n),
-            addr.ip().is_loopback(),
-        )
-        .await
-        .with_context(|| format!("cannot bind {addr}"))?;
-        hcas.push(hca);
-    }
-    let first = hcas[0].clone();
-    let cfg = TargetConfig {
-        advertise: Some(first.addr()),
-        ..cfg
-    };
-    let t = Target::start(first.clone(), cfg)?;
-    serve_cm(t.clone(), CmService::for_device(&first))?;
-    for hca in &hcas[1..] {
-        let port = t
-            .add_port(hca.clone(), Some(hca.addr()))
-            .map_err(anyhow::Error::msg)
-            .with_context(|| format!("port {}", hca.addr()))?;
-        serve_cm_on(t.clone(), port, CmService::for_device(hca))?;
-    }
+    let (t, hcas) = start_soft(&a.listen, cfg).await?;
     let _control = match &a.control {
         Some(p) => Some(control::serve(
             p,
@@ -124,16 +83,7 @@ async fn run_kernel(sel: &str, a: TargetArgs, cfg: TargetConfig) -> Result<()> {
 
 /// `target-ns add`: one namespace for a running `target --control SOCKET`.
 pub(crate) async fn run_target_ns_add(a: TargetNsAdd) -> Result<()> {
-    let req = AddNamespace {
-        nqn: a.nqn,
-        nsid: a.nsid,
-        ram: a.ns.ram.map(|r| r as u64),
-        // The target has its own working directory.
-        file: a.ns.file.map(|f| std::path::absolute(&f).unwrap_or(f)),
-        file_size: a.ns.file_size.map(|s| s as u64),
-        block_size: a.ns.block_size,
-        ana_group: Some(a.ns.ana_group),
-    };
+    let req = a.ns.add_request(a.nqn, a.nsid);
     let blocks = control::add_namespace(&a.control, &req).await?;
     println!(
         "namespace {} added to {} ({blocks} blocks)",

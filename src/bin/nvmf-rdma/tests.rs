@@ -3,10 +3,7 @@
 use super::*;
 use std::time::Duration;
 
-use anyhow::Result;
 use clap::Parser;
-use nvmf_rdma::cli::support::Tmo;
-use nvmf_rdma::harness::chaos::config::KERNEL_FAULTS;
 
 #[test]
 fn busy_poll_default_is_the_tools_default_and_flags_parse() {
@@ -24,99 +21,6 @@ fn busy_poll_default_is_the_tools_default_and_flags_parse() {
         Cmd::Bench(a) => assert_eq!(a.jobs, ["randread-4k-qd1"]),
         _ => panic!("not bench"),
     }
-}
-
-fn chaos_args(extra: &[&str]) -> Result<ChaosArgs, clap::Error> {
-    let mut v = vec!["nvmf-rdma", "chaos"];
-    v.extend_from_slice(extra);
-    match Cli::try_parse_from(v)?.cmd {
-        Cmd::Chaos(a) => Ok(a),
-        _ => panic!("not chaos"),
-    }
-}
-
-#[test]
-fn chaos_flags_and_defaults() {
-    let a = chaos_args(&[]).unwrap();
-    assert_eq!(
-        (a.size, a.workers, a.seconds, a.every, a.down_max, a.seed, a.output),
-        (
-            256 << 20,
-            8,
-            20.0,
-            Duration::from_secs(2),
-            Duration::from_millis(200),
-            None,
-            OutputFormat::Normal
-        )
-    );
-    // Chaos's policy defaults: reconnect at once, give up after a minute.
-    let c = a.config(1);
-    assert_eq!(c.policy.reconnect_delay, Duration::ZERO);
-    assert_eq!(c.policy.ctrl_loss_tmo, Some(Duration::from_secs(60)));
-    let a = chaos_args(&[
-        "--faults",
-        "replug-other,user-reset",
-        "--every",
-        "500ms",
-        "--seed",
-        "9",
-        "-l",
-        "-1",
-        "-o",
-        "json",
-    ])
-    .unwrap();
-    assert_eq!(a.faults, [FaultKind::ReplugOther, FaultKind::UserReset]);
-    assert_eq!((a.every, a.seed), (Duration::from_millis(500), Some(9)));
-    assert_eq!(a.output, OutputFormat::Json);
-    assert_eq!(a.policy.ctrl_loss_tmo, Some(Tmo(None)));
-    for bad in [
-        &["--faults", "meteor"][..],
-        &["--every", "soon"][..],
-        &["--workers", "0"][..],
-        &["-o", "xml"][..],
-        // No built-in target on a kernel device: --device needs --traddr.
-        &["--device", "rxe0", "--faults", "reset"][..],
-    ] {
-        assert!(chaos_args(bad).is_err(), "{bad:?}");
-    }
-}
-
-/// The faults each place takes by default, and the run's checks (ChaosConfig::check) on
-/// what the flags ask for.
-#[test]
-fn chaos_faults_follow_the_target_and_the_device() {
-    let ext = ["-a", "192.168.100.2", "-n", "nqn.x"];
-    let rxe = ["--device", "rxe0", "-a", "192.168.100.2", "-n", "nqn.x"];
-    let with = |a: &[&'static str], b: &[&'static str]| [a, b].concat();
-    use FaultKind::*;
-    for (args, faults) in [
-        (vec![], vec![Reset, Replug, TargetRestart]),
-        (ext.to_vec(), vec![Reset, Replug]),
-        (rxe.to_vec(), KERNEL_FAULTS.to_vec()),
-    ] {
-        let c = chaos_args(&args).unwrap().config(1);
-        assert_eq!(c.faults, faults, "{args:?}");
-        assert!(c.check().is_ok(), "{args:?}");
-    }
-    for (args, want) in [
-        (
-            with(&ext, &["--faults", "target-restart"]),
-            "needs the built-in target",
-        ),
-        (
-            with(&rxe, &["--faults", "reset,replug"]),
-            "rdma link delete rxe0",
-        ),
-        (vec!["--every", "1ms"], ""),
-        (vec!["--size", "4K", "--workers", "8"], ""),
-    ] {
-        let e = chaos_args(&args).unwrap().config(1).check();
-        assert!(e.is_err_and(|e| e.to_string().contains(want)), "{args:?}");
-    }
-    let ok = with(&rxe, &["--faults", "reset,user-reset"]);
-    assert!(chaos_args(&ok).unwrap().config(1).check().is_ok());
 }
 
 #[test]

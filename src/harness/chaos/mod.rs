@@ -9,6 +9,7 @@
 //! acknowledged updates the model; every read must match the model block for block. A write
 //! that failed leaves its blocks unknown (old or new data) until they are written again.
 
+pub mod args;
 pub mod config;
 pub mod plot;
 pub mod report;

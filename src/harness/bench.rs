@@ -1,17 +1,21 @@
-//! `bench`.
+//! The `bench` command: the built-in NVMe-oF table, the raw soft-HCA table (in this process
+//! or against a responder process), or fio's jobs against another target, shown as rows
+//! while each job runs and a table (or JSON lines) at the end.
 
 use std::time::Duration;
 
-use crate::args::*;
 use anyhow::{bail, Result};
-use nvmf_rdma::cli::support::parse_duration;
-use nvmf_rdma::harness::hca_peer;
-use nvmf_rdma::harness::hca_perf;
-use nvmf_rdma::harness::nvmf_perf::{self, JobResult, Tick, DEMO_NQN};
+
+use crate::cli::args::{ExternalTarget, Fabric, ListFormat, PolicyArgs, Subsys};
+use crate::cli::support::parse_duration;
+use crate::cli::units::parse_size;
+use crate::harness::hca_peer;
+use crate::harness::hca_perf;
+use crate::harness::nvmf_perf::{self, JobResult, Tick, DEMO_NQN};
 
 /// `nvmf-rdma bench`'s flags.
 #[derive(clap::Args)]
-pub(crate) struct BenchArgs {
+pub struct BenchArgs {
     /// Seconds per row.
     #[arg(long, default_value_t = 3.0)]
     seconds: f64,
@@ -42,7 +46,7 @@ pub(crate) struct BenchArgs {
     /// Run only this row of the NVMe-oF table (repeatable): randread-4k-qd1,
     /// randread-4k-qd32, randwrite-4k-qd1, randwrite-4k-qd32, read-128k-qd8, write-128k-qd8.
     #[arg(long = "job", value_name = "NAME")]
-    pub(crate) jobs: Vec<String>,
+    pub jobs: Vec<String>,
     #[command(flatten)]
     ext: ExternalTarget,
     /// A row per interval while each job runs (then the summary table).
@@ -61,9 +65,9 @@ pub(crate) struct BenchArgs {
 
 /// How `bench` shows its rows: a line per interval while a job runs, then the table (or one
 /// JSON object per line for both).
-pub(crate) struct Rows {
-    pub(crate) interval: Duration,
-    pub(crate) output: ListFormat,
+struct Rows {
+    interval: Duration,
+    output: ListFormat,
 }
 
 impl Rows {
@@ -131,7 +135,7 @@ fn hca_json(r: &hca_perf::Report) -> serde_json::Value {
 /// `bench --hca --peer-process`: each row against a responder in a child process.
 fn peer_table(duration: Duration, show: &Rows) -> Result<()> {
     let exe = std::env::current_exe()?;
-    let busy_poll = nvmf_rdma::driver::default_busy_poll();
+    let busy_poll = crate::driver::default_busy_poll();
     if show.output != ListFormat::Json {
         println!(
             "responder in another process: every packet through UDP sockets on 127.0.0.1; \
@@ -209,7 +213,7 @@ fn remote_bench(sub: &Subsys, runtime: Duration, show: &Rows) -> Result<()> {
 const MAX_REGION: usize = 4 << 30;
 
 /// `bench`: the built-in table, the raw soft-HCA table, or fio's jobs against --traddr.
-pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
+pub fn run_bench(args: BenchArgs) -> Result<()> {
     let BenchArgs {
         seconds,
         hca,
@@ -268,7 +272,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
             queue_size: 128,
             policy: PolicyArgs::default(),
             safe_retry: Default::default(),
-            cqt_default: nvmf_rdma::reconnect::hold::DEFAULT_CQT.as_millis() as u64,
+            cqt_default: crate::reconnect::hold::DEFAULT_CQT.as_millis() as u64,
             nsid: 1,
             iopolicy: None,
         };
@@ -297,7 +301,7 @@ fn in_process(
     show: &Rows,
 ) -> Result<()> {
     // Both ends are in this process: say which way their packets go.
-    let path = if nvmf_rdma::driver::local::enabled() {
+    let path = if crate::driver::local::enabled() {
         "loopback"
     } else {
         "udp"
