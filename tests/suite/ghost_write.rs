@@ -514,6 +514,13 @@ fn two_paths_without_ccr_on_the_target_the_ccr_mode_falls_back_to_the_time_rule(
     falls_back_to_the_time_rule(2);
 }
 
+/// The CCR for path A's dead controller goes through a live controller (path B, or A's
+/// new association), so the moved writes need not wait for the time rule.
+#[test]
+fn two_paths_a_cross_controller_reset_leaves_no_ghost_write() {
+    settles_by_ccr(&no_ghost(SafeRetry::Ccr, 2, true));
+}
+
 /// A read and a write in flight when the controller is lost (time rule, no CCR): the read
 /// is resent as soon as the controller is back, and so is new I/O; only the write waits,
 /// and `list` shows its hold.
