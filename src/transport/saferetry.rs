@@ -11,6 +11,9 @@
 //!   `k x KATO + CQT` after the last contact (`k` = 3 with traffic-based keep alive, else 2).
 //!   With `--safe-retry off` everything goes at once.
 //! - New I/O is never held: an unacknowledged write has no order against a concurrent one.
+//! - A write given back to a multipath host (`fast_io_fail_tmo`, `ctrl_loss_tmo`) waits for
+//!   [`super::Controller::quiesced_via`], which sends the CCR through another live
+//!   controller of the subsystem: the failed one holds nothing that would make it ask.
 //!
 //! The CCR exchange runs in a task of its own beside the executor ([`ccr_task`]), as the
 //! namespace rescan does: the executor only hands it an instance and takes back the outcome,
