@@ -33,10 +33,16 @@ pub struct MpNamespace {
 
 /// May a write that failed on `path` with a transport-class error go to another path? Once
 /// the failed controller's commands can no longer execute: its safe-retry hold says so (a
-/// Cross-Controller Reset through a live association, or k x KATO + CQT since its last
-/// contact; at once with `--safe-retry off`). Waits for that, which the time rule bounds.
-/// Other errors are not retried elsewhere, so nothing is waited for.
-async fn old_commands_dead(path: &Path, kind: CmdKind, err: &HostError) -> bool {
+/// Cross-Controller Reset through a live controller of the subsystem, another path's first,
+/// or k x KATO + CQT since its last contact; at once with `--safe-retry off`). Waits for
+/// that, which the time rule bounds. Other errors are not retried elsewhere, so nothing is
+/// waited for.
+async fn old_commands_dead(
+    paths: &[Arc<Path>],
+    path: &Path,
+    kind: CmdKind,
+    err: &HostError,
+) -> bool {
     let path_error = matches!(
         err,
         HostError::Transport(_)
@@ -46,7 +52,14 @@ async fn old_commands_dead(path: &Path, kind: CmdKind, err: &HostError) -> bool 
             | HostError::Timeout(_)
     );
     if kind == CmdKind::Write && path_error {
-        path.ctrl.quiesced().await;
+        let via = paths
+            .iter()
+            .filter(|p| p.ctrl.state() == CtrlState::Live)
+            .min_by_key(|p| p.id == path.id);
+        match via {
+            Some(via) => path.ctrl.quiesced_via(&via.ctrl).await,
+            None => path.ctrl.quiesced().await,
+        }
     }
     true
 }
@@ -232,7 +245,7 @@ impl MpNamespace {
                             continue;
                         }
                     };
-                    match after_error(kind, &e, old_commands_dead(path, kind, &e).await) {
+                    match after_error(kind, &e, old_commands_dead(&paths, path, kind, &e).await) {
                         AfterError::Elsewhere { reread_ana } if moves < MAX_MOVES => {
                             moves += 1;
                             path.failed_over();

@@ -85,6 +85,26 @@ impl Controller {
         self.shared.safe.quiesced(self.shared.clock).await
     }
 
+    /// [`Controller::quiesced`], sooner where a CCR can tell: for each dead association of
+    /// this controller that no CCR was asked for yet (`ccr` mode, a target that offers it),
+    /// a Cross-Controller Reset through `via`, a live controller of the same subsystem (a
+    /// multipath host's other path, or this controller once it is live again).
+    pub async fn quiesced_via(&self, via: &Controller) {
+        let safe = &self.shared.safe;
+        let ccrs = async {
+            for impacted in safe.claim_for_ccr(self.now()).into_iter().flatten() {
+                let r = via.cross_reset(impacted).await;
+                safe.on_peer_ccr(impacted, r);
+                self.shared.inbox.wake.notify_one();
+            }
+            std::future::pending::<()>().await
+        };
+        tokio::select! {
+            _ = self.quiesced() => {}
+            _ = ccrs => {}
+        }
+    }
+
     /// The safe-retry mode and each hold in force (for `list`).
     pub fn safe_retry(&self) -> SafeRetryStatus {
         self.shared.safe.status(self.now())

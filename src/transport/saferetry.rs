@@ -11,6 +11,9 @@
 //!   `k x KATO + CQT` after the last contact (`k` = 3 with traffic-based keep alive, else 2).
 //!   With `--safe-retry off` everything goes at once.
 //! - New I/O is never held: an unacknowledged write has no order against a concurrent one.
+//! - A write given back to a multipath host (`fast_io_fail_tmo`, `ctrl_loss_tmo`) waits for
+//!   [`super::Controller::quiesced_via`], which sends the CCR through another live
+//!   controller of the subsystem: the failed one holds nothing that would make it ask.
 //!
 //! The CCR exchange runs in a task of its own beside the executor ([`ccr_task`]), as the
 //! namespace rescan does: the executor only hands it an instance and takes back the outcome,
@@ -227,6 +230,81 @@ impl SafeShared {
             .max()
     }
 
+    /// Dead associations a CCR through another controller could show finished now, claimed
+    /// so that one CCR goes for each: `ccr` mode, a target that offers it, none asked yet.
+    pub(super) fn claim_for_ccr(&self, now: Instant) -> [Option<CtrlInstance>; LOST_MAX] {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let mut out = [None; LOST_MAX];
+        if st.policy.mode != SafeRetry::Ccr || st.ccr_refused {
+            return out;
+        }
+        let open = st
+            .lost
+            .iter_mut()
+            .flatten()
+            .filter(|l| l.ccr == CcrPhase::None && l.ctrl.ccr_possible && !l.quiet(now));
+        for (o, l) in out.iter_mut().zip(open) {
+            l.ccr = CcrPhase::Asked;
+            *o = Some(l.instance);
+        }
+        out
+    }
+
+    /// What a CCR for `impacted` came to, sent by the CCR task or through another
+    /// controller: an error counts as failed (the time rule decides), and Invalid Opcode
+    /// means the target does not offer CCR after all.
+    fn ccr_outcome(&self, impacted: CtrlInstance, r: Result<CcrOutcome, HostError>) -> CcrOutcome {
+        match r {
+            Ok(o) => o,
+            Err(e) => {
+                if let HostError::Nvme(n) = &e {
+                    if same_code(n.status, Status::INVALID_OPCODE) {
+                        self.lock().ccr_refused = true;
+                    }
+                }
+                tracing::info!(
+                    cntlid = impacted.cntlid,
+                    error = %e,
+                    "cross-controller reset failed; held commands wait for the time rule"
+                );
+                CcrOutcome::Failed
+            }
+        }
+    }
+
+    /// Hand the executor the outcome of a CCR; false if earlier ones are still untaken.
+    fn put_outcome(&self, impacted: CtrlInstance, outcome: CcrOutcome) -> bool {
+        let ok = put(&mut self.lock().outcomes, (impacted, outcome));
+        if !ok {
+            // The executor has not taken earlier outcomes: the time rule still holds.
+            tracing::warn!("too many CCR outcomes pending; the time rule decides");
+        }
+        ok
+    }
+
+    /// A CCR claimed by [`SafeShared::claim_for_ccr`] ended: its dead association is quiet at
+    /// once if it succeeded (the executor releases its held commands when it next looks).
+    pub(super) fn on_peer_ccr(&self, impacted: CtrlInstance, r: Result<CcrOutcome, HostError>) {
+        let outcome = self.ccr_outcome(impacted, r);
+        if self.put_outcome(impacted, outcome) {
+            let phase = match outcome {
+                CcrOutcome::Succeeded => CcrPhase::Succeeded,
+                CcrOutcome::Failed => CcrPhase::Failed,
+            };
+            let mut st = self.lock();
+            for l in st
+                .lost
+                .iter_mut()
+                .flatten()
+                .filter(|l| l.instance == impacted)
+            {
+                l.ccr = phase;
+            }
+        }
+        self.changed.notify_waiters();
+    }
+
     /// Resolves once no command of a dead association can still execute.
     pub(super) async fn quiesced(&self, clock: Clock) {
         loop {
@@ -332,29 +410,9 @@ pub(super) async fn ccr_task(
             woken.await;
             continue;
         };
-        let outcome = match cross_reset_until(&admin, clock, impacted, deadline).await {
-            Ok(o) => o,
-            Err(e) => {
-                if let HostError::Nvme(n) = &e {
-                    if same_code(n.status, Status::INVALID_OPCODE) {
-                        safe.lock().ccr_refused = true;
-                    }
-                }
-                tracing::info!(
-                    cntlid = impacted.cntlid,
-                    error = %e,
-                    "cross-controller reset failed; held commands wait for the time rule"
-                );
-                CcrOutcome::Failed
-            }
-        };
-        {
-            let mut st = safe.lock();
-            if !put(&mut st.outcomes, (impacted, outcome)) {
-                // The executor has not taken earlier outcomes: the time rule still holds.
-                tracing::warn!("too many CCR outcomes pending; the time rule decides");
-            }
-        }
+        let r = cross_reset_until(&admin, clock, impacted, deadline).await;
+        let outcome = safe.ccr_outcome(impacted, r);
+        safe.put_outcome(impacted, outcome);
         wake_executor.wake.notify_one();
     }
 }

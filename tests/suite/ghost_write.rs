@@ -1,19 +1,30 @@
-//! The ghost write on the real stack, single path: the controller, its recovery and the
-//! built-in target (late-writes fault, CQT, CCR) on the simulated network in tokio's paused
-//! time, one world per seed.
+//! The ghost write on the real stack: the controller, its recovery, the multipath layer and
+//! the built-in target (late-writes fault, CQT, CCR) on the simulated network in tokio's
+//! paused time, one world per seed, over one path and over two.
 //!
 //! Each block has one writer that writes, waits for the acknowledgement, and writes again.
 //! The target's backend stalls, so every writer has a write held in it; the controller is
 //! lost; the dead controller's held writes execute `late` ms later (less than CQT, so the
-//! target's promise holds). The host reconnects; each writer goes on for a few writes and
-//! stops. Once the late writes are over, each block must hold its last acknowledged write.
-//! With `--safe-retry off` the resent write is acknowledged, overwritten by the next one, and
-//! then by the stale original: corrupted blocks. With `cqt` (time rule) and `ccr` (the new
-//! association resets the old one) none.
+//! target's promise holds). Each writer goes on for a few writes and stops. Once the late
+//! writes are over, each block must hold its last acknowledged write. With `--safe-retry
+//! off` the resent write is acknowledged, overwritten by the next one, and then by the
+//! stale original: corrupted blocks. With `cqt` (time rule) and `ccr` (a live association
+//! resets the old one) none.
+//!
+//! One path: the host reconnects and resends on the new association. Two paths (two ports of
+//! one subsystem, a controller through each, I/O through the multipath namespace, failover
+//! policy so every write is on path A): path A's controller fails its held writes at once
+//! (`fast_io_fail_tmo` 0) and they go to path B.
+//!
+//! Each sweep also measures, per fault, how long the writes held across it wait: virtual
+//! time from the loss to the last of them completing. Once a topology's `off`, `cqt` and
+//! `ccr` sweeps are all done, one line says what `ccr` and `cqt` add to it over `off`, seed
+//! by seed (run with `--nocapture` to see it).
 //!
 //! `GHOST_SEEDS=n` sets the number of seeds per mode (default 200); a failure prints
 //! `GHOST_SEED=<seed>`, which runs that seed alone.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -21,42 +32,83 @@ use std::time::Duration;
 use nvmf_rdma::driver::{CmService, SimNet, SoftHca};
 use nvmf_rdma::harness::chaos::{connect_seeded_host, host_options, CHAOS_NQN};
 use nvmf_rdma::hca::sim::Faults;
+use nvmf_rdma::multipath::{IoPolicy, MpNamespace};
 use nvmf_rdma::nvme::Nqn;
-use nvmf_rdma::nvmet::{serve_cm, Namespace, Subsystem, Target, TargetConfig};
+use nvmf_rdma::nvmet::{serve_cm, serve_cm_on, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::reconnect::hold::{HoldPolicy, SafeRetry};
 use nvmf_rdma::reconnect::CtrlState;
-use nvmf_rdma::transport::Controller;
+use nvmf_rdma::transport::{Controller, HostError};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 const HOST_IP: [u8; 4] = [127, 0, 1, 1];
-const TARGET_IP: [u8; 4] = [127, 0, 2, 1];
+/// Path B's host device.
+const HOST_IP_B: [u8; 4] = [127, 0, 1, 2];
+/// The target's ports.
+const TARGET_IPS: [[u8; 4]; 2] = [[127, 0, 2, 1], [127, 0, 2, 2]];
 const KATO: Duration = Duration::from_millis(500);
 const CQT_MS: u16 = 300;
 const BLOCK: usize = 512;
 
+/// Where the workload's I/O goes: one controller, or a namespace over every path.
+enum Io {
+    Ctrl(Arc<Controller>),
+    Paths(MpNamespace),
+}
+
+impl Io {
+    async fn write(&self, b: usize, data: &[u8]) -> Result<(), HostError> {
+        match self {
+            Io::Ctrl(c) => c.write(1, b as u64, data).await,
+            Io::Paths(ns) => ns.write(b as u64, data).await,
+        }
+    }
+}
+
 struct World {
     _net: SimNet,
-    hca: SoftHca,
+    hcas: Vec<SoftHca>,
     target: Target<SoftHca>,
     ns: Arc<Namespace>,
-    c: Arc<Controller>,
+    /// The controller whose connection is lost (path A); then path B's, if any.
+    ctrls: Vec<Arc<Controller>>,
+    io: Arc<Io>,
+}
+
+impl World {
+    /// The controller of the single path, or path A.
+    fn c(&self) -> &Arc<Controller> {
+        &self.ctrls[0]
+    }
 }
 
 impl Drop for World {
     fn drop(&mut self) {
-        self.hca.fatal();
+        for h in &self.hcas {
+            h.fatal();
+        }
     }
 }
 
-async fn world(seed: u64, mode: SafeRetry, queues: usize, late_ms: u32, ccr: bool) -> World {
+/// What a world is made of, besides its seed.
+#[derive(Debug, Clone, Copy)]
+struct Setup {
+    mode: SafeRetry,
+    /// 1: a single controller; 2: two ports, a path through each.
+    paths: usize,
+    queues: usize,
+    late_ms: u32,
+    /// The target offers CCR.
+    ccr: bool,
+}
+
+async fn world(seed: u64, s: Setup) -> World {
     let net = SimNet::new(seed, Faults::NONE);
-    let hca = SoftHca::start_on(
-        crate::rig::device_on(45, "tgt", 1, TARGET_IP),
-        &net.fabric(),
-    )
-    .await
-    .unwrap();
+    let mut hcas = Vec::new();
+    for (i, ip) in TARGET_IPS[..s.paths].iter().enumerate() {
+        let dev = crate::rig::device_on(45, "tgt", 1 + i as u8, *ip);
+        hcas.push(SoftHca::start_on(dev, &net.fabric()).await.unwrap());
+    }
     let ns = Arc::new(Namespace::ram(1, 1 << 20, 9));
     let tc = TargetConfig {
         subsystems: vec![Subsystem::new(
@@ -64,29 +116,59 @@ async fn world(seed: u64, mode: SafeRetry, queues: usize, late_ms: u32, ccr: boo
             vec![ns.clone()],
         )],
         cqt_ms: CQT_MS,
-        late_writes_ms: Some(late_ms),
-        offer_ccr: ccr,
+        late_writes_ms: Some(s.late_ms),
+        offer_ccr: s.ccr,
         ..TargetConfig::default()
     };
-    let target = Target::start(hca.clone(), tc).unwrap();
-    serve_cm(target.clone(), CmService::for_device(&hca)).unwrap();
-    let mut p =
-        crate::rig::reconnect_at_once(Some(Duration::from_secs(60)), Duration::from_secs(60));
-    p.keep_alive_tmo = KATO;
-    let mut o = host_options(hca.addr(), queues, 32, p);
-    o.safe_retry = HoldPolicy {
-        mode,
-        ..HoldPolicy::default()
+    let target = Target::start(hcas[0].clone(), tc).unwrap();
+    serve_cm(target.clone(), CmService::for_device(&hcas[0])).unwrap();
+    for h in &hcas[1..] {
+        let port = target.add_port(h.clone(), Some(h.addr())).unwrap();
+        serve_cm_on(target.clone(), port, CmService::for_device(h)).unwrap();
+    }
+    let mut ctrls = Vec::new();
+    for (i, h) in hcas.iter().enumerate() {
+        let mut p =
+            crate::rig::reconnect_at_once(Some(Duration::from_secs(60)), Duration::from_secs(60));
+        p.keep_alive_tmo = KATO;
+        if s.paths > 1 && i == 0 {
+            // Path A gives its held writes back at once, so that they go to path B.
+            p.fast_io_fail_tmo = Some(Duration::ZERO);
+        }
+        let mut o = host_options(h.addr(), s.queues, 32, p);
+        o.safe_retry = HoldPolicy {
+            mode: s.mode,
+            ..HoldPolicy::default()
+        };
+        let mgr = net.device_manager();
+        let c = if i == 0 {
+            connect_seeded_host(&mgr, HOST_IP, seed, o).await.unwrap()
+        } else {
+            mgr.plug(crate::rig::device_on(45, "hostB", 10, HOST_IP_B))
+                .await
+                .unwrap();
+            Controller::connect_managed(mgr, "hostB", o).await.unwrap()
+        };
+        ctrls.push(Arc::new(c));
+    }
+    let io = if s.paths == 1 {
+        Io::Ctrl(ctrls[0].clone())
+    } else {
+        let sub = nvmf_rdma::multipath::Subsystem::new(CHAOS_NQN, IoPolicy::Failover);
+        for (c, h) in ctrls.iter().zip(&hcas) {
+            sub.add_path(c.clone(), h.addr().to_string(), String::new())
+                .await
+                .unwrap();
+        }
+        Io::Paths(sub.namespace(1).unwrap())
     };
-    let c = connect_seeded_host(&net.device_manager(), HOST_IP, seed, o)
-        .await
-        .unwrap();
     World {
         _net: net,
-        hca,
+        hcas,
         target,
         ns,
-        c: Arc::new(c),
+        ctrls,
+        io: Arc::new(io),
     }
 }
 
@@ -105,6 +187,8 @@ struct Outcome {
     failed_writes: u64,
     /// Virtual time from the loss to the last writer's end.
     settle: Duration,
+    /// Virtual time from the loss to the last write held across it completing.
+    held_wait: Duration,
 }
 
 /// Wait in virtual time (sampled each ms) until `cond`, at most `limit`.
@@ -119,32 +203,42 @@ async fn until(limit: Duration, cond: impl Fn() -> bool) -> bool {
     true
 }
 
-async fn run_seed(seed: u64, mode: SafeRetry, ccr: bool) -> Result<Outcome, String> {
+async fn run_seed(seed: u64, mode: SafeRetry, paths: usize, ccr: bool) -> Result<Outcome, String> {
     let mut rng = SmallRng::seed_from_u64(seed);
     let queues = rng.random_range(1..=2);
     // Late enough to land after the resend and the next write; within CQT.
-    let late = rng.random_range(60..=u32::from(CQT_MS) - 20);
-    let w = world(seed, mode, queues, late, ccr).await;
+    let late_ms = rng.random_range(60..=u32::from(CQT_MS) - 20);
+    let setup = Setup {
+        mode,
+        paths,
+        queues,
+        late_ms,
+        ccr,
+    };
+    let w = world(seed, setup).await;
     let blocks = rng.random_range(2..=8);
     // Last acknowledged write of each block (None: a write failed, the block is unknown).
     let acked: Arc<Mutex<Vec<Option<u64>>>> = Arc::new(Mutex::new(vec![Some(0); blocks]));
     for b in 0..blocks {
-        w.c.write(1, b as u64, &pattern(b, 0))
+        w.io.write(b, &pattern(b, 0))
             .await
             .map_err(|e| e.to_string())?;
     }
     let writes = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
     let lost = Arc::new(AtomicBool::new(false));
+    // When the last write in flight across the loss completed.
+    let held_done = Arc::new(Mutex::new(None::<tokio::time::Instant>));
     let mut writers = Vec::new();
     for b in 0..blocks {
         let extra = rng.random_range(1..=4u32);
-        let (c, acked, writes, failed, lost) = (
-            w.c.clone(),
+        let (io, acked, writes, failed, lost, held_done) = (
+            w.io.clone(),
             acked.clone(),
             writes.clone(),
             failed.clone(),
             lost.clone(),
+            held_done.clone(),
         );
         writers.push(tokio::spawn(async move {
             let mut seq = 0;
@@ -152,12 +246,17 @@ async fn run_seed(seed: u64, mode: SafeRetry, ccr: bool) -> Result<Outcome, Stri
             while after < extra {
                 let past = lost.load(Ordering::Acquire);
                 seq += 1;
-                match c.write(1, b as u64, &pattern(b, seq)).await {
+                match io.write(b, &pattern(b, seq)).await {
                     Ok(()) => acked.lock().unwrap()[b] = Some(seq),
                     Err(_) => {
                         failed.fetch_add(1, Ordering::Relaxed);
                         acked.lock().unwrap()[b] = None;
                     }
+                }
+                if !past && lost.load(Ordering::Acquire) {
+                    let now = tokio::time::Instant::now();
+                    let mut d = held_done.lock().unwrap();
+                    *d = Some(d.map_or(now, |t| t.max(now)));
                 }
                 writes.fetch_add(1, Ordering::Relaxed);
                 if past {
@@ -177,7 +276,7 @@ async fn run_seed(seed: u64, mode: SafeRetry, ccr: bool) -> Result<Outcome, Stri
         return Err("no write reached the stalled backend".into());
     }
     tokio::time::sleep(Duration::from_micros(rng.random_range(0..200))).await;
-    let cntlid = w.c.instance().ok_or("no live association")?.cntlid;
+    let cntlid = w.c().instance().ok_or("no live association")?.cntlid;
     let died = tokio::time::Instant::now();
     if !w.target.lose_controller(cntlid) {
         return Err(format!("no controller {cntlid} to lose"));
@@ -189,14 +288,15 @@ async fn run_seed(seed: u64, mode: SafeRetry, ccr: bool) -> Result<Outcome, Stri
     })
     .await;
     if !done {
-        return Err(format!("writers hung; status {:?}", w.c.status().machine));
+        return Err(format!("writers hung; status {:?}", w.c().status().machine));
     }
     let settle = died.elapsed();
+    let held_wait = held_done
+        .lock()
+        .unwrap()
+        .map_or(Duration::ZERO, |t| t.duration_since(died));
     if !until(Duration::from_secs(30), || w.target.late_writes_held() == 0).await {
         return Err("the late writes never ended".into());
-    }
-    if w.c.state() != CtrlState::Live {
-        return Err(format!("controller {:?}", w.c.state()));
     }
     let acked = acked.lock().unwrap().clone();
     let mut corrupted = Vec::new();
@@ -209,20 +309,39 @@ async fn run_seed(seed: u64, mode: SafeRetry, ccr: bool) -> Result<Outcome, Stri
             }
         }
     }
-    let held = w.c.safe_retry().holds;
-    if !held.is_empty() {
-        return Err(format!("holds left over: {held:?}"));
+    // Path A may still be coming back (with the new I/O on path B, nothing waits for it).
+    if !until(Duration::from_secs(30), || {
+        w.ctrls.iter().all(|c| c.state() == CtrlState::Live)
+    })
+    .await
+    {
+        return Err(format!("controller {:?}", w.c().state()));
+    }
+    for c in &w.ctrls {
+        let held = c.safe_retry().holds;
+        if !held.is_empty() {
+            return Err(format!("holds left over: {held:?}"));
+        }
     }
     Ok(Outcome {
         blocks,
         corrupted,
         failed_writes: failed.load(Ordering::Relaxed),
         settle,
+        held_wait,
     })
 }
 
+fn topology(paths: usize) -> &'static str {
+    if paths == 1 {
+        "single path"
+    } else {
+        "two paths"
+    }
+}
+
 /// Run the seeds of `mode` (or the one in `GHOST_SEED`); what they found in total.
-fn sweep(mode: SafeRetry, ccr: bool) -> Vec<(u64, Outcome)> {
+fn sweep(mode: SafeRetry, paths: usize, ccr: bool) -> Vec<(u64, Outcome)> {
     let seeds: Vec<u64> = match std::env::var("GHOST_SEED") {
         Ok(s) => vec![s.parse().expect("GHOST_SEED is a number")],
         Err(_) => {
@@ -235,32 +354,80 @@ fn sweep(mode: SafeRetry, ccr: bool) -> Vec<(u64, Outcome)> {
     };
     let mut out = Vec::new();
     for seed in seeds {
-        let r = crate::rig::sim_runtime().block_on(run_seed(seed, mode, ccr));
+        let r = crate::rig::sim_runtime().block_on(run_seed(seed, mode, paths, ccr));
         match r {
             Ok(o) => out.push((seed, o)),
-            Err(e) => panic!("GHOST_SEED={seed} (mode {mode}): {e}"),
+            Err(e) => panic!("GHOST_SEED={seed} (mode {mode}, {}): {e}", topology(paths)),
         }
     }
     out
 }
 
-fn report(mode: SafeRetry, runs: &[(u64, Outcome)]) -> usize {
+fn report(mode: SafeRetry, paths: usize, runs: &[(u64, Outcome)]) -> usize {
     let corrupted: usize = runs.iter().map(|(_, o)| o.corrupted.len()).sum();
     let blocks: usize = runs.iter().map(|(_, o)| o.blocks).sum();
     let failed: u64 = runs.iter().map(|(_, o)| o.failed_writes).sum();
     let worst = runs.iter().map(|(_, o)| o.settle).max().unwrap_or_default();
     println!(
-        "safe-retry {mode}: {} seeds, {blocks} blocks, {corrupted} corrupted, {failed} failed \
-         writes, longest loss-to-settled {worst:?} (virtual)",
+        "safe-retry {mode}, {}: {} seeds, {blocks} blocks, {corrupted} corrupted, {failed} \
+         failed writes, longest loss-to-settled {worst:?} (virtual)",
+        topology(paths),
         runs.len()
     );
     corrupted
 }
 
-#[test]
-fn without_safe_retry_a_stale_write_overwrites_an_acknowledged_one() {
-    let runs = sweep(SafeRetry::Off, true);
-    let corrupted = report(SafeRetry::Off, &runs);
+/// Each topology's held-write waits per mode, seed by seed, from the sweeps done so far
+/// (against a target that offers CCR).
+type Waits = BTreeMap<u64, Duration>;
+static WAITS: Mutex<BTreeMap<(usize, &'static str), Waits>> = Mutex::new(BTreeMap::new());
+
+/// Keep the held-write waits of a sweep; once `off`, `cqt` and `ccr` of its topology are
+/// in, print what each safe mode adds per fault over `off`, seed by seed.
+fn record_waits(mode: SafeRetry, paths: usize, runs: &[(u64, Outcome)]) {
+    let mut all = WAITS.lock().unwrap_or_else(|e| e.into_inner());
+    let waits = runs.iter().map(|(s, o)| (*s, o.held_wait)).collect();
+    all.insert((paths, mode.name()), waits);
+    let of = |m: SafeRetry| all.get(&(paths, m.name()));
+    let (Some(off), Some(cqt), Some(ccr)) =
+        (of(SafeRetry::Off), of(SafeRetry::Cqt), of(SafeRetry::Ccr))
+    else {
+        return;
+    };
+    println!(
+        "ghost-write {}: ccr adds {} per fault; cqt {} ({} seeds, virtual time from the loss \
+         to the held write's completion, over off)",
+        topology(paths),
+        added(off, ccr),
+        added(off, cqt),
+        off.len()
+    );
+}
+
+/// The median and the largest of `mode`'s wait minus `off`'s, over the seeds both ran.
+fn added(off: &Waits, mode: &Waits) -> String {
+    let mut d: Vec<f64> = mode
+        .iter()
+        .filter_map(|(s, w)| Some(w.as_secs_f64() - off.get(s)?.as_secs_f64()))
+        .collect();
+    if d.is_empty() {
+        return "nothing (no seed in common)".into();
+    }
+    d.sort_by(f64::total_cmp);
+    let t = |x: f64| {
+        if x.abs() >= 1.0 {
+            format!("{x:.2} s")
+        } else {
+            format!("{:.0} ms", x * 1e3)
+        }
+    };
+    format!("median {} (max {})", t(d[d.len() / 2]), t(d[d.len() - 1]))
+}
+
+fn ghost_detected(paths: usize) {
+    let runs = sweep(SafeRetry::Off, paths, true);
+    let corrupted = report(SafeRetry::Off, paths, &runs);
+    record_waits(SafeRetry::Off, paths, &runs);
     assert!(
         corrupted > 0,
         "no ghost write in {} seeds: the test cannot tell",
@@ -268,29 +435,27 @@ fn without_safe_retry_a_stale_write_overwrites_an_acknowledged_one() {
     );
 }
 
-fn no_ghost(mode: SafeRetry, ccr: bool) -> Vec<(u64, Outcome)> {
-    let runs = sweep(mode, ccr);
-    report(mode, &runs);
+fn no_ghost(mode: SafeRetry, paths: usize, ccr: bool) -> Vec<(u64, Outcome)> {
+    let runs = sweep(mode, paths, ccr);
+    report(mode, paths, &runs);
     for (seed, o) in &runs {
         assert!(
             o.corrupted.is_empty() && o.failed_writes == 0,
-            "GHOST_SEED={seed} (mode {mode}): blocks {:?} lost their last acknowledged \
+            "GHOST_SEED={seed} (mode {mode}, {}): blocks {:?} lost their last acknowledged \
              write, {} writes failed",
+            topology(paths),
             o.corrupted,
             o.failed_writes
         );
     }
+    if ccr {
+        record_waits(mode, paths, &runs);
+    }
     runs
 }
 
-#[test]
-fn the_time_rule_leaves_no_ghost_write() {
-    no_ghost(SafeRetry::Cqt, true);
-}
-
-#[test]
-fn a_cross_controller_reset_leaves_no_ghost_write() {
-    let runs = no_ghost(SafeRetry::Ccr, true);
+/// A CCR settles the held writes well before the time rule would.
+fn settles_by_ccr(runs: &[(u64, Outcome)]) {
     let worst = runs.iter().map(|(_, o)| o.settle).max().unwrap_or_default();
     assert!(
         worst < 2 * KATO,
@@ -298,17 +463,62 @@ fn a_cross_controller_reset_leaves_no_ghost_write() {
     );
 }
 
+#[test]
+fn without_safe_retry_a_stale_write_overwrites_an_acknowledged_one() {
+    ghost_detected(1);
+}
+
+#[test]
+fn the_time_rule_leaves_no_ghost_write() {
+    no_ghost(SafeRetry::Cqt, 1, true);
+}
+
+#[test]
+fn a_cross_controller_reset_leaves_no_ghost_write() {
+    settles_by_ccr(&no_ghost(SafeRetry::Ccr, 1, true));
+}
+
 /// Mode `ccr` against a target that does not offer CCR (CCRL 0, the command an Invalid
 /// Opcode, as Linux nvmet): the host falls back to the time rule, so no ghost write, and
 /// the held writes wait at least 2 x KATO + CQT after the loss.
 #[test]
 fn without_ccr_on_the_target_the_ccr_mode_falls_back_to_the_time_rule() {
-    let runs = no_ghost(SafeRetry::Ccr, false);
+    falls_back_to_the_time_rule(1);
+}
+
+fn falls_back_to_the_time_rule(paths: usize) {
+    let runs = no_ghost(SafeRetry::Ccr, paths, false);
     let quickest = runs.iter().map(|(_, o)| o.settle).min().unwrap_or_default();
     assert!(
         quickest >= 2 * KATO + Duration::from_millis(u64::from(CQT_MS)) - Duration::from_millis(50),
         "a seed settled in {quickest:?}, sooner than the time rule allows"
     );
+}
+
+/// Two paths: path A's held writes fail over to path B at once, and the stale originals
+/// land on blocks path B has written since.
+#[test]
+fn two_paths_without_safe_retry_a_write_moved_to_path_b_is_overwritten_by_its_ghost() {
+    ghost_detected(2);
+}
+
+#[test]
+fn two_paths_the_time_rule_leaves_no_ghost_write() {
+    no_ghost(SafeRetry::Cqt, 2, true);
+}
+
+/// Two paths to a target that does not offer CCR: path B asks for none, and the moved
+/// writes wait for the time rule.
+#[test]
+fn two_paths_without_ccr_on_the_target_the_ccr_mode_falls_back_to_the_time_rule() {
+    falls_back_to_the_time_rule(2);
+}
+
+/// The CCR for path A's dead controller goes through a live controller (path B, or A's
+/// new association), so the moved writes need not wait for the time rule.
+#[test]
+fn two_paths_a_cross_controller_reset_leaves_no_ghost_write() {
+    settles_by_ccr(&no_ghost(SafeRetry::Ccr, 2, true));
 }
 
 /// A read and a write in flight when the controller is lost (time rule, no CCR): the read
@@ -317,24 +527,24 @@ fn without_ccr_on_the_target_the_ccr_mode_falls_back_to_the_time_rule() {
 #[test]
 fn the_hold_delays_only_the_writes_that_were_in_flight() {
     crate::rig::sim_runtime().block_on(async {
-        let w = world(7, SafeRetry::Cqt, 1, 100, true).await;
-        w.c.write(1, 1, &pattern(1, 1)).await.unwrap();
+        let w = world(7, setup(SafeRetry::Cqt)).await;
+        w.c().write(1, 1, &pattern(1, 1)).await.unwrap();
         w.target.stall_io(true);
-        let (c1, c2) = (w.c.clone(), w.c.clone());
+        let (c1, c2) = (w.c().clone(), w.c().clone());
         let write = tokio::spawn(async move { c1.write(1, 0, &pattern(0, 9)).await });
         let read = tokio::spawn(async move { c2.read(1, 1, BLOCK).await });
         assert!(until(Duration::from_secs(5), || w.target.stalled_io() == 2).await);
         let died = tokio::time::Instant::now();
-        let cntlid = w.c.instance().unwrap().cntlid;
+        let cntlid = w.c().instance().unwrap().cntlid;
         assert!(w.target.lose_controller(cntlid));
         w.target.stall_io(false);
         assert!(until(Duration::from_secs(5), || read.is_finished()).await);
         let read_after = died.elapsed();
         assert_eq!(read.await.unwrap().unwrap(), pattern(1, 1));
         // New I/O goes while the old write is held.
-        w.c.write(1, 2, &pattern(2, 1)).await.unwrap();
+        w.c().write(1, 2, &pattern(2, 1)).await.unwrap();
         assert!(!write.is_finished(), "the write was not held");
-        let s = w.c.safe_retry();
+        let s = w.c().safe_retry();
         assert_eq!(s.mode, SafeRetry::Cqt);
         assert_eq!(s.holds.len(), 1, "{s:?}");
         let h = s.holds[0];
@@ -342,7 +552,7 @@ fn the_hold_delays_only_the_writes_that_were_in_flight() {
         assert!(h.time_left > Duration::from_millis(1000), "{h:?}");
         assert_ne!(
             Some(h.instance),
-            w.c.instance(),
+            w.c().instance(),
             "the hold names the dead instance"
         );
         assert!(until(Duration::from_secs(5), || write.is_finished()).await);
@@ -358,7 +568,7 @@ fn the_hold_delays_only_the_writes_that_were_in_flight() {
             write_after + Duration::from_millis(50) >= rule && write_after < rule * 2,
             "write resent after {write_after:?}, rule {rule:?}"
         );
-        assert!(w.c.safe_retry().holds.is_empty());
+        assert!(w.c().safe_retry().holds.is_empty());
     });
 }
 
@@ -372,19 +582,19 @@ fn quiesced_follows_the_mode() {
         (SafeRetry::Off, 0, 0),
     ] {
         crate::rig::sim_runtime().block_on(async {
-            let w = world(11, mode, 1, 100, true).await;
+            let w = world(11, setup(mode)).await;
             w.target.stall_io(true);
-            let c = w.c.clone();
+            let c = w.c().clone();
             let write = tokio::spawn(async move { c.write(1, 0, &pattern(0, 1)).await });
             assert!(until(Duration::from_secs(5), || w.target.stalled_io() == 1).await);
-            let old = w.c.instance().unwrap();
+            let old = w.c().instance().unwrap();
             let died = tokio::time::Instant::now();
             assert!(w.target.lose_controller(old.cntlid));
             w.target.stall_io(false);
             // Once the host knows of the loss.
-            assert!(until(Duration::from_secs(5), || w.c.instance() != Some(old)).await);
+            assert!(until(Duration::from_secs(5), || w.c().instance() != Some(old)).await);
             let known = tokio::time::Instant::now();
-            w.c.quiesced().await;
+            w.c().quiesced().await;
             let q = if mode == SafeRetry::Off {
                 known.elapsed()
             } else {
@@ -396,5 +606,16 @@ fn quiesced_follows_the_mode() {
             );
             write.await.unwrap().unwrap();
         });
+    }
+}
+
+/// One path, one queue, writes late by 100 ms, a target that offers CCR.
+fn setup(mode: SafeRetry) -> Setup {
+    Setup {
+        mode,
+        paths: 1,
+        queues: 1,
+        late_ms: 100,
+        ccr: true,
     }
 }
