@@ -203,6 +203,46 @@ async fn until(limit: Duration, cond: impl Fn() -> bool) -> bool {
     true
 }
 
+/// What the writers share.
+#[derive(Default)]
+struct Tally {
+    /// Last acknowledged write of each block (None: a write failed, the block is unknown).
+    acked: Mutex<Vec<Option<u64>>>,
+    writes: AtomicU64,
+    failed: AtomicU64,
+    /// The connection was lost.
+    lost: AtomicBool,
+    /// When the last write in flight across the loss completed.
+    held_done: Mutex<Option<tokio::time::Instant>>,
+}
+
+/// Block `b`'s writer: writes, waits for the acknowledgement, writes again, until `extra`
+/// of its writes began after the loss.
+async fn writer(io: Arc<Io>, t: Arc<Tally>, b: usize, extra: u32) {
+    let mut seq = 0;
+    let mut after = 0;
+    while after < extra {
+        let past = t.lost.load(Ordering::Acquire);
+        seq += 1;
+        match io.write(b, &pattern(b, seq)).await {
+            Ok(()) => t.acked.lock().unwrap()[b] = Some(seq),
+            Err(_) => {
+                t.failed.fetch_add(1, Ordering::Relaxed);
+                t.acked.lock().unwrap()[b] = None;
+            }
+        }
+        if !past && t.lost.load(Ordering::Acquire) {
+            let now = tokio::time::Instant::now();
+            let mut d = t.held_done.lock().unwrap();
+            *d = Some(d.map_or(now, |x| x.max(now)));
+        }
+        t.writes.fetch_add(1, Ordering::Relaxed);
+        if past {
+            after += 1;
+        }
+    }
+}
+
 async fn run_seed(seed: u64, mode: SafeRetry, paths: usize, ccr: bool) -> Result<Outcome, String> {
     let mut rng = SmallRng::seed_from_u64(seed);
     let queues = rng.random_range(1..=2);
@@ -217,57 +257,24 @@ async fn run_seed(seed: u64, mode: SafeRetry, paths: usize, ccr: bool) -> Result
     };
     let w = world(seed, setup).await;
     let blocks = rng.random_range(2..=8);
-    // Last acknowledged write of each block (None: a write failed, the block is unknown).
-    let acked: Arc<Mutex<Vec<Option<u64>>>> = Arc::new(Mutex::new(vec![Some(0); blocks]));
+    let t = Arc::new(Tally {
+        acked: Mutex::new(vec![Some(0); blocks]),
+        ..Tally::default()
+    });
     for b in 0..blocks {
         w.io.write(b, &pattern(b, 0))
             .await
             .map_err(|e| e.to_string())?;
     }
-    let writes = Arc::new(AtomicU64::new(0));
-    let failed = Arc::new(AtomicU64::new(0));
-    let lost = Arc::new(AtomicBool::new(false));
-    // When the last write in flight across the loss completed.
-    let held_done = Arc::new(Mutex::new(None::<tokio::time::Instant>));
-    let mut writers = Vec::new();
-    for b in 0..blocks {
-        let extra = rng.random_range(1..=4u32);
-        let (io, acked, writes, failed, lost, held_done) = (
-            w.io.clone(),
-            acked.clone(),
-            writes.clone(),
-            failed.clone(),
-            lost.clone(),
-            held_done.clone(),
-        );
-        writers.push(tokio::spawn(async move {
-            let mut seq = 0;
-            let mut after = 0;
-            while after < extra {
-                let past = lost.load(Ordering::Acquire);
-                seq += 1;
-                match io.write(b, &pattern(b, seq)).await {
-                    Ok(()) => acked.lock().unwrap()[b] = Some(seq),
-                    Err(_) => {
-                        failed.fetch_add(1, Ordering::Relaxed);
-                        acked.lock().unwrap()[b] = None;
-                    }
-                }
-                if !past && lost.load(Ordering::Acquire) {
-                    let now = tokio::time::Instant::now();
-                    let mut d = held_done.lock().unwrap();
-                    *d = Some(d.map_or(now, |t| t.max(now)));
-                }
-                writes.fetch_add(1, Ordering::Relaxed);
-                if past {
-                    after += 1;
-                }
-            }
-        }));
-    }
+    let writers: Vec<_> = (0..blocks)
+        .map(|b| {
+            let extra = rng.random_range(1..=4u32);
+            tokio::spawn(writer(w.io.clone(), t.clone(), b, extra))
+        })
+        .collect();
     let at = rng.random_range(1..40u64);
     until(Duration::from_secs(5), || {
-        writes.load(Ordering::Relaxed) >= at
+        t.writes.load(Ordering::Relaxed) >= at
     })
     .await;
     // The backend stalls with writes in it; the connection is lost.
@@ -282,7 +289,7 @@ async fn run_seed(seed: u64, mode: SafeRetry, paths: usize, ccr: bool) -> Result
         return Err(format!("no controller {cntlid} to lose"));
     }
     w.target.stall_io(false);
-    lost.store(true, Ordering::Release);
+    t.lost.store(true, Ordering::Release);
     let done = until(Duration::from_secs(30), || {
         writers.iter().all(|h| h.is_finished())
     })
@@ -291,14 +298,15 @@ async fn run_seed(seed: u64, mode: SafeRetry, paths: usize, ccr: bool) -> Result
         return Err(format!("writers hung; status {:?}", w.c().status().machine));
     }
     let settle = died.elapsed();
-    let held_wait = held_done
+    let held_wait = t
+        .held_done
         .lock()
         .unwrap()
         .map_or(Duration::ZERO, |t| t.duration_since(died));
     if !until(Duration::from_secs(30), || w.target.late_writes_held() == 0).await {
         return Err("the late writes never ended".into());
     }
-    let acked = acked.lock().unwrap().clone();
+    let acked = t.acked.lock().unwrap().clone();
     let mut corrupted = Vec::new();
     for (b, a) in acked.iter().enumerate() {
         let mut d = [0u8; BLOCK];
@@ -326,7 +334,7 @@ async fn run_seed(seed: u64, mode: SafeRetry, paths: usize, ccr: bool) -> Result
     Ok(Outcome {
         blocks,
         corrupted,
-        failed_writes: failed.load(Ordering::Relaxed),
+        failed_writes: t.failed.load(Ordering::Relaxed),
         settle,
         held_wait,
     })
