@@ -159,12 +159,16 @@ impl LostController {
     /// When the time rule lets this controller's commands go.
     pub fn quiesced_by(&self, policy: &HoldPolicy) -> Instant {
         let k = if self.traffic_based_keep_alive { 3 } else { 2 };
-        let cqt = if self.cqt_ms == 0 {
+        self.last_contact + self.kato.saturating_mul(k) + self.cqt(policy)
+    }
+
+    /// The CQT the time rule uses: the controller's, else the policy's default.
+    pub fn cqt(&self, policy: &HoldPolicy) -> Duration {
+        if self.cqt_ms == 0 {
             policy.default_cqt
         } else {
             Duration::from_millis(u64::from(self.cqt_ms))
-        };
-        self.last_contact + self.kato.saturating_mul(k) + cqt
+        }
     }
 }
 

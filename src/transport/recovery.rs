@@ -302,7 +302,9 @@ impl<S: DeviceSource> Supervisor<S> {
                 );
                 self.teardown();
                 let kato = self.sm.policy().keep_alive_tmo;
-                self.safe.on_lost(now, kato, &self.admin, &self.io);
+                let reconnecting = self.sm.state() == CtrlState::Resetting;
+                self.safe
+                    .on_lost(now, kato, &self.admin, &self.io, reconnecting);
                 self.trace.torn_down = Some(self.now());
                 q.push(Event::TornDown);
                 device_report(&self.devs.source, &self.devs.name, |ev| q.push(ev));

@@ -447,6 +447,8 @@ pub(super) struct SafeExec {
     /// The association the attempt under way identified: current once LIVE.
     pub(super) next: Option<Assoc>,
     metrics: SafeMetrics,
+    /// For the log.
+    subnqn: Arc<str>,
 }
 
 impl SafeExec {
@@ -457,6 +459,7 @@ impl SafeExec {
             hold: Hold::new(policy, capacity),
             next: None,
             metrics: SafeMetrics::new(subnqn),
+            subnqn: subnqn.into(),
         }
     }
 
@@ -472,13 +475,15 @@ fn tag(qi: usize, slot: usize) -> u32 {
 
 impl SafeExec {
     /// The connection just torn down was the live association: record it as lost, with the
-    /// last contact on any of its queues.
+    /// last contact on any of its queues. `reconnecting`: the controller will resend what
+    /// was in flight (not deleted).
     pub(super) fn on_lost<D: DeviceContext>(
         &mut self,
         now: Instant,
         kato: Duration,
         admin: &QueueCtl<D>,
         io: &[QueueCtl<D>],
+        reconnecting: bool,
     ) {
         let last = std::iter::once(admin)
             .chain(io.iter())
@@ -497,6 +502,21 @@ impl SafeExec {
             ccr_possible: a.offers_ccr && !st.ccr_refused,
         };
         let deadline = lost.quiesced_by(&st.policy);
+        if reconnecting && st.policy.mode == SafeRetry::Ccr && !lost.ccr_possible {
+            // An operator who chose CCR should see that this target leaves only the slower
+            // rule, and how long it holds writes.
+            tracing::info!(
+                subnqn = %self.subnqn,
+                cntlid = a.instance.cntlid,
+                hold_ms = deadline.saturating_since(last).as_millis() as u64,
+                kato_ms = kato.as_millis() as u64,
+                cqt_ms = lost.cqt(&st.policy).as_millis() as u64,
+                cqt_from = if a.cqt_ms == 0 { "--cqt-default" } else { "target" },
+                "safe retry falls back to the time rule: the target offers no cross-controller \
+                 reset, so writes in flight on the dead controller wait k x KATO + CQT after \
+                 the last contact"
+            );
+        }
         let rec = Lost {
             ctrl: lost,
             instance: a.instance,

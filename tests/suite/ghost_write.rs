@@ -627,3 +627,69 @@ fn setup(mode: SafeRetry) -> Setup {
         ccr: true,
     }
 }
+
+/// The log an operator reads: in mode `ccr`, a connection lost to a target that offers no
+/// CCR (as Linux nvmet) says that safe retry falls back to the time rule, with the hold and
+/// where its CQT came from; against a target with CCR there is no such line.
+#[test]
+fn the_log_names_the_fallback_to_the_time_rule() {
+    #[derive(Clone, Default)]
+    struct Log(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Log {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    for ccr in [false, true] {
+        let log = Log::default();
+        let writer = log.clone();
+        let sub = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(sub, || {
+            crate::rig::sim_runtime().block_on(async {
+                let w = world(
+                    13,
+                    Setup {
+                        ccr,
+                        ..setup(SafeRetry::Ccr)
+                    },
+                )
+                .await;
+                w.c().write(1, 0, &pattern(0, 1)).await.unwrap();
+                let cntlid = w.c().instance().unwrap().cntlid;
+                assert!(w.target.lose_controller(cntlid));
+                // Completes on the next association: the loss has been handled.
+                w.c().write(1, 1, &pattern(1, 1)).await.unwrap();
+                // A deleted controller resends nothing: no line for its end.
+                w.c().delete().await;
+            })
+        });
+        let text = String::from_utf8_lossy(&log.0.lock().unwrap()).into_owned();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("safe retry falls back to the time rule"))
+            .collect();
+        if ccr {
+            assert!(lines.is_empty(), "{text}");
+        } else {
+            let [line] = lines[..] else {
+                panic!("one fallback line expected, for the loss:\n{text}")
+            };
+            let rule = KATO * 2 + Duration::from_millis(u64::from(CQT_MS));
+            for field in [
+                format!("hold_ms={}", rule.as_millis()),
+                format!("cqt_ms={CQT_MS}"),
+                "cqt_from=\"target\"".to_string(),
+            ] {
+                assert!(line.contains(&field), "{field} missing in: {line}");
+            }
+        }
+    }
+}

@@ -403,3 +403,109 @@ case_hw_target() {
   check "hw target: device deleted: the delete completes, the target says so in one line and exits 1" \
     eval "grep -q 'rdma link delete rc=0' '$OUT/hw-target-gone.txt' && grep -q 'target rc=1 ' '$OUT/hw-target-gone.txt' && grep -q 'RDMA device rxe0 is gone' '$OUT/hw-target-gone.log'"
 }
+
+# Multipath against nvmet-rdma (not in the default set: about 4 minutes). nvmet offers the
+# subsystem on two ports of the guest ($GUEST_IP:4420 and :$MP_SVC2), each with its ANA group
+# 1. Our daemon (host netns, soft-HCA) connects to both as one subsystem (iopolicy
+# round-robin) and exports the namespace through FUSE; fio (guest/mp.fio: 4 jobs writing and
+# verifying with crc32c) runs on the export while, mid-run, (a) port 1 is disabled (the
+# subsystem unlinked from it) for 10 s, (b) port 1's ANA group is set inaccessible for 8 s.
+# Each must end with 0 errors, and I/O must go on through port 2 during the outage. nvmet
+# offers no Cross-Controller Reset, so the writes that were in flight on port 1 wait for the
+# time rule (2 x KATO + CQT, CQT from --cqt-default): the daemon's log says so. Then the
+# kernel host in the guest (nvme-rdma native multipath, both ports over rxe loopback) runs
+# the same fio on the same faults. One MP-FIGURES line per run for docs/interop.md.
+MP_SVC2=4422   # nvmet's second port (the hw target case listens on 4421)
+mp_cli() { NVMF_RDMA_RUN_DIR=$MP_RUN timeout 120 nsenter --net="/run/netns/$NETNS" "$BIN" "$@"; }
+mp_path() {  # mp_path SVC: our path to trsvcid SVC, as list-subsys -o json shows it
+  mp_cli list-subsys -o json |
+    jq -c --arg a "traddr=$GUEST_IP,trsvcid=$1" '.Subsystems[].Paths[] | select(.Address == $a)'
+}
+mp_until() {  # mp_until SECS SVC JQ-TEST: until our path to SVC passes the test (jq -e)
+  local i
+  for ((i = 0; i < $1 * 5; i++)); do mp_path "$2" | jq -e "$3" >/dev/null 2>&1 && return 0; sleep 0.2; done
+  return 1
+}
+mp_figures() {  # mp_figures SIDE FAULT FILE RC: one MP-FIGURES line from fio's JSON reports
+  # fio puts its warnings in the same file; the reports come once a second, the last is final.
+  grep -v '^fio: ' "$3" | jq -r -s --arg side "$1" --arg fault "$2" --arg rc "$4" '
+    [.[] | {t: .timestamp_ms, n: (.jobs[0].write.total_ios + .jobs[0].read.total_ios)}] as $s
+    | (reduce range(1; $s | length) as $i ({at: $s[0], gap: 0};
+        if $s[$i].n > .at.n then {at: $s[$i], gap: ([.gap, $s[$i].t - .at.t] | max)} else . end)) as $g
+    | last.jobs[0] as $j
+    | "MP-FIGURES side=\($side) fault=\($fault) fio_rc=\($rc) err=\($j.error) write_iops=\($j.write.iops | floor) writes=\($j.write.total_ios) verified=\($j.read.total_ios) longest_io_ms=\([$j.write.clat_ns.max, $j.read.clat_ns.max] | max / 1e6 | floor) longest_no_progress_s=\($g.gap / 1000)"' \
+    2>&1 | tee -a "$OUT/mp-figures.txt"
+}
+mp_fio_ok() {  # mp_fio_ok SIDE FAULT: its MP-FIGURES line says fio exit 0, 0 errors, writes and verified reads
+  grep -qE "^MP-FIGURES side=$1 fault=$2 fio_rc=0 err=0 .*writes=[1-9][0-9]* verified=[1-9]" "$OUT/mp-figures.txt"
+}
+mp_ours() {  # mp_ours FAULT BREAK RESTORE OUTAGE SECS JQ-TEST: one fault under fio on our export
+  local fault=$1 brk=$2 restore=$3 outage=$4 secs=$5 test=$6 f=$OUT/mp-ours-$1.json p rc n0 n1
+  log "multipath, ours: $fault ($brk for ${outage}s) under fio"
+  rm -f "$f"
+  MP_FILE=$MP_MNT/ns1 MP_SECS=$secs fio --status-interval=1 --output-format=json --output="$f" \
+    "$HERE/guest/mp.fio" 2> "$OUT/mp-ours-$fault.err" &
+  p=$!; BG_PIDS+=("$p")
+  local i; for ((i = 0; i < 450; i++)); do grep -qE '"total_ios" : [1-9]' "$f" 2>/dev/null && break; sleep 0.2; done
+  sleep 3
+  log "  break: $brk"; gx "$brk" >/dev/null
+  mp_until 10 4420 "$test"
+  check "multipath, ours, $fault: list-subsys shows path :4420 $test" test $? = 0
+  mp_path 4420 | sed 's/^/    outage| /'; mp_path $MP_SVC2 | sed 's/^/    outage| /'
+  n0=$(mp_path $MP_SVC2 | jq .IOs)
+  mp_cli list | sed 's/^/    outage| /'
+  sleep $((outage - 2))
+  n1=$(mp_path $MP_SVC2 | jq .IOs)
+  log "  restore: $restore"; gx "$restore" >/dev/null
+  check "multipath, ours, $fault: I/O went on through :$MP_SVC2 in the outage (its I/Os ${n0:-?} -> ${n1:-?})" \
+    test "${n1:-0}" -gt "${n0:-0}"
+  wait "$p"; rc=$?
+  mp_figures ours "$fault" "$f" "$rc"
+  check "multipath, ours, $fault: fio verify=crc32c on the FUSE export: exit 0, 0 errors" mp_fio_ok ours "$fault"
+  mp_until 60 4420 '.State == "live" and .ANAState == "optimized"'
+  check "multipath, ours, $fault: path :4420 live and optimized again" test $? = 0
+  mp_cli list-subsys | sed 's/^/    /'
+}
+case_multipath() {
+  MP_RUN=$VM/mp-run MP_MNT=$VM/mp-mnt
+  log "multipath: nvmet-rdma offers $KNQN on $GUEST_IP:4420 and :$MP_SVC2, ANA group 1 on each"
+  GX_TIMEOUT=30 gx "port2_up $MP_SVC2 && for p in 1 2; do echo \"port \$p: \$(cat \$NVMET/ports/\$p/addr_trsvcid) ana group 1 \$(cat \$NVMET/ports/\$p/ana_groups/1/ana_state)\"; done"
+  check "multipath: nvmet's second port is up" test $? = 0
+  umount -l "$MP_MNT" 2>/dev/null   # left by an interrupted run
+  rm -rf "$MP_RUN" "$OUT/mp-figures.txt"; mkdir -p "$MP_MNT"
+  # The recovery lines (info) name the fallback; only errors are logged by default.
+  RUST_LOG=error,nvmf_rdma=info,nvmf_rdma::driver=warn NVMF_RDMA_RUN_DIR=$MP_RUN \
+    nsenter --net="/run/netns/$NETNS" "$BIN" daemon > "$OUT/mp-daemon.log" 2>&1 &
+  local dpid=$! i; BG_PIDS+=("$dpid")
+  for ((i = 0; i < 100; i++)); do [ -S "$MP_RUN/daemon.sock" ] && break; sleep 0.2; done
+  { mp_cli connect -a "$GUEST_IP" -s 4420 -n "$KNQN" -c 2 --iopolicy round-robin --fuse "$MP_MNT" &&
+    mp_cli connect -a "$GUEST_IP" -s $MP_SVC2 -n "$KNQN" -c 2; } 2>&1 | sed 's/^/    /'
+  mp_cli list-subsys -o json > "$OUT/mp-subsys.json"
+  mp_cli list-subsys | sed 's/^/    /'
+  check "multipath: our daemon holds one subsystem with two live paths (4420, $MP_SVC2) and the FUSE file" \
+    eval "jq -e '.Subsystems | length == 1 and (.[0].Paths | length == 2) and all(.[0].Paths[]; .State == \"live\")' '$OUT/mp-subsys.json' >/dev/null && [ -e '$MP_MNT/ns1' ]"
+
+  mp_ours unlink "port_disable 1" "port_enable 1" 10 40 '.State != "live"'
+  mp_ours ana "ana_set 1 inaccessible" "ana_set 1 optimized" 8 25 '.ANAState == "inaccessible"'
+  grep -E 'falls back to the time rule|live again|resetting' "$OUT/mp-daemon.log" | cut -c1-260 | sed 's/^/    daemon| /'
+  check "multipath, ours: nvmet offers no CCR; the daemon's log says the held writes fall back to the time rule" \
+    grep -q 'safe retry falls back to the time rule.*cqt_from="--cqt-default"' "$OUT/mp-daemon.log"
+  mp_cli disconnect-all 2>&1 | sed 's/^/    /'
+  mp_cli daemon --stop >/dev/null 2>&1
+  wait "$dpid" 2>/dev/null
+  umount -l "$MP_MNT" 2>/dev/null
+
+  local fault
+  for fault in unlink ana; do
+    log "multipath, kernel host in the guest: $fault under fio"
+    if [ $fault = unlink ]; then
+      GX_TIMEOUT=150 gx "kmp_run $MP_SVC2 unlink 'port_disable 1' 'port_enable 1' 10 40" > "$OUT/mp-kernel-unlink.txt"
+    else
+      GX_TIMEOUT=150 gx "kmp_run $MP_SVC2 ana 'ana_set 1 inaccessible' 'ana_set 1 optimized' 8 25" > "$OUT/mp-kernel-ana.txt"
+    fi
+    cut -c1-200 "$OUT/mp-kernel-$fault.txt"
+    mp_figures kernel $fault "$OUT/mp-kernel-$fault.json" "$(sed -n 's/.*KMP-RC=//p' "$OUT/mp-kernel-$fault.txt")"
+    check "multipath, kernel host, $fault: fio verify=crc32c on the multipath device: exit 0, 0 errors" mp_fio_ok kernel $fault
+  done
+  gx "port2_down" >/dev/null
+}

@@ -5,7 +5,7 @@ set -euo pipefail
 VM=${VM:-/tmp/nvmf-vm}
 APT="apt-get -o DPkg::Lock::Timeout=600 -qq"
 PKGS="qemu-system-x86 busybox-static kmod iproute2 rdma-core ibverbs-utils ibverbs-providers
-      rdmacm-utils nvme-cli fio cpio tcpdump"
+      rdmacm-utils nvme-cli fio cpio tcpdump jq"
 mkdir -p "$VM"
 missing=""
 for p in $PKGS; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing="$missing $p"; done

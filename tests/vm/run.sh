@@ -6,7 +6,7 @@
 #   netns vmnet: tap0 192.168.100.1/24  <-- virtio-net -->  guest eth0 192.168.100.2/24 (rxe0)
 #
 # Usage (root): tests/vm/run.sh [CASE...]   cases: interop1 interop2 hw chaos hw_fio hw_target bench linux_chaos hw_extra
-# (default: all but bench, linux_chaos and hw_extra). One PASS/FAIL line per check; exits non-zero if any
+# multipath (default: all but bench, linux_chaos, hw_extra and multipath). One PASS/FAIL line per check; exits non-zero if any
 # failed. The case hw runs our `hw` backend (libibverbs/librdmacm) inside the guest instead.
 # Knobs: VM=/tmp/nvmf-vm (work dir), NVMF_BIN (default target/release/nvmf-rdma, built if
 # missing), NVMF_HW_BIN (the hw case's binary; default: `cargo build --release --features hw`,

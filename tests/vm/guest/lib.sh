@@ -39,11 +39,24 @@ nvmet_up() {  # subsystem $KNQN, namespace 1 = /dev/ram0, port 1 on $IP:4420 (rd
     echo "$IP" > "$p/addr_traddr" && echo 4420 > "$p/addr_trsvcid"; } || return 1
   port_enable
 }
-port_enable() {  # (re-)link the subsystem to the port: nvmet starts listening
-  [ -e "$NVMET/ports/1/subsystems/$KNQN" ] || ln -s "$NVMET/subsystems/$KNQN" "$NVMET/ports/1/subsystems/$KNQN"
+port_enable() {  # port_enable [PORT]: (re-)link the subsystem to port PORT (1): nvmet starts listening
+  local l=$NVMET/ports/${1:-1}/subsystems/$KNQN
+  [ -e "$l" ] || ln -s "$NVMET/subsystems/$KNQN" "$l"
 }
-port_disable() { rm -f "$NVMET/ports/1/subsystems/$KNQN"; }
+port_disable() { rm -f "$NVMET/ports/${1:-1}/subsystems/$KNQN"; }
 port_cycle() { port_disable; sleep 0.5; port_enable; }
+# A second port of the subsystem (the multipath case): port 2 on $IP:SVC. Each port has its
+# own ANA group 1, so a state set through one port is what the hosts on that port see.
+port2_up() {  # port2_up SVC
+  local p=$NVMET/ports/2
+  [ -d "$p" ] || { mkdir "$p" && echo rdma > "$p/addr_trtype" && echo ipv4 > "$p/addr_adrfam" &&
+    echo "$IP" > "$p/addr_traddr" && echo "$1" > "$p/addr_trsvcid"; } || return 1
+  port_enable 2
+}
+port2_down() { port_disable 2; rmdir "$NVMET/ports/2" 2>/dev/null; ana_set 1 optimized; }
+ana_set() {  # ana_set PORT STATE: ANA group 1's state through port PORT (optimized, inaccessible, ...)
+  echo "$2" > "$NVMET/ports/$1/ana_groups/1/ana_state"
+}
 
 hostnqn() {  # no DMI in the guest: a random UUID host NQN, made once
   [ -s /etc/nvme/hostnqn ] || { mkdir -p /etc/nvme
@@ -57,9 +70,15 @@ kconnect() {  # kernel host: connect to $1 (address) subsystem $2 with extra opt
   echo "$opts" >&3 || { exec 3>&-; echo "connect failed: $opts"; return 1; }
   read -r r <&3; exec 3>&-
   echo "connected: $r"
-  local dev=/dev/$(echo "$r" | sed -n 's/.*instance=\([0-9]*\).*/nvme\1/p')n1 i
-  for i in $(seq 100); do [ -b "$dev" ] && break; sleep 0.1; done
-  [ -b "$dev" ] || { echo "no $dev"; return 1; }
+  # namespace 1 through this controller: nvmeXn1, or with native multipath the path nvmeYcXn1
+  # of the subsystem's device nvmeYn1
+  local c=nvme$(echo "$r" | sed -n 's/.*instance=\([0-9]*\).*/\1/p') dev="" n i
+  for i in $(seq 100); do
+    n=$(ls "/sys/class/nvme/$c" 2>/dev/null | grep -E '^nvme[0-9]+(c[0-9]+)?n1$' | head -1)
+    [ -n "$n" ] && dev=/dev/$(echo "$n" | sed 's/c[0-9]*n/n/') && [ -b "$dev" ] && break
+    sleep 0.1
+  done
+  [ -b "$dev" ] || { echo "no namespace 1 on $c"; return 1; }
   echo "device: $dev"
 }
 kdev() {  # the block device of the kernel controller connected to traddr $1
@@ -109,8 +128,8 @@ ours_hw() { ours hw "$@"; }
 # of eth0 with its own MAC (so another GUID), its own IP and the route to TRADDR. With
 # IDENTITY=both ours must not reconnect through it (the held I/O fails at ctrl_loss_tmo /
 # replug_window, 12 s); with IDENTITY=any it must.
-wait_io() {  # wait_io FILE: until fio's once-a-second status in FILE shows I/O (at most 90 s)
-  local i; for i in $(seq 900); do grep -q 'IOPS=' "$1" 2>/dev/null && return 0; sleep 0.1; done
+wait_io() {  # wait_io FILE [REGEX]: until fio's once-a-second status in FILE shows I/O (at most 90 s)
+  local i; for i in $(seq 900); do grep -qE "${2:-IOPS=}" "$1" 2>/dev/null && return 0; sleep 0.1; done
   echo "fio showed no I/O within 90 s"; return 1
 }
 hw_fio_other() {  # hw_fio_other TRADDR NQN IDENTITY
@@ -170,4 +189,37 @@ nvmet_file_ns() {  # nvmet_file_ns NSID FILE SIZE: a file-backed namespace of $K
   [ -d "$n" ] && return 0
   truncate -s "$3" "$2" && mkdir "$n" && echo "$2" > "$n/device_path" && echo 1 > "$n/buffered_io" &&
     echo 1 > "$n/enable"
+}
+
+# The kernel host's side of the multipath case: nvme-rdma with native multipath to both ports
+# of $KNQN (rxe loopback), iopolicy round-robin, mp.fio for SECS s with its JSON status every
+# second in /mnt/out/mp-kernel-NAME.json; BREAK 3 s after I/O flows, RESTORE OUTAGE s later.
+# Prints the paths before, in the outage and after, and fio's exit status (KMP-RC=N).
+kmp_run() {  # kmp_run SVC2 NAME BREAK RESTORE OUTAGE SECS
+  local svc2=$1 brk=$3 restore=$4 outage=$5 secs=$6 f=/mnt/out/mp-kernel-$2.json dev s p r
+  dev=$(kconnect "$IP" "$KNQN" reconnect_delay=2 | sed -n 's/^device: //p')
+  KPORT=$svc2 kconnect "$IP" "$KNQN" reconnect_delay=2 >/dev/null && [ -b "$dev" ] ||
+    { echo "connect to both ports failed"; nvme disconnect-all; return 1; }
+  s=$(dirname "$(grep -l "$KNQN" /sys/class/nvme-subsystem/*/subsysnqn | head -1)")
+  echo round-robin > "$s/iopolicy"
+  echo "native multipath=$(cat /sys/module/nvme_core/parameters/multipath), $dev, iopolicy $(cat "$s/iopolicy")"
+  kpaths
+  rm -f "$f"
+  MP_FILE=$dev MP_SECS=$secs fio --status-interval=1 --output-format=json --output="$f" \
+    /mnt/scripts/mp.fio 2>/tmp/kmp-fio.err & p=$!
+  wait_io "$f" '"total_ios" : [1-9]'; sleep 3
+  eval "$brk"; sleep 2
+  echo "in the outage:"; kpaths
+  sleep $((outage - 2)); eval "$restore"
+  wait $p; r=$?
+  echo "after:"; kpaths
+  echo "KMP-RC=$r"
+  nvme disconnect-all >/dev/null
+}
+kpaths() {  # each controller: state, address, and the ANA state of its path to namespace 1
+  local c n
+  for c in /sys/class/nvme/nvme*; do
+    n=$(ls -d "$c"/nvme*c*n1 2>/dev/null | head -1)
+    echo "  ${c##*/}: $(cat "$c/state") $(cat "$c/address") ana=$(cat "$n/ana_state" 2>/dev/null)"
+  done
 }
