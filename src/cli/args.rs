@@ -50,12 +50,8 @@ pub struct Subsys {
     /// Subsystem NQN.
     #[arg(short = 'n', long = "nqn")]
     pub nqn: String,
-    /// I/O queues (default: one per core).
-    #[arg(short = 'i', long = "nr-io-queues", default_value_t = cores())]
-    pub nr_io_queues: usize,
-    /// Entries per I/O queue (16..=1024).
-    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
-    pub queue_size: usize,
+    #[command(flatten)]
+    pub queues: Queues,
     #[command(flatten)]
     pub policy: PolicyArgs,
     /// When a write (or another command that changes state) that was in flight on a dead
@@ -97,6 +93,17 @@ pub struct ExternalTarget {
     /// RDMA device towards --traddr, as connect's --device.
     #[arg(long, default_value = "soft", requires = "traddr")]
     pub device: DeviceChoice,
+}
+
+/// A controller's I/O queues (`connect`, `connect-all`).
+#[derive(Args, Debug, Clone, Copy)]
+pub struct Queues {
+    /// I/O queues per controller (default: one per core).
+    #[arg(short = 'i', long = "nr-io-queues", default_value_t = cores())]
+    pub nr_io_queues: usize,
+    /// Entries per I/O queue (16..=1024).
+    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
+    pub queue_size: usize,
 }
 
 /// Keep-alive and the reconnect policy, with nvme-cli's names where it has them. Shared by
@@ -303,12 +310,8 @@ pub struct ConnectAllArgs {
     /// RDMA device the host runs on, as connect's --device.
     #[arg(long, default_value = "soft", requires = "traddr")]
     pub device: DeviceChoice,
-    /// I/O queues per controller (default: one per core).
-    #[arg(short = 'i', long = "nr-io-queues", default_value_t = cores())]
-    pub nr_io_queues: usize,
-    /// Entries per I/O queue (16..=1024).
-    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
-    pub queue_size: usize,
+    #[command(flatten)]
+    pub queues: Queues,
     #[command(flatten)]
     pub policy: PolicyArgs,
     #[command(flatten)]
@@ -331,8 +334,7 @@ impl ConnectAllArgs {
                 device: self.device,
             },
             nqn: crate::nvme::fabrics::DISCOVERY_NQN.into(),
-            nr_io_queues: self.nr_io_queues,
-            queue_size: self.queue_size,
+            queues: self.queues,
             iopolicy: None,
             policy: self.policy,
             safe_retry: Default::default(),
