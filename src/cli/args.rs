@@ -50,12 +50,8 @@ pub struct Subsys {
     /// Subsystem NQN.
     #[arg(short = 'n', long = "nqn")]
     pub nqn: String,
-    /// I/O queues (default: one per core).
-    #[arg(short = 'i', long = "nr-io-queues", default_value_t = cores())]
-    pub nr_io_queues: usize,
-    /// Entries per I/O queue (16..=1024).
-    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
-    pub queue_size: usize,
+    #[command(flatten)]
+    pub queues: Queues,
     #[command(flatten)]
     pub policy: PolicyArgs,
     /// When a write (or another command that changes state) that was in flight on a dead
@@ -97,6 +93,17 @@ pub struct ExternalTarget {
     /// RDMA device towards --traddr, as connect's --device.
     #[arg(long, default_value = "soft", requires = "traddr")]
     pub device: DeviceChoice,
+}
+
+/// A controller's I/O queues (`connect`, `connect-all`).
+#[derive(Args, Debug, Clone, Copy)]
+pub struct Queues {
+    /// I/O queues per controller (default: one per core).
+    #[arg(short = 'i', long = "nr-io-queues", default_value_t = cores())]
+    pub nr_io_queues: usize,
+    /// Entries per I/O queue (16..=1024).
+    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
+    pub queue_size: usize,
 }
 
 /// Keep-alive and the reconnect policy, with nvme-cli's names where it has them. Shared by
@@ -275,6 +282,67 @@ pub struct Format {
         default_value = "normal"
     )]
     pub output: ListFormat,
+}
+
+/// `connect-all`: a discovery controller's address, or nothing (the config file).
+#[derive(Args, Debug, Clone)]
+pub struct ConnectAllArgs {
+    /// Transport type; only rdma.
+    #[arg(short = 't', long = "transport", default_value = "rdma")]
+    pub transport: String,
+    /// Discovery controller address (IP or IP:PORT); without it, the config file's lines.
+    #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
+    pub traddr: Option<SocketAddr>,
+    /// NVMe-oF service port of the discovery controller.
+    #[arg(
+        short = 's',
+        long = "trsvcid",
+        default_value_t = 4420,
+        requires = "traddr"
+    )]
+    pub trsvcid: u16,
+    #[arg(short = 'q', long = "hostnqn", requires = "traddr")]
+    pub hostnqn: Option<String>,
+    #[arg(short = 'I', long = "hostid", value_parser = parse_hostid, requires = "traddr")]
+    pub hostid: Option<String>,
+    #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr, requires = "traddr")]
+    pub host_traddr: Option<SocketAddr>,
+    /// RDMA device the host runs on, as connect's --device.
+    #[arg(long, default_value = "soft", requires = "traddr")]
+    pub device: DeviceChoice,
+    #[command(flatten)]
+    pub queues: Queues,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+    #[command(flatten)]
+    pub format: Format,
+}
+
+impl ConnectAllArgs {
+    /// The discovery controller as connect arguments (with the discovery NQN), if -a given;
+    /// unchecked (`cli::host::options` checks them).
+    pub fn into_subsys(self) -> Option<(Subsys, ConnectMode)> {
+        let traddr = self.traddr?;
+        let s = Subsys {
+            fabric: Fabric {
+                transport: self.transport,
+                traddr,
+                trsvcid: self.trsvcid,
+                hostnqn: self.hostnqn,
+                hostid: self.hostid,
+                host_traddr: self.host_traddr,
+                device: self.device,
+            },
+            nqn: crate::nvme::fabrics::DISCOVERY_NQN.into(),
+            queues: self.queues,
+            iopolicy: None,
+            policy: self.policy,
+            safe_retry: Default::default(),
+            cqt_default: hold::DEFAULT_CQT.as_millis() as u64,
+            nsid: 1,
+        };
+        Some((s, ConnectMode::default()))
+    }
 }
 
 pub fn cores() -> usize {

@@ -74,10 +74,10 @@ pub fn check_transport(f: &Fabric) -> Result<()> {
 pub fn options(s: &Subsys) -> Result<ConnectOptions> {
     check_transport(&s.fabric)?;
     Nqn::new(&s.nqn).map_err(|e| anyhow::anyhow!("bad subsystem NQN: {e}"))?;
-    if !(16..=1024).contains(&s.queue_size) {
+    if !(16..=1024).contains(&s.queues.queue_size) {
         bail!("--queue-size must be between 16 and 1024");
     }
-    if s.nr_io_queues == 0 || s.nr_io_queues > 128 {
+    if s.queues.nr_io_queues == 0 || s.queues.nr_io_queues > 128 {
         bail!("--nr-io-queues must be between 1 and 128");
     }
     let mut o = ConnectOptions::new(s.fabric.traddr, &s.nqn);
@@ -93,8 +93,8 @@ pub fn options(s: &Subsys) -> Result<ConnectOptions> {
         Nqn::new(h).map_err(|e| anyhow::anyhow!("bad host NQN: {e}"))?;
         o.hostnqn = h.clone();
     }
-    o.nr_io_queues = s.nr_io_queues;
-    o.queue_size = s.queue_size;
+    o.nr_io_queues = s.queues.nr_io_queues;
+    o.queue_size = s.queues.queue_size;
     let r = s.policy.resolve_default();
     o.keep_alive_tmo = r.policy.keep_alive_tmo;
     o.policy = r.policy;
@@ -282,7 +282,10 @@ mod tests {
         );
         let c = parse(&["-t", "rdma", "-s", "4420", "-i", "2", "-Q", "64"]).unwrap();
         assert_eq!(c.sub.fabric.traddr, "127.0.0.1:4791".parse().unwrap());
-        assert_eq!((c.sub.nr_io_queues, c.sub.queue_size), (2, 64));
+        assert_eq!(
+            (c.sub.queues.nr_io_queues, c.sub.queues.queue_size),
+            (2, 64)
+        );
         let o = options_of(&["-k", "5", "-c", "1", "-l", "-1", "--fast_io_fail_tmo", "3"]);
         assert_eq!(o.policy.ctrl_loss_tmo, None, "-1 = forever");
         assert_eq!(o.policy.fast_io_fail_tmo, Some(Duration::from_secs(3)));

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 
-use crate::cli::args::{ExternalTarget, Fabric, ListFormat, PolicyArgs, Subsys};
+use crate::cli::args::{ExternalTarget, Fabric, ListFormat, PolicyArgs, Queues, Subsys};
 use crate::cli::support::parse_duration;
 use crate::cli::units::parse_size;
 use crate::harness::hca_peer;
@@ -268,8 +268,10 @@ pub fn run_bench(args: BenchArgs) -> Result<()> {
                 device,
             },
             nqn: nqn.unwrap_or_else(|| DEMO_NQN.into()),
-            nr_io_queues: queues.clamp(1, 64),
-            queue_size: 128,
+            queues: Queues {
+                nr_io_queues: queues.clamp(1, 64),
+                queue_size: 128,
+            },
             policy: PolicyArgs::default(),
             safe_retry: Default::default(),
             cqt_default: crate::reconnect::hold::DEFAULT_CQT.as_millis() as u64,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant as StdInstant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::cli::args::{Fabric, PolicyArgs, Subsys};
+use crate::cli::args::{Fabric, PolicyArgs, Queues, Subsys};
 use crate::cli::device::DeviceChoice;
 use crate::daemon::io::{verify, Progress};
 use crate::driver::{CmService, SoftHca};
@@ -140,8 +140,10 @@ impl LocalTarget {
                 device: DeviceChoice::Soft,
             },
             nqn: DEMO_NQN.into(),
-            nr_io_queues: 1,
-            queue_size: 128,
+            queues: Queues {
+                nr_io_queues: 1,
+                queue_size: 128,
+            },
             policy: PolicyArgs::default(),
             nsid: 1,
             iopolicy: None,

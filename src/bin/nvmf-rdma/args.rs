@@ -1,82 +1,13 @@
-//! Command-line argument types shared by the subcommands.
+//! The binary's own argument types: `daemon`'s flags and where `read`, `write` and `verify`
+//! do their I/O.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
 pub(crate) use nvmf_rdma::cli::args::*;
-use nvmf_rdma::cli::device::DeviceChoice;
-use nvmf_rdma::cli::support::{parse_pos_secs, parse_traddr};
+use nvmf_rdma::cli::support::parse_pos_secs;
 pub(crate) use nvmf_rdma::cli::units::parse_size;
-
-/// `connect-all`: a discovery controller's address, or nothing (the config file).
-#[derive(Args, Debug, Clone)]
-pub(crate) struct ConnectAllArgs {
-    /// Transport type; only rdma.
-    #[arg(short = 't', long = "transport", default_value = "rdma")]
-    pub(crate) transport: String,
-    /// Discovery controller address (IP or IP:PORT); without it, the config file's lines.
-    #[arg(short = 'a', long = "traddr", value_parser = parse_traddr)]
-    pub(crate) traddr: Option<SocketAddr>,
-    /// NVMe-oF service port of the discovery controller.
-    #[arg(
-        short = 's',
-        long = "trsvcid",
-        default_value_t = 4420,
-        requires = "traddr"
-    )]
-    pub(crate) trsvcid: u16,
-    #[arg(short = 'q', long = "hostnqn", requires = "traddr")]
-    pub(crate) hostnqn: Option<String>,
-    #[arg(short = 'I', long = "hostid", value_parser = parse_hostid, requires = "traddr")]
-    pub(crate) hostid: Option<String>,
-    #[arg(short = 'w', long = "host-traddr", value_parser = parse_traddr, requires = "traddr")]
-    pub(crate) host_traddr: Option<SocketAddr>,
-    /// RDMA device the host runs on, as connect's --device.
-    #[arg(long, default_value = "soft", requires = "traddr")]
-    pub(crate) device: DeviceChoice,
-    /// I/O queues per controller (default: one per core).
-    #[arg(short = 'i', long = "nr-io-queues", default_value_t = cores())]
-    pub(crate) nr_io_queues: usize,
-    /// Entries per I/O queue (16..=1024).
-    #[arg(short = 'Q', long = "queue-size", default_value_t = 128)]
-    pub(crate) queue_size: usize,
-    #[command(flatten)]
-    pub(crate) policy: PolicyArgs,
-    #[command(flatten)]
-    pub(crate) format: Format,
-}
-
-impl ConnectAllArgs {
-    /// The discovery controller as connect arguments (with the discovery NQN), if -a given.
-    pub(crate) fn into_subsys(self) -> Result<Option<(Subsys, ConnectMode)>> {
-        let Some(traddr) = self.traddr else {
-            return Ok(None);
-        };
-        let s = Subsys {
-            fabric: Fabric {
-                transport: self.transport,
-                traddr,
-                trsvcid: self.trsvcid,
-                hostnqn: self.hostnqn,
-                hostid: self.hostid,
-                host_traddr: self.host_traddr,
-                device: self.device,
-            },
-            nqn: nvmf_rdma::nvme::fabrics::DISCOVERY_NQN.into(),
-            nr_io_queues: self.nr_io_queues,
-            queue_size: self.queue_size,
-            iopolicy: None,
-            policy: self.policy,
-            safe_retry: Default::default(),
-            cqt_default: nvmf_rdma::reconnect::hold::DEFAULT_CQT.as_millis() as u64,
-            nsid: 1,
-        };
-        nvmf_rdma::cli::host::options(&s)?;
-        Ok(Some((s, ConnectMode::default())))
-    }
-}
 
 /// `daemon`.
 #[derive(Args, Debug, Clone, Default)]

@@ -250,6 +250,9 @@ pub(crate) async fn run_connect_all(
     output: ListFormat,
     global: Vec<String>,
 ) -> Result<()> {
+    if let Some((s, _)) = &given {
+        nvmf_rdma::cli::host::options(s)?;
+    }
     let req = Request::ConnectAll {
         params: given
             .as_ref()

@@ -397,7 +397,7 @@ async fn run_async(cmd: Cmd, global: Vec<String>) -> Result<()> {
         }
         Cmd::ConnectAll(a) => {
             let output = a.format.output;
-            run_connect_all(a.into_subsys()?, output, global).await
+            run_connect_all(a.into_subsys(), output, global).await
         }
         Cmd::ListSubsys(f) => run_list_subsys(f.output).await,
         Cmd::DisconnectAll { force } => run_disconnect_all(force).await,
