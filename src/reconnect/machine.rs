@@ -475,25 +475,7 @@ impl Machine {
                 self.goto(Dead, Trigger::Deleted);
             }
             (New, Event::Connected) | (Connecting, Event::Connected) => {
-                if self.state == Connecting {
-                    self.recoveries += 1;
-                }
-                self.goto(Live, Trigger::Connected);
-                self.in_attempt = false;
-                self.streak = 0;
-                self.device_present = true;
-                self.foreign = false;
-                self.loss_at = None;
-                self.failfast_at = None;
-                self.failfast = false;
-                self.replug_at = None;
-                self.next_attempt_at = None;
-                if self.recoveries > 0 {
-                    a.push(Action::Resubmit);
-                }
-                self.ka_deadline = None;
-                self.ka_next = (!self.policy.keep_alive_tmo.is_zero())
-                    .then(|| now + self.policy.keep_alive_tmo / 2);
+                self.enter_live(now, &mut a)
             }
             (New, Event::ConnectFailed) => {
                 self.goto(Deleting, Trigger::ConnectFailed);
@@ -557,6 +539,28 @@ impl Machine {
         }
         self.step(now, &mut a);
         a
+    }
+
+    fn enter_live(&mut self, now: Instant, a: &mut Actions) {
+        if self.state == CtrlState::Connecting {
+            self.recoveries += 1;
+        }
+        self.goto(CtrlState::Live, Trigger::Connected);
+        self.in_attempt = false;
+        self.streak = 0;
+        self.device_present = true;
+        self.foreign = false;
+        self.loss_at = None;
+        self.failfast_at = None;
+        self.failfast = false;
+        self.replug_at = None;
+        self.next_attempt_at = None;
+        if self.recoveries > 0 {
+            a.push(Action::Resubmit);
+        }
+        self.ka_deadline = None;
+        self.ka_next =
+            (!self.policy.keep_alive_tmo.is_zero()).then(|| now + self.policy.keep_alive_tmo / 2);
     }
 
     fn enter_resetting(&mut self, now: Instant, c: Cause, a: &mut Actions) {
