@@ -406,7 +406,7 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
     let mut spin_until: Option<std::time::Instant> = None;
     // Where the busy-poll window proper ends (`spin_until` may reach past it for a device
     // deadline): what an answer must come before (see `spin::AnswerGate`).
-    let mut window_end: Option<std::time::Instant> = None;
+    let mut window: Option<std::ops::Range<std::time::Instant>> = None;
     // ... only while spells are answered, and (opt-in) not while spinning takes a core
     // someone else wants (see `spin`).
     let mut answers = spin::AnswerGate::default();
@@ -433,15 +433,14 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         }
         if spinning.is_none() {
             // A window that ran out during a turn: no spell, no verdict.
-            window_end = None;
+            window = None;
         }
         match spinning {
             Some(until) => {
                 let due = deadline.map(|t| epoch.into_std() + Duration::from_nanos(t.0));
-                let input = spin(&shared, &mut port, until, due).await;
-                if let Some(end) = window_end.take() {
-                    let now = std::time::Instant::now();
-                    answers.spell_ended(now, spin::spell(input, now, end));
+                let seen = spin(&shared, &mut port, until, due).await;
+                if let Some(w) = window.take() {
+                    answers.spell_ended(seen.at, spin::spell(seen, w));
                 }
             }
             None => tokio::select! {
@@ -512,8 +511,8 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
                 let allowed = answers.allow(t)
                     && (!BUSY_POLL_GATE.load(Ordering::Relaxed)
                         || gate.allow(t, n + sent, spin::thread_preemptions));
-                window_end = allowed.then(|| t + Duration::from_nanos(busy_poll));
-                spin_until = window_end;
+                window = allowed.then(|| t..t + Duration::from_nanos(busy_poll));
+                spin_until = window.as_ref().map(|w| w.end);
             }
             let next = next_deadline.map(|d| epoch.into_std() + Duration::from_nanos(d.0));
             spin_until = spin::spin_until(spin_until, t, next);
@@ -576,24 +575,30 @@ async fn spin<P: PacketPort>(
     port: &mut P,
     until: std::time::Instant,
     due: Option<std::time::Instant>,
-) -> bool {
+) -> spin::Looked {
     // Registered once per spell, so a post by another task of this runtime schedules the
     // driver at once instead of after the runtime's next look at its I/O and timers.
     let kick = shared.kick.notified();
     tokio::pin!(kick);
     kick.as_mut().enable();
+    let mut last = std::time::Instant::now();
+    let mut longest_gap = Duration::ZERO;
     loop {
-        tokio::select! {
+        let kicked = tokio::select! {
             biased;
-            _ = &mut kick => return true,
-            _ = tokio::task::yield_now() => {}
-        }
-        if shared.kicked.swap(false, Ordering::AcqRel) || port.has_input() {
-            return true;
-        }
+            _ = &mut kick => true,
+            _ = tokio::task::yield_now() => false,
+        };
         let now = std::time::Instant::now();
-        if now >= until || due.is_some_and(|d| now >= d) {
-            return false;
+        longest_gap = longest_gap.max(now.saturating_duration_since(last));
+        last = now;
+        let input = kicked || shared.kicked.swap(false, Ordering::AcqRel) || port.has_input();
+        if input || now >= until || due.is_some_and(|d| now >= d) {
+            return spin::Looked {
+                input,
+                at: now,
+                longest_gap,
+            };
         }
     }
 }

@@ -113,7 +113,10 @@ impl SpinGate {
     }
 }
 
-/// How long busy polling stays off after a spell that no answer ended.
+/// How long busy polling stays off after a lone spell that no answer ended; each further
+/// miss before an answer doubles it, up to [`UNANSWERED_HOLD_OFF`].
+pub(crate) const FIRST_HOLD_OFF: Duration = Duration::from_millis(1);
+/// The longest busy polling stays off after spells that went unanswered in a row.
 pub(crate) const UNANSWERED_HOLD_OFF: Duration = Duration::from_millis(100);
 
 /// Busy polling goes on only while it is answered: a spell pays when the packet or post it
@@ -124,13 +127,18 @@ pub(crate) const UNANSWERED_HOLD_OFF: Duration = Duration::from_millis(100);
 /// IOPS of not polling at all (docs/performance.md, "Across processes"); in one process the
 /// peer is a task of the same runtime, which a spinner yields to, so it answers in time.
 ///
-/// A spell that the window's end closes with nothing come turns busy polling off for
-/// [`UNANSWERED_HOLD_OFF`]; then it is tried again. A spell cut short by a device deadline
-/// (the timer it polls for) says nothing either way. No clock of its own: the driver passes
-/// `now`.
+/// A spell that the window's end closes with nothing come turns busy polling off for a
+/// while; then it is tried again. The while starts at [`FIRST_HOLD_OFF`] and doubles with
+/// each miss up to [`UNANSWERED_HOLD_OFF`], and each answered spell halves it back: a lone
+/// miss (connection setup, a pause of fio's) costs a millisecond, while spinners fighting
+/// over the cores miss spell after spell and are soon held off for the longest. A spell cut
+/// short by a device deadline (the timer it polls for) says nothing either way. No clock of
+/// its own: the driver passes `now`.
 #[derive(Debug, Default)]
 pub(crate) struct AnswerGate {
     hold_until: Option<Instant>,
+    /// The hold-off of the next miss: `FIRST_HOLD_OFF << level`, capped.
+    level: u32,
     /// Spells that went unanswered (for tests and stats).
     pub(crate) misses: u64,
 }
@@ -144,6 +152,10 @@ pub(crate) enum Spell {
     Unanswered,
     /// A device deadline came first, inside the window: no verdict.
     Timer,
+    /// The spinner was not running for half the window or more (its runtime was busy
+    /// elsewhere: fio's thread between its calls into the plugin, or the runtime's other
+    /// tasks): it did not watch the window, so nothing is known about the peer.
+    Away,
 }
 
 impl AnswerGate {
@@ -160,17 +172,46 @@ impl AnswerGate {
 
     /// A spell ended at `now`.
     pub(crate) fn spell_ended(&mut self, now: Instant, how: Spell) {
-        if how == Spell::Unanswered {
-            self.hold_until = Some(now + UNANSWERED_HOLD_OFF);
-            self.misses += 1;
+        match how {
+            Spell::Unanswered => {
+                let hold = FIRST_HOLD_OFF
+                    .saturating_mul(1 << self.level)
+                    .min(UNANSWERED_HOLD_OFF);
+                self.hold_until = Some(now + hold);
+                if hold < UNANSWERED_HOLD_OFF {
+                    self.level += 1;
+                }
+                self.misses += 1;
+            }
+            Spell::Answered => self.level = self.level.saturating_sub(1),
+            Spell::Timer | Spell::Away => {}
         }
     }
 }
 
-/// How a spell that polled until `now` for a window ending at `window_end` ended: `input`
-/// when a packet or a post ended it, else the window's or a device deadline's end did.
-pub(crate) fn spell(input: bool, now: Instant, window_end: Instant) -> Spell {
-    match (input, now < window_end) {
+/// What a spinner saw of its spell.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Looked {
+    /// A packet or a post ended the spell.
+    pub(crate) input: bool,
+    /// When it ended.
+    pub(crate) at: Instant,
+    /// The longest time between two looks at the port (the spinner's task not polled).
+    pub(crate) longest_gap: Duration,
+}
+
+/// How a spell over `window` ended, from what the spinner saw: `input` when a packet or a
+/// post ended it, else the window's or a device deadline's end did. A spinner that was not
+/// polled for half the window or more gives no verdict: in one process, where the peer is a
+/// task of the same runtime, the window runs out while the runtime is away (fio's thread
+/// between its calls into the plugin), and counting that against the peer turned busy
+/// polling off for nothing.
+pub(crate) fn spell(seen: Looked, window: std::ops::Range<Instant>) -> Spell {
+    let span = window.end.saturating_duration_since(window.start);
+    if seen.longest_gap * 2 >= span {
+        return Spell::Away;
+    }
+    match (seen.input, seen.at < window.end) {
         (true, true) => Spell::Answered,
         (false, true) => Spell::Timer,
         (_, false) => Spell::Unanswered,
@@ -321,26 +362,61 @@ mod tests {
         for i in 0..10u32 {
             let start = t0 + window * 2 * i;
             assert!(g.allow(start));
-            let how = spell(true, start + window / 2, start + window);
+            let how = spell(looked(true, start + window / 2), start..start + window);
             assert_eq!(how, Spell::Answered);
             g.spell_ended(start + window / 2, how);
         }
         let start = t0 + window * 20;
-        let how = spell(false, start + window / 4, start + window);
+        let how = spell(looked(false, start + window / 4), start..start + window);
         assert_eq!(how, Spell::Timer);
         g.spell_ended(start + window / 4, how);
         assert!(g.allow(start + window));
         assert_eq!(g.misses, 0);
-        // The window passed with nothing come: off for the hold-off, then tried again.
+        // The window passed with nothing come: off for a millisecond, then tried again.
         let start = t0 + window * 30;
         let end = start + window;
-        assert_eq!(spell(false, end, end), Spell::Unanswered);
+        assert_eq!(spell(looked(false, end), start..end), Spell::Unanswered);
         g.spell_ended(end, Spell::Unanswered);
         assert_eq!(g.misses, 1);
         assert!(!g.allow(end));
-        assert!(!g.allow(end + UNANSWERED_HOLD_OFF / 2));
-        assert!(g.allow(end + UNANSWERED_HOLD_OFF));
-        assert!(g.allow(end + UNANSWERED_HOLD_OFF + window));
+        assert!(!g.allow(end + FIRST_HOLD_OFF / 2));
+        assert!(g.allow(end + FIRST_HOLD_OFF));
+        assert!(g.allow(end + FIRST_HOLD_OFF + window));
+    }
+
+    #[test]
+    fn misses_in_a_row_hold_busy_polling_off_longer_and_answers_bring_it_back() {
+        let mut g = AnswerGate::default();
+        let mut now = Instant::now();
+        // Spinners that fight over the cores: every spell unanswered. The hold-offs double
+        // up to the longest and stay there.
+        let mut holds = vec![];
+        for _ in 0..10 {
+            assert!(g.allow(now));
+            g.spell_ended(now, Spell::Unanswered);
+            let mut off = Duration::ZERO;
+            while !g.allow(now + off) {
+                off += FIRST_HOLD_OFF / 4;
+            }
+            holds.push(off);
+            now += off;
+        }
+        let ms = |n| FIRST_HOLD_OFF * n;
+        assert_eq!(holds[..4], [ms(1), ms(2), ms(4), ms(8)]);
+        assert_eq!(holds[7..], [UNANSWERED_HOLD_OFF; 3]);
+        // Answered spells step it back down: after two, a miss holds off a quarter as long.
+        g.spell_ended(now, Spell::Answered);
+        g.spell_ended(now, Spell::Answered);
+        g.spell_ended(now, Spell::Unanswered);
+        assert!(!g.allow(now + ms(31)));
+        assert!(g.allow(now + ms(32)));
+        // Timers and spells the spinner did not watch change nothing.
+        let now = now + ms(32);
+        g.spell_ended(now, Spell::Timer);
+        g.spell_ended(now, Spell::Away);
+        g.spell_ended(now, Spell::Unanswered);
+        assert!(!g.allow(now + ms(63)));
+        assert!(g.allow(now + ms(64)));
     }
 
     #[test]
@@ -349,9 +425,49 @@ mod tests {
         let t0 = Instant::now();
         let end = t0 + Duration::from_micros(50);
         assert_eq!(
-            spell(true, end + Duration::from_micros(30), end),
+            spell(looked(true, end + Duration::from_micros(30)), t0..end),
             Spell::Unanswered
         );
+    }
+
+    #[test]
+    fn a_spinner_that_was_not_polled_through_its_window_gives_no_verdict() {
+        // fio's thread drives the runtime: between its calls into the plugin the driver task
+        // is not polled, and the spell's next look comes after the window with the answer
+        // long there. Half the window unwatched is enough to say nothing.
+        let t0 = Instant::now();
+        let window = Duration::from_micros(50);
+        let mut g = AnswerGate::default();
+        let seen = Looked {
+            input: true,
+            at: t0 + window * 4,
+            longest_gap: window * 4,
+        };
+        let how = spell(seen, t0..t0 + window);
+        assert_eq!(how, Spell::Away);
+        g.spell_ended(seen.at, how);
+        assert_eq!(g.misses, 0);
+        assert!(g.allow(seen.at));
+        let seen = Looked {
+            longest_gap: window / 2,
+            ..looked(false, t0 + window)
+        };
+        assert_eq!(spell(seen, t0..t0 + window), Spell::Away);
+        // Short gaps (a yield to the runtime's other tasks) still leave a verdict.
+        let seen = Looked {
+            longest_gap: window / 3,
+            ..looked(false, t0 + window)
+        };
+        assert_eq!(spell(seen, t0..t0 + window), Spell::Unanswered);
+    }
+
+    /// A spell the spinner watched throughout (looks 1 µs apart).
+    fn looked(input: bool, at: Instant) -> Looked {
+        Looked {
+            input,
+            at,
+            longest_gap: Duration::from_micros(1),
+        }
     }
 
     #[test]
