@@ -30,7 +30,7 @@ if [ -n "${TARGET_A:-}${TARGET_B:-}" ]; then
     port=$(python3 -c "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
     "$bin" target --ram 256M --listen "127.0.0.1:$port" > "$W/target-$v.log" 2>&1 &
     pids+=($!)
-    for _ in $(seq 100); do grep -q "listening on" "$W/target-$v.log" && break; sleep 0.1; done
+    for _ in $(seq 100); do grep -qs "listening on" "$W/target-$v.log" && break; sleep 0.1; done
     grep -q "listening on" "$W/target-$v.log" || {
       echo "ab.sh: target $v ($bin) did not start:" >&2; cat "$W/target-$v.log" >&2; exit 1; }
     nqn=$(sed -n 's/^target \([^ ]*\) listening on.*/\1/p' "$W/target-$v.log" | head -n 1)

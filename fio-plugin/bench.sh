@@ -29,8 +29,8 @@
 #   FIO_EXTRA="k=v ..." adds job options to every fio run of the main table.
 #   EXT_BUSY_POLL=0us   the busy-poll window of ext's two processes (the target's --busy-poll
 #                       and the plugin's busy_poll=; default 50us, as a user gets: polling
-#                       that goes unanswered stops for 1 ms, up to 100 ms after misses in a
-#                       row; docs/performance.md, "Busy polling").
+#                       that goes unanswered stops for 1 ms, up to 100 ms after misses one
+#                       after another; docs/performance.md, "Busy polling").
 #   EXT_BUSY_POLL_GATE=1 the busy-poll gate on ext's two processes (--busy-poll-gate,
 #                       busy_poll_gate=1): spinning stops for a while once it is preempted.
 #

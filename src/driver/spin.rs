@@ -114,7 +114,7 @@ impl SpinGate {
 }
 
 /// How long busy polling stays off after a lone spell that no answer ended; each further
-/// miss before an answer doubles it, up to [`UNANSWERED_HOLD_OFF`].
+/// miss soon after doubles it, up to [`UNANSWERED_HOLD_OFF`].
 pub(crate) const FIRST_HOLD_OFF: Duration = Duration::from_millis(1);
 /// The longest busy polling stays off after spells that went unanswered in a row.
 pub(crate) const UNANSWERED_HOLD_OFF: Duration = Duration::from_millis(100);
@@ -129,16 +129,20 @@ pub(crate) const UNANSWERED_HOLD_OFF: Duration = Duration::from_millis(100);
 ///
 /// A spell that the window's end closes with nothing come turns busy polling off for a
 /// while; then it is tried again. The while starts at [`FIRST_HOLD_OFF`] and doubles with
-/// each miss up to [`UNANSWERED_HOLD_OFF`], and each answered spell halves it back: a lone
-/// miss (connection setup, a pause of fio's) costs a millisecond, while spinners fighting
-/// over the cores miss spell after spell and are soon held off for the longest. A spell cut
-/// short by a device deadline (the timer it polls for) says nothing either way. No clock of
-/// its own: the driver passes `now`.
+/// each miss up to [`UNANSWERED_HOLD_OFF`]; it halves back for each [`UNANSWERED_HOLD_OFF`]
+/// that busy polling was allowed without a miss. So a lone miss (connection setup, a pause
+/// of fio's) costs a millisecond, while spinners fighting over the cores, which miss again
+/// as soon as they are let spin, are soon held off for the longest and stay so. Answered
+/// spells do not bring it down faster: under contention some spells are answered too. A
+/// spell cut short by a device deadline (the timer it polls for) says nothing either way.
+/// No clock of its own: the driver passes `now`.
 #[derive(Debug, Default)]
 pub(crate) struct AnswerGate {
     hold_until: Option<Instant>,
     /// The hold-off of the next miss: `FIRST_HOLD_OFF << level`, capped.
     level: u32,
+    /// When the last hold-off ended (spinning allowed again).
+    last_hold_end: Option<Instant>,
     /// Spells that went unanswered (for tests and stats).
     pub(crate) misses: u64,
 }
@@ -174,17 +178,24 @@ impl AnswerGate {
     pub(crate) fn spell_ended(&mut self, now: Instant, how: Spell) {
         match how {
             Spell::Unanswered => {
+                if let Some(end) = self.last_hold_end {
+                    let quiet = now.saturating_duration_since(end);
+                    let steps = quiet.as_nanos() / UNANSWERED_HOLD_OFF.as_nanos();
+                    self.level = self
+                        .level
+                        .saturating_sub(u32::try_from(steps).unwrap_or(u32::MAX));
+                }
                 let hold = FIRST_HOLD_OFF
                     .saturating_mul(1 << self.level)
                     .min(UNANSWERED_HOLD_OFF);
                 self.hold_until = Some(now + hold);
+                self.last_hold_end = Some(now + hold);
                 if hold < UNANSWERED_HOLD_OFF {
                     self.level += 1;
                 }
                 self.misses += 1;
             }
-            Spell::Answered => self.level = self.level.saturating_sub(1),
-            Spell::Timer | Spell::Away => {}
+            Spell::Answered | Spell::Timer | Spell::Away => {}
         }
     }
 }
@@ -385,14 +396,15 @@ mod tests {
     }
 
     #[test]
-    fn misses_in_a_row_hold_busy_polling_off_longer_and_answers_bring_it_back() {
+    fn misses_in_a_row_hold_busy_polling_off_longer_and_quiet_time_brings_it_back() {
         let mut g = AnswerGate::default();
         let mut now = Instant::now();
-        // Spinners that fight over the cores: every spell unanswered. The hold-offs double
-        // up to the longest and stay there.
+        // Spinners that fight over the cores: a spell misses as soon as spinning is let
+        // again, answered spells in between. The hold-offs double up to the longest and stay.
         let mut holds = vec![];
         for _ in 0..10 {
             assert!(g.allow(now));
+            g.spell_ended(now, Spell::Answered);
             g.spell_ended(now, Spell::Unanswered);
             let mut off = Duration::ZERO;
             while !g.allow(now + off) {
@@ -404,19 +416,22 @@ mod tests {
         let ms = |n| FIRST_HOLD_OFF * n;
         assert_eq!(holds[..4], [ms(1), ms(2), ms(4), ms(8)]);
         assert_eq!(holds[7..], [UNANSWERED_HOLD_OFF; 3]);
-        // Answered spells step it back down: after two, a miss holds off a quarter as long.
-        g.spell_ended(now, Spell::Answered);
-        g.spell_ended(now, Spell::Answered);
+        // Two hold-offs' worth of spinning without a miss: a miss holds off a quarter as long.
+        let now = now + UNANSWERED_HOLD_OFF * 2;
         g.spell_ended(now, Spell::Unanswered);
         assert!(!g.allow(now + ms(31)));
         assert!(g.allow(now + ms(32)));
-        // Timers and spells the spinner did not watch change nothing.
+        // Timers and spells the spinner did not watch change nothing; a long quiet spell
+        // brings a miss back to a millisecond.
         let now = now + ms(32);
         g.spell_ended(now, Spell::Timer);
         g.spell_ended(now, Spell::Away);
         g.spell_ended(now, Spell::Unanswered);
         assert!(!g.allow(now + ms(63)));
         assert!(g.allow(now + ms(64)));
+        let now = now + ms(64) + UNANSWERED_HOLD_OFF * 20;
+        g.spell_ended(now, Spell::Unanswered);
+        assert!(g.allow(now + ms(1)));
     }
 
     #[test]
