@@ -410,6 +410,9 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
     // ... only while spells are answered, and (opt-in) not while spinning takes a core
     // someone else wants (see `spin`).
     let mut answers = spin::AnswerGate::default();
+    // When packets last crossed the network (see `spin::Spell::InProcess`).
+    let mut network_at: Option<std::time::Instant> = None;
+    let mut network_seen = 0;
     let mut gate = spin::SpinGate::default();
     // Received MADs wait in the device for the CM's pump (see `handoff`).
     let mut gsi = handoff::HandOff::default();
@@ -438,7 +441,10 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         match spinning {
             Some(until) => {
                 let due = deadline.map(|t| epoch.into_std() + Duration::from_nanos(t.0));
-                let seen = spin(&shared, &mut port, until, due).await;
+                let mut seen = spin(&shared, &mut port, until, due).await;
+                seen.network_peer = network_at.is_some_and(|t| {
+                    seen.at.saturating_duration_since(t) < spin::UNANSWERED_HOLD_OFF
+                });
                 if let Some(w) = window.take() {
                     answers.spell_ended(seen.at, spin::spell(seen, w));
                 }
@@ -507,6 +513,11 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         let busy_poll = shared.busy_poll_ns.load(Ordering::Relaxed);
         if busy_poll > 0 && port.busy_poll() {
             let t = std::time::Instant::now();
+            let network = port.network_packets();
+            if network != network_seen {
+                network_seen = network;
+                network_at = Some(t);
+            }
             if n > 0 || sent > 0 {
                 let allowed = answers.allow(t)
                     && (!BUSY_POLL_GATE.load(Ordering::Relaxed)
@@ -598,6 +609,7 @@ async fn spin<P: PacketPort>(
                 input,
                 at: now,
                 longest_gap,
+                network_peer: true,
             };
         }
     }

@@ -65,6 +65,11 @@ pub(crate) trait PacketPort: Send + 'static {
     fn overflows(&self) -> u64 {
         0
     }
+    /// Packets received or sent over the network so far (from or to another process or
+    /// machine), not handed over in memory: a peer that needs a core of its own.
+    fn network_packets(&self) -> u64 {
+        0
+    }
 }
 
 /// A UDP socket with its batched receive and send buffers; with a raw socket beside it
@@ -75,6 +80,8 @@ pub(crate) struct UdpPort {
     local: Option<LocalLink>,
     /// Packets of the last receive that came by the loopback path (they come first).
     local_n: usize,
+    /// See [`PacketPort::network_packets`].
+    network: u64,
     /// Where the datagrams are read, with their IPv4 headers, when the UDP socket only
     /// sends (see [`RawRx`]).
     raw: Option<RawRx>,
@@ -133,6 +140,7 @@ impl UdpPort {
             sock,
             local: None,
             local_n: 0,
+            network: 0,
             raw: Some(raw),
             rx: RxBatch::new(),
             tx: TxBatch::new(false),
@@ -151,6 +159,7 @@ impl UdpPort {
                 None
             },
             local_n: 0,
+            network: 0,
             raw: None,
             rx: RxBatch::new(),
             tx: TxBatch::new(gro),
@@ -198,6 +207,7 @@ impl PacketPort for UdpPort {
             Some(raw) => self.rx.recv_raw(raw),
             None => self.rx.recv(&self.sock),
         }?;
+        self.network += n as u64;
         Ok(self.local_n + n)
     }
 
@@ -223,9 +233,11 @@ impl PacketPort for UdpPort {
     fn push(&mut self, dst: SocketAddr, start: usize) {
         let len = self.tx.buf.len() - start;
         let Some(local) = self.local.as_mut() else {
+            self.network += 1;
             return self.tx.push(dst, start);
         };
         if !local.take(dst, start, len) {
+            self.network += 1;
             // Not for this process: the device left the ICRC to us (`fills_icrc`).
             fill_icrc(&IcrcContext::new(self.addr, dst), &mut self.tx.buf[start..]);
             return self.tx.push(dst, start);
@@ -246,6 +258,10 @@ impl PacketPort for UdpPort {
 
     fn busy_poll(&self) -> bool {
         true
+    }
+
+    fn network_packets(&self) -> u64 {
+        self.network
     }
 
     /// With the loopback path: a packet for another context of the process needs no ICRC

@@ -160,6 +160,10 @@ pub(crate) enum Spell {
     /// elsewhere: fio's thread between its calls into the plugin, or the runtime's other
     /// tasks): it did not watch the window, so nothing is known about the peer.
     Away,
+    /// The window passed, but no packet had crossed the network for a while: the peer is a
+    /// task of this runtime (the built-in target, `nvmf-rdma bench`), which the spinner
+    /// yields to, so a late answer is not one that wanted a core.
+    InProcess,
 }
 
 impl AnswerGate {
@@ -195,7 +199,7 @@ impl AnswerGate {
                 }
                 self.misses += 1;
             }
-            Spell::Answered | Spell::Timer | Spell::Away => {}
+            Spell::Answered | Spell::Timer | Spell::Away | Spell::InProcess => {}
         }
     }
 }
@@ -209,6 +213,9 @@ pub(crate) struct Looked {
     pub(crate) at: Instant,
     /// The longest time between two looks at the port (the spinner's task not polled).
     pub(crate) longest_gap: Duration,
+    /// Packets crossed the network (another process or machine) within the last
+    /// [`UNANSWERED_HOLD_OFF`].
+    pub(crate) network_peer: bool,
 }
 
 /// How a spell over `window` ended, from what the spinner saw: `input` when a packet or a
@@ -225,6 +232,7 @@ pub(crate) fn spell(seen: Looked, window: std::ops::Range<Instant>) -> Spell {
     match (seen.input, seen.at < window.end) {
         (true, true) => Spell::Answered,
         (false, true) => Spell::Timer,
+        (_, false) if !seen.network_peer => Spell::InProcess,
         (_, false) => Spell::Unanswered,
     }
 }
@@ -457,6 +465,7 @@ mod tests {
             input: true,
             at: t0 + window * 4,
             longest_gap: window * 4,
+            network_peer: true,
         };
         let how = spell(seen, t0..t0 + window);
         assert_eq!(how, Spell::Away);
@@ -476,12 +485,31 @@ mod tests {
         assert_eq!(spell(seen, t0..t0 + window), Spell::Unanswered);
     }
 
-    /// A spell the spinner watched throughout (looks 1 µs apart).
+    #[test]
+    fn a_late_answer_from_a_peer_in_this_process_gives_no_verdict() {
+        // Every packet went through memory to a task of this runtime: the spinner yields to
+        // it, so a window that passed is not a peer wanting a core.
+        let t0 = Instant::now();
+        let end = t0 + Duration::from_micros(50);
+        let seen = Looked {
+            network_peer: false,
+            ..looked(false, end)
+        };
+        assert_eq!(spell(seen, t0..end), Spell::InProcess);
+        let mut g = AnswerGate::default();
+        g.spell_ended(end, Spell::InProcess);
+        assert_eq!(g.misses, 0);
+        assert!(g.allow(end));
+    }
+
+    /// A spell the spinner watched throughout (looks 1 µs apart), its peer across the
+    /// network.
     fn looked(input: bool, at: Instant) -> Looked {
         Looked {
             input,
             at,
             longest_gap: Duration::from_micros(1),
+            network_peer: true,
         }
     }
 
