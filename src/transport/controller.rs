@@ -155,6 +155,14 @@ impl Controller {
         self.report_failure(Cause::UserReset);
     }
 
+    /// Tell recovery whether another path of the subsystem can carry this controller's I/O:
+    /// while it can, I/O held by a lost connection is given back at once (failing with
+    /// [`FailReason::Failover`](crate::reconnect::FailReason::Failover)) for the multipath
+    /// layer to send elsewhere; admin commands wait for the reconnect as always.
+    pub fn set_other_paths(&self, on: bool) {
+        self.shared.inbox.report(Event::OtherPaths(on));
+    }
+
     /// Report a failure of the current connection to recovery, through the one entry that
     /// the queues, the connection manager and the device watcher report to: recovery starts
     /// if the controller is LIVE and the connection is still the one it was. For tools and

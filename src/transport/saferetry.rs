@@ -671,6 +671,17 @@ impl SafeExec {
         }
     }
 
+    /// The I/O queues' held commands were given back to the multipath layer (admin commands
+    /// stay): hold none of them. Whoever takes them on another path waits for the same rule
+    /// (`Controller::quiesced_via`).
+    pub(super) fn handed_back(&mut self) {
+        self.hold.forget_if(|t| t >> 16 != 0);
+        let mut st = self.shared.lock();
+        for l in st.lost.iter_mut().flatten() {
+            l.held = self.hold.held_from(&l.instance);
+        }
+    }
+
     /// Held commands were failed (deletion, fast_io_fail_tmo, ctrl_loss_tmo): hold nothing.
     pub(super) fn failed_held(&mut self) {
         self.hold.clear();

@@ -13,8 +13,8 @@
 //!
 //! One path: the host reconnects and resends on the new association. Two paths (two ports of
 //! one subsystem, a controller through each, I/O through the multipath namespace, failover
-//! policy so every write is on path A): path A's controller fails its held writes at once
-//! (`fast_io_fail_tmo` 0) and they go to path B.
+//! policy so every write is on path A), default path settings: path A's controller, a path of
+//! a subsystem with another, gives its held writes back at once and they go to path B.
 //!
 //! Each sweep also measures, per fault, how long the writes held across it wait: virtual
 //! time from the loss to the last of them completing. Once a topology's `off`, `cqt` and
@@ -131,10 +131,6 @@ async fn world(seed: u64, s: Setup) -> World {
         let mut p =
             crate::rig::reconnect_at_once(Some(Duration::from_secs(60)), Duration::from_secs(60));
         p.keep_alive_tmo = KATO;
-        if s.paths > 1 && i == 0 {
-            // Path A gives its held writes back at once, so that they go to path B.
-            p.fast_io_fail_tmo = Some(Duration::ZERO);
-        }
         let mut o = host_options(h.addr(), s.queues, 32, p);
         o.safe_retry = HoldPolicy {
             mode: s.mode,
