@@ -363,11 +363,34 @@ pub(super) async fn cross_reset_until(
     deadline: Instant,
 ) -> Result<CcrOutcome, HostError> {
     let left = |now: Instant| deadline.saturating_since(now);
-    let sent = tokio::time::timeout(
-        left(clock.now()),
-        admin.submit(ccr::cross_ctrl_reset(0, impacted), None, 0),
-    )
-    .await;
+    let log_len = ccr::LOG_HEADER_LEN + CCR_LOG_ENTRIES * ccr::CcrLogEntry::LEN;
+    let mut cleared = false;
+    let sent = loop {
+        let sent = tokio::time::timeout(
+            left(clock.now()),
+            admin.submit(ccr::cross_ctrl_reset(0, impacted), None, 0),
+        )
+        .await;
+        match sent {
+            // The source's log keeps every reset it ran, those answered at once too, until
+            // read with Remove Completed: read it so, and ask once more.
+            Ok(Err(HostError::Nvme(e)))
+                if !cleared && same_code(e.status, ccr::status::LOG_FULL) =>
+            {
+                cleared = true;
+                let sqe = ccr::get_ccr_log(0, CCR_LOG_ENTRIES, true)?;
+                match tokio::time::timeout(left(clock.now()), admin.submit(sqe, None, log_len))
+                    .await
+                {
+                    Ok(r) => {
+                        r?;
+                    }
+                    Err(_) => return Ok(CcrOutcome::Failed),
+                }
+            }
+            sent => break sent,
+        }
+    };
     match sent {
         Err(_) => return Ok(CcrOutcome::Failed),
         Ok(Ok(r)) => {
@@ -396,11 +419,11 @@ pub(super) async fn cross_reset_until(
         tokio::time::sleep(pause.min(left(now))).await;
         pause = (pause * 2).min(Duration::from_millis(50));
         let sqe = ccr::get_ccr_log(0, CCR_LOG_ENTRIES, true)?;
-        let len = ccr::LOG_HEADER_LEN + CCR_LOG_ENTRIES * ccr::CcrLogEntry::LEN;
-        let r = match tokio::time::timeout(left(clock.now()), admin.submit(sqe, None, len)).await {
-            Ok(r) => r?,
-            Err(_) => return Ok(CcrOutcome::Failed),
-        };
+        let r =
+            match tokio::time::timeout(left(clock.now()), admin.submit(sqe, None, log_len)).await {
+                Ok(r) => r?,
+                Err(_) => return Ok(CcrOutcome::Failed),
+            };
         let Ok(log) = CcrLog::new_checked(&r.data[..]) else {
             return Err(HostError::Protocol(
                 "the CCR log page is malformed; safe retry falls back to the time rule".into(),

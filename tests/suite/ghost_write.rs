@@ -41,7 +41,7 @@ use nvmf_rdma::nvme::Nqn;
 use nvmf_rdma::nvmet::{serve_cm, serve_cm_on, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::reconnect::hold::{HoldPolicy, SafeRetry};
 use nvmf_rdma::reconnect::CtrlState;
-use nvmf_rdma::transport::{Controller, HostError};
+use nvmf_rdma::transport::{CcrOutcome, Controller, HostError};
 use nvmf_rdma::verbs::{DeviceFaults, FaultInjector};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -854,4 +854,35 @@ fn two_paths_under_resets_and_unplugs_every_io_completes_in_time() {
             Err(e) => panic!("SIM_SEED={seed}: {e}"),
         }
     }
+}
+
+/// A live controller's CCR log keeps the resets it ran, those answered at once too, and the
+/// target refuses the next once it holds 16: the host clears it (Remove Completed) and asks
+/// again, so every loss of path A is settled by a CCR through path B, however many there are.
+#[test]
+fn many_cross_controller_resets_through_one_controller_all_succeed() {
+    crate::rig::sim_runtime().block_on(async {
+        let s = Setup {
+            paths: 2,
+            ..setup(SafeRetry::Ccr)
+        };
+        let w = world(17, s).await;
+        let (a, b) = (&w.ctrls[0], &w.ctrls[1]);
+        for i in 0..24 {
+            let old = a.instance().expect("path A live");
+            assert!(w.target.lose_controller(old.cntlid));
+            assert!(
+                until(Duration::from_secs(5), || a
+                    .instance()
+                    .is_some_and(|n| n != old))
+                .await,
+                "path A did not come back"
+            );
+            let r = b.cross_reset(old).await;
+            assert!(
+                matches!(r, Ok(CcrOutcome::Succeeded)),
+                "CCR {i} through path B: {r:?}"
+            );
+        }
+    });
 }
