@@ -196,6 +196,31 @@ fn fast_io_fail_then_ctrl_loss_to_the_tick() {
     assert_eq!(d.m.state(), CtrlState::Dead);
 }
 
+/// A path of a subsystem with other paths gives its held I/O back as its connection is
+/// lost (and when another path joins while it is down), without failing fast for its own
+/// sake; with no other path it holds I/O until the reconnect again.
+#[test]
+fn with_other_paths_held_io_is_handed_back_at_the_loss() {
+    let mut d = Drive::new(policy());
+    d.ev(Event::OtherPaths(true));
+    d.now = 3 * S;
+    d.ev(Event::Failed(Cause::DeviceFatal));
+    assert_eq!(d.when(|a| *a == Action::HandBack), vec![3 * S]);
+    assert!(!d.m.failing_fast());
+    d.ev(Event::DeviceUp(ours()));
+    d.run_to(8 * S);
+    d.ev(Event::Connected);
+    assert_eq!(d.m.state(), CtrlState::Live);
+    d.ev(Event::OtherPaths(false));
+    d.now = 10 * S;
+    d.ev(Event::Failed(Cause::DeviceFatal));
+    assert_eq!(d.when(|a| *a == Action::HandBack), vec![3 * S]);
+    d.now = 11 * S;
+    d.ev(Event::OtherPaths(true));
+    d.ev(Event::OtherPaths(true));
+    assert_eq!(d.when(|a| *a == Action::HandBack), vec![3 * S, 11 * S]);
+}
+
 #[test]
 fn a_different_device_is_not_ours_and_the_controller_is_lost() {
     for (imposter, rule, accepted) in [

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::reconnect::CtrlState;
-use crate::transport::{Controller, CtrlStatus, HostError, NsInfo};
+use crate::transport::{Controller, CtrlStatus, HostError, Losses, NsInfo};
 
 use super::failover::{after_error, AfterError, CmdKind};
 use super::path::Path;
@@ -32,16 +32,18 @@ pub struct MpNamespace {
 }
 
 /// May a write that failed on `path` with a transport-class error go to another path? Once
-/// the failed controller's commands can no longer execute: its safe-retry hold says so (a
-/// Cross-Controller Reset through a live controller of the subsystem, another path's first,
-/// or k x KATO + CQT since its last contact; at once with `--safe-retry off`). Waits for
-/// that, which the time rule bounds. Other errors are not retried elsewhere, so nothing is
-/// waited for.
+/// the associations it may have been in flight on (`upto`, taken as it failed) can no
+/// longer execute it: its safe-retry hold says so (a Cross-Controller Reset through a live
+/// controller of the subsystem, another path's first, or k x KATO + CQT since their last
+/// contact; at once with `--safe-retry off`). While no path is live it waits for one to send
+/// the CCR through, or for the time rule, which bounds the wait. Other errors are not
+/// retried elsewhere, so nothing is waited for.
 async fn old_commands_dead(
     paths: &[Arc<Path>],
     path: &Path,
     kind: CmdKind,
     err: &HostError,
+    upto: Losses,
 ) -> bool {
     let path_error = matches!(
         err,
@@ -51,26 +53,42 @@ async fn old_commands_dead(
             | HostError::Step(_)
             | HostError::Timeout(_)
     );
-    if kind == CmdKind::Write && path_error {
+    if kind != CmdKind::Write || !path_error {
+        return true;
+    }
+    loop {
+        let mut rxs: Vec<_> = paths.iter().map(|p| p.ctrl.watch_status()).collect();
         let via = paths
             .iter()
             .filter(|p| p.ctrl.state() == CtrlState::Live)
             .min_by_key(|p| p.id == path.id);
-        match via {
-            Some(via) => path.ctrl.quiesced_via(&via.ctrl).await,
-            None => path.ctrl.quiesced().await,
+        if let Some(via) = via {
+            path.ctrl.quiesced_via(&via.ctrl, upto).await;
+            return true;
+        }
+        let mut futs: Vec<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = rxs
+            .iter_mut()
+            .map(|rx| -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+                Box::pin(async move {
+                    let _ = rx.wait_for(|s| s.state() == CtrlState::Live).await;
+                })
+            })
+            .collect();
+        futs.push(Box::pin(path.ctrl.quiesced_upto(upto)));
+        let quiet = futs.len() - 1;
+        if first_of(futs).await == quiet {
+            return true;
         }
     }
-    true
 }
 
-/// The first of several futures to be ready; the others are dropped with it.
-async fn first_of(futs: Vec<Pin<Box<dyn Future<Output = ()> + Send + '_>>>) {
+/// The index of the first of several futures to be ready; the others are dropped with it.
+async fn first_of(futs: Vec<Pin<Box<dyn Future<Output = ()> + Send + '_>>>) -> usize {
     let mut futs = futs;
     std::future::poll_fn(|cx| {
-        for f in futs.iter_mut() {
+        for (i, f) in futs.iter_mut().enumerate() {
             if f.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(());
+                return Poll::Ready(i);
             }
         }
         Poll::Pending
@@ -213,7 +231,7 @@ impl MpNamespace {
         if let Some(d) = deadline {
             futs.push(Box::pin(tokio::time::sleep_until(d)));
         }
-        first_of(futs).await
+        first_of(futs).await;
     }
 
     /// Run `op` on a path chosen for it, moving it as the failover rule says, holding it
@@ -245,7 +263,10 @@ impl MpNamespace {
                             continue;
                         }
                     };
-                    match after_error(kind, &e, old_commands_dead(&paths, path, kind, &e).await) {
+                    // Taken at once: the associations the command may have been in flight on.
+                    let upto = path.ctrl.losses();
+                    let dead = old_commands_dead(&paths, path, kind, &e, upto).await;
+                    match after_error(kind, &e, dead) {
                         AfterError::Elsewhere { reread_ana } if moves < MAX_MOVES => {
                             moves += 1;
                             path.failed_over();

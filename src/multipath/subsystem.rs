@@ -167,6 +167,7 @@ impl Subsystem {
             .unwrap_or_else(|e| e.into_inner())
             .push((id, watcher));
         self.paths_mut().push(path.clone());
+        self.tell_paths();
         self.bump();
         Ok(path)
     }
@@ -188,8 +189,22 @@ impl Subsystem {
                 }
                 *pid != id
             });
+        path.ctrl.set_other_paths(false);
+        self.tell_paths();
         self.bump();
         Some(path)
+    }
+
+    /// Tell each path's controller whether another path can carry its I/O: with two or more,
+    /// a path that loses its connection gives its held I/O back at once, reads to go to a
+    /// live path now and writes once the failed controller's commands are known dead
+    /// (`old_commands_dead`), instead of waiting for its reconnect.
+    fn tell_paths(&self) {
+        let paths = self.paths();
+        let on = paths.len() >= 2;
+        for p in &paths {
+            p.ctrl.set_other_paths(on);
+        }
     }
 
     /// Tell the subsystem of an Asynchronous Event a path's controller reported: an ANA

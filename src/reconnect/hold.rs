@@ -352,7 +352,12 @@ impl<T: Copy + PartialEq> Hold<T> {
 
     /// The command `tag` was failed or completed another way: stop holding it.
     pub fn forget(&mut self, tag: T) {
-        self.slots.retain(|s| s.tag != tag);
+        self.forget_if(|t| t == tag);
+    }
+
+    /// Stop holding every command whose tag `gone` accepts (they were failed).
+    pub fn forget_if(&mut self, mut gone: impl FnMut(T) -> bool) {
+        self.slots.retain(|s| !gone(s.tag));
     }
 }
 

@@ -107,6 +107,8 @@ pub enum FailReason {
     ReplugWindow,
     /// The user disconnected.
     Deleted,
+    /// Another path of the subsystem carries it (multipath with more than one path).
+    Failover,
 }
 
 impl FailReason {
@@ -117,6 +119,7 @@ impl FailReason {
             FailReason::MaxReconnects => "max_reconnects used up",
             FailReason::ReplugWindow => "device not back within replug_window",
             FailReason::Deleted => "controller deleted",
+            FailReason::Failover => "path failed: given to another path of the subsystem",
         }
     }
 }
@@ -147,6 +150,10 @@ pub enum Event {
     Delete,
     /// Deleting finished.
     Deleted,
+    /// Whether another path of the subsystem can carry this controller's I/O. While it can,
+    /// I/O held by a lost connection goes back to the multipath layer at once instead of
+    /// waiting for the reconnect (Linux `nvme_failover_req`).
+    OtherPaths(bool),
 }
 
 /// What the machine asks for.
@@ -167,6 +174,9 @@ pub enum Action {
     Resubmit,
     /// Fail held I/O, and new I/O while not LIVE.
     FailHeld(FailReason),
+    /// Give held I/O (not admin commands) back to the multipath layer, and new I/O while
+    /// not LIVE: another path carries it.
+    HandBack,
     /// Fail everything pending; nothing more is accepted.
     FailAll(FailReason),
 }
@@ -305,6 +315,8 @@ pub struct Machine {
     loss_at: Option<Instant>,
     failfast_at: Option<Instant>,
     failfast: bool,
+    /// Another path can carry this controller's I/O (see [`Event::OtherPaths`]).
+    other_paths: bool,
     replug_at: Option<Instant>,
     next_attempt_at: Option<Instant>,
     attempts: u32,
@@ -339,6 +351,7 @@ impl Machine {
             loss_at: None,
             failfast_at: None,
             failfast: false,
+            other_paths: false,
             replug_at: None,
             next_attempt_at: None,
             attempts: 0,
@@ -496,6 +509,13 @@ impl Machine {
                 self.enter_resetting(now, c, &mut a)
             }
             (Live, Event::KeepAliveOk) => self.ka_deadline = None,
+            (_, Event::OtherPaths(on)) => {
+                let now_on = on && !self.other_paths;
+                self.other_paths = on;
+                if now_on && matches!(self.state, Resetting | Connecting) {
+                    a.push(Action::HandBack);
+                }
+            }
             (Resetting, Event::TornDown) => {
                 self.goto(Connecting, Trigger::TornDown);
                 self.next_attempt_at = Some(now + self.policy.retry_gap(self.streak));
@@ -567,6 +587,9 @@ impl Machine {
         }
         a.push(Action::StopKeepAlive);
         a.push(Action::TearDown);
+        if self.other_paths {
+            a.push(Action::HandBack);
+        }
     }
 
     fn give_up(&mut self, why: FailReason, a: &mut Actions) {

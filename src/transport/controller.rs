@@ -18,7 +18,7 @@ use crate::verbs::{DeviceContext, DeviceSource, Instant};
 use super::namespaces::{AsyncEvent, NsInfo, NsTable};
 use super::options::ConnectOptions;
 use super::queue::{IoBuffer, QueueHandle, QueueStats};
-use super::saferetry::{self, CcrOutcome, CtrlInstance, SafeRetryStatus};
+use super::saferetry::{self, CcrOutcome, CtrlInstance, Losses, SafeRetryStatus};
 use super::state::{Backing, CtrlShared, CtrlStatus, DevShared};
 use super::HostError;
 
@@ -78,29 +78,48 @@ impl Controller {
         saferetry::cross_reset_until(&self.admin, self.shared.clock, impacted, deadline).await
     }
 
-    /// Resolves once no command of a dead association of this controller can still execute
-    /// in the target: each one's CCR succeeded or its time rule (`k x KATO + CQT` after the
-    /// last contact) passed; at once with `--safe-retry off` or when no association died.
-    pub async fn quiesced(&self) {
-        self.shared.safe.quiesced(self.shared.clock).await
+    /// What a command of this controller that failed by now may still have running in the
+    /// target: its dead associations so far, and its live one (whose loss may not be
+    /// recorded yet).
+    pub fn losses(&self) -> Losses {
+        self.shared.safe.losses()
     }
 
-    /// [`Controller::quiesced`], sooner where a CCR can tell: for each dead association of
-    /// this controller that no CCR was asked for yet (`ccr` mode, a target that offers it),
-    /// a Cross-Controller Reset through `via`, a live controller of the same subsystem (a
-    /// multipath host's other path, or this controller once it is live again).
-    pub async fn quiesced_via(&self, via: &Controller) {
+    /// Resolves once no command of an association of this controller that died before the
+    /// call can still execute in the target: each one's CCR succeeded or its time rule
+    /// (`k x KATO + CQT` after the last contact) passed; at once with `--safe-retry off` or
+    /// when none died.
+    pub async fn quiesced(&self) {
+        self.quiesced_upto(self.losses()).await
+    }
+
+    /// [`Controller::quiesced`] for the associations of `upto`, a snapshot taken when a
+    /// command failed: later losses do not hold it (it was not in flight on them).
+    pub async fn quiesced_upto(&self, upto: Losses) {
+        self.shared.safe.quiesced(self.shared.clock, upto).await
+    }
+
+    /// [`Controller::quiesced_upto`], sooner where a CCR can tell: for each dead association
+    /// of `upto` that no CCR was asked for yet (`ccr` mode, a target that offers it), as it
+    /// dies, a Cross-Controller Reset through `via`, a live controller of the same subsystem
+    /// (a multipath host's other path, or this controller once it is live again).
+    pub async fn quiesced_via(&self, via: &Controller, upto: Losses) {
         let safe = &self.shared.safe;
         let ccrs = async {
-            for impacted in safe.claim_for_ccr(self.now()).into_iter().flatten() {
-                let r = via.cross_reset(impacted).await;
-                safe.on_peer_ccr(impacted, r);
-                self.shared.inbox.wake.notify_one();
+            loop {
+                let changed = safe.changed();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                for impacted in safe.claim_for_ccr(self.now(), upto).into_iter().flatten() {
+                    let r = via.cross_reset(impacted).await;
+                    safe.on_peer_ccr(impacted, r);
+                    self.shared.inbox.wake.notify_one();
+                }
+                changed.await;
             }
-            std::future::pending::<()>().await
         };
         tokio::select! {
-            _ = self.quiesced() => {}
+            _ = self.quiesced_upto(upto) => {}
             _ = ccrs => {}
         }
     }
@@ -153,6 +172,14 @@ impl Controller {
     /// Start recovery now, as on any failure (nvme-cli `reset`).
     pub fn reset(&self) {
         self.report_failure(Cause::UserReset);
+    }
+
+    /// Tell recovery whether another path of the subsystem can carry this controller's I/O:
+    /// while it can, I/O held by a lost connection is given back at once (failing with
+    /// [`FailReason::Failover`](crate::reconnect::FailReason::Failover)) for the multipath
+    /// layer to send elsewhere; admin commands wait for the reconnect as always.
+    pub fn set_other_paths(&self, on: bool) {
+        self.shared.inbox.report(Event::OtherPaths(on));
     }
 
     /// Report a failure of the current connection to recovery, through the one entry that

@@ -22,5 +22,7 @@ pub use fixed::Fixed;
 pub use namespaces::{AsyncEvent, NsInfo};
 pub use options::{default_hostid, ConnectOptions, SOFT_INLINE_DEPTH};
 pub use queue::{IoBuffer, QueueHandle, QueueSpec, QueueStats};
-pub use saferetry::{CcrOutcome, CtrlInstance, HoldStatus, ReleasedBy, SafeRetry, SafeRetryStatus};
+pub use saferetry::{
+    CcrOutcome, CtrlInstance, HoldStatus, Losses, ReleasedBy, SafeRetry, SafeRetryStatus,
+};
 pub use state::{CtrlStatus, RecoveryTrace};

@@ -26,7 +26,7 @@ use crate::cm::ConnId;
 use crate::nvme::admin;
 use crate::nvme::fabrics;
 use crate::nvme::{Cc, FabricsCmd};
-use crate::reconnect::{Action, Cause, CtrlState, Event, Identity, Machine};
+use crate::reconnect::{Action, Cause, CtrlState, Event, FailReason, Identity, Machine};
 use crate::verbs::{CmPort, DeviceContext, DeviceSource, Instant, Lifecycle, PdId};
 
 use super::inbox::Inbox;
@@ -347,6 +347,13 @@ impl<S: DeviceSource> Supervisor<S> {
                     c.poke();
                 }
                 self.safe.failed_held();
+            }
+            Action::HandBack => {
+                for c in &self.io {
+                    c.lock().fail_held(FailReason::Failover, false);
+                    c.poke();
+                }
+                self.safe.handed_back();
             }
             Action::FailAll(why) => {
                 self.teardown();

@@ -11,9 +11,11 @@
 //!   `k x KATO + CQT` after the last contact (`k` = 3 with traffic-based keep alive, else 2).
 //!   With `--safe-retry off` everything goes at once.
 //! - New I/O is never held: an unacknowledged write has no order against a concurrent one.
-//! - A write given back to a multipath host (`fast_io_fail_tmo`, `ctrl_loss_tmo`) waits for
-//!   [`super::Controller::quiesced_via`], which sends the CCR through another live
-//!   controller of the subsystem: the failed one holds nothing that would make it ask.
+//! - A write given back to a multipath host (a path that fails with others live,
+//!   `fast_io_fail_tmo`, `ctrl_loss_tmo`) waits for [`super::Controller::quiesced_via`],
+//!   which sends the CCR through another live controller of the subsystem: the failed one
+//!   holds nothing that would make it ask. It waits only for the associations lost up to its
+//!   failure ([`Losses`]): a path that keeps failing under new ones must not hold it.
 //!
 //! The CCR exchange runs in a task of its own beside the executor ([`ccr_task`]), as the
 //! namespace rescan does: the executor only hands it an instance and takes back the outcome,
@@ -118,7 +120,16 @@ struct Lost {
     at: Instant,
     held: usize,
     ccr: CcrPhase,
+    /// Its place in the order of the controller's losses ([`Losses`]).
+    seq: u64,
 }
+
+/// The dead associations of a controller up to some moment, and the live one then (its loss
+/// may not be recorded yet when a command's failure is seen): what a command that failed
+/// by then may still have running in the target. Later losses are not its concern: it was
+/// not in flight on them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Losses(u64);
 
 impl Lost {
     fn quiet(&self, now: Instant) -> bool {
@@ -142,7 +153,9 @@ struct SafeState {
     /// The target answered a CCR with Invalid Opcode: it does not offer CCR after all.
     ccr_refused: bool,
     lost: [Option<Lost>; LOST_MAX],
-    /// Deadlines of dead associations that did not fit in `lost`.
+    /// Losses recorded so far (the last one's `seq`).
+    losses: u64,
+    /// Deadlines of dead associations that did not fit in `lost` (older than any in it).
     overflow: Option<Instant>,
     /// CCRs for the task to send, with the instant past which they are of no use.
     asks: [Option<(CtrlInstance, Instant)>; LOST_MAX],
@@ -168,6 +181,7 @@ impl SafeShared {
                 current: None,
                 ccr_refused: false,
                 lost: [None; LOST_MAX],
+                losses: 0,
                 overflow: None,
                 asks: [None; LOST_MAX],
                 outcomes: [None; LOST_MAX],
@@ -214,9 +228,14 @@ impl SafeShared {
         }
     }
 
-    /// When every dead association is quiet (`None`: now), and whether a CCR may still
-    /// make it sooner.
-    fn quiet_at(&self, now: Instant) -> Option<Instant> {
+    /// The losses so far, and the live association's should it be dying now.
+    pub(super) fn losses(&self) -> Losses {
+        let st = self.lock();
+        Losses(st.losses + u64::from(st.current.is_some()))
+    }
+
+    /// When every dead association of `upto` is quiet (`None`: now).
+    fn quiet_at(&self, now: Instant, upto: Losses) -> Option<Instant> {
         let st = self.lock();
         if st.policy.mode == SafeRetry::Off {
             return None;
@@ -224,26 +243,29 @@ impl SafeShared {
         st.lost
             .iter()
             .flatten()
-            .filter(|l| !l.quiet(now))
+            .filter(|l| l.seq <= upto.0 && !l.quiet(now))
             .map(|l| l.deadline)
             .chain(st.overflow.filter(|t| *t > now))
             .max()
     }
 
-    /// Dead associations a CCR through another controller could show finished now, claimed
-    /// so that one CCR goes for each: `ccr` mode, a target that offers it, none asked yet.
-    pub(super) fn claim_for_ccr(&self, now: Instant) -> [Option<CtrlInstance>; LOST_MAX] {
+    /// Dead associations of `upto` a CCR through another controller could show finished
+    /// now, claimed so that one CCR goes for each: `ccr` mode, a target that offers it, none
+    /// asked yet.
+    pub(super) fn claim_for_ccr(
+        &self,
+        now: Instant,
+        upto: Losses,
+    ) -> [Option<CtrlInstance>; LOST_MAX] {
         let mut guard = self.lock();
         let st = &mut *guard;
         let mut out = [None; LOST_MAX];
         if st.policy.mode != SafeRetry::Ccr || st.ccr_refused {
             return out;
         }
-        let open = st
-            .lost
-            .iter_mut()
-            .flatten()
-            .filter(|l| l.ccr == CcrPhase::None && l.ctrl.ccr_possible && !l.quiet(now));
+        let open = st.lost.iter_mut().flatten().filter(|l| {
+            l.seq <= upto.0 && l.ccr == CcrPhase::None && l.ctrl.ccr_possible && !l.quiet(now)
+        });
         for (o, l) in out.iter_mut().zip(open) {
             l.ccr = CcrPhase::Asked;
             *o = Some(l.instance);
@@ -305,14 +327,20 @@ impl SafeShared {
         self.changed.notify_waiters();
     }
 
-    /// Resolves once no command of a dead association can still execute.
-    pub(super) async fn quiesced(&self, clock: Clock) {
+    /// A waiter for the next change: a dead association went quiet, a CCR outcome came in,
+    /// or a loss was recorded.
+    pub(super) fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+
+    /// Resolves once no command of a dead association of `upto` can still execute.
+    pub(super) async fn quiesced(&self, clock: Clock, upto: Losses) {
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
             let now = clock.now();
-            let Some(at) = self.quiet_at(now) else {
+            let Some(at) = self.quiet_at(now, upto) else {
                 return;
             };
             let sleep = tokio::time::sleep(at.saturating_since(now));
@@ -335,11 +363,34 @@ pub(super) async fn cross_reset_until(
     deadline: Instant,
 ) -> Result<CcrOutcome, HostError> {
     let left = |now: Instant| deadline.saturating_since(now);
-    let sent = tokio::time::timeout(
-        left(clock.now()),
-        admin.submit(ccr::cross_ctrl_reset(0, impacted), None, 0),
-    )
-    .await;
+    let log_len = ccr::LOG_HEADER_LEN + CCR_LOG_ENTRIES * ccr::CcrLogEntry::LEN;
+    let mut cleared = false;
+    let sent = loop {
+        let sent = tokio::time::timeout(
+            left(clock.now()),
+            admin.submit(ccr::cross_ctrl_reset(0, impacted), None, 0),
+        )
+        .await;
+        match sent {
+            // The source's log keeps every reset it ran, those answered at once too, until
+            // read with Remove Completed: read it so, and ask once more.
+            Ok(Err(HostError::Nvme(e)))
+                if !cleared && same_code(e.status, ccr::status::LOG_FULL) =>
+            {
+                cleared = true;
+                let sqe = ccr::get_ccr_log(0, CCR_LOG_ENTRIES, true)?;
+                match tokio::time::timeout(left(clock.now()), admin.submit(sqe, None, log_len))
+                    .await
+                {
+                    Ok(r) => {
+                        r?;
+                    }
+                    Err(_) => return Ok(CcrOutcome::Failed),
+                }
+            }
+            sent => break sent,
+        }
+    };
     match sent {
         Err(_) => return Ok(CcrOutcome::Failed),
         Ok(Ok(r)) => {
@@ -368,11 +419,11 @@ pub(super) async fn cross_reset_until(
         tokio::time::sleep(pause.min(left(now))).await;
         pause = (pause * 2).min(Duration::from_millis(50));
         let sqe = ccr::get_ccr_log(0, CCR_LOG_ENTRIES, true)?;
-        let len = ccr::LOG_HEADER_LEN + CCR_LOG_ENTRIES * ccr::CcrLogEntry::LEN;
-        let r = match tokio::time::timeout(left(clock.now()), admin.submit(sqe, None, len)).await {
-            Ok(r) => r?,
-            Err(_) => return Ok(CcrOutcome::Failed),
-        };
+        let r =
+            match tokio::time::timeout(left(clock.now()), admin.submit(sqe, None, log_len)).await {
+                Ok(r) => r?,
+                Err(_) => return Ok(CcrOutcome::Failed),
+            };
         let Ok(log) = CcrLog::new_checked(&r.data[..]) else {
             return Err(HostError::Protocol(
                 "the CCR log page is malformed; safe retry falls back to the time rule".into(),
@@ -502,6 +553,8 @@ impl SafeExec {
             ccr_possible: a.offers_ccr && !st.ccr_refused,
         };
         let deadline = lost.quiesced_by(&st.policy);
+        st.losses += 1;
+        let seq = st.losses;
         if reconnecting && st.policy.mode == SafeRetry::Ccr && !lost.ccr_possible {
             // An operator who chose CCR should see that this target leaves only the slower
             // rule, and how long it holds writes.
@@ -524,6 +577,7 @@ impl SafeExec {
             at: now,
             held: 0,
             ccr: CcrPhase::None,
+            seq,
         };
         if !put(&mut st.lost, rec) {
             // The oldest goes to the overflow deadline (its held commands keep their own
@@ -537,6 +591,9 @@ impl SafeExec {
                 }
             }
         }
+        drop(st);
+        // A CCR through another controller may be wanted for it (`quiesced_via`).
+        shared.changed.notify_waiters();
     }
 
     /// The controller is LIVE again, before its held commands are resumed: hold back those
@@ -668,6 +725,17 @@ impl SafeExec {
         drop(st);
         if any {
             shared.changed.notify_waiters();
+        }
+    }
+
+    /// The I/O queues' held commands were given back to the multipath layer (admin commands
+    /// stay): hold none of them. Whoever takes them on another path waits for the same rule
+    /// (`Controller::quiesced_via`).
+    pub(super) fn handed_back(&mut self) {
+        self.hold.forget_if(|t| t >> 16 != 0);
+        let mut st = self.shared.lock();
+        for l in st.lost.iter_mut().flatten() {
+            l.held = self.hold.held_from(&l.instance);
         }
     }
 

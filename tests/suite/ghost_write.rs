@@ -13,13 +13,17 @@
 //!
 //! One path: the host reconnects and resends on the new association. Two paths (two ports of
 //! one subsystem, a controller through each, I/O through the multipath namespace, failover
-//! policy so every write is on path A): path A's controller fails its held writes at once
-//! (`fast_io_fail_tmo` 0) and they go to path B.
+//! policy so every write is on path A), default path settings: path A's controller, a path of
+//! a subsystem with another, gives its held writes back at once and they go to path B.
 //!
 //! Each sweep also measures, per fault, how long the writes held across it wait: virtual
 //! time from the loss to the last of them completing. Once a topology's `off`, `cqt` and
 //! `ccr` sweeps are all done, one line says what `ccr` and `cqt` add to it over `off`, seed
 //! by seed (run with `--nocapture` to see it).
+//!
+//! The two-path world also runs under steady I/O from 32 blocks (round-robin) while path A's
+//! HCA is reset and path B's unplugged, each on a seeded schedule, never both down: every
+//! I/O must end in a bounded time with its data (`FAILOVER_SEEDS=n`, `SIM_SEED=<seed>`).
 //!
 //! `GHOST_SEEDS=n` sets the number of seeds per mode (default 200); a failure prints
 //! `GHOST_SEED=<seed>`, which runs that seed alone.
@@ -30,14 +34,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nvmf_rdma::driver::{CmService, SimNet, SoftHca};
-use nvmf_rdma::harness::chaos::{connect_seeded_host, host_options, CHAOS_NQN};
+use nvmf_rdma::harness::chaos::{connect_seeded_host, host_options, CHAOS_NQN, HOST_DEV};
 use nvmf_rdma::hca::sim::Faults;
 use nvmf_rdma::multipath::{IoPolicy, MpNamespace};
 use nvmf_rdma::nvme::Nqn;
 use nvmf_rdma::nvmet::{serve_cm, serve_cm_on, Namespace, Subsystem, Target, TargetConfig};
 use nvmf_rdma::reconnect::hold::{HoldPolicy, SafeRetry};
 use nvmf_rdma::reconnect::CtrlState;
-use nvmf_rdma::transport::{Controller, HostError};
+use nvmf_rdma::transport::{CcrOutcome, Controller, HostError};
+use nvmf_rdma::verbs::{DeviceFaults, FaultInjector};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -63,6 +68,13 @@ impl Io {
             Io::Paths(ns) => ns.write(b as u64, data).await,
         }
     }
+
+    async fn read(&self, b: usize, out: &mut [u8]) -> Result<(), HostError> {
+        match self {
+            Io::Ctrl(c) => c.read_into(1, b as u64, out).await,
+            Io::Paths(ns) => ns.read_into(b as u64, out).await,
+        }
+    }
 }
 
 struct World {
@@ -72,6 +84,8 @@ struct World {
     ns: Arc<Namespace>,
     /// The controller whose connection is lost (path A); then path B's, if any.
     ctrls: Vec<Arc<Controller>>,
+    /// Each controller's host device, to reset or unplug.
+    faults: Vec<DeviceFaults>,
     io: Arc<Io>,
 }
 
@@ -100,6 +114,8 @@ struct Setup {
     late_ms: u32,
     /// The target offers CCR.
     ccr: bool,
+    /// How two paths share the I/O.
+    policy: IoPolicy,
 }
 
 async fn world(seed: u64, s: Setup) -> World {
@@ -127,34 +143,36 @@ async fn world(seed: u64, s: Setup) -> World {
         serve_cm_on(target.clone(), port, CmService::for_device(h)).unwrap();
     }
     let mut ctrls = Vec::new();
+    let mut faults = Vec::new();
     for (i, h) in hcas.iter().enumerate() {
         let mut p =
             crate::rig::reconnect_at_once(Some(Duration::from_secs(60)), Duration::from_secs(60));
         p.keep_alive_tmo = KATO;
-        if s.paths > 1 && i == 0 {
-            // Path A gives its held writes back at once, so that they go to path B.
-            p.fast_io_fail_tmo = Some(Duration::ZERO);
-        }
         let mut o = host_options(h.addr(), s.queues, 32, p);
         o.safe_retry = HoldPolicy {
             mode: s.mode,
             ..HoldPolicy::default()
         };
         let mgr = net.device_manager();
-        let c = if i == 0 {
-            connect_seeded_host(&mgr, HOST_IP, seed, o).await.unwrap()
+        let (c, name) = if i == 0 {
+            let c = connect_seeded_host(&mgr, HOST_IP, seed, o).await.unwrap();
+            (c, HOST_DEV)
         } else {
             mgr.plug(crate::rig::device_on(45, "hostB", 10, HOST_IP_B))
                 .await
                 .unwrap();
-            Controller::connect_managed(mgr, "hostB", o).await.unwrap()
+            let c = Controller::connect_managed(mgr.clone(), "hostB", o)
+                .await
+                .unwrap();
+            (c, "hostB")
         };
         ctrls.push(Arc::new(c));
+        faults.push(FaultInjector::new(mgr).device(name));
     }
     let io = if s.paths == 1 {
         Io::Ctrl(ctrls[0].clone())
     } else {
-        let sub = nvmf_rdma::multipath::Subsystem::new(CHAOS_NQN, IoPolicy::Failover);
+        let sub = nvmf_rdma::multipath::Subsystem::new(CHAOS_NQN, s.policy);
         for (c, h) in ctrls.iter().zip(&hcas) {
             sub.add_path(c.clone(), h.addr().to_string(), String::new())
                 .await
@@ -168,6 +186,7 @@ async fn world(seed: u64, s: Setup) -> World {
         target,
         ns,
         ctrls,
+        faults,
         io: Arc::new(io),
     }
 }
@@ -254,6 +273,7 @@ async fn run_seed(seed: u64, mode: SafeRetry, paths: usize, ccr: bool) -> Result
         queues,
         late_ms,
         ccr,
+        policy: IoPolicy::Failover,
     };
     let w = world(seed, setup).await;
     let blocks = rng.random_range(2..=8);
@@ -625,6 +645,7 @@ fn setup(mode: SafeRetry) -> Setup {
         queues: 1,
         late_ms: 100,
         ccr: true,
+        policy: IoPolicy::Failover,
     }
 }
 
@@ -692,4 +713,176 @@ fn the_log_names_the_fallback_to_the_time_rule() {
             }
         }
     }
+}
+
+/// The longest any one I/O may take while paths fail under it one at a time: a moved write
+/// waits for the CCR through the live path, or at worst for the time rule of the
+/// association it was on (2 x KATO + CQT after its last contact) and one more path change.
+const IO_BOUND: Duration = Duration::from_millis(2 * (2 * 500 + CQT_MS as u64));
+
+/// Block `b`'s I/O until `stop`: a write of the next pattern, or a read that must find the
+/// last acknowledged one; each bounded by [`IO_BOUND`]. Returns the I/O done and the
+/// slowest, or what went wrong.
+async fn steady_io(
+    io: Arc<Io>,
+    b: usize,
+    seed: u64,
+    stop: Arc<AtomicBool>,
+) -> Result<(u64, Duration), String> {
+    let mut rng = SmallRng::seed_from_u64(seed ^ b as u64);
+    let (mut seq, mut acked) = (0u64, None);
+    let (mut n, mut slowest) = (0u64, Duration::ZERO);
+    let mut got = [0u8; BLOCK];
+    while !stop.load(Ordering::Relaxed) {
+        let t0 = tokio::time::Instant::now();
+        let write = rng.random_bool(0.7);
+        let r = if write {
+            seq += 1;
+            tokio::time::timeout(IO_BOUND, io.write(b, &pattern(b, seq))).await
+        } else {
+            tokio::time::timeout(IO_BOUND, io.read(b, &mut got)).await
+        };
+        let what = if write { "write" } else { "read" };
+        match r {
+            Err(_) => return Err(format!("block {b}: a {what} took more than {IO_BOUND:?}")),
+            Ok(Err(e)) => return Err(format!("block {b}: a {what} failed: {e}")),
+            Ok(Ok(())) if write => acked = Some(seq),
+            Ok(Ok(())) => {
+                if let Some(a) = acked.filter(|a| got != pattern(b, *a)) {
+                    return Err(format!(
+                        "block {b}: read back another write than its last acknowledged ({a})"
+                    ));
+                }
+            }
+        }
+        slowest = slowest.max(t0.elapsed());
+        n += 1;
+    }
+    Ok((n, slowest))
+}
+
+/// Path A's host device reset every `periods[0]`, path B's unplugged every `periods[1]`
+/// (jittered), until `stop`; a fault waits until the other path is LIVE, so one path is
+/// always up. Returns the faults inflicted.
+async fn faults_one_path_at_a_time(
+    w: (&[DeviceFaults], &[Arc<Controller>]),
+    seed: u64,
+    stop: Arc<AtomicBool>,
+) -> Result<[u32; 2], String> {
+    let (faults, ctrls) = w;
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let periods = [
+        rng.random_range(80..=250u64),
+        rng.random_range(1500..=3000u64),
+    ];
+    let now = tokio::time::Instant::now();
+    let mut due = periods.map(|p| now + Duration::from_millis(p));
+    let mut count = [0u32; 2];
+    loop {
+        let i = usize::from(due[1] < due[0]);
+        tokio::time::sleep_until(due[i]).await;
+        if stop.load(Ordering::Relaxed) {
+            return Ok(count);
+        }
+        let other = &ctrls[1 - i];
+        if !until(Duration::from_secs(10), || other.state() == CtrlState::Live).await {
+            return Err(format!(
+                "path {} stayed down: {:?}",
+                2 - i,
+                other.status().machine
+            ));
+        }
+        let down = Duration::from_millis(rng.random_range(0..=300));
+        if i == 0 {
+            faults[0].reset(down.min(Duration::from_millis(50))).await?;
+        } else {
+            faults[1].unplug(down).await?;
+        }
+        count[i] += 1;
+        let jitter = rng.random_range(0..=periods[i] / 4);
+        due[i] = tokio::time::Instant::now() + Duration::from_millis(periods[i] + jitter);
+    }
+}
+
+async fn io_under_faults(seed: u64) -> Result<String, String> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let setup = Setup {
+        mode: SafeRetry::Ccr,
+        paths: 2,
+        queues: 2,
+        late_ms: rng.random_range(20..=u32::from(CQT_MS) - 20),
+        ccr: true,
+        policy: IoPolicy::RoundRobin,
+    };
+    let w = world(seed, setup).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..32)
+        .map(|b| tokio::spawn(steady_io(w.io.clone(), b, seed, stop.clone())))
+        .collect();
+    let chaos = {
+        let (f, c, stop) = (w.faults.clone(), w.ctrls.clone(), stop.clone());
+        tokio::spawn(async move { faults_one_path_at_a_time((&f, &c), seed, stop).await })
+    };
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    stop.store(true, Ordering::Relaxed);
+    let count = chaos.await.map_err(|e| e.to_string())??;
+    let (mut ios, mut slowest) = (0, Duration::ZERO);
+    for h in workers {
+        let (n, s) = h.await.map_err(|e| e.to_string())??;
+        ios += n;
+        slowest = slowest.max(s);
+    }
+    if count[0] == 0 || count[1] == 0 {
+        return Err(format!("faults {count:?}: a path never failed"));
+    }
+    Ok(format!(
+        "{ios} I/Os, {} resets, {} unplugs, slowest I/O {slowest:?}",
+        count[0], count[1]
+    ))
+}
+
+/// Two paths (round-robin) under 32 blocks' steady writes and reads, path A's HCA reset and
+/// path B's unplugged on seeded schedules of their own, never both down, each lost
+/// connection's writes executing late in the target: every I/O completes within
+/// [`IO_BOUND`] and reads back the last acknowledged write. A write moved off a failed path
+/// waits only for the association it was in flight on, not for the later losses of its path.
+#[test]
+fn two_paths_under_resets_and_unplugs_every_io_completes_in_time() {
+    for seed in crate::rig::sweep_seeds("FAILOVER_SEEDS", 8) {
+        match crate::rig::sim_runtime().block_on(io_under_faults(seed)) {
+            Ok(s) => println!("SIM_SEED={seed}: {s}"),
+            Err(e) => panic!("SIM_SEED={seed}: {e}"),
+        }
+    }
+}
+
+/// A live controller's CCR log keeps the resets it ran, those answered at once too, and the
+/// target refuses the next once it holds 16: the host clears it (Remove Completed) and asks
+/// again, so every loss of path A is settled by a CCR through path B, however many there are.
+#[test]
+fn many_cross_controller_resets_through_one_controller_all_succeed() {
+    crate::rig::sim_runtime().block_on(async {
+        let s = Setup {
+            paths: 2,
+            ..setup(SafeRetry::Ccr)
+        };
+        let w = world(17, s).await;
+        let (a, b) = (&w.ctrls[0], &w.ctrls[1]);
+        for i in 0..24 {
+            let old = a.instance().expect("path A live");
+            assert!(w.target.lose_controller(old.cntlid));
+            assert!(
+                until(Duration::from_secs(5), || a
+                    .instance()
+                    .is_some_and(|n| n != old))
+                .await,
+                "path A did not come back"
+            );
+            let r = b.cross_reset(old).await;
+            assert!(
+                matches!(r, Ok(CcrOutcome::Succeeded)),
+                "CCR {i} through path B: {r:?}"
+            );
+        }
+    });
 }

@@ -4,6 +4,7 @@
 //! policies spreading I/O over the paths; a path whose namespace is another one refused.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +17,7 @@ use nvmf_rdma::export::BlockDev;
 use nvmf_rdma::multipath::{IoPolicy, JoinError, MpNamespace, Subsystem};
 use nvmf_rdma::nvme::admin::opcode;
 use nvmf_rdma::nvme::{ana, Nqn};
-use nvmf_rdma::nvmet::{Namespace, Target};
+use nvmf_rdma::nvmet::{serve_cm_on, Namespace, Target};
 use nvmf_rdma::reconnect::CtrlState;
 use nvmf_rdma::transport::{ConnectOptions, Controller};
 use nvmf_rdma::verbs::{DeviceFaults, FaultInjector};
@@ -206,6 +207,102 @@ async fn io_flows_on_path_b_while_path_a_hca_is_reset_with_no_error() {
     assert_eq!(rig.sub.held(), 0);
 }
 
+type TwoPorts = (Arc<Subsystem>, Vec<DeviceFaults>, Target<SoftHca>, u16);
+
+/// One target serving the subsystem on two ports (so a controller through one port can
+/// reset the other's: Cross-Controller Reset), a path to each.
+/// Returns the second port's ID with the rest.
+async fn one_target_two_ports(first: u8, policy: IoPolicy) -> TwoPorts {
+    let ns = Arc::new(Namespace::ram(1, NS_BYTES, 9));
+    let (target, hca_a) = port(first, ns).await;
+    let hca_b = SoftHca::start(crate::rig::device(FILE, "tgt", first + 1))
+        .await
+        .unwrap();
+    let p = target.add_port(hca_b.clone(), Some(hca_b.addr())).unwrap();
+    serve_cm_on(target.clone(), p, CmService::for_device(&hca_b)).unwrap();
+    let sub = Subsystem::new(NQN, policy);
+    let mut faults = Vec::new();
+    for (i, hca) in [hca_a, hca_b].iter().enumerate() {
+        let (c, f) = path(first + i as u8, hca.addr()).await;
+        sub.add_path(c, hca.addr().to_string(), f.name().to_string())
+            .await
+            .unwrap();
+        faults.push(f);
+    }
+    (sub, faults, target, p)
+}
+
+/// Path A's HCA is reset and stays down 5 s while eight writers each have a write in flight
+/// on it (failover policy: every command goes to A), with default path settings (no
+/// fast_io_fail_tmo). A gives its held writes back at once; each goes to path B once a
+/// Cross-Controller Reset through B has ended A's old commands, so every writer moves on
+/// long before A is back, and each block reads back its last acknowledged write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_in_flight_on_a_failed_path_complete_through_the_other_path_before_it_reconnects() {
+    let (sub, faults, _target, _) = one_target_two_ports(7, IoPolicy::Failover).await;
+    let ns = Arc::new(sub.namespace(1).unwrap());
+    let done: Arc<Vec<AtomicU64>> = Arc::new((0..8).map(|_| AtomicU64::new(0)).collect());
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let writers: Vec<_> = (0..8u64)
+        .map(|w| {
+            let (ns, done, stop) = (ns.clone(), done.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut last = 0u8;
+                while !*stop.borrow() {
+                    let v = last.wrapping_add(1);
+                    ns.write(w * 8, &[v; 4096])
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    last = v;
+                    done[w as usize].fetch_add(1, Ordering::Relaxed);
+                }
+                Ok::<_, String>((w, last))
+            })
+        })
+        .collect();
+    // Failover policy: the writes are on one path, A, which has them in flight.
+    let paths = sub.paths();
+    until("writes on path A", || {
+        paths
+            .iter()
+            .any(|p| p.stats().ios > 200 && p.stats().inflight >= 6)
+    })
+    .await;
+    let busy = (0..2)
+        .max_by_key(|&i| paths[i].stats().inflight)
+        .unwrap_or(0);
+    let (a, b) = (paths[busy].clone(), paths[1 - busy].clone());
+    let reset = {
+        let f = faults[busy].clone();
+        tokio::spawn(async move { f.reset(Duration::from_secs(5)).await })
+    };
+    until("path A down", || a.ctrl.state() != CtrlState::Live).await;
+    let at_fault: Vec<u64> = done.iter().map(|d| d.load(Ordering::Relaxed)).collect();
+    let t0 = std::time::Instant::now();
+    until("every writer past its write in flight on A", || {
+        done.iter()
+            .zip(&at_fault)
+            .all(|(d, f)| d.load(Ordering::Relaxed) >= f + 2)
+    })
+    .await;
+    let took = t0.elapsed();
+    assert_ne!(a.ctrl.state(), CtrlState::Live, "A came back first");
+    assert!(
+        took < Duration::from_secs(2),
+        "the writes in flight on A took {took:?} to move to B"
+    );
+    assert!(a.stats().failovers > 0, "no write moved: {:?}", a.stats());
+    assert!(b.stats().ios > 0);
+    stop_tx.send(true).unwrap();
+    for w in writers {
+        let (blk, last) = w.await.unwrap().unwrap();
+        assert_eq!(ns.read(blk * 8, 4096).await.unwrap(), vec![last; 4096]);
+    }
+    reset.await.unwrap().unwrap();
+    until("path A back", || a.ctrl.state() == CtrlState::Live).await;
+    assert_eq!(sub.held(), 0);
+}
+
 /// Both paths' HCAs down at once: a write is held (counted) until a path is back and then
 /// succeeds; beyond the subsystem's bound a command fails at once, saying why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -373,20 +470,7 @@ async fn a_read_answered_with_an_ana_status_goes_to_the_other_path() {
 /// turns optimized again, B carries I/O again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_set_inaccessible_moves_io_to_the_other_port_with_no_error() {
-    let ns = Arc::new(Namespace::ram(1, NS_BYTES, 9));
-    let (t, hca1) = port(5, ns).await;
-    let hca2 = SoftHca::start(crate::rig::device(FILE, "tgt", 6))
-        .await
-        .unwrap();
-    let p2 = t.add_port(hca2.clone(), Some(hca2.addr())).unwrap();
-    nvmf_rdma::nvmet::serve_cm_on(t.clone(), p2, CmService::for_device(&hca2)).unwrap();
-    let sub = Subsystem::new(NQN, IoPolicy::RoundRobin);
-    for (i, hca) in [(5u8, &hca1), (6, &hca2)] {
-        let (c, f) = path(i, hca.addr()).await;
-        sub.add_path(c, hca.addr().to_string(), f.name().to_string())
-            .await
-            .unwrap();
-    }
+    let (sub, _, t, p2) = one_target_two_ports(5, IoPolicy::RoundRobin).await;
     let dev = Arc::new(BlockDev::on(Arc::new(sub.namespace(1).unwrap())));
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let ws: Vec<_> = (0..4u64)
