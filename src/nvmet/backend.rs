@@ -151,9 +151,17 @@ impl<M: HostBuffer> Pool<M> {
         }
         if s.idle == 0 && s.spawned < self.max_workers {
             let pool = self.clone();
+            // A worker is the target's as much as the thread that started it: where the
+            // allocation audit counts that thread as another machine's, it counts this one so.
+            let platform = crate::harness::alloc_audit::in_platform();
             let started = std::thread::Builder::new()
                 .name("nvmet-io".into())
-                .spawn(move || pool.work());
+                .spawn(move || {
+                    if platform {
+                        crate::harness::alloc_audit::mark_thread_platform();
+                    }
+                    pool.work()
+                });
             match started {
                 Ok(_) => s.spawned += 1,
                 Err(e) if s.spawned == 0 => {
