@@ -453,6 +453,12 @@ impl<S: DeviceSource> Supervisor<S> {
                     }
                     a
                 };
+                // Whoever gets a command back from these actions (given to another path,
+                // failed) must not see LIVE any more: a state other than LIVE is told
+                // before they run. LIVE is told after them, once the queues take I/O.
+                if self.sm.state() != CtrlState::Live {
+                    self.publish();
+                }
                 for a in acts.iter() {
                     self.execute(a, &mut q).await;
                 }

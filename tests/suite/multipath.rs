@@ -507,3 +507,81 @@ async fn a_group_set_inaccessible_moves_io_to_the_other_port_with_no_error() {
     assert_eq!(all.mismatches, 0);
     eprintln!("path A {:?}, path B {:?}", a.stats(), b.stats());
 }
+
+/// Path B's HCA stays down while path A's is reset again and again under reads from sixteen
+/// tasks. Whoever gets a command back from A ("given to another path") sees A no longer LIVE:
+/// a path that hands its I/O back never says LIVE meanwhile, or the reads it gives back would
+/// be sent to it again at once, and after a few rounds fail. Every read through the
+/// namespace succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_giving_its_io_back_is_not_live_to_those_it_gives_it_to() {
+    let rig = rig(IoPolicy::RoundRobin).await;
+    let ns = Arc::new(rig.sub.namespace(1).unwrap());
+    let paths = rig.sub.paths();
+    let a = paths[0].ctrl.clone();
+    let b_down = {
+        let f = rig.faults[1].clone();
+        tokio::spawn(async move { f.reset(Duration::from_secs(30)).await })
+    };
+    until("path B down", || paths[1].ctrl.state() != CtrlState::Live).await;
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let seen_live = Arc::new(AtomicU64::new(0));
+    let handed = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for t in 0..16u64 {
+        let (a, ns, stop) = (a.clone(), ns.clone(), stop.clone());
+        let (seen_live, handed) = (seen_live.clone(), handed.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let mut i = 0u64;
+            while !*stop.borrow() {
+                i += 1;
+                let lba = (t * 64 + i % 64) * 8;
+                // Half the tasks on A's controller, half through the namespace.
+                if t % 2 == 0 {
+                    // A LIVE seen after A came back again is no fault: that is a later
+                    // recovery, counted.
+                    let recoveries = a.status().machine.recoveries;
+                    if let Err(e) = a.read_into(1, lba, &mut buf).await {
+                        if e.to_string().contains("given to another path") {
+                            handed.fetch_add(1, Ordering::Relaxed);
+                            let st = a.status();
+                            if st.state() == CtrlState::Live && st.machine.recoveries == recoveries
+                            {
+                                seen_live.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                } else {
+                    ns.read_into(lba, &mut buf)
+                        .await
+                        .map_err(|e| format!("read at LBA {lba}: {e}"))?;
+                }
+            }
+            Ok::<_, String>(())
+        }));
+    }
+    for _ in 0..100 {
+        until("reads on A", || paths[0].stats().ios > 0).await;
+        rig.faults[0].reset(Duration::from_millis(5)).await.unwrap();
+        until("path A back", || a.state() == CtrlState::Live).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop_tx.send(true).unwrap();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    assert!(
+        handed.load(Ordering::Relaxed) > 0,
+        "no command was given back"
+    );
+    assert_eq!(
+        seen_live.load(Ordering::Relaxed),
+        0,
+        "A said LIVE to {} of the {} commands it gave back",
+        seen_live.load(Ordering::Relaxed),
+        handed.load(Ordering::Relaxed)
+    );
+    b_down.abort();
+}
