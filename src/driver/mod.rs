@@ -441,10 +441,7 @@ async fn drive<P: PacketPort>(shared: Arc<Shared>, mut port: P) -> std::io::Resu
         match spinning {
             Some(until) => {
                 let due = deadline.map(|t| epoch.into_std() + Duration::from_nanos(t.0));
-                let mut seen = spin(&shared, &mut port, until, due).await;
-                seen.network_peer = network_at.is_some_and(|t| {
-                    seen.at.saturating_duration_since(t) < spin::UNANSWERED_HOLD_OFF
-                });
+                let seen = spin(&shared, &mut port, until, due, network_at).await;
                 if let Some(w) = window.take() {
                     answers.spell_ended(seen.at, spin::spell(seen, w));
                 }
@@ -572,8 +569,9 @@ const PUBLISH_EVERY_NS: u64 = 1_000_000;
 
 /// Busy polling between turns: yield to the runtime's other tasks, then read flags only (a
 /// post or lifecycle change poked the driver, the port has input, the device's next
-/// deadline or the end of the window came), until one says there is a turn to run. True
-/// when input (a packet or a post) ended it.
+/// deadline or the end of the window came), until one says there is a turn to run; what
+/// it saw of the spell, with whether a packet crossed the network (last at `network_at`)
+/// recently enough for a late answer to count against the peer.
 ///
 /// Between yields nothing is made again: the kick waiter is registered once per spell, and
 /// the inbox, the socket and the clock are only read. A spin iteration that went through
@@ -586,6 +584,7 @@ async fn spin<P: PacketPort>(
     port: &mut P,
     until: std::time::Instant,
     due: Option<std::time::Instant>,
+    network_at: Option<std::time::Instant>,
 ) -> spin::Looked {
     // Registered once per spell, so a post by another task of this runtime schedules the
     // driver at once instead of after the runtime's next look at its I/O and timers.
@@ -609,7 +608,8 @@ async fn spin<P: PacketPort>(
                 input,
                 at: now,
                 longest_gap,
-                network_peer: true,
+                network_peer: network_at
+                    .is_some_and(|t| now.saturating_duration_since(t) < spin::UNANSWERED_HOLD_OFF),
             };
         }
     }

@@ -66,14 +66,9 @@ async fn old_commands_dead(
             path.ctrl.quiesced_via(&via.ctrl, upto).await;
             return true;
         }
-        let mut futs: Vec<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = rxs
-            .iter_mut()
-            .map(|rx| -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
-                Box::pin(async move {
-                    let _ = rx.wait_for(|s| s.state() == CtrlState::Live).await;
-                })
-            })
-            .collect();
+        let mut futs = boxed(rxs.iter_mut().map(|rx| async move {
+            let _ = rx.wait_for(|s| s.state() == CtrlState::Live).await;
+        }));
         futs.push(Box::pin(path.ctrl.quiesced_upto(upto)));
         let quiet = futs.len() - 1;
         if first_of(futs).await == quiet {
@@ -82,8 +77,18 @@ async fn old_commands_dead(
     }
 }
 
+/// One of several things waited for at once (see [`first_of`]).
+type Waiting<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
+fn boxed<'a, F>(futs: impl Iterator<Item = F>) -> Vec<Waiting<'a>>
+where
+    F: Future<Output = ()> + Send + 'a,
+{
+    futs.map(|f| Box::pin(f) as Waiting<'a>).collect()
+}
+
 /// The index of the first of several futures to be ready; the others are dropped with it.
-async fn first_of(futs: Vec<Pin<Box<dyn Future<Output = ()> + Send + '_>>>) -> usize {
+async fn first_of(futs: Vec<Waiting<'_>>) -> usize {
     let mut futs = futs;
     std::future::poll_fn(|cx| {
         for (i, f) in futs.iter_mut().enumerate() {
@@ -221,12 +226,7 @@ impl MpNamespace {
             .iter()
             .filter_map(|p| p.change_deadline(self.ns.nsid))
             .min();
-        let mut futs: Vec<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = rxs
-            .iter_mut()
-            .map(|rx| -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
-                Box::pin(next_change(rx))
-            })
-            .collect();
+        let mut futs = boxed(rxs.iter_mut().map(next_change));
         futs.push(Box::pin(next_change(&mut sub_rx)));
         if let Some(d) = deadline {
             futs.push(Box::pin(tokio::time::sleep_until(d)));

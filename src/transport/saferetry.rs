@@ -31,7 +31,7 @@ use crate::nvme::{IdentifyController, Status};
 use crate::reconnect::hold::{CmdClass, Hold, LostController, QueueKind, CCR_QUEUE};
 use crate::verbs::{DeviceContext, Instant};
 
-use super::queue::{Clock, QueueCtl, QueueHandle};
+use super::queue::{Clock, QueueCtl, QueueHandle, Response};
 use super::HostError;
 
 pub use crate::nvme::ccr::CtrlInstance;
@@ -352,6 +352,22 @@ impl SafeShared {
     }
 }
 
+/// Read the CCR log (LID 0x1E) through `admin` with Remove Completed, so the entries of
+/// resets that ended leave it; `None` when `deadline` passes first.
+async fn take_ccr_log(
+    admin: &QueueHandle,
+    clock: Clock,
+    deadline: Instant,
+) -> Result<Option<Response>, HostError> {
+    let sqe = ccr::get_ccr_log(0, CCR_LOG_ENTRIES, true)?;
+    let len = ccr::LOG_HEADER_LEN + CCR_LOG_ENTRIES * ccr::CcrLogEntry::LEN;
+    let left = deadline.saturating_since(clock.now());
+    match tokio::time::timeout(left, admin.submit(sqe, None, len)).await {
+        Ok(r) => r.map(Some),
+        Err(_) => Ok(None),
+    }
+}
+
 /// Send a Cross-Controller Reset for `impacted` through the controller behind `admin` and
 /// wait for its end, reading the CCR log (LID 0x1E) until its entry is complete, at most
 /// until `deadline`: a reset still in progress then counts as failed (the time rule
@@ -363,7 +379,6 @@ pub(super) async fn cross_reset_until(
     deadline: Instant,
 ) -> Result<CcrOutcome, HostError> {
     let left = |now: Instant| deadline.saturating_since(now);
-    let log_len = ccr::LOG_HEADER_LEN + CCR_LOG_ENTRIES * ccr::CcrLogEntry::LEN;
     let mut cleared = false;
     let sent = loop {
         let sent = tokio::time::timeout(
@@ -378,14 +393,8 @@ pub(super) async fn cross_reset_until(
                 if !cleared && same_code(e.status, ccr::status::LOG_FULL) =>
             {
                 cleared = true;
-                let sqe = ccr::get_ccr_log(0, CCR_LOG_ENTRIES, true)?;
-                match tokio::time::timeout(left(clock.now()), admin.submit(sqe, None, log_len))
-                    .await
-                {
-                    Ok(r) => {
-                        r?;
-                    }
-                    Err(_) => return Ok(CcrOutcome::Failed),
+                if take_ccr_log(admin, clock, deadline).await?.is_none() {
+                    return Ok(CcrOutcome::Failed);
                 }
             }
             sent => break sent,
@@ -418,12 +427,9 @@ pub(super) async fn cross_reset_until(
         }
         tokio::time::sleep(pause.min(left(now))).await;
         pause = (pause * 2).min(Duration::from_millis(50));
-        let sqe = ccr::get_ccr_log(0, CCR_LOG_ENTRIES, true)?;
-        let r =
-            match tokio::time::timeout(left(clock.now()), admin.submit(sqe, None, log_len)).await {
-                Ok(r) => r?,
-                Err(_) => return Ok(CcrOutcome::Failed),
-            };
+        let Some(r) = take_ccr_log(admin, clock, deadline).await? else {
+            return Ok(CcrOutcome::Failed);
+        };
         let Ok(log) = CcrLog::new_checked(&r.data[..]) else {
             return Err(HostError::Protocol(
                 "the CCR log page is malformed; safe retry falls back to the time rule".into(),
