@@ -57,7 +57,6 @@ async fn old_commands_dead(
         return true;
     }
     loop {
-        let mut rxs: Vec<_> = paths.iter().map(|p| p.ctrl.watch_status()).collect();
         let via = paths
             .iter()
             .filter(|p| p.ctrl.state() == CtrlState::Live)
@@ -66,6 +65,8 @@ async fn old_commands_dead(
             path.ctrl.quiesced_via(&via.ctrl, upto).await;
             return true;
         }
+        // `wait_for` looks at the current state first: a path that came LIVE since is seen.
+        let mut rxs: Vec<_> = paths.iter().map(|p| p.ctrl.watch_status()).collect();
         let mut futs = boxed(rxs.iter_mut().map(|rx| async move {
             let _ = rx.wait_for(|s| s.state() == CtrlState::Live).await;
         }));
