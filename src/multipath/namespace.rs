@@ -62,8 +62,13 @@ async fn old_commands_dead(
             .filter(|p| p.ctrl.state() == CtrlState::Live)
             .min_by_key(|p| p.id == path.id);
         if let Some(via) = via {
-            path.ctrl.quiesced_via(&via.ctrl, upto).await;
-            return true;
+            // Should `via` fail with the CCR out, the CCR goes through the next LIVE path
+            // (this one, back again, included) rather than wait for the time rule.
+            let mut via_rx = via.ctrl.watch_status();
+            tokio::select! {
+                _ = path.ctrl.quiesced_via(&via.ctrl, upto) => return true,
+                _ = via_rx.wait_for(|s| s.state() != CtrlState::Live) => continue,
+            }
         }
         // `wait_for` looks at the current state first: a path that came LIVE since is seen.
         let mut rxs: Vec<_> = paths.iter().map(|p| p.ctrl.watch_status()).collect();

@@ -18,7 +18,7 @@ use crate::verbs::{DeviceContext, DeviceSource, Instant};
 use super::namespaces::{AsyncEvent, NsInfo, NsTable};
 use super::options::ConnectOptions;
 use super::queue::{IoBuffer, QueueHandle, QueueStats};
-use super::saferetry::{self, CcrOutcome, CtrlInstance, Losses, SafeRetryStatus};
+use super::saferetry::{self, CcrOutcome, CtrlInstance, Losses, SafeRetryStatus, SafeShared};
 use super::state::{Backing, CtrlShared, CtrlStatus, DevShared};
 use super::HostError;
 
@@ -111,8 +111,15 @@ impl Controller {
                 tokio::pin!(changed);
                 changed.as_mut().enable();
                 for impacted in safe.claim_for_ccr(self.now(), upto).into_iter().flatten() {
+                    // Dropped half way (the caller stopped waiting on `via`), the claim is
+                    // let go, so the CCR can be asked through another controller.
+                    let claim = Claim {
+                        safe,
+                        impacted,
+                        open: true,
+                    };
                     let r = via.cross_reset(impacted).await;
-                    safe.on_peer_ccr(impacted, r);
+                    claim.settle(r);
                     self.shared.inbox.wake.notify_one();
                 }
                 changed.await;
@@ -580,4 +587,27 @@ pub async fn discover<D: DeviceContext>(
     .await;
     c.disconnect().await;
     entries
+}
+
+/// A CCR claimed for one of a controller's dead associations, sent through another
+/// controller: settled with its outcome, or given back if dropped before its end.
+struct Claim<'a> {
+    safe: &'a SafeShared,
+    impacted: CtrlInstance,
+    open: bool,
+}
+
+impl Claim<'_> {
+    fn settle(mut self, r: Result<CcrOutcome, HostError>) {
+        self.open = false;
+        self.safe.on_peer_ccr(self.impacted, r);
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            self.safe.unclaim(self.impacted);
+        }
+    }
 }

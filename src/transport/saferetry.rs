@@ -273,6 +273,23 @@ impl SafeShared {
         out
     }
 
+    /// A CCR claimed by [`SafeShared::claim_for_ccr`] was given up before its end (the
+    /// controller carrying it failed, and its caller went on to another): the association is
+    /// open again for the next claim, instead of waiting for the time rule.
+    pub(super) fn unclaim(&self, impacted: CtrlInstance) {
+        let mut st = self.lock();
+        for l in st
+            .lost
+            .iter_mut()
+            .flatten()
+            .filter(|l| l.instance == impacted && l.ccr == CcrPhase::Asked)
+        {
+            l.ccr = CcrPhase::None;
+        }
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
     /// What a CCR for `impacted` came to, sent by the CCR task or through another
     /// controller: an error counts as failed (the time rule decides), and Invalid Opcode
     /// means the target does not offer CCR after all.

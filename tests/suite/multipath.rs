@@ -232,6 +232,75 @@ async fn one_target_two_ports(first: u8, policy: IoPolicy) -> TwoPorts {
     (sub, faults, target, p)
 }
 
+/// Eight writers, each rewriting a block of its own with a counter until told to stop:
+/// how many writes each had acknowledged, and at the end each block with its last value.
+struct Writers {
+    done: Arc<Vec<AtomicU64>>,
+    stop: tokio::sync::watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<Result<(u64, u8), String>>>,
+}
+
+impl Writers {
+    fn start(ns: &Arc<MpNamespace>) -> Writers {
+        let done: Arc<Vec<AtomicU64>> = Arc::new((0..8).map(|_| AtomicU64::new(0)).collect());
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        let tasks = (0..8u64)
+            .map(|w| {
+                let (ns, done, rx) = (ns.clone(), done.clone(), rx.clone());
+                tokio::spawn(async move {
+                    let mut last = 0u8;
+                    while !*rx.borrow() {
+                        let v = last.wrapping_add(1);
+                        ns.write(w * 8, &[v; 4096])
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        last = v;
+                        done[w as usize].fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok::<_, String>((w, last))
+                })
+            })
+            .collect();
+        Writers { done, stop, tasks }
+    }
+
+    fn counts(&self) -> Vec<u64> {
+        self.done
+            .iter()
+            .map(|d| d.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// Wait until every writer has had two more writes acknowledged than at `then`.
+    async fn past(&self, then: &[u64]) {
+        until("every writer past its write in flight", || {
+            self.counts().iter().zip(then).all(|(d, f)| *d >= f + 2)
+        })
+        .await;
+    }
+
+    /// Stop them; each block reads back its writer's last acknowledged value.
+    async fn check(self, ns: &MpNamespace) {
+        self.stop.send(true).unwrap();
+        for t in self.tasks {
+            let (blk, last) = t.await.unwrap().unwrap();
+            assert_eq!(ns.read(blk * 8, 4096).await.unwrap(), vec![last; 4096]);
+        }
+    }
+}
+
+/// Hold the writers' next writes on path A unanswered: port `port_a` of the target stops
+/// answering until all eight writers wait on it. Whatever A's HCA does next, each has a
+/// write in flight on A that the target never ran.
+async fn strand_writes(target: &Target<SoftHca>, port_a: u16) {
+    let ignored = target.stats().ignored_frozen;
+    target.freeze_port(port_a, true);
+    until("a write of each writer left unanswered on A", || {
+        target.stats().ignored_frozen >= ignored + 8
+    })
+    .await;
+}
+
 /// Path A's HCA is reset and stays down 5 s while eight writers each have a write in flight
 /// on it (failover policy: every command goes to A), with default path settings (no
 /// fast_io_fail_tmo). A gives its held writes back at once; each goes to path B once a
@@ -239,68 +308,88 @@ async fn one_target_two_ports(first: u8, policy: IoPolicy) -> TwoPorts {
 /// long before A is back, and each block reads back its last acknowledged write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_in_flight_on_a_failed_path_complete_through_the_other_path_before_it_reconnects() {
-    let (sub, faults, _target, _) = one_target_two_ports(7, IoPolicy::Failover).await;
+    let (sub, faults, target, _) = one_target_two_ports(7, IoPolicy::Failover).await;
     let ns = Arc::new(sub.namespace(1).unwrap());
-    let done: Arc<Vec<AtomicU64>> = Arc::new((0..8).map(|_| AtomicU64::new(0)).collect());
-    let (stop_tx, stop) = tokio::sync::watch::channel(false);
-    let writers: Vec<_> = (0..8u64)
-        .map(|w| {
-            let (ns, done, stop) = (ns.clone(), done.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut last = 0u8;
-                while !*stop.borrow() {
-                    let v = last.wrapping_add(1);
-                    ns.write(w * 8, &[v; 4096])
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    last = v;
-                    done[w as usize].fetch_add(1, Ordering::Relaxed);
-                }
-                Ok::<_, String>((w, last))
-            })
-        })
-        .collect();
-    // Failover policy: the writes are on one path, A, which has them in flight.
+    let writers = Writers::start(&ns);
     let paths = sub.paths();
-    until("writes on path A", || {
-        paths
-            .iter()
-            .any(|p| p.stats().ios > 200 && p.stats().inflight >= 6)
-    })
-    .await;
-    let busy = (0..2)
-        .max_by_key(|&i| paths[i].stats().inflight)
-        .unwrap_or(0);
-    let (a, b) = (paths[busy].clone(), paths[1 - busy].clone());
+    let (a, b) = (paths[0].clone(), paths[1].clone());
+    until("writes on path A", || a.stats().ios > 200).await;
+    assert_eq!(b.stats().ios, 0, "the failover policy used path B");
+    strand_writes(&target, 1).await;
+    let at_fault = writers.counts();
     let reset = {
-        let f = faults[busy].clone();
+        let f = faults[0].clone();
         tokio::spawn(async move { f.reset(Duration::from_secs(5)).await })
     };
     until("path A down", || a.ctrl.state() != CtrlState::Live).await;
-    let at_fault: Vec<u64> = done.iter().map(|d| d.load(Ordering::Relaxed)).collect();
+    target.freeze_port(1, false);
     let t0 = std::time::Instant::now();
-    until("every writer past its write in flight on A", || {
-        done.iter()
-            .zip(&at_fault)
-            .all(|(d, f)| d.load(Ordering::Relaxed) >= f + 2)
-    })
-    .await;
+    writers.past(&at_fault).await;
     let took = t0.elapsed();
     assert_ne!(a.ctrl.state(), CtrlState::Live, "A came back first");
     assert!(
         took < Duration::from_secs(2),
         "the writes in flight on A took {took:?} to move to B"
     );
-    assert!(a.stats().failovers > 0, "no write moved: {:?}", a.stats());
+    assert!(
+        a.stats().failovers >= 8,
+        "writes not moved: {:?}",
+        a.stats()
+    );
     assert!(b.stats().ios > 0);
-    stop_tx.send(true).unwrap();
-    for w in writers {
-        let (blk, last) = w.await.unwrap().unwrap();
-        assert_eq!(ns.read(blk * 8, 4096).await.unwrap(), vec![last; 4096]);
-    }
+    writers.check(&ns).await;
     reset.await.unwrap().unwrap();
     until("path A back", || a.ctrl.state() == CtrlState::Live).await;
     assert_eq!(sub.held(), 0);
+}
+
+/// Path A's HCA is reset (down 300 ms) with a write of each of eight writers in flight on
+/// it, while port B of the target ignores every command, so the Cross-Controller Reset
+/// sent through B for A's old association is never answered; then B's HCA goes down for
+/// 10 s with that CCR out. The CCR is asked again through A once A is back, and every
+/// writer moves on within 3 s: far sooner than B's return, the CCR's own deadline (KATO +
+/// CQT) or A's time rule, each 5 s or more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ccr_whose_path_fails_is_asked_again_through_the_next_live_path() {
+    let (sub, faults, target, port_b) = one_target_two_ports(11, IoPolicy::Failover).await;
+    let ns = Arc::new(sub.namespace(1).unwrap());
+    let writers = Writers::start(&ns);
+    let paths = sub.paths();
+    let (a, b) = (paths[0].clone(), paths[1].clone());
+    until("writes on path A", || a.stats().ios > 200).await;
+    assert_eq!(b.stats().ios, 0, "the failover policy used path B");
+    target.freeze_port(port_b, true);
+    strand_writes(&target, 1).await;
+    let at_fault = writers.counts();
+    let reset_a = {
+        let f = faults[0].clone();
+        tokio::spawn(async move { f.reset(Duration::from_millis(300)).await })
+    };
+    until("path A down", || a.ctrl.state() != CtrlState::Live).await;
+    let t0 = std::time::Instant::now();
+    // Port B alone ignores commands now: the next one it ignores is the CCR.
+    let ignored = target.stats().ignored_frozen;
+    target.freeze_port(1, false);
+    until("the CCR sent through B", || {
+        target.stats().ignored_frozen > ignored
+    })
+    .await;
+    let reset_b = {
+        let f = faults[1].clone();
+        tokio::spawn(async move { f.reset(Duration::from_secs(10)).await })
+    };
+    until("path B down", || b.ctrl.state() != CtrlState::Live).await;
+    target.freeze_port(port_b, false);
+    writers.past(&at_fault).await;
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "the writes in flight on A took {took:?} to move on"
+    );
+    assert_ne!(b.ctrl.state(), CtrlState::Live, "B came back first");
+    writers.check(&ns).await;
+    reset_a.await.unwrap().unwrap();
+    reset_b.abort();
 }
 
 /// Both paths' HCAs down at once: a write is held (counted) until a path is back and then
