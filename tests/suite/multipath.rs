@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use crate::fake_target::{FakeConfig, FakeTarget, Lie, Script};
 use nvmf_rdma::driver::{CmService, DeviceManager, SoftHca};
 use nvmf_rdma::export::BlockDev;
-use nvmf_rdma::multipath::{IoPolicy, JoinError, MpNamespace, Subsystem};
+use nvmf_rdma::multipath::{IoPolicy, JoinError, MpNamespace, Path, Subsystem};
 use nvmf_rdma::nvme::admin::opcode;
 use nvmf_rdma::nvme::{ana, Nqn};
 use nvmf_rdma::nvmet::{serve_cm_on, Namespace, Target};
@@ -289,6 +289,39 @@ impl Writers {
     }
 }
 
+/// One target serving the subsystem on two ports, a failover-policy path to each, and
+/// [`Writers`] whose writes all go to the first, A.
+struct OnPathA {
+    sub: Arc<Subsystem>,
+    faults: Vec<DeviceFaults>,
+    target: Target<SoftHca>,
+    port_b: u16,
+    ns: Arc<MpNamespace>,
+    writers: Writers,
+    a: Arc<Path>,
+    b: Arc<Path>,
+}
+
+async fn writers_on_path_a(first: u8) -> OnPathA {
+    let (sub, faults, target, port_b) = one_target_two_ports(first, IoPolicy::Failover).await;
+    let ns = Arc::new(sub.namespace(1).unwrap());
+    let writers = Writers::start(&ns);
+    let paths = sub.paths();
+    let (a, b) = (paths[0].clone(), paths[1].clone());
+    until("writes on path A", || a.stats().ios > 200).await;
+    assert_eq!(b.stats().ios, 0, "the failover policy used path B");
+    OnPathA {
+        sub,
+        faults,
+        target,
+        port_b,
+        ns,
+        writers,
+        a,
+        b,
+    }
+}
+
 /// Hold the writers' next writes on path A unanswered: port `port_a` of the target stops
 /// answering until all eight writers wait on it. Whatever A's HCA does next, each has a
 /// write in flight on A that the target never ran.
@@ -308,13 +341,16 @@ async fn strand_writes(target: &Target<SoftHca>, port_a: u16) {
 /// long before A is back, and each block reads back its last acknowledged write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_in_flight_on_a_failed_path_complete_through_the_other_path_before_it_reconnects() {
-    let (sub, faults, target, _) = one_target_two_ports(7, IoPolicy::Failover).await;
-    let ns = Arc::new(sub.namespace(1).unwrap());
-    let writers = Writers::start(&ns);
-    let paths = sub.paths();
-    let (a, b) = (paths[0].clone(), paths[1].clone());
-    until("writes on path A", || a.stats().ios > 200).await;
-    assert_eq!(b.stats().ios, 0, "the failover policy used path B");
+    let OnPathA {
+        sub,
+        faults,
+        target,
+        ns,
+        writers,
+        a,
+        b,
+        ..
+    } = writers_on_path_a(7).await;
     strand_writes(&target, 1).await;
     let at_fault = writers.counts();
     let reset = {
@@ -351,13 +387,16 @@ async fn writes_in_flight_on_a_failed_path_complete_through_the_other_path_befor
 /// CQT) or A's time rule, each 5 s or more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ccr_whose_path_fails_is_asked_again_through_the_next_live_path() {
-    let (sub, faults, target, port_b) = one_target_two_ports(11, IoPolicy::Failover).await;
-    let ns = Arc::new(sub.namespace(1).unwrap());
-    let writers = Writers::start(&ns);
-    let paths = sub.paths();
-    let (a, b) = (paths[0].clone(), paths[1].clone());
-    until("writes on path A", || a.stats().ios > 200).await;
-    assert_eq!(b.stats().ios, 0, "the failover policy used path B");
+    let OnPathA {
+        faults,
+        target,
+        port_b,
+        ns,
+        writers,
+        a,
+        b,
+        ..
+    } = writers_on_path_a(11).await;
     target.freeze_port(port_b, true);
     strand_writes(&target, 1).await;
     let at_fault = writers.counts();
