@@ -256,9 +256,9 @@ fn handshake(p: &mut Pair) -> (ConnId, ConnId) {
     (a, r.id)
 }
 
-/// One REQ try with the default configuration: 2 × T(16) + T(20).
+/// One REQ try with the default configuration: 2 × T(16) + T(18).
 fn req_try() -> Duration {
-    iba_time(16) * 2 + iba_time(20)
+    iba_time(16) * 2 + iba_time(18)
 }
 
 // --- the handshake ---------------------------------------------------------------------------
@@ -358,7 +358,7 @@ fn req_on_the_wire_is_what_rdma_cm_sends_over_roce() {
             r.local_cm_response_timeout,
             r.max_cm_retries
         ),
-        (20, 20, 15)
+        (18, 18, 15)
     );
     assert_eq!((r.hop_limit, r.subnet_local), (64, false));
     // cma_hdr: version 0, IPv4, then the addresses in the last four bytes of each slot.
@@ -391,6 +391,33 @@ fn lost_req_is_retransmitted_after_the_cm_response_timeout() {
     assert_eq!(established(&mut p.b).id, r.id);
 }
 
+/// The host gives a connect 5 s (`ConnectOptions::connect_timeout`): a REQ lost twice
+/// and a REP lost once still leave time for the fourth exchange to come through.
+#[test]
+fn a_handshake_that_loses_three_messages_is_established_within_the_hosts_connect_timeout() {
+    let mut p = Pair::new();
+    p.drop_next(Side::A, "REQ");
+    p.drop_next(Side::A, "REQ");
+    let a = connect(&mut p);
+    p.step();
+    while p.b.events.is_empty() {
+        assert!(p.advance(), "no REQ retry left");
+    }
+    let r = take_request(&mut p);
+    p.drop_next(Side::B, "REP");
+    accept(&mut p, r.id);
+    p.step();
+    while p.a.events.is_empty() {
+        assert!(p.advance(), "no REP retry left");
+    }
+    assert_eq!(established(&mut p.a).id, a);
+    assert!(
+        p.now < Instant::ZERO + Duration::from_secs(5),
+        "established only at {:?}",
+        p.now
+    );
+}
+
 #[test]
 fn lost_rep_is_retransmitted_by_the_passive_side() {
     let mut p = Pair::new();
@@ -402,8 +429,8 @@ fn lost_rep_is_retransmitted_by_the_passive_side() {
     accept(&mut p, r.id);
     p.step();
     assert_eq!(p.a.ep.state(a), Some(ConnState::ReqSent));
-    // B's REP timer is the REQ's local CM response timeout, T(20), shorter than A's REQ timer.
-    assert_eq!(p.b.ep.poll_timeout(), Some(t0 + iba_time(20)));
+    // B's REP timer is the REQ's local CM response timeout, T(18), shorter than A's REQ timer.
+    assert_eq!(p.b.ep.poll_timeout(), Some(t0 + iba_time(18)));
     assert!(p.advance());
     assert_eq!(p.sent(Side::B, "REP"), 2);
     assert_eq!(p.sent(Side::A, "REQ"), 1, "repaired before A's REQ retry");
@@ -746,9 +773,9 @@ fn passive_side_gives_up_when_no_rtu_ever_arrives() {
         p.b.events.pop_front(),
         Some(CmEvent::Unreachable { id: r.id })
     );
-    // REP retried the REQ's max CM retries (15) times, each T(REQ local CM timeout = 20).
+    // REP retried the REQ's max CM retries (15) times, each T(REQ local CM timeout = 18).
     assert_eq!(p.sent(Side::B, "REP"), 16);
-    assert_eq!(p.now, t0 + iba_time(20) * 16);
+    assert_eq!(p.now, t0 + iba_time(18) * 16);
     assert_eq!(p.b.ep.state(r.id), None);
     // A heard the first REP and considers itself connected.
     assert_eq!(established(&mut p.a).id, a);
