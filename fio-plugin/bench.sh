@@ -191,6 +191,9 @@ verify=crc32c
 # No local-*-verify.state files left in the caller's directory.
 verify_state_save=0
 norandommap=1
+# A job that fails (its connect included) ends the run: the next would check unwritten data.
+exitall_on_error=1
+exit_what=all
 [fill]
 rw=write
 do_verify=0

@@ -77,6 +77,19 @@ enum { NVMF_OP_READ = 0, NVMF_OP_WRITE = 1, NVMF_OP_FLUSH = 2, NVMF_OP_TRIM = 3 
 
 #define ERRLEN 512
 
+/*
+ * fio sets up every job's files before the first job starts, and a job whose setup failed is
+ * dropped without the exitall_on_error check a failing job gets. A later job that depends on
+ * this one (a verify pass after its fill) would then run against data never written and report
+ * its own errors instead of this one. So a failed setup ends the run as a failed job would.
+ */
+static int nvmf_setup_failed(struct thread_data *td)
+{
+	if (td->o.exitall_error)
+		fio_terminate_threads(td->groupid, td->o.exit_what);
+	return 1;
+}
+
 static int nvmf_setup(struct thread_data *td)
 {
 	struct nvmf_fio_options *o = td->eo;
@@ -86,14 +99,14 @@ static int nvmf_setup(struct thread_data *td)
 
 	if (nvmf_rs_setup(td, &o->s, err, sizeof(err))) {
 		log_err("nvmf-rdma: %s\n", err);
-		return 1;
+		return nvmf_setup_failed(td);
 	}
 	for_each_file(td, f, i) {
 		uint64_t size = 0;
 
 		if (nvmf_rs_file_size(&o->s, f->file_name, &size, err, sizeof(err))) {
 			log_err("nvmf-rdma: %s: %s\n", f->file_name, err);
-			return 1;
+			return nvmf_setup_failed(td);
 		}
 		f->real_file_size = size;
 		f->filetype = FIO_TYPE_BLOCK;

@@ -240,6 +240,41 @@ fn bad_options_are_reported() {
     }
 }
 
+/// With fio's `exitall_on_error`, a job whose connect fails ends the run there, as a job that
+/// fails while running does: the job after it (a check of what it should have written) does
+/// not start and report errors of its own.
+#[test]
+fn a_job_that_cannot_connect_ends_the_run_with_exitall_on_error() {
+    let Some(f) = fio() else { return };
+    // A port nothing answers on: the connect times out.
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("a free UDP port")
+        .port();
+    let job = format!(
+        "thread=1\nsize=1M\nfilename=ns=1\nexitall_on_error=1\nexit_what=all\n\
+         [fill]\ntraddr=127.0.0.1:{port}\nsubnqn=nqn.2014-08.org.example:nobody\nrw=write\n\
+         [check]\nstonewall\nbuiltin_target=64M\nrw=read\n"
+    );
+    let r = f.run("connect-fails", &job);
+    assert!(!r.ok, "fio succeeded with a job that cannot connect:\n{}", r.stderr);
+    assert!(
+        r.stderr.contains("fill") || r.stderr.contains("connect to"),
+        "the failed connect is not reported:\n{}",
+        r.stderr
+    );
+    let check_ios = r.json.as_ref().map_or(0, |v| {
+        v["jobs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|j| j["jobname"] == "check")
+            .map(|j| j["read"]["total_ios"].as_u64().unwrap_or(0))
+            .sum()
+    });
+    assert_eq!(check_ios, 0, "the job after the failed one ran:\n{}", r.stderr);
+}
+
 /// A verifying 4 KiB random-write job named `name` at QD32 while the host device is reset
 /// every `every`, with reconnect_delay 0: fio must see no verify error and no I/O error, and
 /// the resets must have reached the device (the controller recovered from them).
