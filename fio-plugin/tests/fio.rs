@@ -257,7 +257,11 @@ fn a_job_that_cannot_connect_ends_the_run_with_exitall_on_error() {
          [check]\nstonewall\nbuiltin_target=64M\nrw=read\n"
     );
     let r = f.run("connect-fails", &job);
-    assert!(!r.ok, "fio succeeded with a job that cannot connect:\n{}", r.stderr);
+    assert!(
+        !r.ok,
+        "fio succeeded with a job that cannot connect:\n{}",
+        r.stderr
+    );
     assert!(
         r.stderr.contains("fill") || r.stderr.contains("connect to"),
         "the failed connect is not reported:\n{}",
@@ -272,7 +276,11 @@ fn a_job_that_cannot_connect_ends_the_run_with_exitall_on_error() {
             .map(|j| j["read"]["total_ios"].as_u64().unwrap_or(0))
             .sum()
     });
-    assert_eq!(check_ios, 0, "the job after the failed one ran:\n{}", r.stderr);
+    assert_eq!(
+        check_ios, 0,
+        "the job after the failed one ran:\n{}",
+        r.stderr
+    );
 }
 
 /// A verifying 4 KiB random-write job named `name` at QD32 while the host device is reset

@@ -18,8 +18,8 @@ use nvmf_rdma::multipath::{IoPolicy, JoinError, MpNamespace, Path, Subsystem};
 use nvmf_rdma::nvme::admin::opcode;
 use nvmf_rdma::nvme::{ana, Nqn};
 use nvmf_rdma::nvmet::{serve_cm_on, Namespace, Target};
-use nvmf_rdma::reconnect::CtrlState;
-use nvmf_rdma::transport::{ConnectOptions, Controller};
+use nvmf_rdma::reconnect::{CtrlState, FailReason};
+use nvmf_rdma::transport::{ConnectOptions, Controller, HostError};
 use nvmf_rdma::verbs::{DeviceFaults, FaultInjector};
 
 const NQN: &str = "nqn.2026-11.io.nvmf-rdma:multipath";
@@ -295,6 +295,7 @@ struct OnPathA {
     sub: Arc<Subsystem>,
     faults: Vec<DeviceFaults>,
     target: Target<SoftHca>,
+    port_a: u16,
     port_b: u16,
     ns: Arc<MpNamespace>,
     writers: Writers,
@@ -310,10 +311,12 @@ async fn writers_on_path_a(first: u8) -> OnPathA {
     let (a, b) = (paths[0].clone(), paths[1].clone());
     until("writes on path A", || a.stats().ios > 200).await;
     assert_eq!(b.stats().ios, 0, "the failover policy used path B");
+    let port_a = target.ports()[0].id;
     OnPathA {
         sub,
         faults,
         target,
+        port_a,
         port_b,
         ns,
         writers,
@@ -345,20 +348,21 @@ async fn writes_in_flight_on_a_failed_path_complete_through_the_other_path_befor
         sub,
         faults,
         target,
+        port_a,
         ns,
         writers,
         a,
         b,
         ..
     } = writers_on_path_a(7).await;
-    strand_writes(&target, 1).await;
+    strand_writes(&target, port_a).await;
     let at_fault = writers.counts();
     let reset = {
         let f = faults[0].clone();
         tokio::spawn(async move { f.reset(Duration::from_secs(5)).await })
     };
     until("path A down", || a.ctrl.state() != CtrlState::Live).await;
-    target.freeze_port(1, false);
+    target.freeze_port(port_a, false);
     let t0 = std::time::Instant::now();
     writers.past(&at_fault).await;
     let took = t0.elapsed();
@@ -390,6 +394,7 @@ async fn a_ccr_whose_path_fails_is_asked_again_through_the_next_live_path() {
     let OnPathA {
         faults,
         target,
+        port_a,
         port_b,
         ns,
         writers,
@@ -398,7 +403,7 @@ async fn a_ccr_whose_path_fails_is_asked_again_through_the_next_live_path() {
         ..
     } = writers_on_path_a(11).await;
     target.freeze_port(port_b, true);
-    strand_writes(&target, 1).await;
+    strand_writes(&target, port_a).await;
     let at_fault = writers.counts();
     let reset_a = {
         let f = faults[0].clone();
@@ -408,7 +413,7 @@ async fn a_ccr_whose_path_fails_is_asked_again_through_the_next_live_path() {
     let t0 = std::time::Instant::now();
     // Port B alone ignores commands now: the next one it ignores is the CCR.
     let ignored = target.stats().ignored_frozen;
-    target.freeze_port(1, false);
+    target.freeze_port(port_a, false);
     until("the CCR sent through B", || {
         target.stats().ignored_frozen > ignored
     })
@@ -671,7 +676,7 @@ async fn a_path_giving_its_io_back_is_not_live_to_those_it_gives_it_to() {
                     // recovery, counted.
                     let recoveries = a.status().machine.recoveries;
                     if let Err(e) = a.read_into(1, lba, &mut buf).await {
-                        if e.to_string().contains("given to another path") {
+                        if matches!(e, HostError::Path(FailReason::Failover)) {
                             handed.fetch_add(1, Ordering::Relaxed);
                             let st = a.status();
                             if st.state() == CtrlState::Live && st.machine.recoveries == recoveries
