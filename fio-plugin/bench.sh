@@ -10,7 +10,8 @@
 #            one server for the whole run,
 #   raw      `nvmf-rdma bench --hca -o json`: the soft-HCA's raw RDMA READ/WRITE rates,
 #   raw 2p   `nvmf-rdma bench --hca --peer-process -o json`: the same with the responder in a
-#            process of its own, every packet over UDP (the ceiling of ext),
+#            process of its own, every packet over UDP (the ceiling of ext), and again with
+#            `--region 1G` (the requester's side through 1 GiB, as the target's namespace),
 # (own, plugin and raw have host and target in one process: their packets take the in-memory
 # loopback path, as rxe's loopback does, unless NVMF_RDMA_LOOPBACK=udp is set; ext and the
 # loss runs cross processes over UDP; the header says which),
@@ -285,6 +286,8 @@ for r in $(seq "$rounds"); do
     to "$work/hca1g.$r.json" "$bin" bench --hca --region 1G --seconds "$secs" -o json
   must "round $r: raw soft-HCA bench --peer-process" "$work/hca2p.$r.err" \
     to "$work/hca2p.$r.json" "$bin" bench --hca --peer-process --seconds "$secs" -o json
+  must "round $r: raw soft-HCA bench --peer-process --region 1G" "$work/hca2p1g.$r.err" \
+    to "$work/hca2p1g.$r.json" "$bin" bench --hca --peer-process --region 1G --seconds "$secs" -o json
   for p in ${loss_rates[@]:+0 "${loss_rates[@]}"}; do
     echo "round $r/$rounds: $p% UDP loss, verify on" >&2
     # fio exits non-zero on a verify error too, so a clean exit is a clean verify.
@@ -391,12 +394,13 @@ print(f"{rounds} round(s) of {len(names)} workloads; "
 hca = [json_lines(f"{work}/hca.{r}.json") for r in runs]
 hca1g = [json_lines(f"{work}/hca1g.{r}.json") for r in runs]
 hca2p = [json_lines(f"{work}/hca2p.{r}.json") for r in runs]
+hca2p1g = [json_lines(f"{work}/hca2p1g.{r}.json") for r in runs]
 def raw(r, op, table=hca):
     return next(x["gbps"] for x in table[r - 1] if x["op"] == op and x["bytes"] == 128 << 10)
 
-def raw2p(r, op):
+def raw2p(r, op, table=hca2p):
     """The two-process raw rate (GB/s, GSO/GRO on) of `op` at 128 KiB in round r."""
-    return next(x["gbps"] for x in hca2p[r - 1]
+    return next(x["gbps"] for x in table[r - 1]
                 if x["op"] == op and x["bytes"] == 128 << 10 and x["offload"])
 
 def sum_us(x):
@@ -435,7 +439,9 @@ for n, op in (("read-128k-qd8", "RDMA WRITE"), ("write-128k-qd8", "RDMA READ")):
     e, o = fio["ext", n], own[n]
     goal(f"GB/s ext/raw two-process {n}", ">= 0.8",
          [x["gbps"] / raw2p(r, op) for r, x in zip(runs, e)], lambda m: m >= 0.8,
-         "own/raw in-process " + spread([x["gbps"] / raw(r, op) for r, x in zip(runs, o)]))
+         "own/raw in-process " + spread([x["gbps"] / raw(r, op) for r, x in zip(runs, o)])
+         + "; ext/raw two-process 1G " + spread([x["gbps"] / raw2p(r, op, hca2p1g)
+                                                for r, x in zip(runs, e)]))
 for p in loss_rates:
     for job in LOSS_JOBS:
         goal(f"IOPS {p}% loss/lossless {job}", ">= 0.5",
@@ -443,7 +449,8 @@ for p in loss_rates:
              "(measured across processes only)")
 print("(ratios per round, median [min-max]; met: the median against the goal; raw two-process: "
       "`bench --hca --peer-process`, GSO/GRO on, 128 KiB depth 16, the operation that carries "
-      "the data: a read's is the target's RDMA WRITE, a write's its RDMA READ)")
+      "the data: a read's is the target's RDMA WRITE, a write's its RDMA READ; 1G: with "
+      "--region 1G, the target's side through 1 GiB as the namespace's data is, not in cache)")
 
 print("\nIOPS (plugin: fio + plugin, built-in target in fio's process)")
 fmt = "{:<18} {:>9} {:>11} {:>17} {:>11} {:>17} {:>15} {:>15} {:>17} {:>9} {:>12} {:>12}"

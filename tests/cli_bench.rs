@@ -170,7 +170,8 @@ fn bench_hca_region_is_reported_and_checked() {
 /// `bench --hca --peer-process` runs each row against a responder in a child process, so
 /// its packets cross UDP sockets (the in-process table's take the loopback path): RDMA WRITE
 /// and READ at 128 KiB and 4 KiB, each with GSO/GRO on and off, with the packets and each
-/// side's CPU. Without --hca it is a one-line refusal.
+/// side's CPU; with --region, through that much memory on the requester's side. Without
+/// --hca it is a one-line refusal.
 #[test]
 fn bench_hca_peer_process_rows() {
     let o = Command::new(BIN)
@@ -212,6 +213,34 @@ fn bench_hca_peer_process_rows() {
             }
         }
     }
+    // With --region the requester's side moves through that much memory, as a target's
+    // namespace does: the ceiling of a target that reads and writes its namespace.
+    let o = Command::new(BIN)
+        .args([
+            "bench",
+            "--hca",
+            "--peer-process",
+            "--region",
+            "8M",
+            "--seconds",
+            "0.05",
+            "-o",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let rows: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("every line is JSON"))
+        .collect();
+    assert_eq!(rows.len(), 8, "{rows:?}");
+    assert!(
+        rows.iter()
+            .all(|r| r["region"] == 8 << 20 && r["messages"].as_u64() > Some(0)),
+        "{rows:?}"
+    );
     let o = Command::new(BIN)
         .args(["bench", "--peer-process"])
         .output()

@@ -132,8 +132,9 @@ fn hca_json(r: &hca_perf::Report) -> serde_json::Value {
     })
 }
 
-/// `bench --hca --peer-process`: each row against a responder in a child process.
-fn peer_table(duration: Duration, show: &Rows) -> Result<()> {
+/// `bench --hca --peer-process`: each row against a responder in a child process; the
+/// requester's side of the messages moves through `region` bytes (0: depth x size).
+fn peer_table(duration: Duration, region: usize, show: &Rows) -> Result<()> {
     let exe = std::env::current_exe()?;
     let busy_poll = crate::driver::default_busy_poll();
     if show.output != ListFormat::Json {
@@ -141,6 +142,12 @@ fn peer_table(duration: Duration, show: &Rows) -> Result<()> {
             "responder in another process: every packet through UDP sockets on 127.0.0.1; \
              CPU s: each process's user + system time for the row (set-up included)"
         );
+        if region > 0 {
+            println!(
+                "requester's side of the messages through {} of memory",
+                hca_perf::human(region)
+            );
+        }
         println!(
             "{:<11} {:>9} {:>6} {:>8} {:>8} {:>10} {:>12} {:>8} {:>8} {:>13} {:>13}",
             "op",
@@ -156,7 +163,7 @@ fn peer_table(duration: Duration, show: &Rows) -> Result<()> {
             "rsp pkts/CPU"
         );
     }
-    for (w, offload) in hca_peer::peer_workloads(duration) {
+    for (w, offload) in hca_peer::peer_workloads(duration, region) {
         let mut responder = std::process::Command::new(&exe);
         responder
             .arg(format!("--busy-poll={}us", busy_poll.as_micros()))
@@ -237,8 +244,8 @@ pub fn run_bench(args: BenchArgs) -> Result<()> {
     if serve_peer {
         return hca_perf::serve_peer(std::io::stdin().lock(), std::io::stdout().lock());
     }
-    if peer_process && (!hca || region.is_some()) {
-        bail!("--peer-process is a mode of the raw soft-HCA table: add --hca (and no --region)");
+    if peer_process && !hca {
+        bail!("--peer-process is a mode of the raw soft-HCA table: add --hca");
     }
     if !(0.05..=600.0).contains(&seconds) {
         bail!("--seconds must be between 0.05 and 600");
@@ -281,7 +288,7 @@ pub fn run_bench(args: BenchArgs) -> Result<()> {
         return remote_bench(&sub, Duration::from_secs_f64(seconds), &show);
     }
     if peer_process {
-        return peer_table(Duration::from_secs_f64(seconds), &show);
+        return peer_table(Duration::from_secs_f64(seconds), region.unwrap_or(0), &show);
     }
     in_process(
         hca,

@@ -16,8 +16,8 @@ pub struct PeerRow {
 }
 
 /// The rows of the two-process table: large and small WRITEs and READs, each with GSO/GRO
-/// on and off.
-pub fn peer_workloads(duration: Duration) -> Vec<(Workload, bool)> {
+/// on and off, the requester's side through `region` bytes ([`Workload::region`]).
+pub fn peer_workloads(duration: Duration, region: usize) -> Vec<(Workload, bool)> {
     let mut v = Vec::new();
     for (op, msg_size, depth) in [
         (Op::Write, 128 << 10, 16),
@@ -32,7 +32,7 @@ pub fn peer_workloads(duration: Duration) -> Vec<(Workload, bool)> {
                 depth,
                 duration,
                 mtu: Mtu::Mtu4096,
-                region: 0,
+                region,
             };
             v.push((w, offload));
         }

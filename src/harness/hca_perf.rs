@@ -340,8 +340,8 @@ fn read_line(input: &mut impl BufRead, what: &str) -> anyhow::Result<String> {
     Ok(line)
 }
 
-/// Run one RDMA WRITE or READ workload (`w.region` is ignored: the requester's buffer is
-/// depth x message size) against a responder in another process reached through `peer_in`
+/// Run one RDMA WRITE or READ workload (the requester's side through `w.region`, the
+/// responder's depth x message size) against a responder in another process reached through `peer_in`
 /// and `peer_out` (its stdout and stdin, [`serve_peer`] at the other end). `offload`: UDP
 /// GSO and GRO on both sides. Every packet crosses a UDP socket on 127.0.0.1.
 pub fn run_with_peer(
@@ -354,7 +354,7 @@ pub fn run_with_peer(
         w.op != Op::Send,
         "a responder in another process serves RDMA WRITE and READ, not SEND"
     );
-    let opts = run_options(&w, w.msg_size * w.depth.max(1));
+    let opts = run_options(&w, region_len(&w));
     let (a, rt, join, stop) = start_on_thread(config("srxe0", 0), offload)?;
     let _stop = StopOnDrop(Some((a.clone(), join, stop)));
     let ea = a.with(|d, _| create_end(d, &opts, Psn::new(0x10_0000)))?;
