@@ -4,9 +4,11 @@
 //!
 //! Never two paths down at once: a fault that falls due while another path is not LIVE
 //! waits until it is (its device back and its controller reconnected), and one task
-//! inflicts the faults one after the other. So the schedules may overlap in any way; the
-//! guard, not their arithmetic, keeps one path up. [`Schedule`] is that rule without I/O or
-//! clock; [`run`] puts it to work.
+//! inflicts the faults one after the other. A path just reset or unplugged counts as down
+//! until its controller is seen leaving LIVE: the controller learns of the fault a moment
+//! after it is inflicted, and until then still says LIVE. So the schedules may overlap in
+//! any way; the guard, not their arithmetic, keeps one path up. [`Schedule`] is that rule
+//! without I/O or clock; [`run`] puts it to work.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -28,30 +30,63 @@ pub enum Step {
     Inflict(usize),
     /// A fault is due, but path `i` is down: wait until it is up again.
     WaitFor(usize),
+    /// Path `i` was just faulted and its controller has not noticed yet: wait until it
+    /// leaves LIVE, or this deadline passes.
+    Settle(usize, Instant),
     /// Nothing is due before this.
     Sleep(Instant),
     /// No path has a fault.
     Idle,
 }
 
+/// What chaos sees of a path's controller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seen {
+    pub live: bool,
+    /// Recovery episodes it has started ([`nvmf_rdma::reconnect::CtrlStatus`]'s
+    /// `machine.episodes`): one more once it has noticed a fault, even if it is back.
+    pub episodes: u64,
+}
+
+/// How long a reset or unplugged path may still look LIVE before chaos stops waiting for
+/// its controller to notice. A fatal device event reaches it within milliseconds; this
+/// bounds a fault the controller never sees (a device it no longer uses).
+pub const SETTLE_MAX: Duration = Duration::from_secs(2);
+
 /// When each path's next fault is due.
 #[derive(Debug)]
 pub struct Schedule {
     plans: Vec<Option<Chaos>>,
     due: Vec<Option<Instant>>,
+    /// The path last reset or unplugged, its episodes then, and until when it counts as
+    /// down while it still looks LIVE.
+    settling: Option<(usize, u64, Instant)>,
 }
 
 impl Schedule {
     /// Path `i`'s first fault is due one period after `start`.
     pub fn new(plans: Vec<Option<Chaos>>, start: Instant) -> Schedule {
         let due = plans.iter().map(|p| p.map(|p| start + p.every)).collect();
-        Schedule { plans, due }
+        Schedule {
+            plans,
+            due,
+            settling: None,
+        }
     }
 
-    /// What to do at `now`, with `up[i]` saying whether path `i` is LIVE. The earliest due
-    /// fault goes first, once every other path is up. Inflicting one moves its path's next
-    /// fault a period on (past `now`: faults that fell due while waiting are not made up).
-    pub fn poll(&mut self, now: Instant, up: &[bool]) -> Step {
+    /// What to do at `now`, with `seen[i]` what path `i`'s controller says. The earliest
+    /// due fault goes first, once every other path is up, and not before the path faulted
+    /// last has been seen leaving LIVE. Inflicting one moves its path's next fault a period
+    /// on (past `now`: faults that fell due while waiting are not made up).
+    pub fn poll(&mut self, now: Instant, seen: &[Seen]) -> Step {
+        if let Some((i, episodes, until)) = self.settling {
+            let unnoticed = seen[i].live && seen[i].episodes == episodes;
+            if unnoticed && now < until {
+                return Step::Settle(i, until);
+            }
+            self.settling = None;
+        }
+        let up: Vec<bool> = seen.iter().map(|s| s.live).collect();
         let earliest = self
             .due
             .iter()
@@ -71,6 +106,11 @@ impl Schedule {
             while *d <= now {
                 *d += p.every;
             }
+            // A freeze leaves the controller LIVE until its keep-alive fails, and is over
+            // when it returns; a reset or an unplug takes the path out at once.
+            if p.kind != FaultKind::Freeze {
+                self.settling = Some((i, seen[i].episodes, now + p.down_for + SETTLE_MAX));
+            }
         }
         Step::Inflict(i)
     }
@@ -87,17 +127,23 @@ pub struct ChaosPath {
     pub count: Arc<AtomicU64>,
 }
 
-fn is_up(p: &ChaosPath) -> Option<bool> {
-    p.ctrl.upgrade().map(|c| c.state() == CtrlState::Live)
+fn seen(p: &ChaosPath) -> Option<Seen> {
+    p.ctrl.upgrade().map(|c| {
+        let s = c.status();
+        Seen {
+            live: s.state() == CtrlState::Live,
+            episodes: s.machine.episodes,
+        }
+    })
 }
 
 /// Inflict the paths' faults on schedule until a controller is dropped (the job is over).
 pub async fn run(paths: Vec<ChaosPath>) {
     let mut sched = Schedule::new(paths.iter().map(|p| p.plan).collect(), Instant::now());
     loop {
-        let up: Option<Vec<bool>> = paths.iter().map(is_up).collect();
-        let Some(up) = up else { return };
-        match sched.poll(Instant::now(), &up) {
+        let seen: Option<Vec<Seen>> = paths.iter().map(seen).collect();
+        let Some(seen) = seen else { return };
+        match sched.poll(Instant::now(), &seen) {
             Step::Idle => return,
             Step::Sleep(t) => tokio::time::sleep_until(t).await,
             Step::WaitFor(j) => {
@@ -111,6 +157,19 @@ pub async fn run(paths: Vec<ChaosPath>) {
                 let _ = tokio::time::timeout(
                     Duration::from_secs(1),
                     rx.wait_for(|s| s.state() == CtrlState::Live),
+                )
+                .await;
+            }
+            Step::Settle(i, until) => {
+                let Some(c) = paths[i].ctrl.upgrade() else {
+                    return;
+                };
+                let mut rx = c.watch_status();
+                drop(c);
+                let episodes = seen[i].episodes;
+                let _ = tokio::time::timeout_at(
+                    until,
+                    rx.wait_for(|s| s.state() != CtrlState::Live || s.machine.episodes != episodes),
                 )
                 .await;
             }
@@ -157,6 +216,14 @@ mod tests {
         })
     }
 
+    /// Paths seen LIVE or not, each having started `episodes[i]` recoveries.
+    fn seen(live: &[bool], episodes: &[u64]) -> Vec<Seen> {
+        live.iter()
+            .zip(episodes)
+            .map(|(&live, &episodes)| Seen { live, episodes })
+            .collect()
+    }
+
     #[test]
     fn each_path_on_its_own_period() {
         let t0 = Instant::now();
@@ -165,14 +232,15 @@ mod tests {
             vec![plan(FaultKind::Reset, 2000), plan(FaultKind::Unplug, 3000)],
             t0,
         );
-        let up = [true, true];
-        assert_eq!(s.poll(ms(0), &up), Step::Sleep(ms(2000)));
-        assert_eq!(s.poll(ms(2000), &up), Step::Inflict(0));
-        assert_eq!(s.poll(ms(2001), &up), Step::Sleep(ms(3000)));
-        assert_eq!(s.poll(ms(3000), &up), Step::Inflict(1));
-        assert_eq!(s.poll(ms(3500), &up), Step::Sleep(ms(4000)));
-        assert_eq!(s.poll(ms(4000), &up), Step::Inflict(0));
-        assert_eq!(s.poll(ms(4000), &up), Step::Sleep(ms(6000)));
+        let up = |e0, e1| seen(&[true, true], &[e0, e1]);
+        assert_eq!(s.poll(ms(0), &up(0, 0)), Step::Sleep(ms(2000)));
+        assert_eq!(s.poll(ms(2000), &up(0, 0)), Step::Inflict(0));
+        // Each fault noticed and recovered from by the next look.
+        assert_eq!(s.poll(ms(2001), &up(1, 0)), Step::Sleep(ms(3000)));
+        assert_eq!(s.poll(ms(3000), &up(1, 0)), Step::Inflict(1));
+        assert_eq!(s.poll(ms(3500), &up(1, 1)), Step::Sleep(ms(4000)));
+        assert_eq!(s.poll(ms(4000), &up(1, 1)), Step::Inflict(0));
+        assert_eq!(s.poll(ms(4000), &up(2, 1)), Step::Sleep(ms(6000)));
     }
 
     #[test]
@@ -183,57 +251,175 @@ mod tests {
             vec![plan(FaultKind::Reset, 2000), plan(FaultKind::Unplug, 1000)],
             t0,
         );
-        assert_eq!(s.poll(ms(1000), &[true, true]), Step::Inflict(1));
+        assert_eq!(
+            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
+            Step::Inflict(1)
+        );
         // Path 2 still away when path 1's reset falls due: the reset waits.
-        assert_eq!(s.poll(ms(2000), &[true, false]), Step::WaitFor(1));
-        assert_eq!(s.poll(ms(2600), &[true, false]), Step::WaitFor(1));
+        assert_eq!(
+            s.poll(ms(2000), &seen(&[true, false], &[0, 1])),
+            Step::WaitFor(1)
+        );
+        assert_eq!(
+            s.poll(ms(2600), &seen(&[true, false], &[0, 1])),
+            Step::WaitFor(1)
+        );
         // Back: the overdue faults go one at a time, the earliest first ...
-        assert_eq!(s.poll(ms(2700), &[true, true]), Step::Inflict(0));
+        assert_eq!(
+            s.poll(ms(2700), &seen(&[true, true], &[0, 1])),
+            Step::Inflict(0)
+        );
         // ... and the next only once the path just faulted is up again.
-        assert_eq!(s.poll(ms(2700), &[false, true]), Step::WaitFor(0));
-        assert_eq!(s.poll(ms(2800), &[true, true]), Step::Inflict(1));
+        assert_eq!(
+            s.poll(ms(2700), &seen(&[false, true], &[1, 1])),
+            Step::WaitFor(0)
+        );
+        assert_eq!(
+            s.poll(ms(2800), &seen(&[true, true], &[1, 1])),
+            Step::Inflict(1)
+        );
         // Missed periods are not made up.
-        assert_eq!(s.poll(ms(2800), &[true, true]), Step::Sleep(ms(3000)));
+        assert_eq!(
+            s.poll(ms(2800), &seen(&[true, true], &[1, 2])),
+            Step::Sleep(ms(3000))
+        );
+    }
+
+    /// Both faults fall due at once. Path 1 is reset, but its controller learns of it only
+    /// a moment later and meanwhile still says LIVE: path 2's fault waits until path 1 is
+    /// seen leaving LIVE (and then until it is back), not only while it says it is down.
+    #[test]
+    fn a_fault_counts_as_down_until_its_controller_notices() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut s = Schedule::new(
+            vec![plan(FaultKind::Reset, 1000), plan(FaultKind::Unplug, 1000)],
+            t0,
+        );
+        let until = ms(1000) + SETTLE_MAX;
+        assert_eq!(
+            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
+            Step::Inflict(0)
+        );
+        assert_eq!(
+            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
+            Step::Settle(0, until)
+        );
+        assert_eq!(
+            s.poll(ms(1001), &seen(&[false, true], &[1, 0])),
+            Step::WaitFor(0)
+        );
+        assert_eq!(
+            s.poll(ms(1300), &seen(&[true, true], &[1, 0])),
+            Step::Inflict(1)
+        );
+        // Noticed and recovered from before the next look (a short reset): nothing to wait
+        // for.
+        let mut s = Schedule::new(
+            vec![plan(FaultKind::Reset, 1000), plan(FaultKind::Unplug, 1000)],
+            t0,
+        );
+        assert_eq!(
+            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
+            Step::Inflict(0)
+        );
+        assert_eq!(
+            s.poll(ms(1020), &seen(&[true, true], &[1, 0])),
+            Step::Inflict(1)
+        );
+        // Never noticed: it stops counting as down after SETTLE_MAX.
+        let mut s = Schedule::new(
+            vec![plan(FaultKind::Reset, 1000), plan(FaultKind::Unplug, 1000)],
+            t0,
+        );
+        assert_eq!(
+            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
+            Step::Inflict(0)
+        );
+        assert_eq!(
+            s.poll(until, &seen(&[true, true], &[0, 0])),
+            Step::Inflict(1)
+        );
+        // A freeze leaves its controller LIVE (until keep-alive fails) and is over when it
+        // returns: the next fault does not wait for it.
+        let mut s = Schedule::new(
+            vec![plan(FaultKind::Freeze, 1000), plan(FaultKind::Unplug, 1000)],
+            t0,
+        );
+        assert_eq!(
+            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
+            Step::Inflict(0)
+        );
+        assert_eq!(
+            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
+            Step::Inflict(1)
+        );
     }
 
     #[test]
     fn never_two_paths_down_whatever_the_periods() {
-        // Simulated time: a fault keeps its path down for `down` ms; the guard must never
-        // inflict one while the other path is down.
+        // Simulated time: a fault takes its path's device away at once, its controller
+        // says so only `notice` ms later, and the path is back `down` ms after that; the
+        // guard must never inflict a fault while another path's device is away.
         let t0 = Instant::now();
-        for (a, b, down) in [
-            (2000, 3000, 700),
-            (100, 150, 90),
-            (500, 500, 499),
-            (7, 5, 30),
+        for (a, b, down, notice) in [
+            (2000, 3000, 700, 0),
+            (100, 150, 90, 3),
+            (500, 500, 499, 1),
+            (7, 5, 30, 2),
+            (1000, 1000, 50, 5),
         ] {
             let mut s = Schedule::new(
                 vec![plan(FaultKind::Reset, a), plan(FaultKind::Unplug, b)],
                 t0,
             );
+            let ms = |n| Duration::from_millis(n);
+            // When each path's device went away and came back, and its episodes.
+            let mut hit = [None::<Instant>; 2];
             let mut back = [t0, t0];
+            let mut episodes = [0u64, 0];
             let mut faults = [0, 0];
             let mut now = t0;
             while now < t0 + Duration::from_secs(30) {
-                let up = [back[0] <= now, back[1] <= now];
-                match s.poll(now, &up) {
+                let view: Vec<Seen> = (0..2)
+                    .map(|i| {
+                        let noticed = hit[i].is_some_and(|h| now >= h + ms(notice));
+                        Seen {
+                            live: back[i] <= now || !noticed,
+                            episodes: episodes[i] - u64::from(!noticed && hit[i].is_some()),
+                        }
+                    })
+                    .collect();
+                match s.poll(now, &view) {
                     Step::Inflict(i) => {
-                        assert!(up[1 - i], "{a}/{b}/{down}: both down at once");
-                        back[i] = now + Duration::from_millis(down);
+                        let j = 1 - i;
+                        assert!(back[j] <= now, "{a}/{b}/{down}/{notice}: both down at once");
+                        hit[i] = Some(now);
+                        back[i] = now + ms(notice + down);
+                        episodes[i] += 1;
                         faults[i] += 1;
                     }
                     Step::WaitFor(j) => now = now.max(back[j]),
+                    Step::Settle(i, until) => {
+                        now = until.min(hit[i].expect("settling on a faulted path") + ms(notice))
+                    }
                     Step::Sleep(t) => now = t,
                     Step::Idle => unreachable!(),
                 }
             }
-            assert!(faults[0] > 0 && faults[1] > 0, "{a}/{b}/{down}: {faults:?}");
+            assert!(
+                faults[0] > 0 && faults[1] > 0,
+                "{a}/{b}/{down}/{notice}: {faults:?}"
+            );
         }
     }
 
     #[test]
     fn no_plans_is_idle() {
         let mut s = Schedule::new(vec![None, None], Instant::now());
-        assert_eq!(s.poll(Instant::now(), &[true, true]), Step::Idle);
+        assert_eq!(
+            s.poll(Instant::now(), &seen(&[true, true], &[0, 0])),
+            Step::Idle
+        );
     }
 }
