@@ -127,7 +127,7 @@ pub struct ChaosPath {
     pub count: Arc<AtomicU64>,
 }
 
-fn seen(p: &ChaosPath) -> Option<Seen> {
+fn look(p: &ChaosPath) -> Option<Seen> {
     p.ctrl.upgrade().map(|c| {
         let s = c.status();
         Seen {
@@ -141,7 +141,7 @@ fn seen(p: &ChaosPath) -> Option<Seen> {
 pub async fn run(paths: Vec<ChaosPath>) {
     let mut sched = Schedule::new(paths.iter().map(|p| p.plan).collect(), Instant::now());
     loop {
-        let seen: Option<Vec<Seen>> = paths.iter().map(seen).collect();
+        let seen: Option<Vec<Seen>> = paths.iter().map(look).collect();
         let Some(seen) = seen else { return };
         match sched.poll(Instant::now(), &seen) {
             Step::Idle => return,
