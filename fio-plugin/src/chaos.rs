@@ -285,6 +285,14 @@ mod tests {
         );
     }
 
+    /// Path 1's fault (`first`) and path 2's unplug both due at 1 s, and path 1's inflicted.
+    fn after_first(first: FaultKind, t0: Instant) -> Schedule {
+        let mut s = Schedule::new(vec![plan(first, 1000), plan(FaultKind::Unplug, 1000)], t0);
+        let at = t0 + Duration::from_millis(1000);
+        assert_eq!(s.poll(at, &seen(&[true, true], &[0, 0])), Step::Inflict(0));
+        s
+    }
+
     /// Both faults fall due at once. Path 1 is reset, but its controller learns of it only
     /// a moment later and meanwhile still says LIVE: path 2's fault waits until path 1 is
     /// seen leaving LIVE (and then until it is back), not only while it says it is down.
@@ -292,68 +300,24 @@ mod tests {
     fn a_fault_counts_as_down_until_its_controller_notices() {
         let t0 = Instant::now();
         let ms = |n| t0 + Duration::from_millis(n);
-        let mut s = Schedule::new(
-            vec![plan(FaultKind::Reset, 1000), plan(FaultKind::Unplug, 1000)],
-            t0,
-        );
+        let up = |episodes| seen(&[true, true], &[episodes, 0]);
         let until = ms(1000) + SETTLE_MAX;
-        assert_eq!(
-            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
-            Step::Inflict(0)
-        );
-        assert_eq!(
-            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
-            Step::Settle(0, until)
-        );
-        assert_eq!(
-            s.poll(ms(1001), &seen(&[false, true], &[1, 0])),
-            Step::WaitFor(0)
-        );
-        assert_eq!(
-            s.poll(ms(1300), &seen(&[true, true], &[1, 0])),
-            Step::Inflict(1)
-        );
+        let mut s = after_first(FaultKind::Reset, t0);
+        assert_eq!(s.poll(ms(1000), &up(0)), Step::Settle(0, until));
+        let down = seen(&[false, true], &[1, 0]);
+        assert_eq!(s.poll(ms(1001), &down), Step::WaitFor(0));
+        assert_eq!(s.poll(ms(1300), &up(1)), Step::Inflict(1));
         // Noticed and recovered from before the next look (a short reset): nothing to wait
         // for.
-        let mut s = Schedule::new(
-            vec![plan(FaultKind::Reset, 1000), plan(FaultKind::Unplug, 1000)],
-            t0,
-        );
-        assert_eq!(
-            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
-            Step::Inflict(0)
-        );
-        assert_eq!(
-            s.poll(ms(1020), &seen(&[true, true], &[1, 0])),
-            Step::Inflict(1)
-        );
+        let mut s = after_first(FaultKind::Reset, t0);
+        assert_eq!(s.poll(ms(1020), &up(1)), Step::Inflict(1));
         // Never noticed: it stops counting as down after SETTLE_MAX.
-        let mut s = Schedule::new(
-            vec![plan(FaultKind::Reset, 1000), plan(FaultKind::Unplug, 1000)],
-            t0,
-        );
-        assert_eq!(
-            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
-            Step::Inflict(0)
-        );
-        assert_eq!(
-            s.poll(until, &seen(&[true, true], &[0, 0])),
-            Step::Inflict(1)
-        );
+        let mut s = after_first(FaultKind::Reset, t0);
+        assert_eq!(s.poll(until, &up(0)), Step::Inflict(1));
         // A freeze leaves its controller LIVE (until keep-alive fails) and is over when it
         // returns: the next fault does not wait for it.
-        let mut s = Schedule::new(
-            vec![plan(FaultKind::Freeze, 1000), plan(FaultKind::Unplug, 1000)],
-            t0,
-        );
-        assert_eq!(
-            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
-            Step::Inflict(0)
-        );
-        assert_eq!(
-            s.poll(ms(1000), &seen(&[true, true], &[0, 0])),
-            Step::Inflict(1)
-        );
+        let mut s = after_first(FaultKind::Freeze, t0);
+        assert_eq!(s.poll(ms(1000), &up(0)), Step::Inflict(1));
     }
 
     #[test]
