@@ -118,6 +118,9 @@ impl SpinGate {
 pub(crate) const FIRST_HOLD_OFF: Duration = Duration::from_millis(1);
 /// The longest busy polling stays off after spells that went unanswered in a row.
 pub(crate) const UNANSWERED_HOLD_OFF: Duration = Duration::from_millis(100);
+/// Answered spells in a row (no miss among them) that take the hold-off of the next miss
+/// one step back down.
+pub(crate) const ANSWERED_STEP: u32 = 1024;
 
 /// Busy polling goes on only while it is answered: a spell pays when the packet or post it
 /// waits for comes inside the window, and not when it does not, which is what happens when
@@ -130,12 +133,15 @@ pub(crate) const UNANSWERED_HOLD_OFF: Duration = Duration::from_millis(100);
 /// A spell that the window's end closes with nothing come turns busy polling off for a
 /// while; then it is tried again. The while starts at [`FIRST_HOLD_OFF`] and doubles with
 /// each miss up to [`UNANSWERED_HOLD_OFF`]; it halves back for each [`UNANSWERED_HOLD_OFF`]
-/// that busy polling was allowed without a miss. So a lone miss (connection setup, a pause
-/// of fio's) costs a millisecond, while spinners fighting over the cores, which miss again
-/// as soon as they are let spin, are soon held off for the longest and stay so. Answered
-/// spells do not bring it down faster: under contention some spells are answered too. A
-/// spell cut short by a device deadline (the timer it polls for) says nothing either way.
-/// No clock of its own: the driver passes `now`.
+/// that busy polling was allowed without a miss, and a step for each [`ANSWERED_STEP`]
+/// spells answered in a row. So a lone miss (connection setup, a pause of fio's) costs a
+/// millisecond, while spinners fighting over the cores, which miss again as soon as they are
+/// let spin, are soon held off for the longest and stay so: under contention some spells
+/// are answered too, but not a thousand in a row. A QD1 job whose application thread is
+/// preempted every 100 ms or so (fio's other threads) misses that often; without the
+/// answered steps it would keep the level its connection set-up climbed to, busy polling
+/// held off a quarter of the time. A spell cut short by a device deadline (the timer it polls for) says nothing
+/// either way. No clock of its own: the driver passes `now`.
 #[derive(Debug, Default)]
 pub(crate) struct AnswerGate {
     hold_until: Option<Instant>,
@@ -143,6 +149,8 @@ pub(crate) struct AnswerGate {
     level: u32,
     /// When the last hold-off ended (spinning allowed again).
     last_hold_end: Option<Instant>,
+    /// Spells answered since the last miss or step down.
+    answered: u32,
     /// Spells that went unanswered (for tests and stats).
     pub(crate) misses: u64,
 }
@@ -198,8 +206,16 @@ impl AnswerGate {
                     self.level += 1;
                 }
                 self.misses += 1;
+                self.answered = 0;
             }
-            Spell::Answered | Spell::Timer | Spell::Away | Spell::InProcess => {}
+            Spell::Answered => {
+                self.answered += 1;
+                if self.answered >= ANSWERED_STEP {
+                    self.answered = 0;
+                    self.level = self.level.saturating_sub(1);
+                }
+            }
+            Spell::Timer | Spell::Away | Spell::InProcess => {}
         }
     }
 }
@@ -440,6 +456,41 @@ mod tests {
         let now = now + ms(64) + UNANSWERED_HOLD_OFF * 20;
         g.spell_ended(now, Spell::Unanswered);
         assert!(g.allow(now + ms(1)));
+    }
+
+    /// Misses in a row (connection set-up) climb to a long hold-off; then many answered
+    /// spells in a row take it back down, so a lone miss later (the application's thread
+    /// preempted) costs a millisecond again, not the level set-up left.
+    #[test]
+    fn answered_spells_in_a_row_bring_the_hold_off_back_down() {
+        let mut g = AnswerGate::default();
+        let mut now = Instant::now();
+        let hold = |g: &mut AnswerGate, now: Instant| {
+            let mut off = Duration::ZERO;
+            while !g.allow(now + off) {
+                off += FIRST_HOLD_OFF / 4;
+            }
+            off
+        };
+        for _ in 0..5 {
+            g.spell_ended(now, Spell::Unanswered);
+            now += hold(&mut g, now);
+        }
+        // Spells 20 µs apart, all answered, for well under one UNANSWERED_HOLD_OFF of time.
+        let spell = Duration::from_micros(20);
+        for _ in 0..ANSWERED_STEP * 4 {
+            g.spell_ended(now, Spell::Answered);
+            now += spell;
+        }
+        assert!(spell * ANSWERED_STEP * 4 < UNANSWERED_HOLD_OFF);
+        g.spell_ended(now, Spell::Unanswered);
+        assert_eq!(hold(&mut g, now), FIRST_HOLD_OFF * 2);
+        // Fewer answered in a row than a step: the level stays.
+        for _ in 0..ANSWERED_STEP - 1 {
+            g.spell_ended(now, Spell::Answered);
+        }
+        g.spell_ended(now, Spell::Unanswered);
+        assert_eq!(hold(&mut g, now), FIRST_HOLD_OFF * 4);
     }
 
     #[test]
