@@ -140,8 +140,8 @@ pub(crate) const ANSWERED_STEP: u32 = 1024;
 /// are answered too, but not a thousand in a row. A QD1 job whose application thread is
 /// preempted every 100 ms or so (fio's other threads) misses that often; without the
 /// answered steps it would keep the level its connection set-up climbed to, busy polling
-/// held off a quarter of the time. A spell cut short by a device deadline (the timer it polls for) says nothing
-/// either way. No clock of its own: the driver passes `now`.
+/// held off a quarter of the time. A spell cut short by a device deadline (the timer it
+/// polls for) says nothing either way. No clock of its own: the driver passes `now`.
 #[derive(Debug, Default)]
 pub(crate) struct AnswerGate {
     hold_until: Option<Instant>,
