@@ -175,10 +175,7 @@ async fn io_flows_on_path_b_while_path_a_hca_is_reset_with_no_error() {
             now[0] > before[0] + 20 && now[1] > before[1] + 20
         })
         .await;
-        let reset = {
-            let f = rig.faults[0].clone();
-            tokio::spawn(async move { f.reset(Duration::from_millis(400)).await })
-        };
+        let reset = reset_in_background(&rig.faults[0], Duration::from_millis(400));
         until("path A down", || a.ctrl.state() != CtrlState::Live).await;
         let b_at_fault = b.stats().ios;
         // While A is down, B carries the I/O.
@@ -337,6 +334,31 @@ async fn strand_writes(target: &Target<SoftHca>, port_a: u16) {
     .await;
 }
 
+impl OnPathA {
+    /// Strand a write of each writer on A ([`strand_writes`]), reset A's HCA for
+    /// `down_for` and wait until A has left LIVE: the writers' counts at the fault, and the
+    /// reset's task.
+    async fn fault_a(
+        &self,
+        down_for: Duration,
+    ) -> (Vec<u64>, tokio::task::JoinHandle<Result<(), String>>) {
+        strand_writes(&self.target, self.port_a).await;
+        let at_fault = self.writers.counts();
+        let reset = reset_in_background(&self.faults[0], down_for);
+        until("path A down", || self.a.ctrl.state() != CtrlState::Live).await;
+        (at_fault, reset)
+    }
+}
+
+/// Reset `f`'s device, back after `down_for`, in a task of its own while the test goes on.
+fn reset_in_background(
+    f: &DeviceFaults,
+    down_for: Duration,
+) -> tokio::task::JoinHandle<Result<(), String>> {
+    let f = f.clone();
+    tokio::spawn(async move { f.reset(down_for).await })
+}
+
 /// Path A's HCA is reset and stays down 5 s while eight writers each have a write in flight
 /// on it (failover policy: every command goes to A), with default path settings (no
 /// fast_io_fail_tmo). A gives its held writes back at once; each goes to path B once a
@@ -344,9 +366,10 @@ async fn strand_writes(target: &Target<SoftHca>, port_a: u16) {
 /// long before A is back, and each block reads back its last acknowledged write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_in_flight_on_a_failed_path_complete_through_the_other_path_before_it_reconnects() {
+    let on = writers_on_path_a(7).await;
+    let (at_fault, reset) = on.fault_a(Duration::from_secs(5)).await;
     let OnPathA {
         sub,
-        faults,
         target,
         port_a,
         ns,
@@ -354,14 +377,7 @@ async fn writes_in_flight_on_a_failed_path_complete_through_the_other_path_befor
         a,
         b,
         ..
-    } = writers_on_path_a(7).await;
-    strand_writes(&target, port_a).await;
-    let at_fault = writers.counts();
-    let reset = {
-        let f = faults[0].clone();
-        tokio::spawn(async move { f.reset(Duration::from_secs(5)).await })
-    };
-    until("path A down", || a.ctrl.state() != CtrlState::Live).await;
+    } = on;
     target.freeze_port(port_a, false);
     let t0 = std::time::Instant::now();
     writers.past(&at_fault).await;
@@ -391,6 +407,9 @@ async fn writes_in_flight_on_a_failed_path_complete_through_the_other_path_befor
 /// CQT) or A's time rule, each 5 s or more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ccr_whose_path_fails_is_asked_again_through_the_next_live_path() {
+    let on = writers_on_path_a(11).await;
+    on.target.freeze_port(on.port_b, true);
+    let (at_fault, reset_a) = on.fault_a(Duration::from_millis(300)).await;
     let OnPathA {
         faults,
         target,
@@ -398,18 +417,9 @@ async fn a_ccr_whose_path_fails_is_asked_again_through_the_next_live_path() {
         port_b,
         ns,
         writers,
-        a,
         b,
         ..
-    } = writers_on_path_a(11).await;
-    target.freeze_port(port_b, true);
-    strand_writes(&target, port_a).await;
-    let at_fault = writers.counts();
-    let reset_a = {
-        let f = faults[0].clone();
-        tokio::spawn(async move { f.reset(Duration::from_millis(300)).await })
-    };
-    until("path A down", || a.ctrl.state() != CtrlState::Live).await;
+    } = on;
     let t0 = std::time::Instant::now();
     // Port B alone ignores commands now: the next one it ignores is the CCR.
     let ignored = target.stats().ignored_frozen;
@@ -418,10 +428,7 @@ async fn a_ccr_whose_path_fails_is_asked_again_through_the_next_live_path() {
         target.stats().ignored_frozen > ignored
     })
     .await;
-    let reset_b = {
-        let f = faults[1].clone();
-        tokio::spawn(async move { f.reset(Duration::from_secs(10)).await })
-    };
+    let reset_b = reset_in_background(&faults[1], Duration::from_secs(10));
     until("path B down", || b.ctrl.state() != CtrlState::Live).await;
     target.freeze_port(port_b, false);
     writers.past(&at_fault).await;
@@ -455,10 +462,7 @@ async fn io_is_held_while_no_path_is_usable_and_the_hold_is_bounded() {
     ns.write(0, &[1; 4096]).await.unwrap();
     let resets: Vec<_> = faults
         .iter()
-        .map(|f| {
-            let f = f.clone();
-            tokio::spawn(async move { f.reset(Duration::from_millis(500)).await })
-        })
+        .map(|f| reset_in_background(f, Duration::from_millis(500)))
         .collect();
     let paths = sub.paths();
     until("both paths down", || {
@@ -652,10 +656,7 @@ async fn a_path_giving_its_io_back_is_not_live_to_those_it_gives_it_to() {
     let ns = Arc::new(rig.sub.namespace(1).unwrap());
     let paths = rig.sub.paths();
     let a = paths[0].ctrl.clone();
-    let b_down = {
-        let f = rig.faults[1].clone();
-        tokio::spawn(async move { f.reset(Duration::from_secs(30)).await })
-    };
+    let b_down = reset_in_background(&rig.faults[1], Duration::from_secs(30));
     until("path B down", || paths[1].ctrl.state() != CtrlState::Live).await;
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let seen_live = Arc::new(AtomicU64::new(0));
