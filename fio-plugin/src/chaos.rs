@@ -17,7 +17,7 @@ use std::time::Duration;
 use nvmf_rdma::driver::SoftHca;
 use nvmf_rdma::nvmet::Target;
 use nvmf_rdma::reconnect::CtrlState;
-use nvmf_rdma::transport::Controller;
+use nvmf_rdma::transport::{Controller, CtrlStatus};
 use nvmf_rdma::verbs::DeviceFaults;
 use tokio::time::Instant;
 
@@ -137,6 +137,18 @@ fn look(p: &ChaosPath) -> Option<Seen> {
     })
 }
 
+/// Wait until path `p`'s controller says `done`, at most until `until`, holding its status
+/// only, not the controller, which the job may drop meanwhile. False when it is gone.
+async fn wait_until(p: &ChaosPath, until: Instant, done: impl Fn(&CtrlStatus) -> bool) -> bool {
+    let Some(c) = p.ctrl.upgrade() else {
+        return false;
+    };
+    let mut rx = c.watch_status();
+    drop(c);
+    let _ = tokio::time::timeout_at(until, rx.wait_for(|s| done(s))).await;
+    true
+}
+
 /// Inflict the paths' faults on schedule until a controller is dropped (the job is over).
 pub async fn run(paths: Vec<ChaosPath>) {
     let mut sched = Schedule::new(paths.iter().map(|p| p.plan).collect(), Instant::now());
@@ -147,31 +159,20 @@ pub async fn run(paths: Vec<ChaosPath>) {
             Step::Idle => return,
             Step::Sleep(t) => tokio::time::sleep_until(t).await,
             Step::WaitFor(j) => {
-                let Some(c) = paths[j].ctrl.upgrade() else {
-                    return;
-                };
-                let mut rx = c.watch_status();
-                drop(c);
                 // Bounded, so a path that never comes back does not keep chaos waiting on a
                 // controller the job has dropped.
-                let _ = tokio::time::timeout(
-                    Duration::from_secs(1),
-                    rx.wait_for(|s| s.state() == CtrlState::Live),
-                )
-                .await;
+                let until = Instant::now() + Duration::from_secs(1);
+                if !wait_until(&paths[j], until, |s| s.state() == CtrlState::Live).await {
+                    return;
+                }
             }
             Step::Settle(i, until) => {
-                let Some(c) = paths[i].ctrl.upgrade() else {
-                    return;
-                };
-                let mut rx = c.watch_status();
-                drop(c);
                 let episodes = seen[i].episodes;
-                let _ = tokio::time::timeout_at(
-                    until,
-                    rx.wait_for(|s| s.state() != CtrlState::Live || s.machine.episodes != episodes),
-                )
-                .await;
+                let noticed =
+                    |s: &CtrlStatus| s.state() != CtrlState::Live || s.machine.episodes != episodes;
+                if !wait_until(&paths[i], until, noticed).await {
+                    return;
+                }
             }
             Step::Inflict(i) => {
                 let p = &paths[i];
